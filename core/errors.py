@@ -1,0 +1,60 @@
+"""Typed errors. User errors carry the field, the value and the limit so the
+HTTP layer can turn them into OpenAI-shaped 400s without parsing messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PagedLLMError(Exception):
+    """Base class of every error pagedllm raises on purpose."""
+
+
+class InvalidRequestError(PagedLLMError, ValueError):
+    """A request (prompt, sampling parameters) the user can fix."""
+
+    def __init__(self, field: str, value: Any, limit: str) -> None:
+        self.field = field
+        self.value = value
+        self.limit = limit
+        super().__init__(f"{field}={value!r} is invalid: {limit}")
+
+
+class ConfigError(PagedLLMError, ValueError):
+    """An engine configuration key or value that is not allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        self.key = key
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{key}={value!r} is invalid; allowed: {allowed}")
+
+
+class PluginError(PagedLLMError):
+    """A plugin failed to load, collided with another, or is incompatible."""
+
+
+class UnknownComponentError(PagedLLMError, KeyError):
+    """A component name that no plugin registered."""
+
+    def __init__(self, kind: str, name: str, known: list[str]) -> None:
+        self.kind = kind
+        self.name = name
+        self.known = known
+        super().__init__(f"no {kind} named {name!r}; registered: {', '.join(sorted(known)) or '(none)'}")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]
+
+
+class AttentionBackendError(PagedLLMError):
+    """The configured attention backend cannot run here; carries every reason."""
+
+    def __init__(self, name: str, reasons: list[str]) -> None:
+        self.name = name
+        self.reasons = reasons
+        super().__init__(f"attention backend {name!r} is not usable here: " + "; ".join(reasons))
+
+
+class KVCacheCapacityError(PagedLLMError):
+    """The KV cache can never hold a request (prompt longer than the whole pool)."""
