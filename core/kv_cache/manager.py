@@ -1,0 +1,349 @@
+"""KV cache manager: per-request block tables over one BlockPool, prefix-cache
+lookups, allocation for the scheduler, and an invariant checker."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedllm.core.errors import ConfigError, PagedLLMError
+from pagedllm.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
+
+if TYPE_CHECKING:
+    from pagedllm.core.request import Request
+
+DEBUG_ENV_VAR = "PAGEDLLM_DEBUG_KV"
+
+
+class KVCacheInvariantError(PagedLLMError, RuntimeError):
+    """The block accounting is inconsistent (a bug, never a user error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """Prefix-cache lookups since the last take: queries and hits in tokens."""
+
+    queries: int = 0
+    hits: int = 0
+    requests: int = 0
+    # True when reset_prefix_cache() succeeded in this interval.
+    reset: bool = False
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block tables for every running request, backed by one BlockPool.
+
+    The scheduler calls, per request: get_computed_blocks() once when it first
+    schedules it (or resumes it after preemption), allocate_slots() every step
+    it runs, free() when it finishes or is preempted.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        log_stats: bool = True,
+        debug_checks: bool | None = None,
+    ) -> None:
+        if num_blocks < 1:
+            raise ConfigError(key="num_kv_blocks", value=num_blocks, allowed="an integer >= 1")
+        if block_size < 1:
+            raise ConfigError(key="block_size", value=block_size, allowed="an integer >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_algo = hash_algo
+        self.log_stats = log_stats
+        self.debug_checks = os.environ.get(DEBUG_ENV_VAR) == "1" if debug_checks is None else debug_checks
+        # Validated even with caching off so a typo never hides until enabled.
+        self.request_block_hasher = get_request_block_hasher(block_size, get_hash_fn(hash_algo))
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request were handed to cache_full_blocks.
+        self.num_cached_block: dict[str, int] = {}
+
+        self._stats_queries = 0
+        self._stats_hits = 0
+        self._stats_requests = 0
+        self._stats_reset = False
+        # Cumulative since construction (never reset by take_prefix_cache_stats).
+        self.total_prefix_cache_queries = 0
+        self.total_prefix_cache_hits = 0
+        self.total_prefix_cache_requests = 0
+
+    # ----------------------------------------------------------- capacity
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a request of `num_tokens` could ever fit the whole pool."""
+        return cdiv(num_tokens, self.block_size) <= self.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    # ------------------------------------------------------------- lookup
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of `request`: (blocks, number of tokens).
+
+        The blocks are not referenced yet: pass them to allocate_slots(), which
+        takes the references only if the allocation succeeds.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self.request_block_hasher(request)
+        if request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need the logits of every prompt position.
+            return [], 0
+        # NOTE: the last position must be computed to produce logits.
+        max_num_hit_blocks = (request.num_tokens - 1) // self.block_size
+        computed_blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_num_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            computed_blocks.append(block)
+        num_hit_tokens = len(computed_blocks) * self.block_size
+        if self.log_stats:
+            self._stats_requests += 1
+            self._stats_queries += request.num_tokens
+            self._stats_hits += num_hit_tokens
+            self.total_prefix_cache_requests += 1
+            self.total_prefix_cache_queries += request.num_tokens
+            self.total_prefix_cache_hits += num_hit_tokens
+        return computed_blocks, num_hit_tokens
+
+    # --------------------------------------------------------- allocation
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens of `request` (after its
+        `num_computed_tokens` and any prefix hit) plus `num_lookahead_tokens`
+        draft slots.
+
+        Returns the newly allocated blocks (not the hit ones), or None when the
+        free blocks are not enough; then nothing at all has changed.
+        """
+        if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError(
+                f"token counts must be >= 0 (new={num_new_tokens}, "
+                f"new_computed={num_new_computed_tokens}, lookahead={num_lookahead_tokens})"
+            )
+        # NOTE: this runs for every scheduled request every step; keep the
+        # decode path (no hit, usually no new block) free of needless work.
+        block_size = self.block_size
+        request_id = request.request_id
+        req_blocks = self.req_to_blocks.get(request_id)
+        num_existing_blocks = 0 if req_blocks is None else len(req_blocks)
+        num_evictable_hit_blocks = 0
+        if new_computed_blocks:
+            if num_existing_blocks:
+                raise ValueError(f"prefix-hit blocks given to {request_id!r}, which already has a block table")
+            new_computed_blocks = list(new_computed_blocks)
+            # A hit on a freed cached block takes it out of the free queue, so
+            # it cannot also serve as a new block.
+            num_evictable_hit_blocks = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        else:
+            new_computed_blocks = ()
+
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        num_blocks_to_allocate = (
+            -(-num_tokens_need_slot // block_size) - num_existing_blocks - len(new_computed_blocks)
+        )
+        if num_blocks_to_allocate > self.block_pool.free_block_queue.num_free_blocks - num_evictable_hit_blocks:
+            return None
+
+        # NOTE: nothing may change above this line (a failed allocation is a no-op).
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request_id] = []
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+        if num_blocks_to_allocate > 0:
+            new_blocks = self.block_pool.get_new_blocks(num_blocks_to_allocate)
+            req_blocks.extend(new_blocks)
+        else:
+            new_blocks = []
+
+        if self.enable_caching:
+            # NOTE: caching at allocation, before the K/V exist, is safe: the
+            # attention backend writes a step's new K/V before reading, so a
+            # request hitting these blocks in this same step reads them computed.
+            # This is what lets n > 1 siblings share their prompt blocks.
+            block_hashes = request.block_hashes
+            if request.num_tokens // block_size > len(block_hashes):
+                self.request_block_hasher(request)
+            num_full_blocks = min((num_computed_tokens + num_new_tokens) // block_size, len(block_hashes))
+            num_cached_blocks = self.num_cached_block.get(request_id, len(new_computed_blocks))
+            if num_full_blocks > num_cached_blocks:
+                self.block_pool.cache_full_blocks(request, req_blocks, num_cached_blocks, num_full_blocks)
+                num_cached_blocks = num_full_blocks
+            self.num_cached_block[request_id] = num_cached_blocks
+
+        if self.debug_checks:
+            self.check_invariants()
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (finished, aborted or preempted).
+
+        Blocks go to the free-queue tail in reverse table order, so the
+        request's tail blocks (the least shareable) are evicted first.
+        """
+        req_blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        if req_blocks is None:
+            return
+        if self.enable_caching:
+            # A block cached at allocation whose tokens were never computed
+            # (the request was preempted in the same step it was scheduled)
+            # must not stay hittable once nobody computes it.
+            first_uncomputed = request.num_computed_tokens // self.block_size
+            for block in req_blocks[first_uncomputed:]:
+                if block.ref_cnt == 1 and block.block_hash is not None:
+                    self.block_pool.evict([block.block_id])
+        self.block_pool.free_blocks(reversed(req_blocks))
+        if self.debug_checks:
+            self.check_invariants()
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    # ------------------------------------------------------- prefix cache
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block. Refused (False) while any block is in use."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self._stats_reset = True
+        return True
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> int:
+        """Remove these blocks from the prefix cache; returns how many were cached."""
+        return self.block_pool.evict(block_ids)
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Counters since the previous call (then reset to zero)."""
+        stats = PrefixCacheStats(
+            queries=self._stats_queries,
+            hits=self._stats_hits,
+            requests=self._stats_requests,
+            reset=self._stats_reset,
+        )
+        self._stats_queries = self._stats_hits = self._stats_requests = 0
+        self._stats_reset = False
+        return stats
+
+    # --------------------------------------------------------- invariants
+
+    def check_invariants(self, live_requests: Iterable[Request] | None = None) -> None:
+        """Raise KVCacheInvariantError unless the block accounting is consistent.
+
+        With `live_requests`, also check that only they hold block tables, that
+        each table covers the request's computed tokens, and that every cached
+        block in a table holds exactly the request's tokens at that position.
+        """
+        pool = self.block_pool
+        expected_refs = [0] * self.num_blocks
+        for request_id, req_blocks in self.req_to_blocks.items():
+            seen: set[int] = set()
+            for block in req_blocks:
+                if block.block_id in seen:
+                    raise KVCacheInvariantError(f"block {block.block_id} appears twice in the table of {request_id!r}")
+                seen.add(block.block_id)
+                expected_refs[block.block_id] += 1
+
+        free_blocks = pool.free_block_queue.get_all_free_blocks()
+        in_free_queue = [0] * self.num_blocks
+        for block in free_blocks:
+            in_free_queue[block.block_id] += 1
+        if len(free_blocks) != pool.free_block_queue.num_free_blocks:
+            raise KVCacheInvariantError(
+                f"free queue holds {len(free_blocks)} blocks but counts {pool.free_block_queue.num_free_blocks}"
+            )
+
+        num_used = 0
+        for block in pool.blocks:
+            block_id = block.block_id
+            if block.ref_cnt != expected_refs[block_id]:
+                raise KVCacheInvariantError(
+                    f"block {block_id} has ref_cnt {block.ref_cnt} but {expected_refs[block_id]} "
+                    "live block tables hold it"
+                )
+            if block.ref_cnt > 0:
+                num_used += 1
+                if in_free_queue[block_id]:
+                    raise KVCacheInvariantError(f"block {block_id} is in the free queue with ref_cnt {block.ref_cnt}")
+            elif in_free_queue[block_id] != 1:
+                raise KVCacheInvariantError(
+                    f"block {block_id} has ref_cnt 0 but is in the free queue {in_free_queue[block_id]} times"
+                )
+        if num_used + len(free_blocks) != self.num_blocks:
+            raise KVCacheInvariantError(
+                f"free ({len(free_blocks)}) + used ({num_used}) != total ({self.num_blocks})"
+            )
+
+        for block_hash, block in pool.cached_block_hash_to_block.items():
+            if block.block_hash != block_hash:
+                raise KVCacheInvariantError(
+                    f"cache map entry {block_hash.hex()[:16]} points to block {block.block_id} "
+                    f"whose hash is {block.block_hash.hex()[:16] if block.block_hash else None}"
+                )
+        for block in pool.blocks:
+            if block.block_hash is not None and pool.cached_block_hash_to_block.get(block.block_hash) is not block:
+                raise KVCacheInvariantError(f"block {block.block_id} has a hash but is not registered under it")
+
+        if live_requests is None:
+            return
+        live = {request.request_id: request for request in live_requests}
+        for request_id in self.req_to_blocks:
+            if request_id not in live:
+                raise KVCacheInvariantError(f"request {request_id!r} is not live but still holds a block table")
+        for request_id, request in live.items():
+            req_blocks = self.req_to_blocks.get(request_id)
+            if req_blocks is None:
+                continue
+            if len(req_blocks) * self.block_size < request.num_computed_tokens:
+                raise KVCacheInvariantError(
+                    f"request {request_id!r} has {request.num_computed_tokens} computed tokens but only "
+                    f"{len(req_blocks)} blocks of {self.block_size}"
+                )
+            for index, block in enumerate(req_blocks):
+                if block.block_hash is None:
+                    continue
+                if index >= len(request.block_hashes) or request.block_hashes[index] != block.block_hash:
+                    raise KVCacheInvariantError(
+                        f"block {block.block_id} at index {index} of {request_id!r} is cached under a hash "
+                        "that is not the request's own block hash there"
+                    )
