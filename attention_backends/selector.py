@@ -1,0 +1,165 @@
+"""Attention backend selection from registration metadata alone.
+
+Rule (DESIGN.md): a configured backend is validated alone and is an error,
+with every reason, if it cannot run here (never a silent fallback); "auto"
+takes the first backend of the platform's priority list with no reason
+against it. Only the chosen backend's module is ever imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.errors import AttentionBackendError, PluginError
+from pagedllm.platforms.interface import dtype_name
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.attention_backends.base import AttentionBackend
+    from pagedllm.platforms.interface import Platform
+    from pagedllm.plugins.manager import PluginManager
+    from pagedllm.plugins.registry import Registration, Registry
+
+
+@dataclass(frozen=True)
+class BackendSelection:
+    name: str
+    registration: Registration
+    # backend name -> why it cannot run here (every backend that was checked and failed)
+    rejected: dict[str, list[str]] = field(default_factory=dict)
+    _registry: Registry | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def backend_cls(self) -> type[AttentionBackend]:
+        """The chosen backend class, imported on first access."""
+        if self._registry is None:
+            raise PluginError(f"attention backend {self.name!r} has no registry to load from")
+        backend_cls: type[AttentionBackend] = self._registry.load(self.name)
+        return backend_cls
+
+
+def _is_importable(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a dotted name whose parent is missing
+        return False
+
+
+def _fmt_capability(capability: tuple[int, int] | Any) -> str:
+    major, minor = capability
+    return f"{major}.{minor}"
+
+
+def check_backend(
+    registration: Registration,
+    platform: Platform,
+    *,
+    head_size: int,
+    dtype: torch.dtype,
+    block_size: int,
+    sliding_window: int | None = None,
+) -> list[str]:
+    """Every reason the backend cannot run this configuration here ([] = it can)."""
+    meta = registration.metadata
+    reasons: list[str] = []
+
+    device_types = meta.get("device_types")
+    if device_types is not None and platform.device_type not in device_types:
+        reasons.append(f"device type {platform.device_type!r} is not supported (needs {', '.join(device_types)})")
+    else:
+        capability = platform.get_device_capability()
+        min_capability = meta.get("min_capability")
+        max_capability = meta.get("max_capability")
+        if capability is not None and min_capability is not None and tuple(capability) < tuple(min_capability):
+            reasons.append(
+                f"compute capability {_fmt_capability(capability)} < {_fmt_capability(min_capability)} required"
+            )
+        if capability is not None and max_capability is not None and tuple(capability) > tuple(max_capability):
+            reasons.append(
+                f"compute capability {_fmt_capability(capability)} > {_fmt_capability(max_capability)} supported"
+            )
+
+    name_of_dtype = dtype_name(dtype)
+    dtypes = meta.get("dtypes")
+    if dtypes is not None and name_of_dtype not in [d if isinstance(d, str) else dtype_name(d) for d in dtypes]:
+        reasons.append(f"dtype {name_of_dtype} is not supported (supports {', '.join(map(str, dtypes))})")
+    if dtype not in platform.supported_dtypes():
+        reasons.append(f"dtype {name_of_dtype} is not supported by {platform.describe()}")
+
+    head_sizes = meta.get("head_sizes")
+    if head_sizes is not None and head_size not in head_sizes:
+        reasons.append(f"head size {head_size} is not supported (supports {', '.join(map(str, head_sizes))})")
+    head_size_multiple = meta.get("head_size_multiple")
+    if head_size_multiple is not None and head_size % head_size_multiple != 0:
+        reasons.append(f"head size {head_size} is not a multiple of {head_size_multiple}")
+    max_head_size = meta.get("max_head_size")
+    if max_head_size is not None and head_size > max_head_size:
+        reasons.append(f"head size {head_size} > {max_head_size} maximum")
+
+    block_size_multiple = meta.get("block_size_multiple")
+    if block_size_multiple is not None and block_size % block_size_multiple != 0:
+        reasons.append(f"block size {block_size} is not a multiple of {block_size_multiple}")
+
+    if sliding_window is not None and not meta.get("supports_sliding_window", False):
+        reasons.append(f"sliding window ({sliding_window}) is not supported")
+
+    for package in meta.get("requires", ()):
+        if not _is_importable(package):
+            reasons.append(f"package {package!r} is not installed")
+    return reasons
+
+
+def select_attention_backend(
+    platform: Platform,
+    requested: str = "auto",
+    *,
+    head_size: int,
+    dtype: torch.dtype,
+    block_size: int,
+    sliding_window: int | None = None,
+    load: bool = True,
+    plugin_manager: PluginManager | None = None,
+) -> BackendSelection:
+    """Pick the attention backend; ``load=False`` leaves the import for later
+    (``pagedllm env`` reports without importing any backend)."""
+    from pagedllm.plugins import get_plugin_manager
+
+    registry = (plugin_manager or get_plugin_manager()).registry("attention_backend")
+    checks: dict[str, Any] = dict(
+        head_size=head_size, dtype=dtype, block_size=block_size, sliding_window=sliding_window
+    )
+
+    if requested != "auto":
+        registration = registry.get(requested)  # UnknownComponentError lists the known names
+        reasons = check_backend(registration, platform, **checks)
+        if reasons:
+            raise AttentionBackendError(requested, reasons)
+        selection = BackendSelection(requested, registration, {}, registry)
+    else:
+        rejected: dict[str, list[str]] = {}
+        chosen: Registration | None = None
+        for name in platform.get_attention_backend_priority():
+            if name not in registry:
+                rejected[name] = ["not registered by any plugin"]
+                continue
+            reasons = check_backend(registry.get(name), platform, **checks)
+            if reasons:
+                rejected[name] = reasons
+            else:
+                chosen = registry.get(name)
+                break
+        if chosen is None:
+            raise AttentionBackendError(
+                "auto", [f"{name}: {'; '.join(reasons)}" for name, reasons in rejected.items()]
+            )
+        selection = BackendSelection(chosen.name, chosen, rejected, registry)
+
+    if load:
+        selection.backend_cls  # noqa: B018 - import now so a broken backend fails at start-up
+    return selection
+
+
+__all__ = ["BackendSelection", "check_backend", "select_attention_backend"]

@@ -1,0 +1,208 @@
+"""The ``pagedllm`` command: generate, plugins list, env."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from pagedllm.core.errors import PagedLLMError
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.platforms.interface import Platform
+
+
+def _print_json(payload: Any) -> None:
+    print(json.dumps(payload, indent=2, default=str))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+# ---- plugins list ------------------------------------------------------
+
+
+def cmd_plugins_list(args: argparse.Namespace) -> int:
+    from pagedllm.plugins import API_VERSION, KINDS, get_plugin_manager
+
+    pm = get_plugin_manager()
+    components = {
+        kind: [
+            {
+                "name": reg.name,
+                "target": reg.target_str,
+                "source": reg.source,
+                "metadata": _jsonable(reg.metadata),
+            }
+            for reg in pm.registry(kind).registrations()
+        ]
+        for kind in KINDS
+    }
+    payload = {
+        "api_version": API_VERSION,
+        "plugins": [{"name": p.name, "source": p.source} for p in pm.plugins()],
+        "components": components,
+        "load_errors": [
+            {"plugin": e.plugin, "distribution": e.distribution, "error": e.error} for e in pm.load_errors
+        ],
+    }
+    if args.json:
+        _print_json(payload)
+        return 0
+    print(f"pagedllm plugin API {API_VERSION}")
+    print("plugins:")
+    for plugin in payload["plugins"]:
+        print(f"  {plugin['name']:<28} {plugin['source']}")
+    for kind, regs in components.items():
+        print(f"{kind}:")
+        if not regs:
+            print("  (none)")
+        for reg in regs:
+            print(f"  {reg['name']:<28} {reg['source']:<28} {reg['target']}")
+    print("load errors:" if payload["load_errors"] else "load errors: none")
+    for err in payload["load_errors"]:
+        print(f"  {err['plugin']} ({err['distribution']}): {err['error']}")
+    return 0
+
+
+# ---- env ---------------------------------------------------------------
+
+
+def _env_dtype(platform: Platform, requested: str) -> torch.dtype:
+    import torch
+
+    if requested != "auto":
+        return platform.resolve_dtype(requested, torch.float32)
+    # What a typical half-precision checkpoint would run in here.
+    if platform.device_type == "cpu":
+        return torch.float32
+    return platform.resolve_dtype("auto", torch.bfloat16)
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagedllm.attention_backends.selector import check_backend, select_attention_backend
+    from pagedllm.platforms import resolve_platform
+    from pagedllm.platforms.interface import dtype_name
+    from pagedllm.plugins import get_plugin_manager
+
+    platform = resolve_platform(args.platform)
+    dtype = _env_dtype(platform, args.dtype)
+    checks: dict[str, Any] = dict(head_size=args.head_size, dtype=dtype, block_size=args.block_size)
+    selection = select_attention_backend(platform, args.attention_backend, load=False, **checks)
+    registry = get_plugin_manager().registry("attention_backend")
+    capability = platform.get_device_capability()
+    payload = {
+        "platform": platform.name,
+        "device": platform.get_device_name(),
+        "device_capability": list(capability) if capability is not None else None,
+        "attention_backend": selection.name,
+        "rejected": selection.rejected,
+        # every registered backend's verdict here, not only those "auto" reached
+        "backends": {
+            name: check_backend(registry.get(name), platform, **checks) for name in registry.names()
+        },
+        "dtype": dtype_name(dtype),
+        "head_size": args.head_size,
+        "block_size": args.block_size,
+        "torch": torch.__version__,
+    }
+    if args.json:
+        _print_json(payload)
+        return 0
+    cap = "n/a" if capability is None else f"{capability[0]}.{capability[1]}"
+    rows = [
+        ("platform", payload["platform"]),
+        ("device", payload["device"]),
+        ("compute capability", cap),
+        ("torch", payload["torch"]),
+        ("checked for", f"dtype={payload['dtype']} head_size={args.head_size} block_size={args.block_size}"),
+        ("attention backend", selection.name),
+    ]
+    for label, value in rows:
+        print(f"{label + ':':<20}{value}")
+    print("rejected:" if selection.rejected else f"{'rejected:':<20}none")
+    for name, reasons in selection.rejected.items():
+        print(f"  {name}: {'; '.join(reasons)}")
+    return 0
+
+
+# ---- generate ----------------------------------------------------------
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedllm.core.llm import LLM
+    from pagedllm.core.sampling_params import SamplingParams
+
+    llm = LLM(model=args.model)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    outputs = llm.generate([args.prompt], params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+# ---- parser ------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    gen.add_argument("--model", default=None, help="model folder or hub id (default: embedded tiny model)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=cmd_generate)
+
+    plugins = sub.add_parser("plugins", help="inspect plugins")
+    plugins_sub = plugins.add_subparsers(dest="plugins_command", required=True)
+    plugins_list = plugins_sub.add_parser("list", help="every kind, name, source and load error")
+    plugins_list.add_argument("--json", action="store_true")
+    plugins_list.set_defaults(func=cmd_plugins_list)
+
+    env = sub.add_parser("env", help="platform, device and attention backend decision")
+    env.add_argument("--json", action="store_true")
+    env.add_argument("--platform", default="auto")
+    env.add_argument("--attention-backend", default="auto")
+    env.add_argument("--dtype", default="auto")
+    env.add_argument("--head-size", type=int, default=128)
+    env.add_argument("--block-size", type=int, default=16)
+    env.set_defaults(func=cmd_env)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("PAGEDLLM_LOG_LEVEL", "WARNING").upper())
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the usage error
+        return int(exc.code or 0)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except PagedLLMError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a model path that does not exist, a file we cannot read
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

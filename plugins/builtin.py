@@ -1,0 +1,61 @@
+"""The built-in components, registered through the same hooks as any plugin.
+
+NOTE: nothing here may import a target module: registration must stay cheap
+and must work before (or without) the heavy packages being installed.
+"""
+
+from __future__ import annotations
+
+from pagedllm.plugins.hookspecs import RegisterFn, hookimpl
+
+ALL_FLOAT_DTYPES = ["float32", "float16", "bfloat16"]
+
+
+@hookimpl
+def register_platforms(register: RegisterFn) -> None:
+    register("cpu", "pagedllm.platforms.cpu:CpuPlatform", device_type="cpu")
+    register("cuda", "pagedllm.platforms.cuda:CudaPlatform", device_type="cuda")
+
+
+@hookimpl
+def register_attention_backends(register: RegisterFn) -> None:
+    register(
+        "torch_native",
+        "pagedllm.attention_backends.torch_native:TorchNativeBackend",
+        # Plain torch runs anywhere; on cuda it is the last resort in priority.
+        device_types=["cpu", "cuda"],
+        dtypes=ALL_FLOAT_DTYPES,
+        supports_sliding_window=True,
+    )
+    register(
+        "triton",
+        "pagedllm.attention_backends.triton:TritonBackend",
+        device_types=["cuda"],
+        min_capability=(7, 0),  # Volta and Turing (7.5) included
+        dtypes=ALL_FLOAT_DTYPES,
+        head_sizes=[64, 80, 96, 128, 256],
+        block_size_multiple=16,
+        requires=["triton"],
+        supports_sliding_window=True,
+    )
+    register(
+        "flash_attn",
+        "pagedllm.attention_backends.flash_attn:FlashAttentionBackend",
+        device_types=["cuda"],
+        min_capability=(8, 0),  # FlashAttention-2 needs Ampere or newer
+        dtypes=["float16", "bfloat16"],
+        head_size_multiple=8,
+        max_head_size=256,
+        block_size_multiple=16,
+        requires=["flash_attn"],
+        supports_sliding_window=True,
+    )
+
+
+@hookimpl
+def register_models(register: RegisterFn) -> None:
+    llama = "pagedllm.model_registry.models.llama:LlamaForCausalLM"
+    register("LlamaForCausalLM", llama)
+    register("MistralForCausalLM", llama)  # same graph; sliding window via config
+    register("Qwen2ForCausalLM", "pagedllm.model_registry.models.qwen2:Qwen2ForCausalLM")
+    register("Qwen3ForCausalLM", "pagedllm.model_registry.models.qwen3:Qwen3ForCausalLM")

@@ -1,0 +1,162 @@
+"""Every hook a pagedllm plugin can implement. This file is the plugin API.
+
+A plugin is a module (or object) whose functions carry the ``@hookimpl``
+marker and are named after the hooks below. Built-ins (plugins/builtin.py)
+go through exactly these hooks.
+
+Registration hooks are callback style (as in Simon Willison's ``llm``): the
+hook receives a ``register`` function and calls it once per component::
+
+    @hookimpl
+    def register_attention_backends(register):
+        register(
+            "my_backend",
+            "my_pkg.attention:MyBackend",   # imported only when selected
+            device_types=["cuda"],
+            min_capability=(8, 0),
+            dtypes=["float16", "bfloat16"],
+        )
+
+``register(name, target, **metadata)``:
+
+- ``name``: the key users configure (``attention_backend="my_backend"``);
+  unique within its kind across every plugin, a collision is an error.
+- ``target``: ``"package.module:Attr"`` (imported lazily, on first use) or a
+  callable. A class is used as is; any other callable is a zero-argument
+  factory called once, on first use, whose result is cached.
+- ``metadata``: facts the core needs *before* importing the target, e.g. an
+  attention backend's capabilities (see plugins/builtin.py for the keys the
+  selector reads).
+
+None of these hooks is ``firstresult``: every plugin gets called, and the
+return value is ignored.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Union
+
+import pluggy
+
+if TYPE_CHECKING:
+    from pagedllm.core.config import EngineConfig
+
+PROJECT_NAME = "pagedllm"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+Target = Union[str, Callable[[], Any]]
+
+
+class RegisterFn(Protocol):
+    """The ``register`` callback passed to every ``register_*`` hook."""
+
+    def __call__(self, name: str, target: Target, /, **metadata: Any) -> None: ...
+
+
+@hookspec
+def register_platforms(register: RegisterFn) -> None:
+    """Register device platforms (kind ``platform``).
+
+    :param register: call ``register(name, "pkg.mod:PlatformCls", **metadata)``
+        once per platform; the target must be a subclass of
+        :class:`pagedllm.platforms.interface.Platform`.
+    :return: nothing; the return value is ignored.
+
+    Called lazily the first time the platform registry is needed (engine
+    start-up, ``pagedllm env``, ``pagedllm plugins list``), and again after
+    plugins are registered or unregistered. ``device.platform="name"`` selects
+    a platform; ``"auto"`` picks cuda when available, else cpu.
+    """
+
+
+@hookspec
+def register_attention_backends(register: RegisterFn) -> None:
+    """Register attention backends (kind ``attention_backend``).
+
+    :param register: call ``register(name, "pkg.mod:BackendCls", **metadata)``;
+        the target must be a subclass of
+        :class:`pagedllm.attention_backends.base.AttentionBackend`. The
+        metadata is what the selector checks *without importing the backend*:
+        ``device_types`` (list of "cpu"/"cuda"), ``min_capability`` /
+        ``max_capability`` (``(major, minor)``), ``dtypes`` (names such as
+        "float16"), ``head_sizes`` (explicit list) or ``head_size_multiple``
+        plus ``max_head_size``, ``block_size_multiple``, ``requires`` (import
+        names of packages that must be installed), ``supports_sliding_window``.
+        A missing key means "no restriction", except
+        ``supports_sliding_window`` which defaults to False.
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the attention-backend registry is first needed
+    (backend selection at engine start, ``pagedllm env``).
+    """
+
+
+@hookspec
+def register_models(register: RegisterFn) -> None:
+    """Register model architectures (kind ``model``).
+
+    :param register: call ``register(architecture, "pkg.mod:ModelCls")`` where
+        ``architecture`` is the name found in a Hugging Face ``config.json``
+        ``architectures`` list (e.g. ``"LlamaForCausalLM"``). The class is
+        built as ``ModelCls(hf_config, attn_backend, dtype)`` and implements
+        ``forward``, ``compute_logits``, ``load_weights`` and
+        ``get_attention_layers``.
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the model registry is first needed (model loading).
+    """
+
+
+@hookspec
+def register_drafters(register: RegisterFn) -> None:
+    """Register speculative-decoding drafters (kind ``drafter``).
+
+    :param register: call ``register(method, "pkg.mod:DrafterCls", **metadata)``;
+        ``method`` is what ``speculative.method`` selects (e.g. ``"ngram"``).
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the drafter registry is first needed (engine start
+    with speculative decoding configured). No built-in drafter yet.
+    """
+
+
+@hookspec
+def register_grammar_backends(register: RegisterFn) -> None:
+    """Register structured-output grammar backends (kind ``grammar_backend``).
+
+    :param register: call ``register(name, "pkg.mod:GrammarBackendCls", **metadata)``;
+        ``name`` is what ``structured_output.backend`` selects.
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the grammar-backend registry is first needed (the
+    first request with structured output). No built-in backend yet.
+    """
+
+
+@hookspec
+def register_kv_connectors(register: RegisterFn) -> None:
+    """Register KV-cache transfer connectors (kind ``kv_connector``).
+
+    :param register: call ``register(name, "pkg.mod:ConnectorCls", **metadata)``;
+        ``name`` is what ``kv_transfer.connector`` selects.
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the KV-connector registry is first needed (engine
+    start with a connector configured). No built-in connector yet.
+    """
+
+
+@hookspec
+def on_engine_start(config: EngineConfig) -> None:
+    """Lifecycle hook: an engine core has been built and is about to serve.
+
+    :param config: the resolved :class:`pagedllm.core.config.EngineConfig`
+        (read it; do not mutate it).
+    :return: nothing; the return value is ignored.
+
+    Called once per ``EngineCore``, in the process that runs it, after the
+    model, KV cache and scheduler exist and before the first step. Use it for
+    logging, metrics exporters or warm-up; an exception here aborts start-up.
+    """

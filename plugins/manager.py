@@ -1,0 +1,328 @@
+"""The process-wide plugin manager: builtins, then entry points, each guarded.
+
+Registries are collected lazily from the ``register_*`` hooks and dropped
+whenever the set of plugins changes, so a plugin registered in a test fixture
+is visible at once and gone after ``unregister``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import pluggy
+
+from pagedllm.core.errors import PluginError
+from pagedllm.plugins import builtin, hookspecs
+from pagedllm.plugins.registry import BUILTIN_SOURCE, Registration, Registry
+
+logger = logging.getLogger("pagedllm.plugins")
+
+ENTRY_POINT_GROUP = "pagedllm.plugins"
+BUILTIN_PLUGIN_NAME = "builtin"
+TRACE_ENV = "PAGEDLLM_TRACE_PLUGINS"
+
+# kind -> the hook that fills it
+KIND_HOOKS: dict[str, str] = {
+    "platform": "register_platforms",
+    "attention_backend": "register_attention_backends",
+    "model": "register_models",
+    "drafter": "register_drafters",
+    "grammar_backend": "register_grammar_backends",
+    "kv_connector": "register_kv_connectors",
+}
+KINDS: tuple[str, ...] = tuple(KIND_HOOKS)
+
+
+@dataclass(frozen=True)
+class PluginLoadError:
+    """An entry point that could not be loaded; shown by ``pagedllm plugins list``."""
+
+    plugin: str  # entry point name
+    distribution: str  # "<distribution> <version>", or "unknown"
+    error: str  # "ExceptionType: message"
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    name: str  # pluggy name (entry point name, "builtin", or the pm.register name)
+    source: str
+
+
+def _distribution_label(ep: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "unknown"
+    return f"{dist.name} {dist.version}"
+
+
+class PluginManager:
+    """Wraps a ``pluggy.PluginManager`` for project ``pagedllm``.
+
+    Use :func:`get_plugin_manager` for the process-wide instance; build a
+    private one only in tests that exercise entry-point loading.
+    """
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self._lock = threading.RLock()
+        self._sources: dict[str, str] = {}  # pluggy name -> source label
+        self._entry_point_plugins: set[str] = set()
+        self._load_errors: dict[str, PluginLoadError] = {}
+        self._load_args: tuple[frozenset[str] | None, frozenset[str], bool] | None = None
+        self._registries: dict[str, Registry] = {}
+        if os.environ.get(TRACE_ENV, "") not in ("", "0"):
+            self.enable_tracing()
+        self._register(builtin, BUILTIN_PLUGIN_NAME, BUILTIN_SOURCE)
+
+    # ---- loading -------------------------------------------------------
+
+    def load(
+        self,
+        enabled: Iterable[str] | None = None,
+        disabled: Iterable[str] = (),
+        strict: bool = False,
+    ) -> None:
+        """Load the entry points of group ``pagedllm.plugins`` (builtins are always in).
+
+        ``enabled``: plugin (entry point) names to load, None = all;
+        ``disabled``: names never to load. Calling again with other lists
+        loads or unloads the difference; with the same lists it does nothing.
+        Each entry point is loaded inside its own guard: a failure is logged
+        and recorded in :attr:`load_errors`, and raised as PluginError only
+        when ``strict``.
+        """
+        args = (
+            None if enabled is None else frozenset(enabled),
+            frozenset(disabled),
+            strict,
+        )
+        with self._lock:
+            if args == self._load_args:
+                return
+            self._load_args = args
+            enabled_set, disabled_set, _ = args
+            entry_points = self._entry_points()
+            known = {ep.name for ep in entry_points} | {BUILTIN_PLUGIN_NAME}
+            for name in sorted(((enabled_set or set()) | disabled_set) - known):
+                logger.warning("plugin %r named in the plugin allow/deny list is not installed", name)
+
+            wanted = [
+                ep
+                for ep in entry_points
+                if (enabled_set is None or ep.name in enabled_set) and ep.name not in disabled_set
+            ]
+            wanted_names = {ep.name for ep in wanted}
+            for name in sorted(self._entry_point_plugins - wanted_names):
+                self._unregister_name(name)
+                self._entry_point_plugins.discard(name)
+            for name in list(self._load_errors):
+                if name not in wanted_names:
+                    del self._load_errors[name]
+            for ep in wanted:
+                if ep.name not in self._entry_point_plugins:
+                    self._load_entry_point(ep)
+            self._invalidate()
+            if strict and self._load_errors:
+                err = next(iter(self._load_errors.values()))
+                raise PluginError(
+                    f"plugin {err.plugin!r} ({err.distribution}) failed to load: {err.error}"
+                    " (plugins.strict is set)"
+                )
+
+    def _entry_points(self) -> list[importlib.metadata.EntryPoint]:
+        """Entry points of our group, de-duplicated (a distribution can be found twice on sys.path)."""
+        seen: set[tuple[str, str]] = set()
+        unique = []
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if (ep.name, ep.value) in seen:
+                continue
+            seen.add((ep.name, ep.value))
+            unique.append(ep)
+        return unique
+
+    def _load_entry_point(self, ep: importlib.metadata.EntryPoint) -> None:
+        source = _distribution_label(ep)
+        self._load_errors.pop(ep.name, None)
+        try:
+            plugin = ep.load()
+            self._register(plugin, ep.name, source)
+        except Exception as exc:  # NOTE: one broken plugin must not take down the others
+            error = PluginLoadError(ep.name, source, f"{type(exc).__name__}: {exc}")
+            self._load_errors[ep.name] = error
+            logger.error("failed to load plugin %r from %s: %s", ep.name, source, error.error)
+            return
+        self._entry_point_plugins.add(ep.name)
+        logger.debug("loaded plugin %r from %s", ep.name, source)
+
+    def _ensure_loaded(self) -> None:
+        if self._load_args is None:
+            self.load()
+
+    # ---- registering (tests, and the guarded entry-point path) ---------
+
+    def register(self, plugin: object, name: str | None = None) -> str:
+        """Register a plugin object/module directly (tests); returns its name."""
+        with self._lock:
+            self._ensure_loaded()
+            return self._register(plugin, name, None)
+
+    def _register(self, plugin: object, name: str | None, source: str | None) -> str:
+        try:
+            registered_name = self.pm.register(plugin, name=name)
+        except ValueError as exc:  # pluggy: name or object already registered
+            raise PluginError(f"plugin {name or plugin!r} is already registered: {exc}") from exc
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"plugin {name or plugin!r} does not match the hookspecs: {exc}") from exc
+        if registered_name is None:  # pluggy returns None for names blocked with pm.set_blocked
+            raise PluginError(f"plugin {name!r} is blocked")
+        unknown = [
+            impl.function.__name__
+            for caller in self.pm.get_hookcallers(plugin) or []
+            if not caller.has_spec()
+            for impl in caller.get_hookimpls()
+            if impl.plugin is plugin and not impl.optionalhook
+        ]
+        if unknown:
+            self.pm.unregister(plugin)
+            raise PluginError(
+                f"plugin {registered_name!r} implements unknown hooks {unknown}; "
+                f"known hooks: {sorted(self._hook_names())}"
+            )
+        self._sources[registered_name] = source or registered_name
+        self._invalidate()
+        return registered_name
+
+    def unregister(self, plugin: object | None = None, name: str | None = None) -> None:
+        with self._lock:
+            if name is None:
+                if plugin is None:
+                    raise ValueError("unregister needs a plugin or a name")
+                name = self.pm.get_name(plugin)
+            if name == BUILTIN_PLUGIN_NAME:
+                raise PluginError("the builtin plugin cannot be unregistered")
+            if name is not None:
+                self._unregister_name(name)
+                self._entry_point_plugins.discard(name)
+
+    def _unregister_name(self, name: str) -> None:
+        if self.pm.get_plugin(name) is not None:
+            self.pm.unregister(name=name)
+        self._sources.pop(name, None)
+        self._invalidate()
+
+    # ---- registries ----------------------------------------------------
+
+    def registry(self, kind: str) -> Registry:
+        """The registry of one kind, collected from the hooks on first use."""
+        if kind not in KIND_HOOKS:
+            raise PluginError(f"unknown plugin kind {kind!r}; kinds: {', '.join(KINDS)}")
+        with self._lock:
+            self._ensure_loaded()
+            registry = self._registries.get(kind)
+            if registry is None:
+                registry = self._collect(kind)
+                self._registries[kind] = registry
+            return registry
+
+    def _collect(self, kind: str) -> Registry:
+        registry = Registry(kind)
+        hook_name = KIND_HOOKS[kind]
+        caller = getattr(self.pm.hook, hook_name)
+        plugins = []
+        for impl in caller.get_hookimpls():  # registration order: builtin first
+            if impl.plugin not in plugins:
+                plugins.append(impl.plugin)
+        for plugin in plugins:
+            plugin_name = self.pm.get_name(plugin)
+            assert plugin_name is not None
+            source = self._sources.get(plugin_name, plugin_name)
+            # One call per plugin so that each registration knows its source;
+            # subset_hook_caller keeps the call inside pluggy (and its tracing).
+            only_this = self.pm.subset_hook_caller(
+                hook_name, [p for p in plugins if p is not plugin]
+            )
+            only_this(register=self._make_register(kind, source, registry))
+        return registry
+
+    @staticmethod
+    def _make_register(kind: str, source: str, registry: Registry) -> hookspecs.RegisterFn:
+        def register(name: str, target: hookspecs.Target, /, **metadata: Any) -> None:
+            if not isinstance(name, str) or not name:
+                raise PluginError(f"{source} registered a {kind} with an invalid name {name!r}")
+            if not (isinstance(target, str) and ":" in target) and not callable(target):
+                raise PluginError(
+                    f"{source} registered {kind} {name!r} with target {target!r}; "
+                    "expected 'package.module:Attr' or a callable"
+                )
+            registry.add(Registration(kind, name, target, source, dict(metadata)))
+
+        return register
+
+    def _invalidate(self) -> None:
+        self._registries = {}
+
+    # ---- introspection -------------------------------------------------
+
+    @property
+    def hook(self) -> Any:
+        """``pm.hook.on_engine_start(config=...)`` and friends."""
+        self._ensure_loaded()
+        return self.pm.hook
+
+    @property
+    def load_errors(self) -> list[PluginLoadError]:
+        self._ensure_loaded()
+        return list(self._load_errors.values())
+
+    def plugins(self) -> list[PluginInfo]:
+        self._ensure_loaded()
+        return [PluginInfo(name, self._sources.get(name, name)) for name, _ in self.pm.list_name_plugin()]
+
+    def source_of(self, name: str) -> str | None:
+        return self._sources.get(name)
+
+    def _hook_names(self) -> Sequence[str]:
+        return [name for name in vars(hookspecs) if getattr(getattr(hookspecs, name), "pagedllm_spec", None)]
+
+    def enable_tracing(self) -> None:
+        """Log every hook call and its result (``PAGEDLLM_TRACE_PLUGINS=1``)."""
+
+        def before(hook_name: str, hook_impls: Sequence[pluggy.HookImpl], kwargs: dict[str, Any]) -> None:
+            logger.info(
+                "hook %s(%s) -> %s",
+                hook_name,
+                ", ".join(f"{k}={v!r}" for k, v in kwargs.items()),
+                [impl.plugin_name for impl in hook_impls],
+            )
+
+        def after(
+            outcome: pluggy.Result[Any],
+            hook_name: str,
+            hook_impls: Sequence[pluggy.HookImpl],
+            kwargs: dict[str, Any],
+        ) -> None:
+            exc = outcome.exception
+            logger.info("hook %s returned %s", hook_name, f"error {exc!r}" if exc else repr(outcome.get_result()))
+
+        self.pm.add_hookcall_monitoring(before, after)
+
+
+_manager: PluginManager | None = None
+_manager_lock = threading.Lock()
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide manager. Builtins are in; entry points load on first use
+    (or on the first explicit ``load(enabled=..., disabled=..., strict=...)``)."""
+    global _manager
+    if _manager is None:
+        with _manager_lock:
+            if _manager is None:
+                _manager = PluginManager()
+    return _manager

@@ -1,0 +1,28 @@
+"""pagedllm-test-plugin: the hook implementations behind its entry point.
+
+NOTE: registration only names "module:Attr" targets; nothing heavy is
+imported until pagedllm selects one of them.
+"""
+
+from __future__ import annotations
+
+from pagedllm.plugins import RegisterFn, hookimpl
+
+BACKEND_NAME = "test_echo"
+ARCHITECTURE = "TestEchoForCausalLM"
+
+
+@hookimpl
+def register_attention_backends(register: RegisterFn) -> None:
+    register(
+        BACKEND_NAME,
+        "pagedllm_test_plugin.backend:TestEchoBackend",
+        device_types=["cpu", "cuda"],
+        dtypes=["float32", "float16", "bfloat16"],
+        supports_sliding_window=True,
+    )
+
+
+@hookimpl
+def register_models(register: RegisterFn) -> None:
+    register(ARCHITECTURE, "pagedllm_test_plugin.model:TestEchoForCausalLM")

@@ -1,0 +1,414 @@
+"""The plugin platform: hooks, registries, entry points, guards."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import logging
+import re
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from pagedllm.core.errors import PluginError, UnknownComponentError
+from pagedllm.plugins import (
+    API_VERSION,
+    KINDS,
+    PluginLoadError,
+    PluginManager,
+    RegisterFn,
+    Registration,
+    get_plugin_manager,
+    hookimpl,
+    hookspecs,
+)
+
+TEST_DIST = "pagedllm-test-plugin"
+TEST_DIST_SOURCE = f"{TEST_DIST} {importlib.metadata.version(TEST_DIST)}"
+
+
+class FixturePlugin:
+    """A plugin registered without pip: one component of every kind."""
+
+    def __init__(self) -> None:
+        self.factory_calls = 0
+        self.engine_configs: list[Any] = []
+
+    def _model_factory(self) -> type:
+        self.factory_calls += 1
+        return type("FixtureForCausalLM", (), {})
+
+    @hookimpl
+    def register_attention_backends(self, register: RegisterFn) -> None:
+        register(
+            "fixture_echo",
+            "pagedllm_test_plugin.backend:TestEchoBackend",
+            device_types=["cpu"],
+            dtypes=["float32"],
+        )
+
+    @hookimpl
+    def register_models(self, register: RegisterFn) -> None:
+        register("FixtureForCausalLM", self._model_factory)
+
+    @hookimpl
+    def register_platforms(self, register: RegisterFn) -> None:
+        register("fixture_platform", "pagedllm.platforms.cpu:CpuPlatform", device_type="cpu")
+
+    @hookimpl
+    def register_drafters(self, register: RegisterFn) -> None:
+        register("fixture_ngram", "pagedllm_fixture_drafter:NgramDrafter", needs_target_hidden_states=False)
+
+    @hookimpl
+    def register_grammar_backends(self, register: RegisterFn) -> None:
+        register("fixture_regex", "pagedllm_fixture_grammar:RegexBackend")
+
+    @hookimpl
+    def register_kv_connectors(self, register: RegisterFn) -> None:
+        register("fixture_storage", "pagedllm_fixture_kv:SharedStorageConnector", role="both")
+
+    @hookimpl
+    def on_engine_start(self, config: Any) -> None:
+        self.engine_configs.append(config)
+
+
+@pytest.fixture
+def fixture_plugin() -> Iterator[FixturePlugin]:
+    pm = get_plugin_manager()
+    plugin = FixturePlugin()
+    pm.register(plugin, name="fixture-plugin")
+    yield plugin
+    pm.unregister(name="fixture-plugin")
+
+
+def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
+    pm = get_plugin_manager()
+    expected = {
+        "model": {
+            "LlamaForCausalLM": "pagedllm.model_registry.models.llama:LlamaForCausalLM",
+            "MistralForCausalLM": "pagedllm.model_registry.models.llama:LlamaForCausalLM",
+            "Qwen2ForCausalLM": "pagedllm.model_registry.models.qwen2:Qwen2ForCausalLM",
+            "Qwen3ForCausalLM": "pagedllm.model_registry.models.qwen3:Qwen3ForCausalLM",
+        },
+        "attention_backend": {
+            "torch_native": "pagedllm.attention_backends.torch_native:TorchNativeBackend",
+            "triton": "pagedllm.attention_backends.triton:TritonBackend",
+            "flash_attn": "pagedllm.attention_backends.flash_attn:FlashAttentionBackend",
+        },
+        "platform": {
+            "cpu": "pagedllm.platforms.cpu:CpuPlatform",
+            "cuda": "pagedllm.platforms.cuda:CudaPlatform",
+        },
+    }
+    for kind, targets in expected.items():
+        builtins = {r.name: r for r in pm.registry(kind).registrations() if r.source == "builtin"}
+        assert {name: r.target for name, r in builtins.items()} == targets
+    flash = pm.registry("attention_backend").get("flash_attn")
+    assert flash.metadata["min_capability"] == (8, 0)
+    assert flash.metadata["requires"] == ["flash_attn"]
+    assert pm.registry("attention_backend").get("triton").metadata["min_capability"] == (7, 0)
+    for kind in ("drafter", "grammar_backend", "kv_connector"):
+        assert pm.registry(kind).names() == []
+
+
+def test_registered_plugin_adds_backend_and_model_found_by_the_registries(
+    fixture_plugin: FixturePlugin,
+) -> None:
+    from pagedllm_test_plugin.backend import TestEchoBackend
+
+    pm = get_plugin_manager()
+    backends = pm.registry("attention_backend")
+    assert "fixture_echo" in backends
+    assert backends.get("fixture_echo") == Registration(
+        "attention_backend",
+        "fixture_echo",
+        "pagedllm_test_plugin.backend:TestEchoBackend",
+        "fixture-plugin",
+        {"device_types": ["cpu"], "dtypes": ["float32"]},
+    )
+    assert backends.load("fixture_echo") is TestEchoBackend
+
+    models = pm.registry("model")
+    model_cls = models.load("FixtureForCausalLM")
+    assert model_cls.__name__ == "FixtureForCausalLM"
+    assert models.load("FixtureForCausalLM") is model_cls  # factory result cached
+    assert fixture_plugin.factory_calls == 1
+    assert models.get("FixtureForCausalLM").source == "fixture-plugin"
+    for kind, name in [
+        ("platform", "fixture_platform"),
+        ("drafter", "fixture_ngram"),
+        ("grammar_backend", "fixture_regex"),
+        ("kv_connector", "fixture_storage"),
+    ]:
+        assert pm.registry(kind).get(name).source == "fixture-plugin"
+
+
+def test_unregister_removes_the_plugin_components() -> None:
+    pm = get_plugin_manager()
+    pm.register(FixturePlugin(), name="short-lived")
+    assert "fixture_echo" in pm.registry("attention_backend")
+    pm.unregister(name="short-lived")
+    assert "fixture_echo" not in pm.registry("attention_backend")
+    assert "short-lived" not in [p.name for p in pm.plugins()]
+
+
+def test_registration_does_not_import_the_target(fixture_plugin: FixturePlugin) -> None:
+    drafters = get_plugin_manager().registry("drafter")
+    assert drafters.get("fixture_ngram").metadata == {"needs_target_hidden_states": False}
+    assert "pagedllm_fixture_drafter" not in sys.modules
+    with pytest.raises(PluginError, match=r"drafter 'fixture_ngram'.*registered by fixture-plugin.*ModuleNotFoundError"):
+        drafters.load("fixture_ngram")
+
+
+def test_unknown_name_lists_the_registered_names() -> None:
+    with pytest.raises(UnknownComponentError) as info:
+        get_plugin_manager().registry("attention_backend").get("nope")
+    assert info.value.kind == "attention_backend"
+    assert {"torch_native", "triton", "flash_attn"} <= set(info.value.known)
+    assert "no attention_backend named 'nope'; registered: " in str(info.value)
+
+
+def test_on_engine_start_reaches_every_plugin(fixture_plugin: FixturePlugin) -> None:
+    config = object()
+    get_plugin_manager().hook.on_engine_start(config=config)
+    assert fixture_plugin.engine_configs == [config]
+
+
+class DuplicateBuiltin:
+    @hookimpl
+    def register_attention_backends(self, register: RegisterFn) -> None:
+        register("torch_native", "elsewhere:Backend")
+
+
+class DuplicateOfInstalledPlugin:
+    @hookimpl
+    def register_models(self, register: RegisterFn) -> None:
+        register("TestEchoForCausalLM", "elsewhere:Model")
+
+
+def test_duplicate_name_is_an_error_naming_both_sources() -> None:
+    pm = get_plugin_manager()
+    pm.register(DuplicateBuiltin(), name="dup-plugin")
+    try:
+        with pytest.raises(PluginError) as info:
+            pm.registry("attention_backend")
+        assert str(info.value) == "attention_backend 'torch_native' registered by builtin and by dup-plugin"
+    finally:
+        pm.unregister(name="dup-plugin")
+    assert pm.registry("attention_backend").get("torch_native").source == "builtin"
+
+
+def test_duplicate_of_an_installed_distribution_names_its_version() -> None:
+    pm = get_plugin_manager()
+    pm.register(DuplicateOfInstalledPlugin(), name="dup-model")
+    try:
+        with pytest.raises(PluginError) as info:
+            pm.registry("model")
+        assert str(info.value) == (
+            f"model 'TestEchoForCausalLM' registered by {TEST_DIST_SOURCE} and by dup-model"
+        )
+    finally:
+        pm.unregister(name="dup-model")
+
+
+class UnknownHookPlugin:
+    @hookimpl
+    def register_widgets(self, register: RegisterFn) -> None:  # no such hookspec
+        pass
+
+
+class BadTargetPlugin:
+    @hookimpl
+    def register_models(self, register: RegisterFn) -> None:
+        register("BadForCausalLM", "no_colon_here")
+
+
+def test_plugin_implementing_an_unknown_hook_is_rejected() -> None:
+    pm = get_plugin_manager()
+    with pytest.raises(PluginError, match=r"implements unknown hooks \['register_widgets'\]"):
+        pm.register(UnknownHookPlugin(), name="widgets")
+    assert "widgets" not in [p.name for p in pm.plugins()]
+
+
+def test_registration_with_a_malformed_target_is_an_error() -> None:
+    pm = get_plugin_manager()
+    pm.register(BadTargetPlugin(), name="bad-target")
+    try:
+        with pytest.raises(PluginError, match=r"bad-target registered model 'BadForCausalLM' with target 'no_colon_here'"):
+            pm.registry("model")
+    finally:
+        pm.unregister(name="bad-target")
+
+
+# ---- entry points --------------------------------------------------------
+
+
+def test_installed_distribution_is_discovered_through_its_entry_point() -> None:
+    pm = get_plugin_manager()
+    assert (TEST_DIST_SOURCE.split()[1]) == "0.1.0"
+    plugins = {p.name: p.source for p in pm.plugins()}
+    assert plugins["pagedllm_test_plugin"] == TEST_DIST_SOURCE
+    assert pm.registry("attention_backend").get("test_echo").source == TEST_DIST_SOURCE
+    model = pm.registry("model").get("TestEchoForCausalLM")
+    assert (model.target, model.source) == ("pagedllm_test_plugin.model:TestEchoForCausalLM", TEST_DIST_SOURCE)
+    assert pm.load_errors == []
+
+
+def _make_dist(root: Path, dist_name: str, version: str, entry_points: dict[str, str]) -> None:
+    """A real (unpacked) distribution on sys.path: dist-info with an entry_points.txt."""
+    info = root / f"{dist_name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: {version}\n")
+    lines = ["[pagedllm.plugins]"] + [f"{name} = {value}" for name, value in entry_points.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture
+def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Two extra distributions: one whose entry point cannot import, one that works."""
+    module_name = f"pagedllm_ok_plugin_{abs(hash(str(tmp_path)))}"
+    (tmp_path / f"{module_name}.py").write_text(
+        textwrap.dedent(
+            """
+            from pagedllm.plugins import hookimpl
+
+            @hookimpl
+            def register_kv_connectors(register):
+                register("ok_connector", "ok_plugin.kv:Connector")
+            """
+        )
+    )
+    _make_dist(tmp_path, "broken-plugin", "1.2.3", {"broken": "pagedllm_no_such_module_xyz"})
+    _make_dist(tmp_path, "ok-plugin", "0.0.1", {"ok": module_name})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+BROKEN_ERROR = PluginLoadError(
+    "broken", "broken-plugin 1.2.3", "ModuleNotFoundError: No module named 'pagedllm_no_such_module_xyz'"
+)
+
+
+def test_broken_entry_point_is_recorded_and_not_fatal(fake_site: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pm = PluginManager()
+    with caplog.at_level(logging.ERROR, logger="pagedllm.plugins"):
+        pm.load()
+    assert pm.load_errors == [BROKEN_ERROR]
+    assert "failed to load plugin 'broken' from broken-plugin 1.2.3" in caplog.text
+    # the others still load
+    assert pm.registry("kv_connector").get("ok_connector").source == "ok-plugin 0.0.1"
+    assert "test_echo" in pm.registry("attention_backend")
+
+
+def test_broken_entry_point_is_fatal_in_strict_mode(fake_site: Path) -> None:
+    pm = PluginManager()
+    with pytest.raises(PluginError) as info:
+        pm.load(strict=True)
+    assert str(info.value) == (
+        "plugin 'broken' (broken-plugin 1.2.3) failed to load: "
+        "ModuleNotFoundError: No module named 'pagedllm_no_such_module_xyz' (plugins.strict is set)"
+    )
+
+
+def test_broken_entry_point_found_through_patched_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = importlib.metadata.EntryPoint(name="ghost", value="pagedllm_ghost_module:plugin", group="pagedllm.plugins")
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [broken])
+    pm = PluginManager()
+    pm.load()
+    assert pm.load_errors == [
+        PluginLoadError("ghost", "unknown", "ModuleNotFoundError: No module named 'pagedllm_ghost_module'")
+    ]
+    assert pm.registry("attention_backend").names() == ["torch_native", "triton", "flash_attn"]
+
+
+def test_allow_list_loads_only_the_enabled_plugins(fake_site: Path) -> None:
+    pm = PluginManager()
+    pm.load(enabled=["ok"], strict=True)  # the broken one is never imported, so strict passes
+    assert [p.name for p in pm.plugins()] == ["builtin", "ok"]
+    assert pm.load_errors == []
+    assert "test_echo" not in pm.registry("attention_backend")
+
+
+def test_deny_list_skips_a_plugin_and_builtins_always_load(fake_site: Path) -> None:
+    pm = PluginManager()
+    pm.load(disabled=["broken", "pagedllm_test_plugin", "builtin"], strict=True)
+    assert sorted(p.name for p in pm.plugins()) == ["builtin", "ok"]
+    assert "torch_native" in pm.registry("attention_backend")
+
+
+def test_load_is_idempotent_and_reapplies_changed_lists(fake_site: Path) -> None:
+    pm = PluginManager()
+    pm.load(disabled=["broken"])
+    first = pm.plugins()
+    pm.load(disabled=["broken"])
+    assert pm.plugins() == first
+    assert pm.registry("kv_connector").names() == ["ok_connector"]
+    pm.load(disabled=["broken", "ok"])
+    assert "ok" not in [p.name for p in pm.plugins()]
+    assert pm.registry("kv_connector").names() == []
+    pm.load(disabled=["broken"])
+    assert pm.registry("kv_connector").names() == ["ok_connector"]
+
+
+def test_trace_env_logs_every_hook_call(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("PAGEDLLM_TRACE_PLUGINS", "1")
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    pm = PluginManager()
+    with caplog.at_level(logging.INFO, logger="pagedllm.plugins"):
+        pm.hook.on_engine_start(config="cfg")
+        pm.registry("platform")
+    assert "hook on_engine_start(config='cfg')" in caplog.text
+    assert "hook register_platforms(" in caplog.text
+
+
+# ---- guards --------------------------------------------------------------
+
+
+def _hookspec_functions() -> dict[str, Any]:
+    return {
+        name: fn
+        for name, fn in vars(hookspecs).items()
+        if callable(fn) and getattr(fn, "pagedllm_spec", None) is not None
+    }
+
+
+def test_hookspecs_cover_every_kind_and_none_is_firstresult() -> None:
+    specs = _hookspec_functions()
+    assert set(specs) == {
+        "register_platforms",
+        "register_attention_backends",
+        "register_models",
+        "register_drafters",
+        "register_grammar_backends",
+        "register_kv_connectors",
+        "on_engine_start",
+    }
+    assert len(KINDS) == 6
+    for fn in specs.values():
+        assert fn.pagedllm_spec["firstresult"] is False
+
+
+@pytest.mark.parametrize("hook_name", sorted(_hookspec_functions()))
+def test_every_hookspec_is_documented_and_typed(hook_name: str) -> None:
+    fn = _hookspec_functions()[hook_name]
+    doc = inspect.getdoc(fn) or ""
+    assert ":param" in doc and ":return:" in doc and "Called" in doc, hook_name
+    signature = inspect.signature(fn)
+    assert signature.return_annotation == "None"
+    assert all(p.annotation is not inspect.Parameter.empty for p in signature.parameters.values())
+
+
+@pytest.mark.parametrize("hook_name", sorted(_hookspec_functions()))
+def test_every_hookspec_is_exercised_by_a_test(hook_name: str) -> None:
+    """datasette's guard: a hook nobody tests is a hook that silently breaks."""
+    sources = "\n".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
+    implemented = re.search(rf"def {hook_name}\(", sources)
+    called = re.search(rf"\.hook\.{hook_name}\(", sources)
+    assert implemented or called, f"no test implements or calls {hook_name}"
+
+
+def test_api_version_is_semver() -> None:
+    assert re.fullmatch(r"\d+\.\d+\.\d+", API_VERSION)
