@@ -1,0 +1,263 @@
+"""Paged attention in plain PyTorch (the CPU backend, and CUDA's last resort).
+
+The batch is flattened (prefill chunks with cached context and decodes mixed,
+no padding). Every layer sees the same batch, so everything that depends only
+on the batch — which token goes to which padded query row, which cache slots
+hold each request's keys, the causal mask — is computed once per forward in a
+`TorchNativeBatchPlan` and reused by all layers. Per layer, the work is: write
+the new K/V into the cache, gather K/V of each request group through the
+block table into a padded tensor, and one `scaled_dot_product_attention` call
+per group.
+
+Requests are split into at most two groups, decodes (query_len == 1) and the
+rest, so that one long prefill does not pad every decode to its query length.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
+
+
+@dataclass
+class RequestGroup:
+    """Requests attended together: queries padded to [B, max_query_len]."""
+
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    # Rows of the flattened batch this group owns, in (request, i) order;
+    # None when the group is the whole batch in order.
+    token_rows: torch.Tensor | None
+    # Row of each owned token in the padded [B * max_query_len] layout; None
+    # when that layout is the flattened one (pure decode).
+    padded_rows: torch.Tensor | None
+    key_slots: torch.Tensor  # int64 [B, max_seq_len], flat cache slot of each key position
+    query_pos: torch.Tensor  # int64 [B, max_query_len], padded rows clamped to the last position
+    key_pos: torch.Tensor  # int64 [max_seq_len]
+    flat_key_slots: torch.Tensor  # key_slots.view(-1)
+    _masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None, num_queries_per_kv: int) -> torch.Tensor:
+        """bool [B, 1, max_query_len * G, max_seq_len]; True = attend.
+
+        Query rows are ordered (i, g): token i of the request, query head g of
+        the KV head's group, so one KV head serves G * max_query_len rows.
+        """
+        key = (sliding_window, num_queries_per_kv)
+        cached = self._masks.get(key)
+        if cached is not None:
+            return cached
+        query_pos = self.query_pos[:, :, None]
+        key_pos = self.key_pos[None, None, :]
+        mask = key_pos <= query_pos
+        if sliding_window is not None:
+            mask &= key_pos > query_pos - sliding_window
+        if num_queries_per_kv > 1:
+            mask = mask.repeat_interleave(num_queries_per_kv, dim=1)
+        mask = mask.unsqueeze(1)
+        self._masks[key] = mask
+        return mask
+
+
+@dataclass
+class TorchNativeBatchPlan:
+    """Index tensors for one flattened batch, shared by all layers."""
+
+    block_size: int
+    num_actual_tokens: int
+    # Tokens whose slot is -1 are not written; None = every token is written.
+    write_rows: torch.Tensor | None
+    write_slots: torch.Tensor  # int64, one per written token
+    groups: list[RequestGroup]
+
+
+def _build_group(
+    req_ids: torch.Tensor,
+    query_start_loc_cpu: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    whole_batch: bool,
+) -> RequestGroup:
+    device = block_table.device
+    query_starts = query_start_loc_cpu[:-1].long()[req_ids]
+    query_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).long()[req_ids]
+    seq_lens = seq_lens_cpu.long()[req_ids]
+    num_reqs = int(req_ids.numel())
+    max_query_len = int(query_lens.max())
+    max_seq_len = int(seq_lens.max())
+
+    offsets = torch.arange(max_query_len)
+    is_real_query = offsets[None, :] < query_lens[:, None]  # [B, max_q]
+    token_rows = (query_starts[:, None] + offsets[None, :])[is_real_query]
+    padded_rows = (torch.arange(num_reqs)[:, None] * max_query_len + offsets[None, :])[is_real_query]
+    # NOTE: a padded query row gets the request's last position so that it
+    # attends to at least one real key (a fully masked row would be NaN).
+    query_pos = torch.minimum(
+        seq_lens[:, None] - query_lens[:, None] + offsets[None, :], seq_lens[:, None] - 1
+    )
+
+    key_pos = torch.arange(max_seq_len)
+    block_cols = (key_pos // block_size).clamp(max=block_table.shape[1] - 1)
+    req_block_table = block_table[req_ids.to(device)].long()  # [B, W]
+    key_slots = req_block_table[:, block_cols.to(device)] * block_size + (key_pos % block_size).to(device)
+    # NOTE: key positions past a request's length may name unwritten (even
+    # NaN) memory; point them at the request's first key, which is always
+    # written, so that masked-out values stay finite (0 * NaN = NaN).
+    is_real_key = (key_pos[None, :] < seq_lens[:, None]).to(device)
+    key_slots = torch.where(is_real_key, key_slots, key_slots[:, :1])
+
+    is_pure_decode = max_query_len == 1
+    return RequestGroup(
+        num_reqs=num_reqs,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        token_rows=None if whole_batch else token_rows.to(device),
+        padded_rows=None if is_pure_decode else padded_rows.to(device),
+        key_slots=key_slots,
+        query_pos=query_pos.to(device),
+        key_pos=key_pos.to(device),
+        flat_key_slots=key_slots.reshape(-1),
+    )
+
+
+def build_batch_plan(attn_metadata: AttentionMetadata, block_size: int) -> TorchNativeBatchPlan:
+    """Compute the per-batch index tensors (once per forward, not per layer)."""
+    num_tokens = attn_metadata.num_actual_tokens
+    slot_mapping = attn_metadata.slot_mapping[:num_tokens].long()
+    is_written = slot_mapping >= 0
+    if bool(is_written.all()):
+        write_rows, write_slots = None, slot_mapping
+    else:
+        write_rows = is_written.nonzero().squeeze(1)
+        write_slots = slot_mapping[write_rows]
+
+    query_start_loc_cpu = attn_metadata.query_start_loc_cpu[: attn_metadata.num_reqs + 1]
+    seq_lens_cpu = attn_metadata.seq_lens_cpu[: attn_metadata.num_reqs]
+    query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+    is_decode = query_lens == 1
+    groups = []
+    num_decodes = int(is_decode.sum())
+    if 0 < num_decodes < attn_metadata.num_reqs:
+        for req_ids in (is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1)):
+            groups.append(
+                _build_group(req_ids, query_start_loc_cpu, seq_lens_cpu, attn_metadata.block_table, block_size, False)
+            )
+    elif attn_metadata.num_reqs > 0:
+        req_ids = torch.arange(attn_metadata.num_reqs)
+        groups.append(
+            _build_group(req_ids, query_start_loc_cpu, seq_lens_cpu, attn_metadata.block_table, block_size, True)
+        )
+    return TorchNativeBatchPlan(block_size, num_tokens, write_rows, write_slots, groups)
+
+
+# One-entry cache keyed on the identity of the AttentionMetadata object: the
+# first layer of a forward builds the plan, the others reuse it. A weak
+# reference so that a dead metadata object (whose id may be reused) never
+# matches.
+_last_plan: tuple[weakref.ref[AttentionMetadata], TorchNativeBatchPlan] | None = None
+
+
+def get_batch_plan(attn_metadata: AttentionMetadata, block_size: int) -> TorchNativeBatchPlan:
+    global _last_plan
+    if _last_plan is not None:
+        metadata_ref, plan = _last_plan
+        if metadata_ref() is attn_metadata and plan.block_size == block_size:
+            return plan
+    plan = build_batch_plan(attn_metadata, block_size)
+    _last_plan = (weakref.ref(attn_metadata), plan)
+    return plan
+
+
+class TorchNativeAttentionImpl(AttentionImpl):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        block_size = kv_cache.shape[2]
+        plan = get_batch_plan(attn_metadata, block_size)
+        num_tokens = plan.num_actual_tokens
+        query, key, value = query[:num_tokens], key[:num_tokens], value[:num_tokens]
+
+        # [2, num_blocks, block_size, Hkv, D] -> flat slots [num_blocks * block_size, Hkv, D]
+        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
+        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
+        if plan.write_rows is None:
+            key_cache.index_copy_(0, plan.write_slots, key)
+            value_cache.index_copy_(0, plan.write_slots, value)
+        else:
+            key_cache.index_copy_(0, plan.write_slots, key[plan.write_rows])
+            value_cache.index_copy_(0, plan.write_slots, value[plan.write_rows])
+
+        if len(plan.groups) == 1 and plan.groups[0].token_rows is None:
+            return self._attend_group(query, key_cache, value_cache, plan.groups[0])
+        output = query.new_zeros(query.shape)
+        for group in plan.groups:  # at most two: decodes and the rest
+            assert group.token_rows is not None
+            group_out = self._attend_group(query[group.token_rows], key_cache, value_cache, group)
+            output.index_copy_(0, group.token_rows, group_out)
+        return output
+
+    def _attend_group(
+        self,
+        query: torch.Tensor,  # [Tg, H, D]
+        key_cache: torch.Tensor,  # [slots, Hkv, D]
+        value_cache: torch.Tensor,
+        group: RequestGroup,
+    ) -> torch.Tensor:  # [Tg, H, D]
+        num_reqs, max_query_len = group.num_reqs, group.max_query_len
+        num_heads, num_kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size
+        group_size = num_heads // num_kv_heads
+
+        if group.padded_rows is None:
+            padded_query = query
+        else:
+            padded_query = query.new_zeros(num_reqs * max_query_len, num_heads, head_size)
+            padded_query.index_copy_(0, group.padded_rows, query)
+        # [B, max_q, Hkv, G, D] -> [B, Hkv, max_q * G, D]: GQA without repeating K/V.
+        q = padded_query.view(num_reqs, max_query_len, num_kv_heads, group_size, head_size)
+        q = q.permute(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, max_query_len * group_size, head_size)
+        # [B * S, Hkv, D] -> [B, Hkv, S, D]; index_select is ~8x faster than
+        # advanced indexing with a 2-D index on CPU.
+        kv_shape = (num_reqs, group.max_seq_len, num_kv_heads, head_size)
+        k = key_cache.index_select(0, group.flat_key_slots).view(kv_shape).transpose(1, 2)
+        v = value_cache.index_select(0, group.flat_key_slots).view(kv_shape).transpose(1, 2)
+        mask = group.mask(self.sliding_window, group_size)
+
+        if self.logits_soft_cap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        else:
+            scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
+            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(query.dtype)
+
+        out = out.view(num_reqs, num_kv_heads, max_query_len, group_size, head_size).permute(0, 2, 1, 3, 4)
+        out = out.reshape(num_reqs * max_query_len, num_heads, head_size)
+        if group.padded_rows is None:
+            return out
+        return out.index_select(0, group.padded_rows)
+
+
+class TorchNativeBackend(AttentionBackend):
+    name = "torch_native"
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TorchNativeAttentionImpl

@@ -1,0 +1,55 @@
+"""The attention layer: projections live in the model, this holds the paged
+KV cache binding and delegates to the selected backend's impl."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from pagedllm.attention_backends.base import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        attn_backend: type[AttentionBackend],
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.sliding_window = sliding_window
+        self.impl = attn_backend.get_impl_cls()(
+            num_heads, head_size, scale, num_kv_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+        )
+        # NOTE: bound by the model runner after it allocates the cache
+        # (backend.get_kv_cache_shape(...)); not a buffer, so never saved.
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads * head_size]
+        k: torch.Tensor,  # [T, num_kv_heads * head_size]
+        v: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads * head_size]
+        if self.kv_cache is None:
+            raise RuntimeError("Attention.kv_cache is not bound; the model runner sets it before the first forward")
+        num_tokens = q.shape[0]
+        out = self.impl.forward(
+            q.reshape(num_tokens, self.num_heads, self.head_size),
+            k.reshape(num_tokens, self.num_kv_heads, self.head_size),
+            v.reshape(num_tokens, self.num_kv_heads, self.head_size),
+            self.kv_cache,
+            attn_metadata,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_size)

@@ -1,0 +1,203 @@
+"""Llama (Touvron et al., 2023); also serves Mistral.
+
+Pre-norm decoder: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x)) with
+SwiGLU; rotary positions; grouped-query attention over the paged KV cache.
+Qwen2 and Qwen3 reuse these modules and flip the flags in `LlamaFlags`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from pagedllm.model_registry.layers.activation import SiluAndMul
+from pagedllm.model_registry.layers.attention import Attention
+from pagedllm.model_registry.layers.linear import MergedLinear
+from pagedllm.model_registry.layers.norm import RMSNorm
+from pagedllm.model_registry.layers.rotary import RotaryEmbedding, apply_rotary_emb, get_rope_parameters
+from pagedllm.model_registry.loader import default_weight_loader
+
+if TYPE_CHECKING:
+    from pagedllm.attention_backends.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class LlamaFlags:
+    """What Llama-family architectures differ in. None = read from the config."""
+
+    qkv_bias: bool | None = None  # None: config.attention_bias
+    o_proj_bias: bool | None = None  # None: config.attention_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+
+
+def _layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:  # Qwen2/3: only layers marked "sliding_attention"
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window  # Mistral: every layer
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config: Any, flags: LlamaFlags, layer_idx: int, attn_backend: type[AttentionBackend]):
+        super().__init__()
+        hidden_size = hf_config.hidden_size
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        attention_bias = getattr(hf_config, "attention_bias", False)
+        qkv_bias = attention_bias if flags.qkv_bias is None else flags.qkv_bias
+        o_proj_bias = attention_bias if flags.o_proj_bias is None else flags.o_proj_bias
+
+        self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_proj_bias)
+        if flags.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
+        self.qk_norm = flags.qk_norm
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            attn_backend,
+            sliding_window=_layer_sliding_window(hf_config, layer_idx),
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, attn_metadata)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config: Any):
+        super().__init__()
+        bias = getattr(hf_config, "mlp_bias", False)
+        intermediate_size = hf_config.intermediate_size
+        self.gate_up_proj = MergedLinear(hf_config.hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = nn.Linear(intermediate_size, hf_config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, flags: LlamaFlags, layer_idx: int, attn_backend: type[AttentionBackend]):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.self_attn = LlamaAttention(hf_config, flags, layer_idx, attn_backend)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.mlp = LlamaMLP(hf_config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: Any, flags: LlamaFlags, attn_backend: type[AttentionBackend]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, flags, i, attn_backend) for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        head_dim = self.layers[0].self_attn.head_dim if self.layers else 1
+        # One cos/sin table for all layers: a forward looks its positions up once.
+        self.rotary_emb = RotaryEmbedding(head_dim, hf_config.max_position_embeddings, get_rope_parameters(hf_config))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions)  # [T, head_dim] each, shared by every layer
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn_metadata)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    flags: ClassVar[LlamaFlags] = LlamaFlags()
+    # checkpoint module name -> (our stacked module, shard index)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, self.flags, attn_backend)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.to(dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:  # [T, hidden]
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()
+
+    def get_attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def is_ignored_weight(self, name: str) -> bool:
+        """Checkpoint entries that are neither loaded nor unexpected."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return True
+        # Tied: lm_head is embed_tokens; a saved copy of it is redundant.
+        return self.tie_word_embeddings and name == "lm_head.weight"
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if self.is_ignored_weight(name):
+                continue
+            param_name, shard_id = self.checkpoint_to_param_name(name)
+            param = params[param_name]
+            if shard_id is None:
+                default_weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+            loaded.add(param_name)
+        return loaded
+
+    @classmethod
+    def checkpoint_to_param_name(cls, name: str) -> tuple[str, int | None]:
+        """'model.layers.0.self_attn.k_proj.weight' -> ('model.layers.0.self_attn.qkv_proj.weight', 1)."""
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in cls.packed_modules_mapping:
+                packed_name, shard_id = cls.packed_modules_mapping[part]
+                return ".".join(parts[:i] + [packed_name] + parts[i + 1 :]), shard_id
+        return name, None
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

@@ -1,0 +1,209 @@
+"""torch_native paged attention against a plain per-request torch reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedllm.attention_backends.base import AttentionMetadata
+from pagedllm.attention_backends.torch_native import TorchNativeBackend, build_batch_plan
+
+
+def reference_attention(
+    query: torch.Tensor,  # [q_len, H, D]
+    keys: torch.Tensor,  # [seq_len, Hkv, D]
+    values: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    q_len, num_heads, _ = query.shape
+    seq_len, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    k = keys.float().repeat_interleave(group, dim=1)
+    v = values.float().repeat_interleave(group, dim=1)
+    out = torch.empty(q_len, num_heads, query.shape[2])
+    for i in range(q_len):
+        pos = seq_len - q_len + i
+        for h in range(num_heads):
+            scores = (k[:, h] @ query[i, h].float()) * scale
+            if soft_cap is not None:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
+            allowed = torch.arange(seq_len) <= pos
+            if sliding_window is not None:
+                allowed &= torch.arange(seq_len) > pos - sliding_window
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            out[i, h] = torch.softmax(scores, dim=0) @ v[:, h]
+    return out
+
+
+def run_case(
+    seq_lens: list[int],
+    query_lens: list[int],
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_size: int = 16,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (backend output, reference output), both [T, H, D] float32."""
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs = len(seq_lens)
+    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3
+    # Non-contiguous, shuffled physical block ids.
+    block_ids = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_req) + 1
+    block_table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
+    tables = []
+    for r, n in enumerate(blocks_per_req):
+        table = [block_ids.pop() for _ in range(n)]
+        tables.append(table)
+        block_table[r, :n] = torch.tensor(table, dtype=torch.int32)
+
+    shape = TorchNativeBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    # NaN garbage: unwritten slots must never leak into the result.
+    kv_cache = torch.full(shape, float("nan"), dtype=dtype)
+    flat_k = kv_cache[0].view(-1, num_kv_heads, head_size)
+    flat_v = kv_cache[1].view(-1, num_kv_heads, head_size)
+
+    def slot(r: int, pos: int) -> int:
+        return tables[r][pos // block_size] * block_size + pos % block_size
+
+    queries, new_keys, new_values, slots, refs = [], [], [], [], []
+    for r, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        keys = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
+        values = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
+        query = torch.randn(q_len, num_heads, head_size, generator=gen).to(dtype)
+        for pos in range(seq_len - q_len):  # cached context, written by earlier steps
+            flat_k[slot(r, pos)] = keys[pos]
+            flat_v[slot(r, pos)] = values[pos]
+        queries.append(query)
+        new_keys.append(keys[seq_len - q_len :])
+        new_values.append(values[seq_len - q_len :])
+        slots += [slot(r, pos) for pos in range(seq_len - q_len, seq_len)]
+        refs.append(reference_attention(query, keys, values, head_size**-0.5, sliding_window, soft_cap))
+
+    query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_actual_tokens=sum(query_lens),
+        num_reqs=num_reqs,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens_t,
+        block_table=block_table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens_cpu=seq_lens_t.clone(),
+    )
+    impl = TorchNativeBackend.get_impl_cls()(
+        num_heads, head_size, head_size**-0.5, num_kv_heads, sliding_window=sliding_window, logits_soft_cap=soft_cap
+    )
+    out = impl.forward(torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), kv_cache, metadata)
+    return out.float(), torch.cat(refs)
+
+
+# A prefill chunk with cached context, a fresh prefill, and decodes.
+MIXED = dict(seq_lens=[37, 20, 50, 9, 33], query_lens=[12, 20, 1, 1, 1])
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_mixed_batch_matches_reference_fp32(block_size: int) -> None:
+    out, ref = run_case(**MIXED, block_size=block_size)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_pure_decode_batch_matches_reference() -> None:
+    out, ref = run_case(seq_lens=[5, 17, 40, 1], query_lens=[1, 1, 1, 1])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_pure_prefill_batch_matches_reference() -> None:
+    out, ref = run_case(seq_lens=[7, 30, 3], query_lens=[7, 30, 3])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 1), (6, 3), (4, 4)])
+def test_gqa_head_groups(num_heads: int, num_kv_heads: int) -> None:
+    out, ref = run_case(**MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_attends_only_to_recent_positions() -> None:
+    out, ref = run_case(**MIXED, sliding_window=8)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    full, _ = run_case(**MIXED)
+    assert not torch.allclose(out, full, atol=1e-3)
+
+
+def test_logits_soft_cap() -> None:
+    out, ref = run_case(**MIXED, soft_cap=2.0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float16, 5e-3), (torch.bfloat16, 3e-2)])
+def test_half_precision(dtype: torch.dtype, atol: float) -> None:
+    out, ref = run_case(**MIXED, dtype=dtype)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
+    out, ref = run_case(**MIXED, dtype=dtype, soft_cap=5.0)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
+
+
+def test_kv_written_at_slot_mapping_and_minus_one_skipped() -> None:
+    num_blocks, block_size, num_kv_heads, head_size = 4, 4, 2, 8
+    kv_cache = torch.zeros(TorchNativeBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size))
+    # One request of 3 tokens in block 2; the middle token's slot is -1.
+    slot_mapping = torch.tensor([8, -1, 10])
+    key = torch.randn(3, num_kv_heads, head_size)
+    value = torch.randn(3, num_kv_heads, head_size)
+    query = torch.randn(3, 4, head_size)
+    query_start_loc = torch.tensor([0, 3], dtype=torch.int32)
+    seq_lens = torch.tensor([3], dtype=torch.int32)
+    metadata = AttentionMetadata(3, 1, 3, 3, query_start_loc, seq_lens, torch.tensor([[2]], dtype=torch.int32),
+                                 slot_mapping, query_start_loc.clone(), seq_lens.clone())
+    impl = TorchNativeBackend.get_impl_cls()(4, head_size, 1.0, num_kv_heads)
+    impl.forward(query, key, value, kv_cache, metadata)
+
+    expected = torch.zeros_like(kv_cache)
+    expected[0, 2, 0], expected[1, 2, 0] = key[0], value[0]
+    expected[0, 2, 2], expected[1, 2, 2] = key[2], value[2]
+    assert torch.equal(kv_cache, expected)
+
+
+def test_batch_plan_splits_decodes_from_prefills() -> None:
+    query_start_loc = torch.tensor([0, 1, 6, 7], dtype=torch.int32)
+    seq_lens = torch.tensor([4, 5, 9], dtype=torch.int32)
+    metadata = AttentionMetadata(7, 3, 5, 9, query_start_loc, seq_lens, torch.tensor([[0, 1], [2, 3], [4, 5]]),
+                                 torch.arange(7), query_start_loc.clone(), seq_lens.clone())
+    plan = build_batch_plan(metadata, block_size=8)
+    decodes, prefills = plan.groups
+    assert decodes.token_rows.tolist() == [0, 6] and decodes.padded_rows is None
+    assert prefills.token_rows.tolist() == [1, 2, 3, 4, 5]
+    assert prefills.query_pos.tolist() == [[0, 1, 2, 3, 4]]
+    # Request 2 (decode, seq_len 9): keys at positions 0..7 in block 4, 8 in block 5.
+    assert decodes.key_slots[1].tolist() == [32, 33, 34, 35, 36, 37, 38, 39, 40]
+
+
+def test_batch_plan_is_built_once_per_metadata_object() -> None:
+    from pagedllm.attention_backends.torch_native import get_batch_plan
+
+    query_start_loc = torch.tensor([0, 2], dtype=torch.int32)
+    seq_lens = torch.tensor([2], dtype=torch.int32)
+
+    def metadata() -> AttentionMetadata:
+        return AttentionMetadata(2, 1, 2, 2, query_start_loc, seq_lens, torch.tensor([[1]], dtype=torch.int32),
+                                 torch.tensor([16, 17]), query_start_loc.clone(), seq_lens.clone())
+
+    first = metadata()
+    plan = get_batch_plan(first, 16)
+    assert get_batch_plan(first, 16) is plan  # every layer of one forward shares it
+    assert get_batch_plan(first, 32) is not plan
+    assert get_batch_plan(metadata(), 16) is not plan  # a new forward, a new plan
