@@ -1,0 +1,324 @@
+"""EngineConfig: every engine knob, in sections, from arguments, env and a file.
+
+Sources, highest first: init arguments, environment (`PAGEDLLM_` prefix, `__`
+between section and key, e.g. `PAGEDLLM_CACHE__BLOCK_SIZE=32`), a YAML or TOML
+file given to `EngineConfig.load`, defaults. Unknown keys and bad values are a
+`ConfigError` naming the full key path and what is allowed.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
+
+from pagedllm.core.errors import ConfigError
+
+_DTYPE_ALIASES = {
+    "half": "float16",
+    "fp16": "float16",
+    "float": "float32",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+}
+
+
+class _Section(BaseModel):
+    # NOTE: extra="forbid" in every section: a misspelt key must fail loudly.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    # None = the embedded default model (pagedllm.model_registry.tiny).
+    model: str | None = None
+    # None = the model folder.
+    tokenizer: str | None = None
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", json_schema_extra={"aliases": sorted(_DTYPE_ALIASES)}
+    )
+    # None = max_position_embeddings of the HF config (the engine fills it in).
+    max_model_len: int | None = Field(None, ge=1)
+    seed: int = 0
+    # Overrides config.json's architectures[0].
+    architecture: str | None = None
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return _DTYPE_ALIASES.get(value.lower(), value.lower())
+        return value
+
+
+class CacheConfig(_Section):
+    block_size: int = Field(16, ge=1, le=256)
+    # Overrides the number of KV blocks computed from memory.
+    num_kv_blocks: int | None = Field(None, ge=1)
+    # Overrides gpu_memory_utilization: bytes given to the KV cache.
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: Literal["sha256", "xxhash"] = "sha256"
+
+
+class SchedulerConfig(_Section):
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(128, ge=1)
+    # 0 = off; else a prefill chunk of a long prompt is at most this many tokens.
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    enable_chunked_prefill: bool = True
+
+
+class DeviceConfig(_Section):
+    # Registered names of the `platform` / `attention_backend` plugin kinds.
+    platform: str = "auto"
+    attention_backend: str = "auto"
+
+
+class PluginsConfig(_Section):
+    # None = every discovered plugin (like an unset VLLM_PLUGINS).
+    enabled: list[str] | None = None
+    disabled: list[str] = Field(default_factory=list)
+    strict: bool = False
+
+    @field_validator("enabled", "disabled", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        # Env users write PAGEDLLM_PLUGINS__ENABLED=a,b as with VLLM_PLUGINS.
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+
+# vLLM's flat keyword names (LLM(model=..., block_size=...)) -> (section, key).
+# key None means the flat name takes the whole section (a dict or the model),
+# e.g. a later `speculative_config` -> ("speculative", None).
+FLAT_KEYS: dict[str, tuple[str, str | None]] = {
+    "model": ("model", "model"),
+    "tokenizer": ("model", "tokenizer"),
+    "dtype": ("model", "dtype"),
+    "max_model_len": ("model", "max_model_len"),
+    "seed": ("model", "seed"),
+    "architecture": ("model", "architecture"),
+    "block_size": ("cache", "block_size"),
+    "num_kv_blocks": ("cache", "num_kv_blocks"),
+    "num_gpu_blocks_override": ("cache", "num_kv_blocks"),
+    "kv_cache_memory_bytes": ("cache", "kv_cache_memory_bytes"),
+    "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
+    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "prefix_caching_hash_algo": ("cache", "prefix_caching_hash_algo"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "long_prefill_token_threshold": ("scheduler", "long_prefill_token_threshold"),
+    "scheduling_policy": ("scheduler", "scheduling_policy"),
+    "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
+    "platform": ("device", "platform"),
+    "attention_backend": ("device", "attention_backend"),
+    "enabled_plugins": ("plugins", "enabled"),
+    "disabled_plugins": ("plugins", "disabled"),
+    "strict_plugins": ("plugins", "strict"),
+}
+
+# The parsed config file of the `EngineConfig.load` call in progress (settings
+# sources are chosen in a classmethod, so the file travels in a context var).
+_CONFIG_FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "pagedllm_config_file_data", default=None
+)
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """Values of a YAML or TOML file, parsed (and checked) by `_read_config_file`."""
+
+    def __init__(self, settings_cls: type[BaseSettings], data: dict[str, Any]) -> None:
+        super().__init__(settings_cls)
+        self._data = data
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+class EngineConfig(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="PAGEDLLM_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+        # NOTE: no .env file, no secrets dir, no CLI parsing: only the sources below.
+        env_file=None,
+        cli_parse_args=False,
+    )
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    device: DeviceConfig = Field(default_factory=DeviceConfig)
+    plugins: PluginsConfig = Field(default_factory=PluginsConfig)
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise _config_error(type(self), exc) from None
+        except SettingsError as exc:
+            # e.g. PAGEDLLM_CACHE='not json': a source could not be parsed at all.
+            raise ConfigError(
+                "environment", str(exc), "JSON for a whole section, or PAGEDLLM_<SECTION>__<KEY>=value"
+            ) from None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        data = _CONFIG_FILE_DATA.get()
+        if data is None:
+            return (init_settings, env_settings)
+        return (init_settings, env_settings, _ConfigFileSource(settings_cls, data))
+
+    @classmethod
+    def load(cls, config_file: str | Path | None = None, **overrides: Any) -> EngineConfig:
+        """Build from `overrides` (section name -> dict or section model), env,
+        `config_file` (.yaml, .yml or .toml) and defaults, in that order."""
+        data = None if config_file is None else _read_config_file(Path(config_file))
+        init = {name: _unset_fields_only(value) for name, value in overrides.items()}
+        token = _CONFIG_FILE_DATA.set(data)
+        try:
+            return cls(**init)
+        finally:
+            _CONFIG_FILE_DATA.reset(token)
+
+    @classmethod
+    def from_flat(cls, config_file: str | Path | None = None, **kwargs: Any) -> EngineConfig:
+        """Build from vLLM's flat keyword names (`FLAT_KEYS`). A None value means
+        "not given" for keys that do not accept None (as in vLLM's `LLM`)."""
+        sections: dict[str, Any] = {}
+        origin: dict[tuple[str, str | None], str] = {}
+        for flat_name, value in kwargs.items():
+            target = FLAT_KEYS.get(flat_name)
+            if target is None:
+                raise ConfigError(flat_name, value, "one of " + ", ".join(sorted(FLAT_KEYS)))
+            if target in origin:
+                raise ConfigError(flat_name, value, f"only one of {origin[target]!r} and {flat_name!r}")
+            origin[target] = flat_name
+            section, key = target
+            if key is None:
+                sections[section] = value
+                continue
+            if value is None and cls._field_default(section, key) is not None:
+                continue
+            sections.setdefault(section, {})[key] = value
+        return cls.load(config_file, **sections)
+
+    @classmethod
+    def _field_default(cls, section: str, key: str) -> Any:
+        section_cls = typing.cast(type[BaseModel], cls.model_fields[section].annotation)
+        return section_cls.model_fields[key].get_default(call_default_factory=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain dict (JSON types) for logging and `pagedllm env`."""
+        return self.model_dump(mode="json")
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    suffix = path.suffix.lower()
+    if suffix not in (".yaml", ".yml", ".toml"):
+        raise ConfigError("config_file", str(path), "a .yaml, .yml or .toml file")
+    if not path.is_file():
+        raise ConfigError("config_file", str(path), "an existing file")
+    try:
+        if suffix == ".toml":
+            with path.open("rb") as f:
+                data = tomllib.load(f)
+        else:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError("config_file", str(path), f"valid {suffix[1:].upper()} ({exc})") from None
+    if data is None:  # an empty YAML file
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config_file", str(path), "a mapping of section name -> keys at the top level")
+    return data
+
+
+def _unset_fields_only(value: Any) -> Any:
+    # A section model passed as an override must not pin its defaults over env
+    # and file values: only the fields the caller set take precedence.
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_unset=True)
+    return value
+
+
+def _config_error(config_cls: type[BaseModel], exc: ValidationError) -> ConfigError:
+    errors = exc.errors()
+    first = errors[0]
+    key, allowed = _describe(config_cls, first)
+    if len(errors) > 1:
+        others = ", ".join(".".join(str(p) for p in e["loc"]) for e in errors[1:])
+        allowed += f" (also invalid: {others})"
+    return ConfigError(key, first.get("input"), allowed)
+
+
+def _describe(config_cls: type[BaseModel], error: Any) -> tuple[str, str]:
+    loc = [str(part) for part in error["loc"]]
+    key = ".".join(loc)
+    # Walk the models along loc to the section that holds the failing key.
+    owner: type[BaseModel] = config_cls
+    field = None
+    for part in loc:
+        field = owner.model_fields.get(part)
+        if field is None:
+            break
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            owner = annotation
+            field = None
+    if error["type"] == "extra_forbidden":
+        return key, "known keys " + ", ".join(owner.model_fields)
+    if field is not None:
+        choices = _literal_choices(field.annotation)
+        if choices is not None:
+            allowed = ", ".join(repr(c) for c in choices)
+            extra = field.json_schema_extra
+            if isinstance(extra, dict) and extra.get("aliases"):
+                allowed += " (aliases: " + ", ".join(typing.cast(list[str], extra["aliases"])) + ")"
+            return key, allowed
+        # Name the whole range (pydantic's message names only the bound crossed).
+        bounds = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+        limits = [
+            f"{op} {getattr(meta, name)}"
+            for meta in field.metadata
+            for name, op in bounds.items()
+            if getattr(meta, name, None) is not None
+        ]
+        if limits and error["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+            return key, " and ".join(limits)
+    return key, error["msg"]
+
+
+def _literal_choices(annotation: Any) -> tuple[Any, ...] | None:
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    for arg in typing.get_args(annotation):  # Optional[Literal[...]]
+        if typing.get_origin(arg) is Literal:
+            return typing.get_args(arg)
+    return None
