@@ -1,0 +1,436 @@
+"""Turns the engine core's per-step EngineCoreOutputs into RequestOutputs:
+incremental detokenization, stop strings, logprobs, n > 1 fan-in, metrics.
+
+Driving it (what the LLM engine does):
+
+    engine_requests = processor.add_request(request_id, prompt, prompt_token_ids, params)
+    for child_id, child_params in engine_requests:      # n > 1 fans out
+        engine_core.add_request(Request(child_id, prompt_token_ids, child_params, ...))
+    while processor.has_unfinished_requests():
+        processed = processor.process_outputs(engine_core.step())
+        engine_core.abort_requests(processed.reqs_to_abort)   # stopped by a stop string
+        yield from processed.request_outputs
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from pagedllm.core.detokenizer import IncrementalDetokenizer
+from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputKind,
+    SampleLogprobs,
+)
+from pagedllm.core.stop_strings import check_stop_strings, stop_buffer_length
+
+if TYPE_CHECKING:
+    from pagedllm.core.sampling_params import SamplingParams
+    from pagedllm.core.scheduler_output import LogprobEntry
+
+
+class ProcessedOutputs(NamedTuple):
+    request_outputs: list[RequestOutput]
+    # Engine request ids finished here (stop string) that the core must abort.
+    reqs_to_abort: list[str]
+
+
+def normalize_stop(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    return [s for s in stop if s]
+
+
+@dataclass
+class RequestState:
+    """Output-side state of one engine request (one sample)."""
+
+    request_id: str  # the engine core's id (a child id when n > 1)
+    external_request_id: str  # the id the user gave
+    index: int  # sample index within its parent
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    detokenizer: IncrementalDetokenizer | None
+    stop: list[str]
+    include_stop_str_in_output: bool
+    min_tokens: int
+    metrics: RequestMetrics
+    parent: ParentRequest | None = None
+    output_text: str = ""
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # How much was already sent (DELTA outputs).
+    sent_text_len: int = 0
+    sent_num_tokens: int = 0
+    sent_num_prompt_logprobs: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def next_text(self, delta: bool) -> str:
+        # NOTE: while running, the last (max stop length - 1) chars may be the
+        # start of a stop string; they are never sent before it is decided.
+        if self.finished:
+            length = len(self.output_text)
+        else:
+            length = max(0, len(self.output_text) - stop_buffer_length(self.stop, self.include_stop_str_in_output))
+        if not delta:
+            return self.output_text[:length]
+        start = self.sent_text_len
+        if length <= start:
+            return ""
+        self.sent_text_len = length
+        return self.output_text[start:length]
+
+    def make_completion(self) -> CompletionOutput | None:
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
+        delta = self.output_kind == RequestOutputKind.DELTA
+        text = self.next_text(delta)
+        start = self.sent_num_tokens if delta else 0
+        self.sent_num_tokens = len(self.output_token_ids)
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=self.output_token_ids[start:],
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else self.logprobs[start:],
+            finish_reason=self.finish_reason,  # type: ignore[arg-type]
+            stop_reason=self.stop_reason,
+        )
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        if self.prompt_logprobs is None:
+            return None
+        start = self.sent_num_prompt_logprobs if self.output_kind == RequestOutputKind.DELTA else 0
+        self.sent_num_prompt_logprobs = len(self.prompt_logprobs)
+        return self.prompt_logprobs[start:]
+
+
+class ParentRequest:
+    """A request with `n > 1`: fans out into n engine requests ("{i}_{id}",
+    as vLLM) and fans their outputs back into one RequestOutput."""
+
+    def __init__(self, request_id: str, params: SamplingParams, output_kind: RequestOutputKind) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.n: int = params.n
+        self.output_kind = output_kind
+        self.child_states: list[RequestState] = []
+        self.completions: list[CompletionOutput | None] = [None] * self.n
+        self.num_finished = 0
+
+    @staticmethod
+    def child_request_id(index: int, request_id: str) -> str:
+        return f"{index}_{request_id}"
+
+    def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
+        """The engine request id and params (n=1; seed+index when seeded, so
+        seeded siblings differ but stay reproducible) of child `index`."""
+        child_id = self.child_request_id(index, self.request_id)
+        if hasattr(self.params, "for_child"):
+            return child_id, self.params.for_child(index)
+        seed = getattr(self.params, "seed", None)
+        changes: dict[str, Any] = {"n": 1}
+        if seed is not None:
+            changes["seed"] = seed + index
+        return child_id, _replace_params(self.params, changes)
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == self.n
+
+    def add_completion(self, completion: CompletionOutput, finished: bool) -> list[CompletionOutput] | None:
+        """Completions to emit now, or None while FINAL_ONLY waits for siblings."""
+        if finished:
+            self.num_finished += 1
+        if self.output_kind != RequestOutputKind.FINAL_ONLY:
+            return [completion]
+        self.completions[completion.index] = completion
+        if not self.finished:
+            return None
+        return [c for c in self.completions if c is not None]
+
+    def metrics(self) -> RequestMetrics:
+        children = [state.metrics for state in self.child_states]
+
+        def first(values: list[float | None]) -> float | None:
+            present = [v for v in values if v is not None]
+            return min(present) if present else None
+
+        def last(values: list[float | None]) -> float | None:
+            present = [v for v in values if v is not None]
+            return max(present) if present else None
+
+        return RequestMetrics(
+            arrival_time=children[0].arrival_time,
+            first_scheduled_time=first([m.first_scheduled_time for m in children]),
+            first_token_time=first([m.first_token_time for m in children]),
+            last_token_time=last([m.last_token_time for m in children]),
+            finished_time=last([m.finished_time for m in children]) if self.finished else None,
+        )
+
+
+def _replace_params(params: Any, changes: dict[str, Any]) -> Any:
+    if dataclasses.is_dataclass(params) and not isinstance(params, type):
+        return dataclasses.replace(params, **changes)
+    clone = copy.copy(params)
+    for key, value in changes.items():
+        setattr(clone, key, value)
+    return clone
+
+
+class OutputProcessor:
+    """Output side of the engine (runs in the front-end process in vLLM)."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+        self.parent_requests: dict[str, ParentRequest] = {}
+        self._decoded_token_cache: dict[int, str] = {}
+
+    # ------------------------------------------------------------ requests
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        output_kind: RequestOutputKind | None = None,
+    ) -> list[tuple[str, SamplingParams]]:
+        """Track a request; return the (engine request id, params) pairs the
+        engine core must run: one for n == 1, n children ("{i}_{id}") else."""
+        if request_id in self.request_states or request_id in self.parent_requests:
+            raise InvalidRequestError("request_id", request_id, "a request with this id is already running")
+        if output_kind is None:
+            output_kind = RequestOutputKind(getattr(params, "output_kind", RequestOutputKind.FINAL_ONLY))
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        n = getattr(params, "n", 1)
+        if n == 1:
+            self._add_state(request_id, request_id, 0, prompt, prompt_token_ids, params, arrival_time, output_kind)
+            return [(request_id, params)]
+        parent = ParentRequest(request_id, params, output_kind)
+        engine_requests = []
+        for index in range(n):
+            child_id, child_params = parent.get_child_info(index)
+            if child_id in self.request_states:
+                raise InvalidRequestError("request_id", child_id, "a request with this id is already running")
+            state = self._add_state(
+                child_id, request_id, index, prompt, prompt_token_ids, child_params, arrival_time, output_kind
+            )
+            state.parent = parent
+            parent.child_states.append(state)
+            engine_requests.append((child_id, child_params))
+        self.parent_requests[request_id] = parent
+        return engine_requests
+
+    def _add_state(
+        self,
+        request_id: str,
+        external_request_id: str,
+        index: int,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        output_kind: RequestOutputKind,
+    ) -> RequestState:
+        detokenizer = None
+        if getattr(params, "detokenize", True) and self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=getattr(params, "skip_special_tokens", True),
+                spaces_between_special_tokens=getattr(params, "spaces_between_special_tokens", True),
+            )
+        want_logprobs = getattr(params, "logprobs", None) is not None
+        state = RequestState(
+            request_id=request_id,
+            external_request_id=external_request_id,
+            index=index,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids),
+            output_kind=output_kind,
+            detokenizer=detokenizer,
+            # Stop strings need text; without detokenization they cannot match.
+            stop=normalize_stop(getattr(params, "stop", None)) if detokenizer else [],
+            include_stop_str_in_output=getattr(params, "include_stop_str_in_output", False),
+            min_tokens=getattr(params, "min_tokens", 0) or 0,
+            metrics=RequestMetrics(arrival_time=arrival_time),
+            logprobs=[] if want_logprobs else None,
+            cumulative_logprob=0.0 if want_logprobs else None,
+            prompt_logprobs=[] if getattr(params, "prompt_logprobs", None) is not None else None,
+        )
+        self.request_states[request_id] = state
+        return state
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget requests by user id (all samples of an n > 1 request) or
+        engine id; return the engine request ids the core must abort."""
+        to_abort: list[str] = []
+        for request_id in request_ids:
+            parent = self.parent_requests.pop(request_id, None)
+            if parent is None:
+                state = self.request_states.get(request_id)
+                if state is None:
+                    continue
+                if state.parent is not None:
+                    # Aborting one sample aborts the request it belongs to.
+                    parent = self.parent_requests.pop(state.parent.request_id, None)
+                else:
+                    del self.request_states[request_id]
+                    to_abort.append(request_id)
+            if parent is not None:
+                for child in parent.child_states:
+                    if self.request_states.pop(child.request_id, None) is not None:
+                        to_abort.append(child.request_id)
+        return to_abort
+
+    # ------------------------------------------------------------- outputs
+
+    def process_outputs(self, outputs: list[EngineCoreOutput], now: float | None = None) -> ProcessedOutputs:
+        now = time.time() if now is None else now
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        for engine_output in outputs:
+            state = self.request_states.get(engine_output.request_id)
+            if state is None or state.finished:
+                continue  # aborted by the user meanwhile
+            if self._update_state(state, engine_output, now):
+                reqs_to_abort.append(state.request_id)
+            if state.finished:
+                state.metrics.finished_time = now
+                del self.request_states[state.request_id]
+            if not engine_output.new_token_ids and not state.finished:
+                continue  # a prompt-logprobs-only chunk: sent with the next token
+            request_output = self._make_request_output(state)
+            if request_output is not None:
+                request_outputs.append(request_output)
+        return ProcessedOutputs(request_outputs, reqs_to_abort)
+
+    def _update_state(self, state: RequestState, engine_output: EngineCoreOutput, now: float) -> bool:
+        """Apply one step; True when a stop string ended a request the engine
+        core still runs."""
+        metrics = state.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = engine_output.first_scheduled_time
+        state.num_cached_tokens = max(0, engine_output.num_cached_tokens)
+        new_token_ids = engine_output.new_token_ids
+        if new_token_ids:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            state.output_token_ids.extend(new_token_ids)
+        if state.logprobs is not None and engine_output.new_logprobs:
+            for entry in engine_output.new_logprobs:
+                state.logprobs.append(self._to_logprob_dict(entry))
+                state.cumulative_logprob = (state.cumulative_logprob or 0.0) + entry.logprobs[0]
+        if state.prompt_logprobs is not None and engine_output.new_prompt_logprobs:
+            state.prompt_logprobs.extend(
+                None if entry is None else self._to_logprob_dict(entry) for entry in engine_output.new_prompt_logprobs
+            )
+
+        finish_reason = engine_output.finish_reason
+        stop_reason = engine_output.stop_reason
+        stopped_by_string = False
+        detokenizer = state.detokenizer
+        if detokenizer is not None:
+            text_token_ids = new_token_ids
+            if finish_reason == "stop" and new_token_ids and not state.include_stop_str_in_output:
+                # The EOS / stop token ended it: its text is not part of the output (vLLM).
+                text_token_ids = new_token_ids[:-1]
+            delta = detokenizer.update(text_token_ids)
+            if finish_reason is not None:
+                delta += detokenizer.flush()
+            state.output_text += delta
+            if state.stop and delta and len(state.output_token_ids) > state.min_tokens:
+                match = check_stop_strings(
+                    state.output_text, len(delta), state.stop, state.include_stop_str_in_output
+                )
+                if match is not None:
+                    state.output_text = state.output_text[: match.truncate_to]
+                    stopped_by_string = finish_reason is None
+                    finish_reason, stop_reason = "stop", match.stop_str
+        if finish_reason is not None:
+            state.finish_reason = finish_reason
+            state.stop_reason = stop_reason
+        return stopped_by_string
+
+    def _make_request_output(self, state: RequestState) -> RequestOutput | None:
+        completion = state.make_completion()
+        if completion is None:
+            return None
+        parent = state.parent
+        if parent is None:
+            return RequestOutput(
+                request_id=state.external_request_id,
+                prompt=state.prompt,
+                prompt_token_ids=state.prompt_token_ids,
+                prompt_logprobs=state.take_prompt_logprobs(),
+                outputs=[completion],
+                finished=state.finished,
+                num_cached_tokens=state.num_cached_tokens,
+                metrics=copy.copy(state.metrics),
+            )
+        completions = parent.add_completion(completion, state.finished)
+        if completions is None:
+            return None
+        if parent.finished:
+            self.parent_requests.pop(parent.request_id, None)
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.take_prompt_logprobs(),
+            outputs=completions,
+            finished=parent.finished,
+            # The prompt as the samples saw it: the smallest hit among them.
+            num_cached_tokens=min(child.num_cached_tokens for child in parent.child_states),
+            metrics=parent.metrics(),
+        )
+
+    def _to_logprob_dict(self, entry: LogprobEntry) -> dict[int, Logprob]:
+        # Index 0 is the chosen token with its own rank; then top-k ranked 1..k.
+        logprobs: dict[int, Logprob] = {}
+        for position, (token_id, logprob) in enumerate(zip(entry.token_ids, entry.logprobs)):
+            if position > 0 and token_id in logprobs:
+                continue  # the chosen token is also in the top-k
+            rank = entry.rank if position == 0 else position
+            logprobs[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=self._decode_token(token_id))
+        return logprobs
+
+    def _decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._decoded_token_cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._decoded_token_cache[token_id] = text
+        return text

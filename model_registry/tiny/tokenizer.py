@@ -1,0 +1,121 @@
+"""Byte-level BPE tokenizer trained by project code on the Python standard
+library sources of the running interpreter (text every machine has).
+
+Choices:
+- 8,192 tokens: 5 special tokens (ids 0-4), the 256 byte symbols, merges.
+- No BOS is added by the post-processor: `encode(text)` is exactly the text's
+  tokens (as Qwen/ChatML tokenizers do), so prompts round-trip and the chat
+  template alone decides the framing. `<|bos|>` exists for models that want it.
+- `clean_up_tokenization_spaces` is off, so `decode(encode(text)) == text`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from importlib import resources
+from pathlib import Path
+
+VOCAB_SIZE = 8192
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+PAD_TOKEN = "<|pad|>"
+IM_START_TOKEN = "<|im_start|>"
+IM_END_TOKEN = "<|im_end|>"
+# NOTE: order fixes the ids (0..4); the default model's config relies on it.
+SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START_TOKEN, IM_END_TOKEN]
+MODEL_MAX_LENGTH = 2048
+# Training text budget: the first ~8 MB of stdlib sources in sorted path order
+# trains in a couple of seconds and gives a reasonable code vocabulary.
+TRAINING_CHARS = 8_000_000
+
+
+def chat_template() -> str:
+    return resources.files(__package__).joinpath("chat_template.jinja").read_text(encoding="utf-8")
+
+
+def iter_stdlib_sources(max_chars: int = TRAINING_CHARS) -> list[str]:
+    """UTF-8 `*.py` files of the stdlib, sorted by relative path, up to `max_chars`."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Third-party code differs between machines; keep only the stdlib itself.
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")]
+        for filename in filenames:
+            if filename.endswith(".py"):
+                path = Path(dirpath) / filename
+                paths.append((path.relative_to(root).as_posix(), path))
+    paths.sort()
+    texts: list[str] = []
+    num_chars = 0
+    for _, path in paths:
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        texts.append(text)
+        num_chars += len(text)
+        if num_chars >= max_chars:
+            break
+    return texts
+
+
+def train_tokenizer(out_dir: Path, max_chars: int = TRAINING_CHARS) -> None:
+    """Train the BPE tokenizer and save transformers-loadable files in `out_dir`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = iter_stdlib_sources(max_chars)
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    added_tokens_decoder = {
+        str(tokenizer.token_to_id(token)): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for token in SPECIAL_TOKENS
+    }
+    special_tokens_map = {
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
+    }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special_tokens_map,
+        "added_tokens_decoder": added_tokens_decoder,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MODEL_MAX_LENGTH,
+        "chat_template": chat_template(),
+    }
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+    _write_json(out_dir / "special_tokens_map.json", special_tokens_map)
+
+
+def special_token_ids(tokenizer_dir: Path) -> dict[str, int]:
+    """Special token -> id, read from a saved tokenizer.json."""
+    data = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    return {entry["content"]: entry["id"] for entry in data["added_tokens"]}
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
