@@ -1,0 +1,33 @@
+"""pagedllm: an LLM serving engine with a paged KV cache, built as a plugin platform."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from pagedllm.core.config import EngineConfig
+    from pagedllm.core.llm import LLM
+    from pagedllm.core.outputs import CompletionOutput, RequestOutput
+    from pagedllm.core.sampling_params import SamplingParams
+
+# Lazy so that `import pagedllm.plugins` (done by every plugin) stays cheap.
+_EXPORTS = {
+    "LLM": "pagedllm.core.llm",
+    "SamplingParams": "pagedllm.core.sampling_params",
+    "EngineConfig": "pagedllm.core.config",
+    "RequestOutput": "pagedllm.core.outputs",
+    "CompletionOutput": "pagedllm.core.outputs",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module_name), name)

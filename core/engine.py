@@ -1,0 +1,213 @@
+"""EngineCore: owns the scheduler, the KV cache manager and the model runner.
+
+Everything variable (platform, attention backend, model architecture) comes
+from the plugin registries; this module names none of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from pagedllm.core.errors import ConfigError, InvalidRequestError
+from pagedllm.core.kv_cache.manager import KVCacheManager
+from pagedllm.core.model_runner import ModelRunner
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
+from pagedllm.model_registry.tiny import resolve_model_path
+from pagedllm.attention_backends.selector import select_attention_backend
+from pagedllm.platforms import resolve_platform
+from pagedllm.plugins import get_plugin_manager
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+    from transformers import PretrainedConfig
+
+    from pagedllm.core.config import EngineConfig
+    from pagedllm.core.outputs import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+# Without an explicit size the CPU pool gets this much memory (vLLM's CPU
+# backend reserves a fixed KV space the same way).
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        plugin_manager = get_plugin_manager()
+        plugin_manager.load(
+            enabled=config.plugins.enabled, disabled=config.plugins.disabled, strict=config.plugins.strict
+        )
+
+        self.model_path: Path = resolve_model_path(config.model.model)
+        self.hf_config: PretrainedConfig = load_hf_config(self.model_path)
+        architecture = get_architecture(self.hf_config, config.model.architecture)
+        model_cls = plugin_manager.registry("model").load(architecture)
+
+        self.platform = resolve_platform(config.device.platform)
+        self.device = self.platform.device()
+        self.dtype = self.platform.resolve_dtype(config.model.dtype, _config_dtype(self.hf_config))
+        hf = self.hf_config
+        self.head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        block_size = config.cache.block_size
+        self.attn_selection = select_attention_backend(
+            self.platform,
+            config.device.attention_backend,
+            head_size=self.head_size,
+            dtype=self.dtype,
+            block_size=block_size,
+            sliding_window=getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None,
+        )
+        logger.info("attention backend: %s (rejected: %s)", self.attn_selection.name, self.attn_selection.rejected)
+        model = load_model(
+            self.model_path,
+            model_cls=model_cls,
+            attn_backend=self.attn_selection.backend_cls,
+            dtype=self.dtype,
+            device=self.device,
+            hf_config=self.hf_config,
+        )
+
+        num_blocks = self._determine_num_blocks(model)
+        self.max_model_len = self._determine_max_model_len(num_blocks * block_size)
+        self.vocab_size = hf.vocab_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            block_size,
+            enable_caching=config.cache.enable_prefix_caching,
+            hash_algo=config.cache.prefix_caching_hash_algo,
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        self.model_runner = ModelRunner(
+            model,
+            self.attn_selection.backend_cls,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype=self.dtype,
+            device=self.device,
+            vocab_size=self.vocab_size,
+        )
+        # PAGEDLLM_DEBUG_KV=1 checks the block invariant after every step.
+        self.check_kv_invariants = os.environ.get("PAGEDLLM_DEBUG_KV") == "1"
+        plugin_manager.hook.on_engine_start(config=config)
+
+    # --------------------------------------------------------------- sizing
+
+    def _determine_num_blocks(self, model: torch.nn.Module) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        num_layers = len(model.get_attention_layers())
+        bytes_per_block = (
+            2 * num_layers * cache.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+        )
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cpu":
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+            else:
+                budget = int(self.platform.free_memory_bytes() * cache.gpu_memory_utilization)
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                "cache.kv_cache_memory_bytes", budget, f">= {bytes_per_block} (one block of this model)"
+            )
+        return num_blocks
+
+    def _determine_max_model_len(self, kv_capacity_tokens: int) -> int:
+        configured = self.config.model.max_model_len
+        model_limit = getattr(self.hf_config, "max_position_embeddings", None)
+        if configured is None:
+            max_model_len = model_limit or kv_capacity_tokens
+            if max_model_len > kv_capacity_tokens:
+                logger.warning(
+                    "max_model_len lowered from %d to %d: the KV cache holds no more tokens",
+                    max_model_len,
+                    kv_capacity_tokens,
+                )
+                max_model_len = kv_capacity_tokens
+            return max_model_len
+        if model_limit is not None and configured > model_limit:
+            raise ConfigError("model.max_model_len", configured, f"<= {model_limit} (max_position_embeddings)")
+        if configured > kv_capacity_tokens:
+            raise ConfigError(
+                "model.max_model_len",
+                configured,
+                f"<= {kv_capacity_tokens} tokens, what the KV cache holds; raise cache.num_kv_blocks "
+                "or cache.kv_cache_memory_bytes",
+            )
+        return configured
+
+    # ---------------------------------------------------------------- intake
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        num_tokens = len(prompt_token_ids)
+        if num_tokens == 0:
+            raise InvalidRequestError("prompt", prompt_token_ids, "the prompt must contain at least one token")
+        if num_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"<{num_tokens} tokens>",
+                f"the prompt has {num_tokens} tokens but max_model_len is {self.max_model_len} "
+                "and at least one token must be generated",
+            )
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError("prompt_token_ids", bad[:5], f"token ids must be in [0, {self.vocab_size})")
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and num_tokens > sched.max_num_batched_tokens:
+            raise InvalidRequestError(
+                "prompt",
+                f"<{num_tokens} tokens>",
+                f"without chunked prefill a prompt may have at most max_num_batched_tokens="
+                f"{sched.max_num_batched_tokens} tokens",
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.validate_prompt(request.prompt_token_ids)
+        if request.request_id in self.scheduler.requests:
+            raise InvalidRequestError("request_id", request.request_id, "a request with this id is still running")
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    # ------------------------------------------------------------------ loop
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.check_kv_invariants:
+            self.check_invariants()
+        return outputs
+
+    def check_invariants(self) -> None:
+        self.kv_cache_manager.check_invariants(self.scheduler.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+
+def _config_dtype(hf_config: PretrainedConfig) -> torch.dtype:
+    import torch
+
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32

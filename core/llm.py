@@ -1,0 +1,213 @@
+"""The offline API: `LLM.generate` and `LLM.chat`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.client import InprocClient
+from pagedllm.core.config import EngineConfig
+from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.output_processor import OutputProcessor
+from pagedllm.core.request import Request
+from pagedllm.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.core.outputs import RequestOutput
+
+# A prompt: text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}
+# with an optional "cache_salt".
+PromptType = str | list[int] | dict[str, Any]
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate offline with an in-process engine core.
+
+    Accepts vLLM's flat keyword names (`block_size`, `max_num_seqs`,
+    `enable_prefix_caching`, ...), a `config_file` (YAML or TOML), and the
+    `PAGEDLLM_` environment; arguments win over env, env over the file.
+    """
+
+    def __init__(self, model: str | None = None, *, config_file: str | None = None, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_flat(config_file=config_file, model=model, **kwargs)
+        self.engine_core = InprocClient(self.config)
+        core = self.engine_core.engine_core
+        self.tokenizer = _load_tokenizer(self.config.model.tokenizer or str(core.model_path))
+        self.eos_token_id = _eos_token_id(core.hf_config, self.tokenizer)
+        self.max_model_len = core.max_model_len
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+
+    # ----------------------------------------------------------------- API
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`, each finished."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise InvalidRequestError("priority", len(priority), f"one value per prompt ({len(prompt_list)})")
+        request_ids = []
+        try:
+            for index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+                request_ids.append(self._add_request(prompt, params, priority[index] if priority else 0))
+        except Exception:
+            self._abort(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+            # The template already holds every special token it wants.
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def get_stats(self) -> Any:
+        return self.engine_core.get_stats()
+
+    # ------------------------------------------------------------ internals
+
+    def _params_per_prompt(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        params_list = list(sampling_params)
+        if len(params_list) != num_prompts:
+            raise InvalidRequestError(
+                "sampling_params", f"<{len(params_list)} items>", f"one per prompt ({num_prompts})"
+            )
+        return params_list
+
+    def _add_request(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
+        text, token_ids, cache_salt = self._tokenize(prompt)
+        core = self.engine_core.engine_core
+        core.validate_prompt(token_ids)
+        params.validate_against(self.max_model_len, len(token_ids))
+        request_id = str(next(self._request_counter))
+        arrival_time = time.time()
+        engine_requests = self.output_processor.add_request(request_id, text, token_ids, params, arrival_time)
+        for engine_request_id, engine_params in engine_requests:
+            self.engine_core.add_request(
+                Request(
+                    engine_request_id,
+                    token_ids,
+                    engine_params,
+                    eos_token_id=self.eos_token_id,
+                    arrival_time=arrival_time,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
+            )
+        return request_id
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt), None
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise InvalidRequestError(
+                    "prompt", sorted(unknown), "allowed keys: prompt, prompt_token_ids, cache_salt"
+                )
+            text = prompt.get("prompt")
+            token_ids = prompt.get("prompt_token_ids")
+            if token_ids is None:
+                if not isinstance(text, str):
+                    raise InvalidRequestError("prompt", prompt, "needs a 'prompt' string or 'prompt_token_ids'")
+                token_ids = self.tokenizer.encode(text)
+            return text, _check_token_ids(token_ids), prompt.get("cache_salt")
+        return None, _check_token_ids(prompt), None
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while self.output_processor.has_unfinished_requests():
+                processed = self.output_processor.process_outputs(self.engine_core.get_output())
+                self.engine_core.abort_requests(processed.reqs_to_abort)
+                for request_output in processed.request_outputs:
+                    if request_output.finished:
+                        finished[request_output.request_id] = request_output
+                        if progress is not None:
+                            progress.update(1)
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: leave the engine clean for the next call.
+            self._abort(request_ids)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        return [finished[request_id] for request_id in request_ids]
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompt_list = list(prompts)
+    if prompt_list and isinstance(prompt_list[0], int):
+        return [prompt_list]  # one prompt given as token ids
+    return prompt_list
+
+
+def _check_token_ids(token_ids: Any) -> list[int]:
+    if not isinstance(token_ids, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+    ):
+        raise InvalidRequestError("prompt_token_ids", token_ids, "must be a list of integers")
+    return list(token_ids)
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _eos_token_id(hf_config: Any, tokenizer: Any) -> int | None:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return eos if eos is not None else tokenizer.eos_token_id

@@ -1,0 +1,318 @@
+"""The unified token-budget scheduler.
+
+Each step hands out at most `max_num_batched_tokens` tokens. Running requests
+are served first (one decode token each, or the next chunk of their prompt),
+then waiting requests in policy order. Prefill and decode are not separate
+phases: a request simply needs `num_tokens - num_computed_tokens` more tokens.
+When the KV cache runs out, the scheduler preempts by recompute.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedllm.core.outputs import EngineCoreOutput
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request_queue import create_request_queue
+from pagedllm.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+if TYPE_CHECKING:
+    from pagedllm.core.config import SchedulerConfig
+    from pagedllm.core.kv_cache.manager import KVCacheManager
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int  # cumulative
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+    ) -> None:
+        self.config = scheduler_config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.policy = scheduler_config.scheduling_policy
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(); the runner must forget them.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- intake
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside the step (abort, stop string)."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    # -------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: dict[str, CachedRequestData] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        preempted: set[str] = set()
+        now = time.time()
+
+        # 1. Running requests, in order (decode-first).
+        for request in list(self.running):
+            if token_budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new_tokens = self._cap_new_tokens(
+                request, request.num_tokens_with_spec - request.num_computed_tokens, token_budget
+            )
+            if num_new_tokens == 0:
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = self._select_victim()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim.request_id in num_scheduled_tokens:
+                    # Already scheduled this step: give its tokens back.
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    cached_reqs.pop(victim.request_id, None)
+                    spec_tokens.pop(victim.request_id, None)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            cached_reqs[request.request_id] = CachedRequestData(
+                req_id=request.request_id,
+                new_block_ids=[block.block_id for block in new_blocks],
+                num_computed_tokens=request.num_computed_tokens,
+            )
+            num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+            if num_spec > 0:
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+
+        # 2. Waiting requests, unless this step already had to preempt.
+        if not preempted:
+            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting.peek()
+                computed_blocks, num_computed_tokens = [], request.num_computed_tokens
+                if num_computed_tokens == 0:
+                    computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+                num_new_tokens = request.num_tokens - num_computed_tokens
+                if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+                    break
+                num_new_tokens = self._cap_new_tokens(request, num_new_tokens, token_budget, num_computed_tokens)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_computed_tokens, computed_blocks
+                )
+                if new_blocks is None:
+                    break  # head-of-line: later arrivals wait behind it
+                self.waiting.pop()
+                resumed = request.status == RequestStatus.PREEMPTED
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed_tokens
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+                self.running.append(request)
+                block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+                if resumed:
+                    cached_reqs[request.request_id] = CachedRequestData(
+                        req_id=request.request_id,
+                        new_block_ids=block_ids,
+                        num_computed_tokens=num_computed_tokens,
+                        resumed_from_preemption=True,
+                    )
+                else:
+                    new_reqs.append(
+                        NewRequestData(
+                            req_id=request.request_id,
+                            prompt_token_ids=request.prompt_token_ids,
+                            sampling_params=request.sampling_params,
+                            block_ids=block_ids,
+                            num_computed_tokens=num_computed_tokens,
+                            eos_token_id=request.eos_token_id,
+                        )
+                    )
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=list(cached_reqs.values()),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            scheduled_spec_decode_tokens=spec_tokens,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        # The tokens are as good as computed: the runner executes this output
+        # before the next schedule() (NOTE: rejected drafts are subtracted in
+        # update_from_output).
+        for request_id, num_new_tokens in num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_new_tokens
+        return scheduler_output
+
+    def _cap_new_tokens(
+        self, request: Request, num_new_tokens: int, token_budget: int, num_computed_tokens: int | None = None
+    ) -> int:
+        if num_computed_tokens is None:
+            num_computed_tokens = request.num_computed_tokens
+        threshold = self.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        num_new_tokens = min(num_new_tokens, token_budget)
+        # Positions must stay below max_model_len.
+        return max(0, min(num_new_tokens, self.max_model_len - num_computed_tokens))
+
+    def _select_victim(self) -> Request:
+        if self.policy == "priority":
+            # Lowest priority (largest value), latest arrival among equals.
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]  # FCFS: the newest
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        # NOTE: generated tokens are kept; recompute covers prompt + outputs.
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    # --------------------------------------------------------------- results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue  # aborted while the step ran
+            sampled = runner_output.sampled_token_ids.get(request_id, [])
+            num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(request_id, ()))
+            if num_drafts and sampled:
+                # Drafts past the accepted prefix were not computed for real.
+                request.num_computed_tokens -= num_drafts + 1 - len(sampled)
+            new_token_ids: list[int] = []
+            stopped = False
+            for token_id in sampled:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    stopped = True
+                    break
+            logprobs = runner_output.logprobs.get(request_id)
+            if logprobs is not None:
+                logprobs = logprobs[: len(new_token_ids)]
+            prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
+            if stopped:
+                self.running.remove(request)
+                self._free_request(request)
+            if new_token_ids or stopped or prompt_logprobs:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=request_id,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=logprobs,
+                        new_prompt_logprobs=prompt_logprobs,
+                        finish_reason=request.get_finished_reason(),
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=request.num_cached_tokens,
+                        first_scheduled_time=request.first_scheduled_time,
+                    )
+                )
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        max_tokens = params.max_tokens
+        if request.num_tokens >= self.max_model_len or (
+            max_tokens is not None and request.num_output_tokens >= max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        last_token_id = request.output_token_ids[-1]
+        if not params.ignore_eos and last_token_id == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if params.stop_token_ids and last_token_id in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last_token_id
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        request.finished_time = time.time()
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ----------------------------------------------------------------- stats
+
+    def make_stats(self) -> SchedulerStats:
+        prefix_stats = self.kv_cache_manager.take_prefix_cache_stats()
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix_stats.queries,
+            prefix_cache_hits=prefix_stats.hits,
+            num_preemptions=self.num_preemptions,
+        )
