@@ -103,18 +103,22 @@ class Scheduler:
         now = time.time()
 
         # 1. Running requests, in order (decode-first).
+        # NOTE: this loop runs for every running request every step; the
+        # common decode case must stay cheap (see benchmarks/scheduler_overhead.py).
+        kv_cache_manager = self.kv_cache_manager
         for request in list(self.running):
             if token_budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            num_computed_tokens = request.num_computed_tokens
             num_new_tokens = self._cap_new_tokens(
-                request, request.num_tokens_with_spec - request.num_computed_tokens, token_budget
+                request.num_tokens_with_spec - num_computed_tokens, token_budget, num_computed_tokens
             )
             if num_new_tokens == 0:
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = kv_cache_manager.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
                 victim = self._select_victim()
@@ -129,16 +133,16 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
-            num_scheduled_tokens[request.request_id] = num_new_tokens
+            request_id = request.request_id
+            num_scheduled_tokens[request_id] = num_new_tokens
             token_budget -= num_new_tokens
-            cached_reqs[request.request_id] = CachedRequestData(
-                req_id=request.request_id,
-                new_block_ids=[block.block_id for block in new_blocks],
-                num_computed_tokens=request.num_computed_tokens,
+            cached_reqs[request_id] = CachedRequestData(
+                request_id, [block.block_id for block in new_blocks] if new_blocks else [], num_computed_tokens
             )
-            num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
-            if num_spec > 0:
-                spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            if request.spec_token_ids:
+                num_spec = num_new_tokens + num_computed_tokens - request.num_tokens
+                if num_spec > 0:
+                    spec_tokens[request_id] = request.spec_token_ids[:num_spec]
 
         # 2. Waiting requests, unless this step already had to preempt.
         if not preempted:
@@ -150,7 +154,7 @@ class Scheduler:
                 num_new_tokens = request.num_tokens - num_computed_tokens
                 if not self.enable_chunked_prefill and num_new_tokens > token_budget:
                     break
-                num_new_tokens = self._cap_new_tokens(request, num_new_tokens, token_budget, num_computed_tokens)
+                num_new_tokens = self._cap_new_tokens(num_new_tokens, token_budget, num_computed_tokens)
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request, num_new_tokens, num_computed_tokens, computed_blocks
                 )
@@ -204,17 +208,12 @@ class Scheduler:
             self.requests[request_id].num_computed_tokens += num_new_tokens
         return scheduler_output
 
-    def _cap_new_tokens(
-        self, request: Request, num_new_tokens: int, token_budget: int, num_computed_tokens: int | None = None
-    ) -> int:
-        if num_computed_tokens is None:
-            num_computed_tokens = request.num_computed_tokens
+    def _cap_new_tokens(self, num_new_tokens: int, token_budget: int, num_computed_tokens: int) -> int:
         threshold = self.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
-        num_new_tokens = min(num_new_tokens, token_budget)
         # Positions must stay below max_model_len.
-        return max(0, min(num_new_tokens, self.max_model_len - num_computed_tokens))
+        return max(0, min(num_new_tokens, token_budget, self.max_model_len - num_computed_tokens))
 
     def _select_victim(self) -> Request:
         if self.policy == "priority":
@@ -239,38 +238,39 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        sampled_token_ids = runner_output.sampled_token_ids
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        all_logprobs = runner_output.logprobs
+        all_prompt_logprobs = runner_output.prompt_logprobs
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
-            if request is None or request.is_finished():
-                continue  # aborted while the step ran
-            sampled = runner_output.sampled_token_ids.get(request_id, [])
-            num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(request_id, ()))
-            if num_drafts and sampled:
+            if request is None:
+                continue  # finished (aborted) while the step ran
+            sampled = sampled_token_ids.get(request_id, ())
+            if spec_tokens and sampled and request_id in spec_tokens:
                 # Drafts past the accepted prefix were not computed for real.
-                request.num_computed_tokens -= num_drafts + 1 - len(sampled)
-            new_token_ids: list[int] = []
+                request.num_computed_tokens -= len(spec_tokens[request_id]) + 1 - len(sampled)
+            num_new_tokens = 0
             stopped = False
             for token_id in sampled:
                 request.append_output_token_ids(token_id)
-                new_token_ids.append(token_id)
+                num_new_tokens += 1
                 if self._check_stop(request):
                     stopped = True
                     break
-            logprobs = runner_output.logprobs.get(request_id)
-            if logprobs is not None:
-                logprobs = logprobs[: len(new_token_ids)]
-            prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
+            logprobs = all_logprobs.get(request_id) if all_logprobs else None
+            prompt_logprobs = all_prompt_logprobs.get(request_id) if all_prompt_logprobs else None
             if stopped:
                 self.running.remove(request)
                 self._free_request(request)
-            if new_token_ids or stopped or prompt_logprobs:
+            if num_new_tokens or stopped or prompt_logprobs:
                 outputs.append(
                     EngineCoreOutput(
                         request_id=request_id,
-                        new_token_ids=new_token_ids,
-                        new_logprobs=logprobs,
+                        new_token_ids=list(sampled[:num_new_tokens]),
+                        new_logprobs=logprobs[:num_new_tokens] if logprobs is not None else None,
                         new_prompt_logprobs=prompt_logprobs,
-                        finish_reason=request.get_finished_reason(),
+                        finish_reason=request.get_finished_reason() if stopped else None,
                         stop_reason=request.stop_reason,
                         num_cached_tokens=request.num_cached_tokens,
                         first_scheduled_time=request.first_scheduled_time,
