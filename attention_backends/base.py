@@ -88,3 +88,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def get_impl_cls() -> type[AttentionImpl]:
         """The AttentionImpl subclass layers instantiate."""
+
+    @classmethod
+    def build_metadata(cls, common: AttentionMetadata, block_size: int) -> AttentionMetadata:
+        """Per-batch work every layer would otherwise repeat (index plans,
+        masks, scheduler metadata of a kernel), done once per forward by the
+        model runner. Return `common` itself or a subclass of it."""
+        return common

@@ -4,7 +4,8 @@ The batch is flattened (prefill chunks with cached context and decodes mixed,
 no padding). Every layer sees the same batch, so everything that depends only
 on the batch — which token goes to which padded query row, which cache slots
 hold each request's keys, the causal mask — is computed once per forward in a
-`TorchNativeBatchPlan` and reused by all layers. Per layer, the work is: write
+`TorchNativeBatchPlan` (by `TorchNativeBackend.build_metadata`, which the
+model runner calls) and reused by all layers. Per layer, the work is: write
 the new K/V into the cache, gather K/V of each request group through the
 block table into a padded tensor, and one `scaled_dot_product_attention` call
 per group.
@@ -15,7 +16,7 @@ rest, so that one long prefill does not pad every decode to its query length.
 
 from __future__ import annotations
 
-import weakref
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -157,22 +158,11 @@ def build_batch_plan(attn_metadata: AttentionMetadata, block_size: int) -> Torch
     return TorchNativeBatchPlan(block_size, num_tokens, write_rows, write_slots, groups)
 
 
-# One-entry cache keyed on the identity of the AttentionMetadata object: the
-# first layer of a forward builds the plan, the others reuse it. A weak
-# reference so that a dead metadata object (whose id may be reused) never
-# matches.
-_last_plan: tuple[weakref.ref[AttentionMetadata], TorchNativeBatchPlan] | None = None
+@dataclass
+class TorchNativeMetadata(AttentionMetadata):
+    """The common metadata plus this backend's plan for the batch."""
 
-
-def get_batch_plan(attn_metadata: AttentionMetadata, block_size: int) -> TorchNativeBatchPlan:
-    global _last_plan
-    if _last_plan is not None:
-        metadata_ref, plan = _last_plan
-        if metadata_ref() is attn_metadata and plan.block_size == block_size:
-            return plan
-    plan = build_batch_plan(attn_metadata, block_size)
-    _last_plan = (weakref.ref(attn_metadata), plan)
-    return plan
+    plan: TorchNativeBatchPlan | None = None
 
 
 class TorchNativeAttentionImpl(AttentionImpl):
@@ -184,8 +174,9 @@ class TorchNativeAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        block_size = kv_cache.shape[2]
-        plan = get_batch_plan(attn_metadata, block_size)
+        plan = attn_metadata.plan if isinstance(attn_metadata, TorchNativeMetadata) else None
+        if plan is None:  # metadata not built by this backend: plan for this layer alone
+            plan = build_batch_plan(attn_metadata, kv_cache.shape[2])
         num_tokens = plan.num_actual_tokens
         query, key, value = query[:num_tokens], key[:num_tokens], value[:num_tokens]
 
@@ -261,3 +252,8 @@ class TorchNativeBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TorchNativeAttentionImpl
+
+    @classmethod
+    def build_metadata(cls, common: AttentionMetadata, block_size: int) -> TorchNativeMetadata:
+        fields = {f.name: getattr(common, f.name) for f in dataclasses.fields(AttentionMetadata)}
+        return TorchNativeMetadata(**fields, plan=build_batch_plan(common, block_size))

@@ -139,7 +139,7 @@ class ModelRunner:
         device = self.device
         query_start_loc_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
         seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-        attn_metadata = AttentionMetadata(
+        common_metadata = AttentionMetadata(
             num_actual_tokens=total_tokens,
             num_reqs=len(req_ids),
             max_query_len=int(num_tokens.max()),
@@ -151,6 +151,8 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc_cpu,
             seq_lens_cpu=seq_lens_cpu,
         )
+        # Backend-specific per-batch work, once for all layers.
+        attn_metadata = self.attn_backend.build_metadata(common_metadata, self.block_size)
         hidden_states = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.from_numpy(positions).to(device),

@@ -192,18 +192,21 @@ def test_batch_plan_splits_decodes_from_prefills() -> None:
     assert decodes.key_slots[1].tolist() == [32, 33, 34, 35, 36, 37, 38, 39, 40]
 
 
-def test_batch_plan_is_built_once_per_metadata_object() -> None:
-    from pagedllm.attention_backends.torch_native import get_batch_plan
-
+def test_build_metadata_attaches_the_plan_every_layer_reuses() -> None:
     query_start_loc = torch.tensor([0, 2], dtype=torch.int32)
     seq_lens = torch.tensor([2], dtype=torch.int32)
+    common = AttentionMetadata(2, 1, 2, 2, query_start_loc, seq_lens, torch.tensor([[1]], dtype=torch.int32),
+                               torch.tensor([16, 17]), query_start_loc.clone(), seq_lens.clone())
+    built = TorchNativeBackend.build_metadata(common, block_size=16)
+    assert built.plan is not None and built.plan.write_slots.tolist() == [16, 17]
+    assert built.slot_mapping is common.slot_mapping
 
-    def metadata() -> AttentionMetadata:
-        return AttentionMetadata(2, 1, 2, 2, query_start_loc, seq_lens, torch.tensor([[1]], dtype=torch.int32),
-                                 torch.tensor([16, 17]), query_start_loc.clone(), seq_lens.clone())
-
-    first = metadata()
-    plan = get_batch_plan(first, 16)
-    assert get_batch_plan(first, 16) is plan  # every layer of one forward shares it
-    assert get_batch_plan(first, 32) is not plan
-    assert get_batch_plan(metadata(), 16) is not plan  # a new forward, a new plan
+    # A forward with the built plan equals one that plans for itself.
+    impl = TorchNativeBackend.get_impl_cls()(num_heads=2, head_size=8, scale=0.5, num_kv_heads=1)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 8, generator=gen) for n in (2, 1, 1))
+    outputs = []
+    for metadata in (built, common):
+        kv_cache = torch.zeros(TorchNativeBackend.get_kv_cache_shape(4, 16, 1, 8))
+        outputs.append(impl.forward(q, k, v, kv_cache, metadata))
+    assert torch.equal(outputs[0], outputs[1])

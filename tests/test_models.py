@@ -20,13 +20,13 @@ from pagedllm.attention_backends.base import AttentionMetadata
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
 from pagedllm.model_registry.layers.rotary import compute_inv_freq, get_rope_parameters
 from pagedllm.model_registry.loader import load_hf_config, load_model
-from pagedllm.model_registry.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagedllm.model_registry.models.llama import LlamaForCausalLM
 from pagedllm.model_registry.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.model_registry.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES = {
     "llama": LlamaForCausalLM,
-    "mistral": MistralForCausalLM,
+    "mistral": LlamaForCausalLM,  # registered for MistralForCausalLM too
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
 }
@@ -108,6 +108,7 @@ class PagedBatchRunner:
             query_start_loc_cpu=query_start_loc.clone(),
             seq_lens_cpu=seq_lens_t.clone(),
         )
+        metadata = TorchNativeBackend.build_metadata(metadata, self.block_size)
         with torch.no_grad():
             hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), metadata)
             logits = self.model.compute_logits(hidden)

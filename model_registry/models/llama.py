@@ -199,5 +199,3 @@ class LlamaForCausalLM(nn.Module):
         return name, None
 
 
-class MistralForCausalLM(LlamaForCausalLM):
-    pass
