@@ -137,6 +137,21 @@ def cmd_env(args: argparse.Namespace) -> int:
     print("rejected:" if selection.rejected else f"{'rejected:':<20}none")
     for name, reasons in selection.rejected.items():
         print(f"  {name}: {'; '.join(reasons)}")
+    # Backends "auto" never reached (after the chosen one, or not in the
+    # platform's priority list): still say why each could or could not run.
+    others = {name: reasons for name, reasons in payload["backends"].items()
+              if name != selection.name and name not in selection.rejected}
+    if others:
+        print("other backends:")
+    priority = platform.get_attention_backend_priority()
+    for name, reasons in others.items():
+        if reasons:
+            verdict = "; ".join(reasons)
+        elif name in priority:
+            verdict = "usable here, lower in the platform's priority"
+        else:
+            verdict = f"usable here when selected by name (not in {platform.name}'s priority list)"
+        print(f"  {name}: {verdict}")
     return 0
 
 

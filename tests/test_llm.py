@@ -7,7 +7,10 @@ prompts and text, and a first greedy run of the engine for the stop tests.
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,25 +51,26 @@ def tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(str(_model_path()))
 
 
-_hf_model_cache: list[torch.nn.Module] = []
+_hf_models: dict[str, torch.nn.Module] = {}
 
 
-def _hf_model() -> torch.nn.Module:
-    if not _hf_model_cache:
+def _hf_model(path: Path | None = None) -> torch.nn.Module:
+    key = str(path or _model_path())
+    if key not in _hf_models:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(_model_path()), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
         model.generation_config.eos_token_id = None
-        _hf_model_cache.append(model.eval())
-    return _hf_model_cache[0]
+        _hf_models[key] = model.eval()
+    return _hf_models[key]
 
 
-def hf_greedy(prompt: list[int], max_new_tokens: int, **generate_kwargs: Any) -> list[int]:
+def hf_greedy(prompt: list[int], max_new_tokens: int, *, path: Path | None = None, **generate_kwargs: Any) -> list[int]:
     """HF greedy continuation (float32, KV cache); never stops at EOS unless told."""
     kwargs: dict[str, Any] = dict(eos_token_id=None, min_new_tokens=max_new_tokens)
     kwargs.update(generate_kwargs)
     with torch.inference_mode():
-        output = _hf_model().generate(
+        output = _hf_model(path).generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens,
@@ -374,23 +378,25 @@ def test_max_tokens_finishes_with_length(llm: LLM) -> None:
 def test_min_tokens_holds_back_a_stop_token_as_hf_min_new_tokens(llm: LLM, tokenizer: Any) -> None:
     prompt = "try:\n    import json"
     prompt_ids = tokenizer.encode(prompt)
-    (reference,) = llm.generate(prompt, _greedy(16), use_tqdm=False)
-    stop_token = reference.outputs[0].token_ids[1]
-    first = reference.outputs[0].token_ids.index(stop_token)
-    min_tokens = first + 3  # without min_tokens it would stop at `first`
+    greedy_tokens = hf_greedy(prompt_ids, 32)
+    # A stop token the plain greedy run emits early and, once it is masked
+    # until min_tokens, the HF reference still emits later: both paths are used.
+    for stop_token in greedy_tokens[:8]:
+        min_tokens = greedy_tokens.index(stop_token) + 2
+        expected = hf_greedy(prompt_ids, 32, min_new_tokens=min_tokens, eos_token_id=stop_token)
+        if expected[-1] == stop_token and len(expected) < 32:
+            break
+    else:
+        pytest.fail(f"no stop token of {greedy_tokens[:8]} is emitted again after min_tokens; pick another prompt")
 
     (output,) = llm.generate(
-        prompt, _greedy(16, stop_token_ids=[stop_token], min_tokens=min_tokens), use_tqdm=False
+        prompt, _greedy(32, stop_token_ids=[stop_token], min_tokens=min_tokens), use_tqdm=False
     )
     completion = output.outputs[0]
-    # HF's reference: the stop token as its EOS, masked until min_new_tokens.
-    expected = hf_greedy(prompt_ids, 16, min_new_tokens=min_tokens, eos_token_id=stop_token)
     assert completion.token_ids == expected
     assert stop_token not in completion.token_ids[:min_tokens]
-    if expected[-1] == stop_token:
-        assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_token)
-    else:
-        assert completion.finish_reason == "length"
+    assert len(completion.token_ids) > min_tokens
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_token)
 
 
 # ----------------------------------------------------------------- chat
@@ -593,3 +599,67 @@ def test_output_text_equals_tokenizer_decode_with_multibyte_characters(llm: LLM,
     # The check means something only if some character was split across tokens.
     split_pieces = [t for c in completions for t in c.token_ids if "\ufffd" in tokenizer.decode([t])]
     assert split_pieces, "no generated token was a partial UTF-8 sequence; pick other seeds"
+
+
+MULTIBYTE_TEXT = "éж日🎉"  # 2, 2, 3 and 4 UTF-8 bytes; no byte repeats
+
+
+@pytest.fixture(scope="module")
+def cycling_model(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> tuple[Path, list[int]]:
+    """The tiny Llama rewired so that greedy decoding cycles through the byte
+    tokens of MULTIBYTE_TEXT: every layer's output projections are zeroed (the
+    residual stream is the current token's embedding), each cycle token's
+    embedding is a one-hot direction, and lm_head maps direction i to the next
+    token of the cycle. Every multi-byte character is split across tokens."""
+    from safetensors.torch import load_file, save_file
+
+    cycle = tokenizer.encode(MULTIBYTE_TEXT)
+    assert len(set(cycle)) == len(cycle), cycle
+    assert all("\ufffd" in tokenizer.decode([token]) for token in cycle), "every token must be a partial character"
+    path = tmp_path_factory.mktemp("cycling-llama")
+    shutil.copytree(_model_path(), path, dirs_exist_ok=True)
+    weights = load_file(str(path / "model.safetensors"))
+    hidden_size = weights["model.embed_tokens.weight"].shape[1]
+    for name in weights:
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            weights[name] = torch.zeros_like(weights[name])
+    for i, token in enumerate(cycle):
+        direction = torch.zeros(hidden_size)
+        direction[i] = 1.0
+        weights["model.embed_tokens.weight"][token] = direction
+        weights["lm_head.weight"][cycle[(i + 1) % len(cycle)]] += 10.0 * direction
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path, cycle
+
+
+def test_multibyte_characters_split_across_tokens_are_reassembled(
+    cycling_model: tuple[Path, list[int]], tokenizer: Any
+) -> None:
+    path, cycle = cycling_model
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS)
+    num_cycles = 3
+    outputs = llm.generate(
+        [MULTIBYTE_TEXT] * 4,
+        [
+            _greedy(num_cycles * len(cycle)),
+            _greedy(num_cycles * len(cycle) + 3),  # ends inside a character
+            _greedy(num_cycles * len(cycle), stop=["日"]),
+            _greedy(num_cycles * len(cycle), stop=["日"], include_stop_str_in_output=True),
+        ],
+        use_tqdm=False,
+    )
+    whole, cut, stopped, stopped_with = (output.outputs[0] for output in outputs)
+    expected_tokens = hf_greedy(cycle, num_cycles * len(cycle) + 3, path=path)
+    assert expected_tokens[: len(cycle)] == cycle  # the rewiring works in HF too
+
+    assert whole.token_ids == expected_tokens[: num_cycles * len(cycle)]
+    assert whole.text == MULTIBYTE_TEXT * num_cycles
+    assert cut.token_ids == expected_tokens
+    assert cut.text == tokenizer.decode(cut.token_ids, skip_special_tokens=True)
+
+    num_tokens_to_stop = len(tokenizer.encode("éж日"))
+    for completion, text in [(stopped, "éж"), (stopped_with, "éж日")]:
+        assert completion.text == text
+        assert (completion.finish_reason, completion.stop_reason) == ("stop", "日")
+        assert completion.token_ids == cycle[:num_tokens_to_stop]
+    _assert_all_freed(llm)
