@@ -163,14 +163,6 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError("prompt_token_ids", bad[:5], f"token ids must be in [0, {self.vocab_size})")
-        sched = self.config.scheduler
-        if not sched.enable_chunked_prefill and num_tokens > sched.max_num_batched_tokens:
-            raise InvalidRequestError(
-                "prompt",
-                f"<{num_tokens} tokens>",
-                f"without chunked prefill a prompt may have at most max_num_batched_tokens="
-                f"{sched.max_num_batched_tokens} tokens",
-            )
 
     def add_request(self, request: Request) -> None:
         self.validate_prompt(request.prompt_token_ids)

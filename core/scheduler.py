@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedllm.core.errors import ConfigError
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
@@ -53,6 +54,15 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            # Else a long prompt, or a preempted request's recompute of prompt +
+            # outputs, could never be scheduled (vLLM has the same rule).
+            raise ConfigError(
+                "scheduler.max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                f">= max_model_len ({max_model_len}) when scheduler.enable_chunked_prefill is false; "
+                "enable chunked prefill or lower model.max_model_len",
+            )
 
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
@@ -210,7 +220,8 @@ class Scheduler:
 
     def _cap_new_tokens(self, num_new_tokens: int, token_budget: int, num_computed_tokens: int) -> int:
         threshold = self.long_prefill_token_threshold
-        if 0 < threshold < num_new_tokens:
+        # The threshold splits long prefills: a chunking policy, off without chunking.
+        if self.enable_chunked_prefill and 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
         # Positions must stay below max_model_len.
         return max(0, min(num_new_tokens, token_budget, self.max_model_len - num_computed_tokens))

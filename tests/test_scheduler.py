@@ -13,6 +13,8 @@ blocks are freed in reverse table order to the tail; new blocks pop the head.
 from __future__ import annotations
 
 import pytest
+
+from pagedllm.core.errors import ConfigError
 from helpers.scheduler_utils import (
     DEFAULT_TOKEN_BASE,
     EOS,
@@ -153,44 +155,40 @@ def test_max_num_seqs_caps_the_running_set() -> None:
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_enough_budget() -> None:
-    scheduler = make_scheduler(max_num_batched_tokens=10, enable_chunked_prefill=False)
+    scheduler = make_scheduler(max_num_batched_tokens=12, enable_chunked_prefill=False, max_model_len=12)
     runner = FakeRunner(scheduler)
     scheduler.add_request(make_request("A", prompt(100, 6), max_tokens=2))
-    scheduler.add_request(make_request("B", prompt(200, 10)))
-    scheduler.add_request(make_request("C", prompt(300, 2)))
+    scheduler.add_request(make_request("B", prompt(200, 9)))
+    scheduler.add_request(make_request("C", prompt(300, 3)))
 
-    # B (10) does not fit the 4 left, and C waits behind it (head of line).
+    # B (9) does not fit the 6 left, and C waits behind it (head of line).
     assert list(runner.step().scheduled.items()) == [("A", 6)]
-    # 9 left after A's decode: still not enough for B's 10.
+    # 11 left after A's decode: B in one piece; the 2 left are too few for C.
     step = runner.step()
-    assert list(step.scheduled.items()) == [("A", 1)]
+    assert list(step.scheduled.items()) == [("A", 1), ("B", 9)]
     assert step.outputs["A"].finish_reason == "length"
-    # The whole budget: B in one piece.
-    assert list(runner.step().scheduled.items()) == [("B", 10)]
-    assert list(runner.step().scheduled.items()) == [("B", 1), ("C", 2)]
+    assert list(runner.step().scheduled.items()) == [("B", 1), ("C", 3)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: long_prefill_token_threshold splits a prompt although enable_chunked_prefill=False",
-)
 def test_without_chunked_prefill_the_long_prefill_threshold_never_splits_a_prompt() -> None:
     scheduler = make_scheduler(
-        max_num_batched_tokens=10, enable_chunked_prefill=False, long_prefill_token_threshold=4
+        max_num_batched_tokens=10, enable_chunked_prefill=False, long_prefill_token_threshold=4, max_model_len=10
     )
     runner = FakeRunner(scheduler)
     scheduler.add_request(make_request("A", prompt(100, 6)))
     assert list(runner.step().scheduled.items()) == [("A", 6)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: without chunked prefill a preempted request whose prompt + outputs exceed "
-    "max_num_batched_tokens is never resumed (the engine spins on empty steps)",
-)
-def test_without_chunked_prefill_a_long_preempted_request_still_resumes() -> None:
+def test_without_chunked_prefill_the_budget_must_cover_max_model_len() -> None:
+    # Else a preempted request's recompute (prompt + outputs) could exceed the
+    # budget and never be scheduled again.
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=8 .*>= max_model_len \\(256\\)"):
+        make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False, max_model_len=256)
+
+
+def test_without_chunked_prefill_a_preempted_request_resumes_in_one_piece() -> None:
     scheduler = make_scheduler(
-        num_blocks=4, enable_caching=False, max_num_batched_tokens=8, enable_chunked_prefill=False
+        num_blocks=4, enable_caching=False, max_num_batched_tokens=12, enable_chunked_prefill=False, max_model_len=12
     )
     runner = FakeRunner(scheduler)
     scheduler.add_request(make_request("A", prompt(100, 4), max_tokens=6))
@@ -199,8 +197,15 @@ def test_without_chunked_prefill_a_long_preempted_request_still_resumes() -> Non
         runner.step()  # both decode until each holds 2 full blocks (8 tokens computed)
     step = runner.step()  # A needs a third block: B (the newest) is preempted
     assert step.scheduler_output.preempted_req_ids == {"B"}
-    assert scheduler.requests["B"].num_tokens == 9  # > max_num_batched_tokens
-    run_until_done(runner, max_steps=30)
+    assert scheduler.requests["B"].num_tokens == 9
+    b_chunks = []
+    while scheduler.has_unfinished_requests():
+        b_chunks.append(runner.step().scheduled.get("B"))
+        assert len(b_chunks) < 30
+    # B waits while A finishes, then recomputes its 9 tokens in one piece and
+    # produces its 3 remaining tokens.
+    assert [n for n in b_chunks if n is not None] == [9, 1, 1]
+    assert scheduler.num_preemptions == 1
 
 
 # ------------------------------------------------------------ policy order
