@@ -7,7 +7,6 @@ prompts and text, and a first greedy run of the engine for the stop tests.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
@@ -495,9 +494,14 @@ def test_invalid_prompt_is_an_invalid_request_with_its_field(
     assert excinfo.value.field == field
 
 
-def test_max_tokens_that_exactly_fills_the_context_is_accepted(llm: LLM) -> None:
-    (output,) = llm.generate({"prompt_token_ids": _long_prompt(509)}, _greedy(3), use_tqdm=False)
-    assert len(output.outputs[0].token_ids) == 3
+def test_max_tokens_up_to_the_context_left_is_accepted(llm: LLM) -> None:
+    (exact,) = llm.generate({"prompt_token_ids": _long_prompt(509)}, _greedy(3), use_tqdm=False)
+    assert len(exact.outputs[0].token_ids) == 3
+    # max_tokens=None means "until the context is full".
+    unbounded = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    (output,) = llm.generate({"prompt_token_ids": _long_prompt(505)}, unbounded, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == llm.max_model_len - 505
+    assert output.outputs[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize(
@@ -585,7 +589,7 @@ def test_engine_frees_every_block_and_resets_the_prefix_cache_when_idle(llm: LLM
 # ------------------------------------------------------------------ text
 
 
-def test_output_text_equals_tokenizer_decode_with_multibyte_characters(llm: LLM, tokenizer: Any) -> None:
+def test_sampled_text_equals_tokenizer_decode_with_multibyte_prompts(llm: LLM, tokenizer: Any) -> None:
     prompts = ["héllo wörld — ünïcödé 日本語 🎉", "naïve café: ", "Ελληνικά και русский"]
     params = [
         SamplingParams(n=4, temperature=1.0, seed=seed, max_tokens=32, ignore_eos=True) for seed in (5, 6, 7)
@@ -596,9 +600,9 @@ def test_output_text_equals_tokenizer_decode_with_multibyte_characters(llm: LLM,
         assert output.prompt_token_ids == tokenizer.encode(prompt)
     for completion in completions:
         assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-    # The check means something only if some character was split across tokens.
-    split_pieces = [t for c in completions for t in c.token_ids if "\ufffd" in tokenizer.decode([t])]
-    assert split_pieces, "no generated token was a partial UTF-8 sequence; pick other seeds"
+    # The check means more if some sampled token is a lone piece of a UTF-8 sequence.
+    partial_pieces = [t for c in completions for t in c.token_ids if "\ufffd" in tokenizer.decode([t])]
+    assert partial_pieces, "no sampled token was a partial UTF-8 sequence; pick other seeds"
 
 
 MULTIBYTE_TEXT = "éж日🎉"  # 2, 2, 3 and 4 UTF-8 bytes; no byte repeats
