@@ -3,8 +3,11 @@
 Workload (issue 2): the embedded tiny Llama (hidden 256, intermediate 688,
 4 layers, 4 heads, 2 KV heads, 8,192-token BPE vocab, float32), 64 prompts of
 24-40 tokens, 64 greedy tokens each with ignore_eos. HF runs batched and
-left-padded. Each side gets warm-up runs, then several timed repetitions; the
-table shows medians and the ratio.
+left-padded. Each engine runs in its own subprocess (a fresh allocator and
+thread pool), gets a warm-up run, then several timed repetitions; the table
+shows medians and ratios to plain HF. pagedllm's CPU platform tunes glibc
+malloc for the whole process (platforms/cpu.py), which helps any torch code,
+so HF is also shown with that same tuning.
 
     .venv/bin/python benchmarks/throughput.py [--threads 2] [--reps 5]
 """
@@ -12,8 +15,11 @@ table shows medians and the ratio.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -75,33 +81,64 @@ def time_hf(model_path: str, prompts: list[list[int]], num_new_tokens: int, reps
     return times, output[:, max_len:].tolist()
 
 
+ENGINES = {
+    "hf": "HF generate (padded)",
+    "hf_tuned": "HF + pagedllm's malloc",
+    "pagedllm": "pagedllm",
+}
+
+
+def run_one(engine: str, args: argparse.Namespace) -> dict:
+    """Runs in the child process: one engine, its timings and its tokens."""
+    torch.set_num_threads(args.threads)
+    from pagedllm.model_registry.tiny import get_default_model_dir
+
+    model_path = str(get_default_model_dir())
+    prompts = make_prompts(args.num_prompts, 24, 40, 8192, seed=0)
+    if engine == "pagedllm":
+        times, tokens = time_pagedllm(model_path, prompts, args.num_new_tokens, args.reps)
+    else:
+        if engine == "hf_tuned":
+            from pagedllm.platforms.cpu import keep_freed_memory_in_process
+
+            keep_freed_memory_in_process()
+        times, tokens = time_hf(model_path, prompts, args.num_new_tokens, args.reps)
+    return {"times": times, "tokens": tokens}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--num-new-tokens", type=int, default=64)
+    parser.add_argument("--engine", choices=list(ENGINES), help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
 
-    from pagedllm.model_registry.tiny import get_default_model_dir
+    if args.engine:
+        print(json.dumps(run_one(args.engine, args)))
+        return
 
-    model_path = str(get_default_model_dir())
-    prompts = make_prompts(args.num_prompts, 24, 40, 8192, seed=0)
+    results = {}
+    for engine in ENGINES:
+        child = subprocess.run(
+            [sys.executable, __file__, "--engine", engine, *sys.argv[1:]],
+            check=True, capture_output=True, text=True,
+        )
+        results[engine] = json.loads(child.stdout.strip().splitlines()[-1])
+
     num_tokens = args.num_prompts * args.num_new_tokens
-
-    ours, our_tokens = time_pagedllm(model_path, prompts, args.num_new_tokens, args.reps)
-    theirs, hf_tokens = time_hf(model_path, prompts, args.num_new_tokens, args.reps)
-    same = sum(a == b for a, b in zip(our_tokens, hf_tokens))
-
-    ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
+    base = statistics.median(results["hf"]["times"])
     print(f"\n{args.num_prompts} prompts x {args.num_new_tokens} greedy tokens, float32, "
           f"{args.threads} threads, median of {args.reps}")
-    print(f"{'engine':<22}{'seconds':>10}{'tokens/s':>12}{'ratio':>8}")
-    print(f"{'HF generate (padded)':<22}{theirs_s:>10.3f}{num_tokens / theirs_s:>12.1f}{1.0:>8.2f}")
-    print(f"{'pagedllm':<22}{ours_s:>10.3f}{num_tokens / ours_s:>12.1f}{theirs_s / ours_s:>8.2f}")
-    print(f"identical greedy outputs: {same}/{len(prompts)} "
-          "(padding changes HF's float rounding, so a few near-ties may differ)")
+    print(f"{'engine':<26}{'seconds':>10}{'tokens/s':>12}{'vs HF':>8}")
+    for engine, label in ENGINES.items():
+        seconds = statistics.median(results[engine]["times"])
+        print(f"{label:<26}{seconds:>10.3f}{num_tokens / seconds:>12.1f}{base / seconds:>8.2f}")
+    ours, theirs = results["pagedllm"]["tokens"], results["hf"]["tokens"]
+    same = sum(a == b for a, b in zip(ours, theirs))
+    print(f"identical greedy outputs (pagedllm vs HF): {same}/{len(ours)} "
+          "(padding changes HF's float rounding, so a near-tie may differ)")
 
 
 if __name__ == "__main__":

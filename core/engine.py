@@ -74,6 +74,7 @@ class EngineCore:
             device=self.device,
             hf_config=self.hf_config,
         )
+        self.platform.optimize_model(model)
 
         num_blocks = self._determine_num_blocks(model)
         self.max_model_len = self._determine_max_model_len(num_blocks * block_size)

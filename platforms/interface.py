@@ -68,6 +68,11 @@ class Platform(ABC):
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
+    def optimize_model(self, model: torch.nn.Module) -> None:
+        """Device-specific preparation of a loaded model (weight prepacking,
+        compilation). Must not change what the model computes beyond
+        rounding. Default: nothing."""
+
     def resolve_dtype(self, requested: str, model_dtype: torch.dtype) -> torch.dtype:
         """The compute dtype: ``"auto"`` keeps the checkpoint's dtype when this
         device supports it, else falls back to float16, then float32; an
