@@ -96,6 +96,7 @@ class EngineCore:
             dtype=self.dtype,
             device=self.device,
             vocab_size=self.vocab_size,
+            seed=config.model.seed,
         )
         # PAGEDLLM_DEBUG_KV=1 checks the block invariant after every step.
         self.check_kv_invariants = os.environ.get("PAGEDLLM_DEBUG_KV") == "1"

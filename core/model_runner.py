@@ -52,6 +52,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         vocab_size: int,
+        seed: int = 0,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
@@ -59,6 +60,10 @@ class ModelRunner:
         self.device = device
         self.vocab_size = vocab_size
         self.sampler = Sampler()
+        # Random rows without a per-request seed draw from this, so that the
+        # engine's seed makes a whole run reproducible (vLLM's `seed`).
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
 
         kv_cache_shape = attn_backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
@@ -182,6 +187,7 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             device=device,
             eos_token_ids=[s.eos_token_id for s in sampling_states],
+            default_generator=self.generator,
         )
         sampler_output = self.sampler(logits, metadata)
         sampled = sampler_output.sampled_token_ids.tolist()

@@ -62,6 +62,9 @@ class SamplingMetadata:
     # (rows, token ids) masked to -inf while a row is below min_tokens; None if none.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
     vocab_size: int
+    # Draws for random rows without their own generator (the engine's, seeded
+    # from the config's seed); None = torch's global RNG.
+    default_generator: torch.Generator | None = None
 
     @classmethod
     def build(
@@ -73,6 +76,7 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str,
         eos_token_ids: Sequence[int | None] | None = None,
+        default_generator: torch.Generator | None = None,
     ) -> SamplingMetadata:
         """`generators` maps row index -> generator for every seeded random row; the
         caller keeps them per request across steps. `eos_token_ids` (per row) lets
@@ -126,6 +130,7 @@ class SamplingMetadata:
             seen_token_mask=seen_token_mask,
             min_tokens_mask=_min_tokens_mask(params, output_token_ids, eos_token_ids, vocab_size, device),
             vocab_size=vocab_size,
+            default_generator=default_generator,
         )
 
 
@@ -210,12 +215,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def random_sample(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    default_generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """argmax(probs / q), q ~ Exp(1): a draw from probs. A row with a generator
     draws its q from it alone, so its tokens do not depend on the rest of the batch."""
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
-        q.exponential_()
+        q.exponential_(generator=default_generator)
     for row, generator in generators.items():
         q[row].exponential_(generator=generator)
     return probs.div(q.clamp_(min=_TINY)).argmax(dim=-1)
@@ -267,7 +276,7 @@ class Sampler(nn.Module):
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        sampled = random_sample(logits.softmax(dim=-1), metadata.generators)
+        sampled = random_sample(logits.softmax(dim=-1), metadata.generators, metadata.default_generator)
         if metadata.all_random:
             return sampled
         # Greedy rows take the argmax of the penalized logits, before temperature.

@@ -304,6 +304,20 @@ def test_seeded_request_gets_the_same_tokens_whatever_the_batch(llm: LLM) -> Non
     assert other_seed.outputs[0].token_ids != expected
 
 
+def test_engine_seed_makes_unseeded_sampling_reproducible() -> None:
+    prompts = ["import os", "def f(x):", "class A:"]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+
+    def run(seed: int) -> list[list[int]]:
+        engine = LLM(model=str(_model_path()), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, seed=seed)
+        torch.manual_seed(seed + 1000)  # the global RNG must not matter
+        return [list(o.outputs[0].token_ids) for o in engine.generate(prompts, unseeded, use_tqdm=False)]
+
+    first = run(0)
+    assert run(0) == first
+    assert run(1) != first
+
+
 def test_temperature_zero_and_top_k_one_equal_hf_greedy(llm: LLM, tokenizer: Any) -> None:
     prompts = ["def add(a, b):", "The answer is", "if __name__ == '__main__':"]
     greedy = llm.generate(prompts, _greedy(10), use_tqdm=False)
