@@ -103,6 +103,26 @@ class PluginsConfig(_Section):
         return value
 
 
+class ServerConfig(_Section):
+    """The OpenAI-compatible HTTP front end (`pagedllm serve`); the engine core ignores it."""
+
+    # NOTE: loopback by default; exposing the server is an explicit choice.
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # Bearer token every route but /health requires; also PAGEDLLM_API_KEY.
+    api_key: str | None = None
+    # /metrics without the key (for a Prometheus scraper without credentials).
+    allow_unauthenticated_metrics: bool = False
+    # Request bodies above this are refused with 413.
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+    # Requests admitted but not finished, beyond which new ones get 503.
+    max_pending_requests: int = Field(1024, ge=1)
+    # The model id clients send and /v1/models lists; None = the model path's name.
+    served_model_name: str | None = None
+    # Seconds between the periodic throughput log line; 0 = off.
+    log_stats_interval_s: float = Field(10.0, ge=0.0)
+
+
 # vLLM's flat keyword names (LLM(model=..., block_size=...)) -> (section, key).
 # key None means the flat name takes the whole section (a dict or the model),
 # e.g. a later `speculative_config` -> ("speculative", None).
@@ -169,6 +189,7 @@ class EngineConfig(BaseSettings):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
 
     def __init__(self, **values: Any) -> None:
         try:

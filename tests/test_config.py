@@ -81,7 +81,7 @@ def test_unknown_key_in_arguments_lists_the_sections_known_keys() -> None:
     with pytest.raises(ConfigError) as info:
         EngineConfig(speculative={"method": "ngram"})
     assert info.value.key == "speculative"
-    assert info.value.allowed == "known keys model, cache, scheduler, device, plugins"
+    assert info.value.allowed == "known keys model, cache, scheduler, device, plugins, server"
 
 
 def test_unknown_key_in_env_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
