@@ -37,6 +37,7 @@ from pagedllm.core.stop_strings import check_stop_strings, stop_buffer_length
 if TYPE_CHECKING:
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.core.scheduler_output import LogprobEntry
+    from pagedllm.core.stats import IterationStats
 
 
 class ProcessedOutputs(NamedTuple):
@@ -69,6 +70,7 @@ class RequestState:
     min_tokens: int
     metrics: RequestMetrics
     parent: ParentRequest | None = None
+    max_tokens: int | None = None  # the request's max_tokens, for metrics
     output_text: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: SampleLogprobs | None = None
@@ -287,6 +289,7 @@ class OutputProcessor:
             logprobs=[] if want_logprobs else None,
             cumulative_logprob=0.0 if want_logprobs else None,
             prompt_logprobs=[] if getattr(params, "prompt_logprobs", None) is not None else None,
+            max_tokens=getattr(params, "max_tokens", None),
         )
         self.request_states[request_id] = state
         return state
@@ -315,7 +318,14 @@ class OutputProcessor:
 
     # ------------------------------------------------------------- outputs
 
-    def process_outputs(self, outputs: list[EngineCoreOutput], now: float | None = None) -> ProcessedOutputs:
+    def process_outputs(
+        self,
+        outputs: list[EngineCoreOutput],
+        now: float | None = None,
+        iteration_stats: IterationStats | None = None,
+    ) -> ProcessedOutputs:
+        """Apply one engine step's outputs; with `iteration_stats`, also
+        account the step's tokens, latencies and finished requests there."""
         now = time.time() if now is None else now
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
@@ -323,17 +333,39 @@ class OutputProcessor:
             state = self.request_states.get(engine_output.request_id)
             if state is None or state.finished:
                 continue  # aborted by the user meanwhile
+            prev_last_token_time = state.metrics.last_token_time
             if self._update_state(state, engine_output, now):
                 reqs_to_abort.append(state.request_id)
+            if iteration_stats is not None:
+                iteration_stats.update_from_output(
+                    len(engine_output.new_token_ids), len(state.prompt_token_ids), state.metrics,
+                    prev_last_token_time, now,
+                )
             if state.finished:
                 state.metrics.finished_time = now
                 del self.request_states[state.request_id]
+                if iteration_stats is not None:
+                    self._record_finished(state, iteration_stats, now)
             if not engine_output.new_token_ids and not state.finished:
                 continue  # a prompt-logprobs-only chunk: sent with the next token
             request_output = self._make_request_output(state)
             if request_output is not None:
                 request_outputs.append(request_output)
         return ProcessedOutputs(request_outputs, reqs_to_abort)
+
+    @staticmethod
+    def _record_finished(state: RequestState, iteration_stats: IterationStats, now: float) -> None:
+        assert state.finish_reason is not None
+        iteration_stats.update_from_finished_request(
+            state.finish_reason, state.metrics, len(state.prompt_token_ids), len(state.output_token_ids),
+            state.max_tokens, now,
+        )
+        parent = state.parent
+        if parent is None:
+            iteration_stats.n_params.append(1)
+        elif all(child.finished for child in parent.child_states):
+            # NOTE: one observation per user request, when its last sample ends.
+            iteration_stats.n_params.append(parent.n)
 
     def _update_state(self, state: RequestState, engine_output: EngineCoreOutput, now: float) -> bool:
         """Apply one step; True when a stop string ended a request the engine

@@ -1,0 +1,363 @@
+"""Prometheus metrics and the periodic stats log line (vLLM's v1/metrics/loggers.py).
+
+Every collector lives in this module, registered in a private
+CollectorRegistry per StatLoggerManager, so several engines in one process
+(tests, benchmarks) never collide. Names are vLLM's under the `pagedllm:`
+prefix, each with a `model_name` label; counters are exposed with `_total`.
+
+Driving it (what AsyncLLM does after each batch of engine-core outputs):
+
+    iteration_stats = IterationStats()
+    processed = output_processor.process_outputs(outputs, now, iteration_stats=iteration_stats)
+    stat_logger.record(scheduler_stats, iteration_stats, num_scheduled_tokens)
+    stat_logger.maybe_log()
+
+and `/metrics` serves `stat_logger.render()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from pagedllm.core.config import EngineConfig
+    from pagedllm.core.scheduler import SchedulerStats
+    from pagedllm.core.stats import IterationStats
+
+logger = logging.getLogger("pagedllm.metrics")
+
+# vLLM does the same: `<counter>_created` samples are noise for this use.
+prometheus_client.disable_created_metrics()
+
+PREFIX = "pagedllm:"
+FINISH_REASONS = ("stop", "length", "abort")
+# Used for the token-count histograms when no config gives max_model_len.
+DEFAULT_MAX_MODEL_LEN = 8192
+
+# vLLM's buckets.
+TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+TOKEN_LATENCY_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]  # fmt: skip
+REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+N_PARAM_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        scale *= 10
+
+
+class PrometheusStatLogger:
+    """The collectors, bound to one model_name in one registry."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry, max_model_len: int) -> None:
+        self.model_name = model_name
+        self.registry = registry
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=registry)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, registry=registry, buckets=buckets)
+
+        # Scheduler state
+        self.gauge_running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.gauge_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.gauge_kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.counter_prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.counter_prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.counter_preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
+
+        # Token counters
+        self.counter_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.counter_generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        request_success = Counter(
+            PREFIX + "request_success",
+            "Count of successfully processed requests.",
+            labels + ["finished_reason"],
+            registry=registry,
+        )
+        # NOTE: every reason exists from the start, so a scrape shows zeros
+        # rather than a missing series (rate() needs the series to exist).
+        self.counter_request_success = {
+            reason: request_success.labels(model_name, reason) for reason in FINISH_REASONS
+        }
+        self._request_success = request_success
+
+        # Histograms of counts
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.histogram_prompt_tokens = histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.histogram_generation_tokens = histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.histogram_iteration_tokens = histogram(
+            "iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS
+        )
+        self.histogram_max_tokens = histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
+        self.histogram_n = histogram("request_params_n", "Histogram of the n request parameter.", N_PARAM_BUCKETS)
+
+        # Histograms of timing intervals
+        self.histogram_ttft = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.histogram_itl = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS
+        )
+        self.histogram_tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.histogram_e2e = histogram(
+            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.histogram_queue_time = histogram(
+            "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.histogram_inference_time = histogram(
+            "request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.histogram_prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.histogram_decode_time = histogram(
+            "request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+
+        # Info: a gauge fixed at 1 whose labels carry the cache config.
+        self._cache_config_info: Gauge | None = None
+
+        # Make every unlabelled-by-reason series exist before the first record.
+        for metric in (
+            self.gauge_running, self.gauge_waiting, self.gauge_kv_cache_usage,
+            self.counter_prefix_cache_queries, self.counter_prefix_cache_hits, self.counter_preemptions,
+            self.counter_prompt_tokens, self.counter_generation_tokens,
+            self.histogram_prompt_tokens, self.histogram_generation_tokens, self.histogram_iteration_tokens,
+            self.histogram_max_tokens, self.histogram_n, self.histogram_ttft, self.histogram_itl,
+            self.histogram_tpot, self.histogram_e2e, self.histogram_queue_time, self.histogram_inference_time,
+            self.histogram_prefill_time, self.histogram_decode_time,
+        ):  # fmt: skip
+            metric.labels(model_name)
+
+    def set_cache_config_info(self, info: dict[str, str]) -> None:
+        if self._cache_config_info is None:
+            self._cache_config_info = Gauge(
+                PREFIX + "cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                ["model_name", *info],
+                registry=self.registry,
+            )
+        else:
+            self._cache_config_info.clear()  # one series: the latest config
+        self._cache_config_info.labels(model_name=self.model_name, **info).set(1)
+
+    def record_scheduler_stats(self, scheduler_stats: SchedulerStats, num_new_preemptions: int) -> None:
+        name = self.model_name
+        self.gauge_running.labels(name).set(scheduler_stats.num_running_reqs)
+        self.gauge_waiting.labels(name).set(scheduler_stats.num_waiting_reqs)
+        self.gauge_kv_cache_usage.labels(name).set(scheduler_stats.kv_cache_usage)
+        self.counter_prefix_cache_queries.labels(name).inc(scheduler_stats.prefix_cache_queries)
+        self.counter_prefix_cache_hits.labels(name).inc(scheduler_stats.prefix_cache_hits)
+        self.counter_preemptions.labels(name).inc(num_new_preemptions)
+
+    def record_iteration_stats(self, iteration_stats: IterationStats) -> None:
+        name = self.model_name
+        self.counter_prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
+        self.counter_generation_tokens.labels(name).inc(iteration_stats.num_generation_tokens)
+        for ttft in iteration_stats.time_to_first_tokens:
+            self.histogram_ttft.labels(name).observe(ttft)
+        for itl in iteration_stats.inter_token_latencies:
+            self.histogram_itl.labels(name).observe(itl)
+        for n in iteration_stats.n_params:
+            self.histogram_n.labels(name).observe(n)
+        for finished in iteration_stats.finished_requests:
+            reason = finished.finish_reason
+            if reason not in self.counter_request_success:
+                self.counter_request_success[reason] = self._request_success.labels(name, reason)
+            self.counter_request_success[reason].inc()
+            self.histogram_e2e.labels(name).observe(finished.e2e_latency)
+            self.histogram_queue_time.labels(name).observe(finished.queued_time)
+            self.histogram_prefill_time.labels(name).observe(finished.prefill_time)
+            self.histogram_inference_time.labels(name).observe(finished.inference_time)
+            self.histogram_decode_time.labels(name).observe(finished.decode_time)
+            self.histogram_prompt_tokens.labels(name).observe(finished.num_prompt_tokens)
+            self.histogram_generation_tokens.labels(name).observe(finished.num_generation_tokens)
+            if finished.mean_time_per_output_token is not None:
+                self.histogram_tpot.labels(name).observe(finished.mean_time_per_output_token)
+            if finished.max_tokens_param:
+                self.histogram_max_tokens.labels(name).observe(finished.max_tokens_param)
+
+    def observe_iteration_tokens(self, num_tokens: int) -> None:
+        self.histogram_iteration_tokens.labels(self.model_name).observe(num_tokens)
+
+
+class StatLoggerManager:
+    """Prometheus collectors plus vLLM's periodic "Avg prompt throughput" line.
+
+    `record()` after every engine step; `maybe_log()` as often as convenient
+    (it logs once per `config.server.log_stats_interval_s`, never when 0);
+    `render()` for the `/metrics` body (served with `CONTENT_TYPE`).
+    """
+
+    CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+
+    def __init__(
+        self,
+        model_name: str,
+        config: EngineConfig | None = None,
+        registry: CollectorRegistry | None = None,
+        *,
+        num_kv_blocks: int | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.config = config
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        # The token-count histograms' buckets reach max_model_len (vLLM).
+        if max_model_len is None and config is not None:
+            max_model_len = config.model.max_model_len
+        if max_model_len is None:
+            max_model_len = DEFAULT_MAX_MODEL_LEN
+        self.prometheus = PrometheusStatLogger(model_name, self.registry, max_model_len)
+        self.log_interval_s = config.server.log_stats_interval_s if config is not None else 0.0
+        self.log_engine_initialized(num_kv_blocks)
+
+        # The engine's preemption count is cumulative; the counter gets deltas.
+        self._last_num_preemptions = 0
+        self.last_scheduler_stats: SchedulerStats | None = None
+        # Totals since the previous log line.
+        self.last_log_time = time.monotonic()
+        self.interval_prompt_tokens = 0
+        self.interval_generation_tokens = 0
+        self.interval_prefix_cache_queries = 0
+        self.interval_prefix_cache_hits = 0
+        self._last_throughputs = (0.0, 0.0)
+
+    def log_engine_initialized(self, num_kv_blocks: int | None = None) -> None:
+        """(Re)set `cache_config_info`; call again once the engine reports its
+        real number of KV blocks (the config's is None when sized from memory)."""
+        cache = self.config.cache if self.config is not None else None
+        if num_kv_blocks is None and cache is not None:
+            num_kv_blocks = cache.num_kv_blocks
+        info = {
+            "block_size": "" if cache is None else str(cache.block_size),
+            "num_kv_blocks": "" if num_kv_blocks is None else str(num_kv_blocks),
+            "enable_prefix_caching": "" if cache is None else str(cache.enable_prefix_caching),
+            "prefix_caching_hash_algo": "" if cache is None else cache.prefix_caching_hash_algo,
+            "gpu_memory_utilization": "" if cache is None else str(cache.gpu_memory_utilization),
+        }
+        self.prometheus.set_cache_config_info(info)
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        num_scheduled_tokens: int | None = None,
+    ) -> None:
+        """Account one engine step. `num_scheduled_tokens` (the tokens the step
+        ran) feeds `iteration_tokens_total`; without it the step's prompt +
+        generation tokens do, as in vLLM."""
+        if scheduler_stats is not None:
+            cumulative = scheduler_stats.num_preemptions
+            # A smaller count means a new engine core: it starts from zero.
+            base = self._last_num_preemptions if cumulative >= self._last_num_preemptions else 0
+            self._last_num_preemptions = cumulative
+            self.prometheus.record_scheduler_stats(scheduler_stats, cumulative - base)
+            self.interval_prefix_cache_queries += scheduler_stats.prefix_cache_queries
+            self.interval_prefix_cache_hits += scheduler_stats.prefix_cache_hits
+            self.last_scheduler_stats = scheduler_stats
+        if iteration_stats is not None:
+            self.prometheus.record_iteration_stats(iteration_stats)
+            self.interval_prompt_tokens += iteration_stats.num_prompt_tokens
+            self.interval_generation_tokens += iteration_stats.num_generation_tokens
+        if num_scheduled_tokens is not None:
+            if num_scheduled_tokens > 0:  # an idle stats message is no iteration
+                self.prometheus.observe_iteration_tokens(num_scheduled_tokens)
+        elif iteration_stats is not None:
+            step_tokens = iteration_stats.num_prompt_tokens + iteration_stats.num_generation_tokens
+            if step_tokens > 0:
+                self.prometheus.observe_iteration_tokens(step_tokens)
+
+    def maybe_log(self, now: float | None = None) -> bool:
+        """Log the stats line when the interval has elapsed; True if it did.
+        `now` is time.monotonic()-based."""
+        if self.log_interval_s <= 0:
+            return False
+        now = time.monotonic() if now is None else now
+        if now - self.last_log_time < self.log_interval_s:
+            return False
+        self.log(now)
+        return True
+
+    def log(self, now: float | None = None) -> str:
+        """Log (and return) the stats line over the interval since the last
+        one, then start a new interval."""
+        now = time.monotonic() if now is None else now
+        elapsed = now - self.last_log_time
+        prompt_throughput = self.interval_prompt_tokens / elapsed if elapsed > 0 else 0.0
+        generation_throughput = self.interval_generation_tokens / elapsed if elapsed > 0 else 0.0
+        queries, hits = self.interval_prefix_cache_queries, self.interval_prefix_cache_hits
+        hit_rate = hits / queries if queries else 0.0
+        stats = self.last_scheduler_stats
+        line = (
+            f"Avg prompt throughput: {prompt_throughput:.1f} tokens/s, "
+            f"Avg generation throughput: {generation_throughput:.1f} tokens/s, "
+            f"Running: {stats.num_running_reqs if stats else 0} reqs, "
+            f"Waiting: {stats.num_waiting_reqs if stats else 0} reqs, "
+            f"KV cache usage: {(stats.kv_cache_usage if stats else 0.0) * 100:.1f}%, "
+            f"Prefix cache hit rate: {hit_rate * 100:.1f}%"
+        )
+        # An idle server would repeat the same zero line forever (vLLM: debug).
+        idle = not any((prompt_throughput, generation_throughput, *self._last_throughputs))
+        logger.log(logging.DEBUG if idle else logging.INFO, "%s", line)
+        self._last_throughputs = (prompt_throughput, generation_throughput)
+        self.last_log_time = now
+        self.interval_prompt_tokens = self.interval_generation_tokens = 0
+        self.interval_prefix_cache_queries = self.interval_prefix_cache_hits = 0
+        return line
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this engine's metrics."""
+        return generate_latest(self.registry)
