@@ -10,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pagedllm.core.errors import PagedLLMError
+from pagedllm.entrypoints.bench.serve import add_bench_parser
 
 if TYPE_CHECKING:
     import torch
@@ -198,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--head-size", type=int, default=128)
     env.add_argument("--block-size", type=int, default=16)
     env.set_defaults(func=cmd_env)
+    add_bench_parser(sub)
     return parser
 
 
