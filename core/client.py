@@ -4,15 +4,48 @@ its own process behind ZMQ (the server issue) without the front end changing."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import itertools
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import zmq
+import zmq.asyncio
+
+from pagedllm.core.engine_core_proc import run_engine_core
+from pagedllm.core.errors import EngineDeadError, EngineStartupError
+from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.core.serial import (
+    AbortRequests,
+    AddRequests,
+    CoreInput,
+    CoreInputEncoder,
+    CoreOutput,
+    CoreOutputDecoder,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    UtilityRequest,
+    UtilityResult,
+    to_engine_core_request,
+)
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.engine import EngineCore
     from pagedllm.core.outputs import EngineCoreOutput
     from pagedllm.core.request import Request
-    from pagedllm.core.scheduler import SchedulerStats
 
 
 class EngineCoreClient(ABC):
@@ -61,3 +94,317 @@ class InprocClient(EngineCoreClient):
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+
+# ------------------------------------------------------------ multi-process
+
+# How long a reader waits for the core before it checks the core is alive.
+LIVENESS_POLL_S = 0.5
+# A Shutdown message, then SIGTERM, then SIGKILL, each given this long.
+SHUTDOWN_GRACE_S = 5.0
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+
+
+class _CoreResources:
+    """What MPClient must release: the core (process or thread), the sockets,
+    the socket folder. A plain object so weakref.finalize can hold it (it
+    runs at interpreter exit too: no orphan engine core)."""
+
+    def __init__(self) -> None:
+        self.context: Any = None
+        self.input_socket: Any = None
+        self.output_socket: Any = None
+        self.process: Any = None
+        self.thread: threading.Thread | None = None
+        self.socket_dir: str | None = None
+
+    def shutdown(self) -> None:
+        if self.input_socket is not None:
+            try:
+                self.input_socket.send(CoreInputEncoder().encode(Shutdown()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        if self.process is not None and self.process.pid is not None:  # started
+            self.process.join(SHUTDOWN_GRACE_S)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(SHUTDOWN_GRACE_S)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+        if self.thread is not None:
+            self.thread.join(SHUTDOWN_GRACE_S)
+        for sock in (self.input_socket, self.output_socket):
+            if sock is not None:
+                sock.close(linger=0)
+        if self.context is not None:
+            self.context.term()
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+class MPClient:
+    """Runs EngineCore behind ZMQ: in a spawned process (the server) or, with
+    `in_thread`, in a background thread of this process (fast tests); both
+    speak the same msgspec messages (core/serial.py).
+
+    The constructor only starts the core; `wait_for_ready()` blocks until its
+    Ready handshake (raising EngineStartupError on a startup failure, an early
+    exit or the timeout), so the caller can load the tokenizer meanwhile.
+    """
+
+    def __init__(self, config: EngineConfig, *, in_thread: bool = False) -> None:
+        self.input_encoder = CoreInputEncoder()
+        self.output_decoder = CoreOutputDecoder()
+        self.dead_error: EngineDeadError | None = None
+        self.ready: Ready | None = None
+        resources = self.resources = _CoreResources()
+        self._finalizer = weakref.finalize(self, resources.shutdown)
+        try:
+            resources.socket_dir = tempfile.mkdtemp(prefix="pagedllm-engine-")
+            input_address = f"ipc://{resources.socket_dir}/input"
+            output_address = f"ipc://{resources.socket_dir}/output"
+            resources.context = zmq.Context()
+            resources.input_socket = self.input_socket = resources.context.socket(zmq.PUSH)
+            resources.output_socket = self.output_socket = resources.context.socket(zmq.PULL)
+            # NOTE: no send high-water mark: a send from the event loop must never block.
+            self.input_socket.setsockopt(zmq.SNDHWM, 0)
+            self.input_socket.bind(input_address)
+            self.output_socket.bind(output_address)
+            # The core ignores the server section; the API key stays in this process.
+            config_json = config.model_dump_json(exclude={"server"})
+            if in_thread:
+                resources.thread = threading.Thread(
+                    target=run_engine_core,
+                    args=(config_json, input_address, output_address, None),
+                    name="EngineCore",
+                    daemon=True,
+                )
+                resources.thread.start()
+            else:
+                context = multiprocessing.get_context("spawn")
+                resources.process = context.Process(
+                    target=run_engine_core,
+                    args=(config_json, input_address, output_address, os.getpid()),
+                    name="EngineCore",
+                )
+                resources.process.start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def engine_pid(self) -> int | None:
+        process = self.resources.process
+        return None if process is None else process.pid
+
+    def wait_for_ready(self, timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> Ready:
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                if self.output_socket.poll(int(LIVENESS_POLL_S * 1000)):
+                    message = self.output_decoder.decode(self.output_socket.recv())
+                    if isinstance(message, Ready):
+                        self.ready = message
+                        return message
+                    if isinstance(message, StartupFailed):
+                        raise EngineStartupError(
+                            f"engine core failed to start: {message.error_type}: {message.message}",
+                            message.error_type,
+                        )
+                    continue
+                if not self._core_alive():
+                    raise EngineStartupError(f"engine core exited before it was ready ({self._exit_description()})")
+                if time.monotonic() > deadline:
+                    raise EngineStartupError(f"engine core not ready after {timeout_s:g} s")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------- liveness
+
+    def _core_alive(self) -> bool:
+        if self.resources.process is not None:
+            return bool(self.resources.process.is_alive())
+        return self.resources.thread is not None and self.resources.thread.is_alive()
+
+    def _exit_description(self) -> str:
+        process = self.resources.process
+        if process is None:
+            return "engine core thread ended"
+        code = process.exitcode
+        if code is not None and code < 0:
+            return f"pid {process.pid} killed by signal {-code}"
+        return f"pid {process.pid} exit code {code}"
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if the core died (a Dead notice or its exit)."""
+        if self.dead_error is None and not self._finalizer.alive:
+            self.dead_error = EngineDeadError("the engine core was shut down")
+        if self.dead_error is None and not self._core_alive():
+            self.dead_error = EngineDeadError(f"the engine core died ({self._exit_description()})")
+        if self.dead_error is not None:
+            raise self.dead_error
+
+    @property
+    def errored(self) -> bool:
+        try:
+            self.check_alive()
+        except EngineDeadError:
+            return True
+        return False
+
+    # ---------------------------------------------------------------- input
+
+    def _send(self, message: CoreInput) -> None:
+        self.check_alive()
+        try:
+            self.input_socket.send(self.input_encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # no peer: the core is gone
+            self.check_alive()
+            raise EngineDeadError(f"cannot reach the engine core: {exc}") from exc
+
+    def add_engine_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self._send(AddRequests(requests))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(AbortRequests(list(request_ids)))
+
+    def _handle_dead(self, message: EngineDead) -> None:
+        self.dead_error = EngineDeadError(f"the engine core crashed: {message.error}")
+        raise self.dead_error
+
+    def shutdown(self) -> None:
+        """Stop the core (Shutdown message, then SIGTERM, then SIGKILL); idempotent."""
+        self._finalizer()
+
+
+class SyncMPClient(MPClient, EngineCoreClient):
+    """EngineCoreClient over ZMQ for blocking callers (an `LLM` with its core
+    in another process)."""
+
+    def __init__(self, config: EngineConfig, *, in_thread: bool = False,
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
+        super().__init__(config, in_thread=in_thread)
+        self.wait_for_ready(startup_timeout_s)
+        self._pending_outputs: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._call_ids = itertools.count()
+
+    def add_request(self, request: Request) -> None:
+        self.add_engine_requests([to_engine_core_request(request)])
+
+    def get_output(self) -> list[EngineCoreOutput]:
+        if self._pending_outputs:
+            return self._pending_outputs.popleft().engine_core_outputs()
+        while True:
+            message = self._recv()
+            if isinstance(message, EngineCoreOutputs):
+                return message.engine_core_outputs()
+
+    def _recv(self) -> CoreOutput:
+        while not self.output_socket.poll(int(LIVENESS_POLL_S * 1000)):
+            self.check_alive()
+        message = self.output_decoder.decode(self.output_socket.recv())
+        if isinstance(message, EngineDead):
+            self._handle_dead(message)
+        return message
+
+    def call_utility(self, name: str, *args: Any) -> Any:
+        call_id = next(self._call_ids)
+        self._send(UtilityRequest(call_id, name, list(args)))
+        while True:
+            message = self._recv()
+            if isinstance(message, UtilityResult) and message.call_id == call_id:
+                if message.error is not None:
+                    raise RuntimeError(f"engine core utility {name!r} failed: {message.error}")
+                return message.result
+            if isinstance(message, EngineCoreOutputs):
+                self._pending_outputs.append(message)
+
+    def get_stats(self) -> SchedulerStats:
+        stats = self.call_utility("get_stats")
+        # Prefix-cache counts are interval deltas the core reports with each step.
+        return SchedulerStats(
+            num_running_reqs=stats["num_running_reqs"],
+            num_waiting_reqs=stats["num_waiting_reqs"],
+            kv_cache_usage=stats["kv_cache_usage"],
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions=stats["num_preemptions"],
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.call_utility("reset_prefix_cache"))
+
+
+class AsyncMPClient(MPClient):
+    """The asyncio side: one reader (AsyncLLM's output handler) awaits
+    `get_output_async()`, which also resolves utility-call futures; sends
+    never block (they are synchronous, so an abort can be sent from a
+    `finally` that must not await)."""
+
+    def __init__(self, config: EngineConfig, *, in_thread: bool = False) -> None:
+        super().__init__(config, in_thread=in_thread)
+        self._async_socket: Any = None
+        self._async_loop: asyncio.AbstractEventLoop | None = None
+        self._call_ids = itertools.count()
+        self._utility_futures: dict[int, asyncio.Future[Any]] = {}
+
+    def shutdown(self) -> None:
+        async_socket = getattr(self, "_async_socket", None)  # None if __init__ failed early
+        if async_socket is not None and not async_socket.closed:
+            # Cancels a reader's pending poll/recv before the socket goes away.
+            async_socket.close(linger=0)
+        super().shutdown()
+
+    def _output_socket_for_loop(self) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._async_loop is not loop:
+            # A new event loop (tests with per-test loops): shadow the socket again.
+            self._async_socket = zmq.asyncio.Socket.from_socket(self.output_socket)
+            self._async_loop = loop
+        return self._async_socket
+
+    async def get_output_async(self, timeout_s: float = LIVENESS_POLL_S) -> EngineCoreOutputs | None:
+        """The next step's outputs; None if nothing came within `timeout_s`
+        (the core is alive, else EngineDeadError)."""
+        sock = self._output_socket_for_loop()
+        try:
+            while True:
+                if not await sock.poll(int(timeout_s * 1000)):
+                    self.check_alive()
+                    return None
+                message = self.output_decoder.decode(await sock.recv())
+                if isinstance(message, EngineCoreOutputs):
+                    return message
+                if isinstance(message, UtilityResult):
+                    self._resolve_utility(message)
+                elif isinstance(message, EngineDead):
+                    self._handle_dead(message)
+        except EngineDeadError as exc:
+            for future in self._utility_futures.values():
+                if not future.done():
+                    future.set_exception(exc)
+            self._utility_futures.clear()
+            raise
+
+    def _resolve_utility(self, message: UtilityResult) -> None:
+        future = self._utility_futures.pop(message.call_id, None)
+        if future is None or future.done():
+            return
+        if message.error is not None:
+            future.set_exception(RuntimeError(f"engine core utility failed: {message.error}"))
+        else:
+            future.set_result(message.result)
+
+    async def call_utility_async(self, name: str, *args: Any) -> Any:
+        """Run an allow-listed utility in the core; needs the output reader running."""
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._utility_futures[call_id] = future
+        try:
+            self._send(UtilityRequest(call_id, name, list(args)))
+            return await future
+        finally:
+            self._utility_futures.pop(call_id, None)

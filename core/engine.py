@@ -100,6 +100,8 @@ class EngineCore:
         )
         # PAGEDLLM_DEBUG_KV=1 checks the block invariant after every step.
         self.check_kv_invariants = os.environ.get("PAGEDLLM_DEBUG_KV") == "1"
+        # Tokens the last step() computed (the server's iteration_tokens_total).
+        self.num_scheduled_tokens = 0
         plugin_manager.hook.on_engine_start(config=config)
 
     # --------------------------------------------------------------- sizing
@@ -152,19 +154,7 @@ class EngineCore:
     # ---------------------------------------------------------------- intake
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        num_tokens = len(prompt_token_ids)
-        if num_tokens == 0:
-            raise InvalidRequestError("prompt", prompt_token_ids, "the prompt must contain at least one token")
-        if num_tokens >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"<{num_tokens} tokens>",
-                f"the prompt has {num_tokens} tokens but max_model_len is {self.max_model_len} "
-                "and at least one token must be generated",
-            )
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError("prompt_token_ids", bad[:5], f"token ids must be in [0, {self.vocab_size})")
+        validate_prompt(prompt_token_ids, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
 
     def add_request(self, request: Request) -> None:
         self.validate_prompt(request.prompt_token_ids)
@@ -181,6 +171,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens  # for iteration stats
         if self.check_kv_invariants:
             self.check_invariants()
         return outputs
@@ -196,6 +187,24 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+def validate_prompt(prompt_token_ids: list[int], *, max_model_len: int, vocab_size: int) -> None:
+    """The prompt checks of `EngineCore.add_request`; the API process runs them
+    too (with the core's READY figures) so a bad prompt is a 400 before it is sent."""
+    num_tokens = len(prompt_token_ids)
+    if num_tokens == 0:
+        raise InvalidRequestError("prompt", prompt_token_ids, "the prompt must contain at least one token")
+    if num_tokens >= max_model_len:
+        raise InvalidRequestError(
+            "prompt",
+            f"<{num_tokens} tokens>",
+            f"the prompt has {num_tokens} tokens but max_model_len is {max_model_len} "
+            "and at least one token must be generated",
+        )
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError("prompt_token_ids", bad[:5], f"token ids must be in [0, {vocab_size})")
 
 
 def _config_dtype(hf_config: PretrainedConfig) -> torch.dtype:

@@ -58,3 +58,29 @@ class AttentionBackendError(PagedLLMError):
 
 class KVCacheCapacityError(PagedLLMError):
     """The KV cache can never hold a request (prompt longer than the whole pool)."""
+
+
+class EngineDeadError(PagedLLMError, RuntimeError):
+    """The engine-core process (or thread) died; nothing in flight will finish.
+    The HTTP layer answers 503 (and ends a stream with an error chunk)."""
+
+
+class EngineOverloadedError(PagedLLMError):
+    """Too many unfinished requests (`server.max_pending_requests`); retry later (503)."""
+
+    def __init__(self, num_pending: int, limit: int) -> None:
+        self.num_pending = num_pending
+        self.limit = limit
+        super().__init__(
+            f"the engine has {num_pending} unfinished requests, the limit (server.max_pending_requests) "
+            f"is {limit}; retry later"
+        )
+
+
+class EngineStartupError(PagedLLMError, RuntimeError):
+    """The engine core failed to start (bad model path or config, timeout);
+    `error_type` names the exception the core raised, if any."""
+
+    def __init__(self, message: str, error_type: str | None = None) -> None:
+        self.error_type = error_type
+        super().__init__(message)

@@ -1,0 +1,333 @@
+"""AsyncLLM: the asyncio front end of the engine (vLLM's v1 AsyncLLM).
+
+The engine core runs its busy loop in another process (or, for tests, a
+thread); this side tokenizes, validates, fans n > 1 out and back in
+(OutputProcessor), detokenizes, and feeds the stat logger. One background
+task reads the core's outputs and routes RequestOutputs to per-request
+queues; `generate()` drains its queue.
+
+    llm = AsyncLLM(config)            # blocks until the core is ready
+    async for output in llm.generate("Hello", SamplingParams(max_tokens=8), "req-0"):
+        ...
+    llm.shutdown()
+
+or `llm = await AsyncLLM.create(config)`. The output task starts on the first
+`generate()` / utility call (or `await llm.start()`), in the running loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient
+from pagedllm.core.engine import validate_prompt
+from pagedllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from pagedllm.core.llm import _check_token_ids, _load_tokenizer
+from pagedllm.core.metrics import StatLoggerManager
+from pagedllm.core.output_processor import OutputProcessor
+from pagedllm.core.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from pagedllm.core.serial import EngineCoreRequest, sampling_params_to_dict
+from pagedllm.core.stats import IterationStats
+from pagedllm.model_registry.tiny import resolve_model_path
+
+if TYPE_CHECKING:
+    from pagedllm.core.config import EngineConfig
+    from pagedllm.core.sampling_params import SamplingParams
+    from pagedllm.core.serial import EngineCoreOutputs
+
+logger = logging.getLogger(__name__)
+
+# The embedded default model's name in /v1/models.
+DEFAULT_MODEL_NAME = "pagedllm-tiny"
+# Outputs processed between yields to the event loop (vLLM's
+# VLLM_V1_OUTPUT_PROC_CHUNK_SIZE): a big batch must not stall HTTP handling.
+OUTPUT_PROC_CHUNK_SIZE = 128
+
+
+class _RequestStream:
+    """Where the output task puts one request's outputs (or its error)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.n = n
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def aborted_output(self) -> RequestOutput:
+        completions = [
+            CompletionOutput(index, "", [], None, None, finish_reason="abort") for index in range(self.n)
+        ]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, None, completions, True)
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        in_process: bool = False,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    ) -> None:
+        self.config = config
+        # Built here (not raced by the core) when it is the embedded default.
+        model_path = resolve_model_path(config.model.model)
+        self.engine_core = AsyncMPClient(config, in_thread=in_process)
+        try:
+            # The tokenizer loads while the core loads the model.
+            self.tokenizer = _load_tokenizer(config.model.tokenizer or model_path)
+            ready = self.engine_core.wait_for_ready(startup_timeout_s)
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
+        self.ready = ready
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.eos_token_id: int | None = (
+            ready.eos_token_id if ready.eos_token_id is not None else self.tokenizer.eos_token_id
+        )
+        self.model_name = config.server.served_model_name or (
+            DEFAULT_MODEL_NAME if config.model.model is None else Path(config.model.model).name
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_logger = StatLoggerManager(
+            model_name=self.model_name,
+            config=config,
+            num_kv_blocks=ready.num_kv_blocks,
+            max_model_len=ready.max_model_len,
+        )
+        self._streams: dict[str, _RequestStream] = {}
+        self._output_task: asyncio.Task[None] | None = None
+        self._output_loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    async def create(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
+        """Construct (blocking this loop until the core is ready: the server
+        is not serving yet) and start the output task.
+
+        NOTE: not in an executor thread: the core dies with the thread that
+        spawned it (PR_SET_PDEATHSIG)."""
+        llm = cls(config, **kwargs)
+        await llm.start()
+        return llm
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine-core process id (None when in_process)."""
+        return self.engine_core.engine_pid
+
+    # -------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Start the output task in the running loop (again in a new loop)."""
+        loop = asyncio.get_running_loop()
+        if self._output_loop is loop and self._output_task is not None and not self._output_task.done():
+            return
+        self._output_loop = loop
+        self._output_task = loop.create_task(self._run_output_handler(), name="AsyncLLM.output_handler")
+
+    def shutdown(self) -> None:
+        """Stop the output task and the engine core (no orphan); idempotent."""
+        task = self._output_task
+        if task is not None and not task.done() and not task.get_loop().is_closed():
+            task.cancel()
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        self.engine_core.shutdown()
+
+    @property
+    def errored(self) -> bool:
+        return self.engine_core.errored
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._streams)
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the engine core died."""
+        self.engine_core.check_alive()
+
+    # --------------------------------------------------------------- requests
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return _check_token_ids(prompt)
+
+    def validate_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> int:
+        """The checks `generate()` runs before anything reaches the core
+        (InvalidRequestError naming field and limit); returns the effective
+        max_tokens. Callers may run it first to answer 400 before streaming."""
+        validate_prompt(prompt_token_ids, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        return sampling_params.validate_against(self.max_model_len, len(prompt_token_ids))
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        prompt_text: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's RequestOutputs as the core produces them.
+
+        Errors (InvalidRequestError, EngineOverloadedError, EngineDeadError)
+        raise at the first iteration. If the consumer stops early (break,
+        client disconnect: GeneratorExit / CancelledError) the request is
+        aborted in the core at once.
+        """
+        self.engine_core.check_alive()
+        await self.start()
+        stream = self._add_request(
+            prompt, sampling_params, request_id, prompt_text, priority, cache_salt, output_kind
+        )
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the core is gone; nothing to abort
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._abort_request(request_id)
+
+    def _add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        prompt_text: str | None,
+        priority: int,
+        cache_salt: str | None,
+        output_kind: RequestOutputKind,
+    ) -> _RequestStream:
+        limit = self.config.server.max_pending_requests
+        if len(self._streams) >= limit:
+            raise EngineOverloadedError(len(self._streams), limit)
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", request_id, "a request with this id is still running")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError("priority", priority, "must be an integer")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt", cache_salt, "must be a string or None")
+        if isinstance(prompt, str) and prompt_text is None:
+            prompt_text = prompt
+        prompt_token_ids = self.tokenize(prompt)
+        self.validate_request(prompt_token_ids, sampling_params)
+
+        arrival_time = time.time()
+        engine_requests = self.output_processor.add_request(
+            request_id, prompt_text, prompt_token_ids, sampling_params, arrival_time, output_kind
+        )
+        stream = _RequestStream(request_id, prompt_text, prompt_token_ids, sampling_params.n)
+        self._streams[request_id] = stream
+        try:
+            self.engine_core.add_engine_requests(
+                [
+                    EngineCoreRequest(
+                        request_id=engine_request_id,
+                        prompt_token_ids=prompt_token_ids,
+                        sampling_params=sampling_params_to_dict(engine_params),
+                        eos_token_id=self.eos_token_id,
+                        arrival_time=arrival_time,
+                        priority=priority,
+                        cache_salt=cache_salt,
+                    )
+                    for engine_request_id, engine_params in engine_requests
+                ]
+            )
+        except BaseException:
+            self._streams.pop(request_id, None)
+            self.output_processor.abort_requests([request_id])
+            raise
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its generate() ends with a finish_reason "abort" output."""
+        stream = self._streams.get(request_id)
+        self._abort_request(request_id)
+        if stream is not None:
+            stream.queue.put_nowait(stream.aborted_output())
+
+    def _abort_request(self, request_id: str) -> None:
+        # NOTE: synchronous on purpose: it runs in generate()'s finally, where
+        # a cancelled task must not await.
+        self._streams.pop(request_id, None)
+        engine_request_ids = self.output_processor.abort_requests([request_id])
+        try:
+            self.engine_core.abort_requests(engine_request_ids)
+        except EngineDeadError:
+            pass  # nothing left to free
+
+    # -------------------------------------------------------------- utilities
+
+    async def get_stats(self) -> dict[str, Any]:
+        """The core's queue and KV figures now (num_running_reqs,
+        num_waiting_reqs, num_unfinished_reqs, kv_cache_usage, num_free_blocks,
+        num_kv_blocks, num_preemptions) plus this side's num_pending_requests."""
+        await self.start()
+        stats = dict(await self.engine_core.call_utility_async("get_stats"))
+        stats["num_pending_requests"] = len(self._streams)
+        return stats
+
+    async def reset_prefix_cache(self) -> bool:
+        await self.start()
+        return bool(await self.engine_core.call_utility_async("reset_prefix_cache"))
+
+    # ----------------------------------------------------------- output task
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                message = await self.engine_core.get_output_async()
+                if message is not None:
+                    await self._process_engine_outputs(message)
+                self.stat_logger.maybe_log()
+        except EngineDeadError as exc:
+            logger.error("%s", exc)
+            self._fail_all(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # A bug on this side: no request could finish any more.
+            logger.exception("AsyncLLM output handler failed")
+            dead = EngineDeadError(f"the engine's output handler failed: {type(exc).__name__}: {exc}")
+            self.engine_core.dead_error = dead
+            self._fail_all(dead)
+
+    async def _process_engine_outputs(self, message: EngineCoreOutputs) -> None:
+        outputs = message.engine_core_outputs()
+        now = time.time()
+        iteration_stats = IterationStats(iteration_timestamp=now) if outputs else None
+        for start in range(0, len(outputs), OUTPUT_PROC_CHUNK_SIZE):
+            if start:
+                await asyncio.sleep(0)
+            processed = self.output_processor.process_outputs(
+                outputs[start : start + OUTPUT_PROC_CHUNK_SIZE], now, iteration_stats
+            )
+            # Finished here by a stop string: the core still runs them.
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+            for request_output in processed.request_outputs:
+                stream = self._streams.get(request_output.request_id)
+                if stream is None:
+                    continue
+                stream.queue.put_nowait(request_output)
+                if request_output.finished:
+                    del self._streams[request_output.request_id]
+        self.stat_logger.record(message.scheduler_stats, iteration_stats, message.num_scheduled_tokens)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.queue.put_nowait(error)
+        self.output_processor.abort_requests(list(streams))

@@ -1,0 +1,302 @@
+"""The engine core in its own process: a busy loop around EngineCore.step().
+
+    drain the input socket (add / abort / utility) -> step() if there is work
+    -> send that step's outputs and scheduler stats -> block on input when idle
+
+The API process (AsyncLLM, the HTTP server) tokenizes and detokenizes; this
+process only schedules and runs the model, so the two overlap. Messages are
+msgspec structs (core/serial.py), never pickles.
+
+Lifetime: spawned by `MPClient` (core/client.py) with the "spawn" context;
+exits on a Shutdown message, on SIGTERM / SIGINT, and when its parent dies
+(PR_SET_PDEATHSIG plus a parent-pid check), so a killed server leaves no
+orphan. A crash in the loop is reported with an EngineDead message first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from pagedllm.core.errors import PagedLLMError
+from pagedllm.core.serial import (
+    AbortRequests,
+    AddRequests,
+    CoreInputDecoder,
+    CoreOutputEncoder,
+    EngineCoreOutputs,
+    EngineCoreOutputWire,
+    EngineDead,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    UtilityRequest,
+    UtilityResult,
+    from_engine_core_request,
+    to_wire_output,
+)
+
+if TYPE_CHECKING:
+    from pagedllm.core.engine import EngineCore
+    from pagedllm.core.outputs import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+# How long an idle core blocks on its input before it checks its parent.
+IDLE_POLL_MS = 1000
+# How often a busy core checks its parent (PDEATHSIG is the fast path).
+PARENT_CHECK_INTERVAL_S = 1.0
+# How long the core's last message may wait for the API to read it.
+LAST_WORD_LINGER_MS = 2000
+_PR_SET_PDEATHSIG = 1
+
+
+class EngineCoreProc:
+    """Runs an EngineCore against a pair of ZMQ sockets."""
+
+    # NOTE: the only names a UtilityRequest may call; never getattr() a client's string.
+    UTILITIES = frozenset({"get_stats", "reset_prefix_cache"})
+
+    def __init__(
+        self,
+        engine_core: EngineCore,
+        input_socket: zmq.Socket[bytes],
+        output_socket: zmq.Socket[bytes],
+        parent_pid: int | None = None,
+    ) -> None:
+        self.engine_core = engine_core
+        self.input_socket = input_socket
+        self.output_socket = output_socket
+        self.parent_pid = parent_pid
+        self.decoder = CoreInputDecoder()
+        self.encoder = CoreOutputEncoder()
+        self.should_stop = False
+        # Queue lengths changed without a step (an abort while idle): the
+        # API's gauges must hear about it.
+        self.stats_dirty = False
+        self._last_parent_check = time.monotonic()
+
+    # ------------------------------------------------------------------ loop
+
+    def run_busy_loop(self) -> None:
+        engine_core = self.engine_core
+        while not self.should_stop:
+            self._process_input_queue(block=not engine_core.has_unfinished_requests())
+            if self.should_stop:
+                break
+            if engine_core.has_unfinished_requests():
+                outputs = engine_core.step()
+                self._send_outputs(outputs, engine_core.num_scheduled_tokens)
+            elif self.stats_dirty:
+                self._send_outputs([], 0)
+
+    def _process_input_queue(self, block: bool) -> None:
+        if block:
+            while not self.input_socket.poll(IDLE_POLL_MS):
+                self._check_parent()
+        else:
+            self._maybe_check_parent()
+        while not self.should_stop:
+            try:
+                frame = self.input_socket.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle_input(self.decoder.decode(frame.buffer))
+
+    def _handle_input(self, message: Any) -> None:
+        if isinstance(message, AddRequests):
+            for wire_request in message.requests:
+                self._add_request(wire_request)
+        elif isinstance(message, AbortRequests):
+            self.engine_core.abort_requests(message.request_ids)
+            self.stats_dirty = True
+        elif isinstance(message, UtilityRequest):
+            self._send(self._call_utility(message))
+        elif isinstance(message, Shutdown):
+            self.should_stop = True
+
+    def _add_request(self, wire_request: Any) -> None:
+        try:
+            self.engine_core.add_request(from_engine_core_request(wire_request))
+        except (PagedLLMError, TypeError, ValueError) as exc:
+            # The API validates first, so this is a client bug or a race;
+            # it ends the one request, never the loop.
+            logger.warning("request %s rejected by the engine core: %s", wire_request.request_id, exc)
+            rejected = EngineCoreOutputWire(
+                wire_request.request_id, [], None, None, "abort", None, 0, None, None
+            )
+            self._send(EngineCoreOutputs([rejected], None, 0, time.time()))
+
+    def _call_utility(self, message: UtilityRequest) -> UtilityResult:
+        if message.name not in self.UTILITIES:
+            return UtilityResult(message.call_id, None, f"UnknownUtility: {message.name!r}")
+        try:
+            result = getattr(self, "utility_" + message.name)(*message.args)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
+            return UtilityResult(message.call_id, None, f"{type(exc).__name__}: {exc}")
+        return UtilityResult(message.call_id, result)
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput], num_scheduled_tokens: int) -> None:
+        self.stats_dirty = False
+        message = EngineCoreOutputs(
+            outputs=[to_wire_output(output) for output in outputs],
+            scheduler_stats=self.engine_core.make_stats(),
+            num_scheduled_tokens=num_scheduled_tokens,
+            timestamp=time.time(),
+        )
+        self._send(message)
+
+    def _send(self, message: Any) -> None:
+        self.output_socket.send(self.encoder.encode(message), copy=False)
+
+    # ------------------------------------------------------------- utilities
+
+    def utility_get_stats(self) -> dict[str, Any]:
+        # NOTE: not make_stats(): that takes the prefix-cache interval counts
+        # the metrics pipeline is owed.
+        scheduler = self.engine_core.scheduler
+        kv_cache_manager = self.engine_core.kv_cache_manager
+        return {
+            "num_running_reqs": len(scheduler.running),
+            "num_waiting_reqs": len(scheduler.waiting),
+            "num_unfinished_reqs": scheduler.get_num_unfinished_requests(),
+            "kv_cache_usage": kv_cache_manager.usage,
+            "num_free_blocks": kv_cache_manager.num_free_blocks,
+            "num_kv_blocks": kv_cache_manager.num_blocks,
+            "num_preemptions": scheduler.num_preemptions,
+        }
+
+    def utility_reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    # ---------------------------------------------------------------- parent
+
+    def _maybe_check_parent(self) -> None:
+        now = time.monotonic()
+        if now - self._last_parent_check >= PARENT_CHECK_INTERVAL_S:
+            self._last_parent_check = now
+            self._check_parent()
+
+    def _check_parent(self) -> None:
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            logger.warning("parent process %d is gone; engine core exiting", self.parent_pid)
+            self.should_stop = True
+            raise SystemExit(0)
+
+
+# --------------------------------------------------------------- entry point
+
+
+def run_engine_core(
+    config_json: str,
+    input_address: str,
+    output_address: str,
+    parent_pid: int | None = None,
+) -> None:
+    """Target of the engine-core process (`parent_pid` set) or thread (None).
+
+    Connects to the API's sockets, builds the EngineCore, answers Ready (or
+    StartupFailed), then runs the busy loop until told to stop.
+    """
+    in_own_process = parent_pid is not None
+    if parent_pid is not None:
+        _setup_process(parent_pid)
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    output_socket = context.socket(zmq.PUSH)
+    input_socket.connect(input_address)
+    output_socket.connect(output_address)
+    encoder = CoreOutputEncoder()
+    exit_code = 0
+    # Only a last word (StartupFailed, EngineDead) is worth waiting to deliver;
+    # step outputs after a Shutdown have no reader.
+    output_linger_ms = 0
+    try:
+        try:
+            engine_core = _build_engine_core(config_json)
+        except Exception as exc:  # noqa: BLE001 - sent back to the parent as StartupFailed
+            logger.exception("engine core failed to start")
+            output_socket.send(encoder.encode(StartupFailed(type(exc).__name__, str(exc))))
+            output_linger_ms = LAST_WORD_LINGER_MS
+            exit_code = 1
+            return
+        output_socket.send(encoder.encode(_ready_message(engine_core)))
+        proc = EngineCoreProc(engine_core, input_socket, output_socket, parent_pid)
+        try:
+            proc.run_busy_loop()
+        except SystemExit:
+            logger.info("engine core stopping (signal or parent exit)")
+        except BaseException as exc:
+            logger.exception("engine core busy loop crashed")
+            error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            try:
+                output_socket.send(encoder.encode(EngineDead(error)), flags=zmq.NOBLOCK)
+                output_linger_ms = LAST_WORD_LINGER_MS
+            except zmq.ZMQError:
+                pass
+            exit_code = 1
+    finally:
+        input_socket.close(linger=0)
+        output_socket.close(linger=output_linger_ms)
+        context.term()
+        if in_own_process and exit_code:
+            sys.exit(exit_code)
+
+
+def _build_engine_core(config_json: str) -> EngineCore:
+    from pagedllm.core.config import EngineConfig
+    from pagedllm.core.engine import EngineCore
+
+    # Every field is given, so PAGEDLLM_ env cannot change what the parent decided.
+    config = EngineConfig(**json.loads(config_json))
+    return EngineCore(config)
+
+
+def _ready_message(engine_core: EngineCore) -> Ready:
+    eos = getattr(engine_core.hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return Ready(
+        pid=os.getpid(),
+        model_path=str(engine_core.model_path),
+        max_model_len=engine_core.max_model_len,
+        vocab_size=engine_core.vocab_size,
+        num_kv_blocks=engine_core.kv_cache_manager.num_blocks,
+        block_size=engine_core.kv_cache_manager.block_size,
+        eos_token_id=eos,
+        attention_backend=engine_core.attn_selection.name,
+    )
+
+
+def _setup_process(parent_pid: int) -> None:
+    """Die with the parent, exit cleanly on SIGTERM / SIGINT, log like the parent."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO").upper(),
+            format=f"%(levelname)s %(asctime)s [EngineCore pid={os.getpid()}] %(name)s: %(message)s",
+        )
+
+    def _exit(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _exit)
+    signal.signal(signal.SIGINT, _exit)
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            # NOTE: fires when the parent *thread* that spawned us exits; the
+            # client spawns from the thread that owns the engine (main / loop).
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            logger.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent-pid check")
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        raise SystemExit(0)

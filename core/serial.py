@@ -1,0 +1,230 @@
+"""Messages between the API process and the engine-core process (msgspec).
+
+Everything on the wire is msgpack of the typed structs below: a client's
+prompt and sampling parameters arrive as plain ints, strings, lists and dicts
+and are rebuilt (and re-validated) into SamplingParams in the core. Nothing is
+pickled, so a crafted request cannot run code in the engine core.
+
+API -> core: AddRequests, AbortRequests, UtilityRequest, Shutdown.
+Core -> API: Ready (handshake), StartupFailed, EngineCoreOutputs (after every
+step), UtilityResult, EngineDead (the busy loop crashed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Union
+
+import msgspec
+
+from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.outputs import EngineCoreEvent, EngineCoreOutput
+from pagedllm.core.request import Request
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.core.scheduler_output import LogprobEntry
+
+# ----------------------------------------------------------- API -> core
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True):
+    """One engine request (one sample: n > 1 fans out before this)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # SamplingParams' fields as plain values; see `sampling_params_to_dict`.
+    sampling_params: dict[str, Any]
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class AddRequests(msgspec.Struct, tag="add", array_like=True):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class UtilityRequest(msgspec.Struct, tag="utility", array_like=True):
+    call_id: int
+    # NOTE: the core only runs names in its own allow-list (EngineCoreProc.UTILITIES).
+    name: str
+    args: list[Any] = []
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+CoreInput = Union[AddRequests, AbortRequests, UtilityRequest, Shutdown]
+
+# ----------------------------------------------------------- core -> API
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """What the API process needs before it can validate and tokenize."""
+
+    pid: int
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    # config.json's eos_token_id (the first one when it lists several).
+    eos_token_id: int | None
+    attention_backend: str
+
+
+class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
+    error_type: str
+    message: str
+
+
+class EngineCoreOutputWire(msgspec.Struct, array_like=True):
+    """EngineCoreOutput on the wire (its dataclass names LogprobEntry only
+    under TYPE_CHECKING, which msgspec cannot resolve)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobEntry] | None
+    new_prompt_logprobs: list[LogprobEntry | None] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    first_scheduled_time: float | None
+    events: list[EngineCoreEvent] | None
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    """One engine step's outputs (empty when only stats changed, e.g. after
+    an abort while idle)."""
+
+    outputs: list[EngineCoreOutputWire]
+    scheduler_stats: SchedulerStats | None
+    # Tokens the step computed (0: no step ran).
+    num_scheduled_tokens: int
+    timestamp: float
+
+    def engine_core_outputs(self) -> list[EngineCoreOutput]:
+        return [
+            EngineCoreOutput(
+                request_id=o.request_id,
+                new_token_ids=o.new_token_ids,
+                new_logprobs=o.new_logprobs,
+                new_prompt_logprobs=o.new_prompt_logprobs,
+                finish_reason=o.finish_reason,
+                stop_reason=o.stop_reason,
+                num_cached_tokens=o.num_cached_tokens,
+                first_scheduled_time=o.first_scheduled_time,
+                events=o.events,
+            )
+            for o in self.outputs
+        ]
+
+
+class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True):
+    call_id: int
+    result: Any = None
+    # "ErrorType: message" when the call raised.
+    error: str | None = None
+
+
+class EngineDead(msgspec.Struct, tag="dead", array_like=True):
+    """Sent once when the busy loop crashes, just before the process exits."""
+
+    error: str
+
+
+CoreOutput = Union[Ready, StartupFailed, EngineCoreOutputs, UtilityResult, EngineDead]
+
+
+# ------------------------------------------------------------- codecs
+
+
+class CoreInputEncoder:
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, message: CoreInput) -> bytes:
+        return self._encoder.encode(message)
+
+
+class CoreInputDecoder:
+    def __init__(self) -> None:
+        self._decoder = msgspec.msgpack.Decoder(CoreInput)
+
+    def decode(self, data: bytes) -> CoreInput:
+        return self._decoder.decode(data)
+
+
+class CoreOutputEncoder:
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, message: CoreOutput) -> bytes:
+        return self._encoder.encode(message)
+
+
+class CoreOutputDecoder:
+    def __init__(self) -> None:
+        self._decoder = msgspec.msgpack.Decoder(CoreOutput)
+
+    def decode(self, data: bytes) -> CoreOutput:
+        return self._decoder.decode(data)
+
+
+# ---------------------------------------------------------- conversions
+
+
+def sampling_params_to_dict(params: SamplingParams) -> dict[str, Any]:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+
+
+def sampling_params_from_dict(data: dict[str, Any]) -> SamplingParams:
+    """Rebuild and re-validate (SamplingParams.__post_init__) what a client sent."""
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise InvalidRequestError("sampling_params", unknown, "unknown SamplingParams fields")
+    return SamplingParams(**data)
+
+
+def to_engine_core_request(request: Request) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling_params=sampling_params_to_dict(request.sampling_params),
+        eos_token_id=request.eos_token_id,
+        arrival_time=request.arrival_time,
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+    )
+
+
+def from_engine_core_request(wire: EngineCoreRequest) -> Request:
+    return Request(
+        wire.request_id,
+        wire.prompt_token_ids,
+        sampling_params_from_dict(wire.sampling_params),
+        eos_token_id=wire.eos_token_id,
+        arrival_time=wire.arrival_time,
+        priority=wire.priority,
+        cache_salt=wire.cache_salt,
+    )
+
+
+def to_wire_output(output: EngineCoreOutput) -> EngineCoreOutputWire:
+    return EngineCoreOutputWire(
+        request_id=output.request_id,
+        new_token_ids=output.new_token_ids,
+        new_logprobs=output.new_logprobs,
+        new_prompt_logprobs=output.new_prompt_logprobs,
+        finish_reason=output.finish_reason,
+        stop_reason=output.stop_reason,
+        num_cached_tokens=output.num_cached_tokens,
+        first_scheduled_time=output.first_scheduled_time,
+        events=output.events,
+    )

@@ -1,0 +1,299 @@
+"""AsyncLLM end to end on a tiny random Llama, with the engine core in a
+thread (in_process) and in its own spawned process (ZMQ + msgspec).
+
+The reference is the offline `LLM.generate` on the same model and config,
+computed in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from helpers.tiny_models import cached_tiny_model
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.async_llm import AsyncLLM
+from pagedllm.core.config import EngineConfig
+from pagedllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from pagedllm.core.outputs import RequestOutput, RequestOutputKind
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+NUM_KV_BLOCKS = 64
+BLOCK_SIZE = 16
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "1 2 3 4"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _model_path() -> str:
+    return str(cached_tiny_model("llama", with_tokenizer=True, seed=1234))
+
+
+def _config(**server: Any) -> EngineConfig:
+    return EngineConfig.load(
+        model={"model": _model_path(), "dtype": "float32"},
+        cache={"num_kv_blocks": NUM_KV_BLOCKS, "block_size": BLOCK_SIZE},
+        server={"log_stats_interval_s": 0.0, **server},
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _check_block_invariant_every_step() -> Iterator[None]:
+    # Module scope (monkeypatch is per test); the spawned core inherits it.
+    previous = os.environ.get("PAGEDLLM_DEBUG_KV")
+    os.environ["PAGEDLLM_DEBUG_KV"] = "1"
+    yield
+    if previous is None:
+        os.environ.pop("PAGEDLLM_DEBUG_KV", None)
+    else:
+        os.environ["PAGEDLLM_DEBUG_KV"] = previous
+
+
+@pytest.fixture(scope="module")
+def offline_llm() -> LLM:
+    return LLM(model=_model_path(), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE)
+
+
+@pytest.fixture(scope="module")
+def reference(offline_llm: LLM) -> list[RequestOutput]:
+    return offline_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+@pytest.fixture(scope="module", params=["in_process", "multiprocess"])
+def engine(request: pytest.FixtureRequest) -> Iterator[AsyncLLM]:
+    llm = AsyncLLM(_config(), in_process=request.param == "in_process")
+    yield llm
+    llm.shutdown()
+
+
+async def _collect(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams, request_id: str,
+                   **kwargs: Any) -> list[RequestOutput]:
+    return [output async for output in llm.generate(prompt, params, request_id, **kwargs)]
+
+
+async def _wait_until_idle(llm: AsyncLLM, timeout_s: float = 5.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await llm.get_stats()
+        if stats["num_unfinished_reqs"] == 0 and stats["num_free_blocks"] == stats["num_kv_blocks"]:
+            return stats
+        if time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.01)
+
+
+async def test_concurrent_greedy_outputs_equal_offline_generate(
+    engine: AsyncLLM, reference: list[RequestOutput]
+) -> None:
+    results = await asyncio.gather(
+        *(
+            _collect(engine, prompt, GREEDY, f"greedy-{i}", output_kind=RequestOutputKind.FINAL_ONLY)
+            for i, prompt in enumerate(PROMPTS)
+        )
+    )
+    for outputs, expected in zip(results, reference):
+        assert len(outputs) == 1 and outputs[0].finished
+        assert outputs[0].prompt_token_ids == expected.prompt_token_ids
+        assert outputs[0].outputs[0].token_ids == expected.outputs[0].token_ids
+        assert outputs[0].outputs[0].text == expected.outputs[0].text
+        assert outputs[0].outputs[0].finish_reason == "length"
+
+
+async def test_streamed_deltas_concatenate_to_the_final_text(
+    engine: AsyncLLM, reference: list[RequestOutput]
+) -> None:
+    outputs = await _collect(engine, PROMPTS[2], GREEDY, "stream-0")
+    assert len(outputs) == GREEDY.max_tokens  # one delta per decode step
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert "".join(o.outputs[0].text for o in outputs) == reference[2].outputs[0].text
+    assert [t for o in outputs for t in o.outputs[0].token_ids] == reference[2].outputs[0].token_ids
+
+
+async def test_token_id_prompt_with_n_2_fans_out_and_back(
+    engine: AsyncLLM, offline_llm: LLM, reference: list[RequestOutput]
+) -> None:
+    token_ids = reference[0].prompt_token_ids
+    params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
+    expected = offline_llm.generate([token_ids], params, use_tqdm=False)[0]
+    outputs = await _collect(engine, token_ids, params, "n2", output_kind=RequestOutputKind.FINAL_ONLY)
+    assert len(outputs) == 1 and outputs[0].request_id == "n2"
+    got = sorted(outputs[0].outputs, key=lambda c: c.index)
+    assert [c.index for c in got] == [0, 1]
+    assert [c.token_ids for c in got] == [c.token_ids for c in sorted(expected.outputs, key=lambda c: c.index)]
+    stats = await _wait_until_idle(engine, timeout_s=1.0)
+    assert (stats["num_unfinished_reqs"], stats["num_free_blocks"]) == (0, NUM_KV_BLOCKS)
+
+
+async def test_consumer_that_stops_early_aborts_and_frees_every_block(engine: AsyncLLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    generator = engine.generate(PROMPTS[1], params, "dropped")
+    received = 0
+    async for _ in generator:
+        received += 1
+        if received == 2:
+            break
+    await generator.aclose()  # what Starlette's cancellation amounts to
+    assert engine.num_unfinished_requests == 0
+    stats = await _wait_until_idle(engine, timeout_s=1.0)
+    assert stats["num_unfinished_reqs"] == 0
+    assert stats["num_free_blocks"] == NUM_KV_BLOCKS
+
+
+async def test_cancelled_consumer_task_aborts_its_request(engine: AsyncLLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate(PROMPTS[0], params, "cancelled"):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), 10)
+    task.cancel()  # a client disconnect in the HTTP server
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    stats = await _wait_until_idle(engine, timeout_s=1.0)
+    assert (stats["num_unfinished_reqs"], stats["num_free_blocks"]) == (0, NUM_KV_BLOCKS)
+
+
+async def test_explicit_abort_ends_the_stream_with_finish_reason_abort(engine: AsyncLLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    outputs = []
+    async for output in engine.generate(PROMPTS[3], params, "aborted"):
+        outputs.append(output)
+        if len(outputs) == 1:
+            await engine.abort("aborted")
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    stats = await _wait_until_idle(engine, timeout_s=1.0)
+    assert (stats["num_unfinished_reqs"], stats["num_free_blocks"]) == (0, NUM_KV_BLOCKS)
+
+
+async def test_stop_string_ends_the_request_here_and_in_the_core(
+    engine: AsyncLLM, reference: list[RequestOutput]
+) -> None:
+    full_text = reference[1].outputs[0].text
+    stop = full_text[len(full_text) // 2 :].strip()[:3]
+    assert stop, full_text
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop])
+    outputs = await _collect(engine, PROMPTS[1], params, "stop", output_kind=RequestOutputKind.FINAL_ONLY)
+    completion = outputs[-1].outputs[0]
+    assert completion.text == full_text[: full_text.index(stop)]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    stats = await _wait_until_idle(engine, timeout_s=1.0)
+    assert (stats["num_unfinished_reqs"], stats["num_free_blocks"]) == (0, NUM_KV_BLOCKS)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ([], SamplingParams(), "prompt"),
+        ([1] * 1024, SamplingParams(), "prompt"),
+        ([1, 10**6], SamplingParams(), "prompt_token_ids"),
+        ("Hello", SamplingParams(max_tokens=10**6), "max_tokens"),
+        ([1, "x"], SamplingParams(), "prompt_token_ids"),
+    ],
+)
+async def test_invalid_request_is_rejected_before_it_reaches_the_core(
+    engine: AsyncLLM, prompt: Any, params: SamplingParams, field: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as excinfo:
+        await _collect(engine, prompt, params, "invalid")
+    assert excinfo.value.field == field
+    assert engine.num_unfinished_requests == 0
+    assert (await engine.get_stats())["num_unfinished_reqs"] == 0
+
+
+async def test_reset_prefix_cache_and_health_of_a_live_engine(engine: AsyncLLM) -> None:
+    await engine.check_health()
+    assert not engine.errored
+    assert await engine.reset_prefix_cache() is True
+    assert engine.max_model_len == 512 and engine.vocab_size == engine.tokenizer.vocab_size
+    assert (engine.engine_pid is None) == (engine.engine_core.resources.process is None)
+
+
+async def test_requests_beyond_max_pending_requests_are_refused() -> None:
+    llm = AsyncLLM(_config(max_pending_requests=2), in_process=True)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    try:
+        running = [llm.generate(PROMPTS[i], params, f"pending-{i}") for i in range(2)]
+        for generator in running:
+            await generator.__anext__()
+        with pytest.raises(EngineOverloadedError) as excinfo:
+            await _collect(llm, PROMPTS[2], params, "pending-2")
+        assert (excinfo.value.num_pending, excinfo.value.limit) == (2, 2)
+        for generator in running:
+            await generator.aclose()
+        # Room again once they are gone.
+        outputs = await _collect(llm, PROMPTS[2], SamplingParams(max_tokens=2), "pending-3")
+        assert outputs[-1].finished
+    finally:
+        llm.shutdown()
+
+
+async def test_stat_logger_counts_the_tokens_of_each_request(reference: list[RequestOutput]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    llm = AsyncLLM(_config(), in_process=True)
+    try:
+        for i in range(2):
+            await _collect(llm, PROMPTS[i], GREEDY, f"metrics-{i}")
+        samples = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(llm.stat_logger.render().decode())
+            for sample in family.samples
+        }
+        assert samples["pagedllm:generation_tokens_total"] == 2 * GREEDY.max_tokens
+        assert samples["pagedllm:prompt_tokens_total"] == sum(len(r.prompt_token_ids) for r in reference[:2])
+        assert samples["pagedllm:num_requests_running"] == 0
+    finally:
+        llm.shutdown()
+
+
+async def test_killed_engine_core_fails_in_flight_requests_and_health() -> None:
+    llm = AsyncLLM(_config(), in_process=False)
+    try:
+        pid = llm.engine_pid
+        assert pid is not None
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        generator = llm.generate(PROMPTS[0], params, "in-flight")
+        await generator.__anext__()
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            async for _ in generator:
+                pass
+        assert time.monotonic() - killed_at < 5.0
+        with pytest.raises(EngineDeadError):
+            await llm.check_health()
+        assert llm.errored
+        with pytest.raises(EngineDeadError):
+            await _collect(llm, PROMPTS[1], params, "after-death")
+    finally:
+        llm.shutdown()
+    assert llm.engine_core.resources.process.exitcode == -signal.SIGKILL
+
+
+async def test_shutdown_stops_the_core_process_and_fails_in_flight_requests() -> None:
+    import multiprocessing
+
+    llm = AsyncLLM(_config(), in_process=False)
+    pid = llm.engine_pid
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    generator = llm.generate(PROMPTS[0], params, "in-flight")
+    await generator.__anext__()
+    started = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - started < 2.0  # no SIGTERM / SIGKILL fallback was needed
+    with pytest.raises(EngineDeadError):
+        async for _ in generator:
+            pass
+    assert llm.engine_core.resources.process.exitcode == 0  # the Shutdown message, not a signal
+    assert pid not in [child.pid for child in multiprocessing.active_children()]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
