@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install serve test demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ $(STAMP): $(PY) pyproject.toml tests/plugins/pagedllm-test-plugin/pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The OpenAI-compatible server with the embedded default model (Ctrl-C stops it).
+serve: $(STAMP)
+	$(VENV)/bin/pagedllm serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	$(PY) -m pytest --import-mode=importlib tests -q

@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: generate, plugins list, env."""
+"""The ``pagedllm`` command: serve, generate, bench, plugins list, env."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from pagedllm.entrypoints.bench.serve import add_bench_parser
 
 if TYPE_CHECKING:
     import torch
+
+    from pagedllm.core.config import EngineConfig
 
     from pagedllm.platforms.interface import Platform
 
@@ -170,12 +172,64 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- serve -------------------------------------------------------------
+
+
+def serve_config(args: argparse.Namespace) -> EngineConfig:
+    """Flags, then env (PAGEDLLM_...; PAGEDLLM_API_KEY for the key), then the
+    config file, then defaults."""
+    from pagedllm.core.config import EngineConfig
+    from pagedllm.entrypoints.config_flags import engine_config_overrides
+
+    overrides = engine_config_overrides(args)
+    model = args.model if args.model is not None else args.model_flag
+    if model is not None:
+        overrides.setdefault("model", {})["model"] = model
+    server = overrides.setdefault("server", {})
+    api_key = os.environ.get("PAGEDLLM_API_KEY")
+    if "api_key" not in server and api_key and "PAGEDLLM_SERVER__API_KEY" not in os.environ:
+        server["api_key"] = api_key  # env beats the file: pass it at the flags' level
+    return EngineConfig.load(args.config, **overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    config = serve_config(args)
+    if "PAGEDLLM_LOG_LEVEL" not in os.environ:
+        # The periodic stats line and the startup banner are INFO.
+        logging.getLogger("pagedllm").setLevel(logging.INFO)
+    try:
+        run_server(config)
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled
+        pass
+    return 0
+
+
+def add_serve_parser(sub: Any) -> None:
+    from pagedllm.entrypoints.config_flags import add_engine_config_flags
+
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="Serve MODEL (default: the embedded tiny model) over an OpenAI-compatible HTTP API. "
+        "Every engine setting has a flag; precedence: flags, env (PAGEDLLM_<SECTION>__<KEY>), "
+        "--config file (YAML or TOML), defaults.",
+    )
+    serve.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model folder or hub id")
+    serve.add_argument("--model", dest="model_flag", default=None, help="same as MODEL (vLLM's api_server flag)")
+    serve.add_argument("--config", default=None, metavar="FILE", help="engine config file (.yaml, .yml, .toml)")
+    add_engine_config_flags(serve, skip=frozenset({("model", "model")}))
+    serve.set_defaults(func=cmd_serve)
+
+
 # ---- parser ------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("--model", default=None, help="model folder or hub id (default: embedded tiny model)")

@@ -1,0 +1,109 @@
+"""Command-line flags for every EngineConfig field, generated from the
+pydantic section models so that a new field gets its flag automatically.
+
+Flag names: vLLM's flat name where `FLAT_KEYS` has one (`--block-size`,
+`--enabled-plugins`), else the key when no other section has it
+(`--api-key`), else `--<section>-<key>`. Booleans are `--x/--no-x`, lists are comma-separated.
+Only flags actually given become overrides, so env and the config file still
+apply underneath them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from collections import Counter
+from types import NoneType, UnionType
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from pagedllm.core.config import FLAT_KEYS, EngineConfig
+
+_DEST_PREFIX = "engine_config__"
+# Flags the command defines itself, never generated from a field.
+RESERVED_NAMES = frozenset({"config", "help", "model"})
+
+
+def section_models() -> dict[str, type[BaseModel]]:
+    return {
+        name: typing.cast(type[BaseModel], field.annotation) for name, field in EngineConfig.model_fields.items()
+    }
+
+
+def flag_names() -> dict[tuple[str, str], str]:
+    """(section, key) -> the flag's main name (underscores, no dashes)."""
+    flat_names: dict[tuple[str, str], str] = {}
+    for flat_name, (section, key) in FLAT_KEYS.items():
+        if key is None:
+            continue
+        if (section, key) not in flat_names or flat_name == key:
+            flat_names[(section, key)] = flat_name
+    sections = section_models()
+    key_counts = Counter(key for model in sections.values() for key in model.model_fields)
+    names: dict[tuple[str, str], str] = {}
+    for section, model in sections.items():
+        for key in model.model_fields:
+            name = flat_names.get((section, key))
+            if name is None:
+                name = key if key_counts[key] == 1 and key not in RESERVED_NAMES else f"{section}_{key}"
+            names[(section, key)] = name
+    return names
+
+
+def add_engine_config_flags(parser: argparse.ArgumentParser, skip: frozenset[tuple[str, str]] = frozenset()) -> None:
+    names = flag_names()
+    for section, model in section_models().items():
+        group = parser.add_argument_group(f"{section} (config section '{section}', env PAGEDLLM_{section.upper()}__*)")
+        for key, field in model.model_fields.items():
+            if (section, key) in skip:
+                continue
+            _add_field_flag(group, [_flag(names[(section, key)])], f"{_DEST_PREFIX}{section}__{key}", field, f"{section}.{key}")
+
+
+def engine_config_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """{section: {key: value}} for the flags given on the command line."""
+    overrides: dict[str, dict[str, Any]] = {}
+    for dest, value in vars(args).items():
+        if dest.startswith(_DEST_PREFIX):
+            section, key = dest[len(_DEST_PREFIX):].split("__", 1)
+            overrides.setdefault(section, {})[key] = value
+    return overrides
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_field_flag(
+    group: argparse._ArgumentGroup, flags: list[str], dest: str, field: FieldInfo, path: str
+) -> None:
+    annotation = _strip_optional(field.annotation)
+    default = field.get_default(call_default_factory=True)
+    help_text = (field.description + " " if field.description else "") + f"({path}; default: {default!r})"
+    common: dict[str, Any] = dict(dest=dest, default=argparse.SUPPRESS, help=help_text)
+    if annotation is bool:
+        group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
+        return
+    if typing.get_origin(annotation) is list:
+        group.add_argument(*flags, type=_comma_list, metavar="A,B,...", **common)
+        return
+    if typing.get_origin(annotation) is Literal:
+        choices = [str(choice) for choice in typing.get_args(annotation)]
+        group.add_argument(*flags, type=str, metavar="{" + ",".join(choices) + "}", **common)
+        return
+    scalar = annotation if annotation in (int, float) else str
+    group.add_argument(*flags, type=scalar, metavar=scalar.__name__.upper(), **common)
+
+
+def _strip_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, UnionType):
+        args = [arg for arg in typing.get_args(annotation) if arg is not NoneType]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _comma_list(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",") if item.strip()]

@@ -1,0 +1,308 @@
+"""The OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of AsyncLLM.
+
+`build_app(engine, config)` makes the app; `run_server(config)` starts the
+engine core process, then serves until SIGINT/SIGTERM and shuts both down.
+Auth and the body size limit are plain ASGI middleware so they run before any
+body is parsed (and apply to every route, /docs and /openapi.json included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedllm
+from pagedllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from pagedllm.entrypoints.openai.errors import (
+    OpenAIServingError,
+    describe_validation_error,
+    error_body,
+    error_json,
+)
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ServerInfoResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+    from pagedllm.core.async_llm import AsyncLLM
+    from pagedllm.core.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# Routes that answer without the API key.
+ALWAYS_OPEN_PATHS = frozenset({"/health"})
+# Seconds uvicorn waits for open requests on shutdown before cancelling them.
+GRACEFUL_SHUTDOWN_S = 5
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)
+}
+
+
+async def _send_error(send: Send, status: int, message: str, param: str | None = None) -> None:
+    body = error_json(status, message, param)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class AuthMiddleware:
+    """`Authorization: Bearer <key>` on every path but the open ones."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        provided = dict(scope["headers"]).get(b"authorization", b"")
+        # NOTE: constant-time compare, so the key cannot be guessed byte by byte.
+        if not hmac.compare_digest(provided, self.expected):
+            await _send_error(send, 401, "authorization: missing or invalid API key "
+                              "(send 'Authorization: Bearer <key>')", "authorization")
+            return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """Reads the whole body first and refuses it (413) beyond `max_body_bytes`,
+    so nothing is parsed from an oversized request; later receive() calls
+    (the disconnect notice) go to the server untouched."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            try:
+                declared_bytes = int(declared)
+            except ValueError:
+                await _send_error(send, 400, "content-length: not an integer", "content-length")
+                return
+            if declared_bytes > self.max_body_bytes:
+                await self._too_large(send, declared_bytes)
+                return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                # Disconnected before the body was complete: nothing to serve.
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await self._too_large(send, size)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Send, size: int) -> None:
+        await _send_error(
+            send, 413, f"body: the request body ({size} bytes or more) exceeds the limit "
+            f"(server.max_body_bytes = {self.max_body_bytes})", "body",
+        )
+
+
+def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def _add_exception_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIServingError)
+    async def serving_error(_: Request, exc: OpenAIServingError) -> JSONResponse:
+        return _error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return _error_response(400, str(exc), exc.field)
+
+    @app.exception_handler(EngineOverloadedError)
+    async def overloaded(_: Request, exc: EngineOverloadedError) -> JSONResponse:
+        return _error_response(503, str(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error_response(503, f"the engine is not running: {exc}")
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_error(list(exc.errors()))
+        return _error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # FastAPI could not decode the body (e.g. invalid UTF-8)
+            return _error_response(400, f"body: the request body is not valid JSON ({exc.detail})", "body")
+        return _error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return _error_response(500, f"{type(exc).__name__}: {exc}")
+
+
+def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
+    """The FastAPI app serving `engine`; shutting the app down shuts the engine down."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            # NOTE: here, not after uvicorn returns: uvicorn re-raises SIGTERM on exit.
+            engine.shutdown()
+
+    app = FastAPI(
+        title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan,
+    )
+    _add_exception_handlers(app)
+    completion = OpenAIServingCompletion(engine)
+    chat = OpenAIServingChat(engine)
+    tokenization = OpenAIServingTokenization(engine)
+    model_name = completion.model_name
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        """200 while the engine core runs, 503 once it died."""
+        result = engine.check_health()
+        if inspect.isawaitable(result):
+            await result
+        return Response(status_code=200)
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(engine.stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=pagedllm.__version__)
+
+    @app.get("/server_info", response_model=ServerInfoResponse)
+    async def server_info() -> ServerInfoResponse:
+        """Process ids (for supervisors and tests) and the served model."""
+        return ServerInfoResponse(
+            version=pagedllm.__version__, model=model_name, max_model_len=engine.max_model_len,
+            api_pid=os.getpid(), engine_pid=engine.engine_pid,
+        )
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def show_models() -> ModelList:
+        return ModelList(data=[ModelCard(
+            id=model_name, root=engine.ready.model_path, max_model_len=engine.max_model_len
+        )])
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completion.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        return tokenization.tokenize(request)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return tokenization.detokenize(request)
+
+    # Added last = outermost: auth first, then the body limit, then routing.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.server.max_body_bytes)
+    if config.server.api_key:
+        open_paths = ALWAYS_OPEN_PATHS | ({"/metrics"} if config.server.allow_unauthenticated_metrics else set())
+        app.add_middleware(AuthMiddleware, api_key=config.server.api_key, open_paths=frozenset(open_paths))
+    return app
+
+
+async def serve(config: EngineConfig) -> None:
+    """Start the engine core, then serve HTTP until a shutdown signal."""
+    import uvicorn
+
+    from pagedllm.core.async_llm import AsyncLLM
+
+    engine = await _start_engine(AsyncLLM, config)
+    try:
+        app = build_app(engine, config)
+        server_config = uvicorn.Config(
+            app, host=config.server.host, port=config.server.port, log_level=_uvicorn_log_level(),
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+        logger.info("serving %s on http://%s:%d (engine core pid %s)", engine.model_name, config.server.host,
+                    config.server.port, engine.engine_pid)
+        await uvicorn.Server(server_config).serve()
+    finally:
+        engine.shutdown()
+
+
+async def _start_engine(async_llm_cls: Any, config: EngineConfig) -> AsyncLLM:
+    create = getattr(async_llm_cls, "create", None)
+    if create is not None:
+        return await create(config)
+    engine = async_llm_cls(config)
+    start = getattr(engine, "start", None)
+    if start is not None:
+        await start()
+    return engine
+
+
+def _uvicorn_log_level() -> str:
+    level = os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO").lower()
+    return level if level in ("critical", "error", "warning", "info", "debug", "trace") else "info"
+
+
+def run_server(config: EngineConfig) -> None:
+    asyncio.run(serve(config))

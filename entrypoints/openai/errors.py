@@ -1,0 +1,99 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure the server reports (validation, auth, limits, a dead engine)
+goes through `error_body`, so clients (the `openai` package, lm-eval) always
+see the same shape with the HTTP status repeated in `code`.
+"""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any
+
+from pagedllm.core.errors import InvalidRequestError
+
+# HTTP status -> OpenAI error type, as the openai client names its exceptions.
+ERROR_TYPES: dict[int, str] = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestEntityTooLarge",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class OpenAIServingError(Exception):
+    """An error a route raises on purpose; the app turns it into its response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    error_type = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+def error_json(status: int, message: str, param: str | None = None) -> bytes:
+    return json.dumps(error_body(status, message, param)).encode()
+
+
+def invalid_request(exc: InvalidRequestError) -> OpenAIServingError:
+    return OpenAIServingError(400, str(exc), exc.field)
+
+
+# Union-typed fields: pydantic reports one error per union member; say it once.
+_UNION_MESSAGES = {
+    "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "must be a string or a list of strings",
+    "content": "must be a string or a list of content parts ({'type': 'text', 'text': ...})",
+    "tokens": "must be a list of token ids",
+}
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic names the union member in `loc` ('str', 'list[int]', 'ChatMessage').
+    return isinstance(part, str) and (
+        "[" in part or part in {"str", "int", "float", "bool", "list", "dict", "none"} or part[:1].isupper()
+    )
+
+
+def describe_validation_error(errors: list[Any]) -> tuple[str, str | None]:
+    """(message, param) for a FastAPI/pydantic validation error list."""
+    first = errors[0]
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    error_type = first.get("type", "")
+    if error_type in ("json_invalid", "json_type") or not loc:
+        detail = first.get("ctx", {}).get("error") or first.get("msg", "")
+        return f"the request body is not a valid JSON object ({detail})", "body"
+    path: list[str] = []
+    for part in loc:
+        if _is_union_tag(part):
+            break
+        path.append(str(part))
+    param = ".".join(path)
+    leaf = path[-1] if path else ""
+    union_message = _UNION_MESSAGES.get(leaf)
+    if union_message is not None and len(errors) > 1:
+        return f"{param}: {union_message}", param
+    value = first.get("input")
+    message = first.get("msg", "invalid value")
+    if error_type == "missing":
+        return f"{param}: this field is required", param
+    if error_type == "extra_forbidden":
+        return f"{param}: unknown field", param
+    return f"{param}={_short(value)}: {message}", param
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

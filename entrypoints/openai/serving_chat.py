@@ -1,0 +1,187 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template;
+replies end at the template's end-of-turn token when the tokenizer has one."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.sampling_params import MAX_LOGPROBS
+from pagedllm.entrypoints.openai.errors import OpenAIServingError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionLogprob,
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatCompletionTopLogprob,
+    ChatResponseMessage,
+    DeltaMessage,
+    usage_info,
+)
+from pagedllm.entrypoints.openai.serving_completion import MIN_LOGPROB
+from pagedllm.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    first_and_rest,
+    merge_async_iterators,
+    run_until_disconnect,
+    sse_lines,
+)
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from pagedllm.core.outputs import Logprob, RequestOutput, SampleLogprobs
+    from pagedllm.core.sampling_params import SamplingParams
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_model(request.model)
+        self.check_stream_options(request.stream, request.stream_options)
+        text, token_ids = self.render_chat(request.messages, request.add_generation_prompt, request.chat_template)
+        try:
+            params = self.build_sampling_params(request)
+            self.validate_prompt(token_ids, params)
+        except InvalidRequestError as exc:
+            # Name the field the client sent.
+            if exc.field == "max_tokens" and request.max_completion_tokens is not None:
+                raise InvalidRequestError("max_completion_tokens", exc.value, exc.limit) from None
+            raise
+
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        generator = self.engine.generate(
+            token_ids, params, request_id, prompt_text=text, priority=request.priority,
+            cache_salt=request.cache_salt, output_kind=request.output_kind(),
+        )
+        if request.stream:
+            first, rest = await first_and_rest(generator)
+            return StreamingResponse(
+                sse_lines(self._stream(request, request_id, len(token_ids), first, rest)),
+                media_type="text/event-stream",
+            )
+        response = await run_until_disconnect(raw_request, self._collect(request, request_id, generator))
+        if response is None:
+            return Response(status_code=499)
+        return JSONResponse(response.model_dump())
+
+    def build_sampling_params(self, request: ChatCompletionRequest) -> SamplingParams:
+        top_logprobs = request.top_logprobs
+        if top_logprobs is not None:
+            if not request.logprobs:
+                raise OpenAIServingError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+            if not 0 <= top_logprobs <= MAX_LOGPROBS:
+                raise OpenAIServingError(
+                    400, f"top_logprobs={top_logprobs}: must be in [0, {MAX_LOGPROBS}]", "top_logprobs"
+                )
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
+            else request.max_tokens
+        return request.sampling_params(
+            max_tokens, (top_logprobs or 0) if request.logprobs else None, None,
+            extra_stop_token_ids=self.end_of_turn_token_ids(),
+        )
+
+    async def _collect(
+        self, request: ChatCompletionRequest, request_id: str, generator: AsyncGenerator[RequestOutput, None]
+    ) -> ChatCompletionResponse:
+        final: RequestOutput | None = None
+        async for _, output in merge_async_iterators(generator):
+            final = output  # FINAL_ONLY: one output
+        if final is None:  # the engine always ends a request with an output
+            raise RuntimeError(f"request {request_id} ended without an output")
+        choices = [
+            ChatCompletionResponseChoice(
+                index=completion.index,
+                message=ChatResponseMessage(content=completion.text),
+                logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+            for completion in sorted(final.outputs, key=lambda c: c.index)
+        ]
+        num_generated = sum(len(c.token_ids) for c in final.outputs)
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=choices,
+            usage=usage_info(len(final.prompt_token_ids), num_generated, final.num_cached_tokens),
+        )
+
+    async def _stream(
+        self, request: ChatCompletionRequest, request_id: str, num_prompt_tokens: int,
+        first: RequestOutput | None, rest: AsyncGenerator[RequestOutput, None],
+    ) -> AsyncGenerator[str, None]:
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        # The role goes in the first delta of every choice, before any content.
+        for index in range(request.n):
+            yield self._chunk(request_id, ChatCompletionStreamChoice(
+                index=index, delta=DeltaMessage(role="assistant", content="")
+            ))
+        num_generated = 0
+        num_cached = 0
+
+        async def outputs() -> AsyncGenerator[RequestOutput, None]:
+            if first is not None:
+                yield first
+            async for _, item in merge_async_iterators(rest):
+                yield item
+
+        async for output in outputs():
+            num_cached = max(num_cached, output.num_cached_tokens)
+            for completion in output.outputs:
+                num_generated += len(completion.token_ids)
+                # A token whose text is held back (a partial character, a
+                # possible stop string) makes a chunk only to carry its logprobs.
+                if not completion.text and completion.finish_reason is None and not (
+                    request.logprobs and completion.token_ids
+                ):
+                    continue
+                yield self._chunk(request_id, ChatCompletionStreamChoice(
+                    index=completion.index,
+                    delta=DeltaMessage(content=completion.text) if completion.text else DeltaMessage(),
+                    logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                ))
+        if include_usage:
+            usage_chunk = ChatCompletionStreamResponse(
+                id=request_id, model=self.model_name, choices=[],
+                usage=usage_info(num_prompt_tokens, num_generated, num_cached),
+            )
+            yield f"data: {usage_chunk.model_dump_json()}\n\n"
+
+    def _chunk(self, request_id: str, choice: ChatCompletionStreamChoice) -> str:
+        chunk = ChatCompletionStreamResponse(id=request_id, model=self.model_name, choices=[choice])
+        # OpenAI sends only the delta keys that are set ("delta": {} at the end).
+        body = chunk.model_dump_json(exclude={"choices": {0: {"delta": set(_unset_delta_keys(choice.delta))}}})
+        return f"data: {body}\n\n"
+
+    def _logprobs(
+        self, request: ChatCompletionRequest, token_ids: list[int], logprobs: SampleLogprobs | None
+    ) -> ChatCompletionLogProbs | None:
+        if not request.logprobs or logprobs is None:
+            return None
+        num_top = request.top_logprobs or 0
+        content = []
+        for token_id, entry in zip(token_ids, logprobs):
+            chosen = entry[token_id]
+            ranked = sorted(entry.items(), key=lambda item: item[1].logprob, reverse=True)[:num_top]
+            content.append(ChatCompletionLogprob(
+                **self._top_logprob(token_id, chosen).model_dump(),
+                top_logprobs=[self._top_logprob(top_id, top) for top_id, top in ranked],
+            ))
+        return ChatCompletionLogProbs(content=content)
+
+    def _top_logprob(self, token_id: int, logprob: Logprob) -> ChatCompletionTopLogprob:
+        token = logprob.decoded_token if logprob.decoded_token is not None else self.tokenizer.decode([token_id])
+        return ChatCompletionTopLogprob(
+            token=token, logprob=max(logprob.logprob, MIN_LOGPROB), bytes=list(token.encode("utf-8"))
+        )
+
+
+def _unset_delta_keys(delta: DeltaMessage) -> list[Any]:
+    return [name for name in DeltaMessage.model_fields if getattr(delta, name) is None]

@@ -1,0 +1,223 @@
+"""POST /v1/completions: one engine request per prompt (each with n samples);
+choice index = prompt index * n + sample index, as in vLLM."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.entrypoints.openai.errors import OpenAIServingError
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    usage_info,
+)
+from pagedllm.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    first_and_rest,
+    merge_async_iterators,
+    run_until_disconnect,
+    sse_lines,
+)
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from pagedllm.core.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
+
+# vLLM clamps -inf logprobs so the JSON stays finite.
+MIN_LOGPROB = -9999.0
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        self.check_model(request.model)
+        self.check_stream_options(request.stream, request.stream_options)
+        if request.suffix is not None:
+            raise OpenAIServingError(400, "suffix: not supported", "suffix")
+        prompts = self._tokenize_prompts(request)
+        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        params = request.sampling_params(
+            request.max_tokens, request.logprobs, prompt_logprobs or request.prompt_logprobs
+        )
+        for _, token_ids in prompts:
+            self.validate_prompt(token_ids, params)
+
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        generators = [
+            self.engine.generate(
+                token_ids, params, f"{request_id}-{index}", prompt_text=text, priority=request.priority,
+                cache_salt=request.cache_salt, output_kind=request.output_kind(),
+            )
+            for index, (text, token_ids) in enumerate(prompts)
+        ]
+        merged = merge_async_iterators(*generators)
+        if request.stream:
+            first, rest = await first_and_rest(merged)
+            return StreamingResponse(
+                sse_lines(self._stream(request, request_id, prompts, first, rest)), media_type="text/event-stream"
+            )
+        response = await run_until_disconnect(raw_request, self._collect(request, request_id, prompts, merged))
+        if response is None:
+            return Response(status_code=499)
+        return JSONResponse(response.model_dump())
+
+    def _tokenize_prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            prompt_list: list[Any] = [prompt]
+        elif prompt and all(isinstance(item, int) for item in prompt):
+            prompt_list = [prompt]  # one prompt given as token ids
+        else:
+            prompt_list = list(prompt)
+        if not prompt_list:
+            raise OpenAIServingError(400, "prompt: at least one prompt is required", "prompt")
+        return [
+            (item, self.tokenizer.encode(item, add_special_tokens=request.add_special_tokens))
+            if isinstance(item, str) else (None, list(item))
+            for item in prompt_list
+        ]
+
+    def _prompt_text(self, text: str | None, token_ids: list[int]) -> str:
+        return text if text is not None else self.tokenizer.decode(token_ids)
+
+    async def _collect(
+        self, request: CompletionRequest, request_id: str, prompts: list[tuple[str | None, list[int]]],
+        merged: AsyncGenerator[tuple[int, RequestOutput], None],
+    ) -> CompletionResponse:
+        finals: dict[int, RequestOutput] = {}
+        async for prompt_index, output in merged:
+            finals[prompt_index] = output  # FINAL_ONLY: one output per prompt
+        choices = []
+        num_prompt_tokens = num_generated = num_cached = 0
+        for prompt_index, (text, token_ids) in enumerate(prompts):
+            output = finals[prompt_index]
+            num_prompt_tokens += len(token_ids)
+            num_cached += output.num_cached_tokens
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                num_generated += len(completion.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    echo_ids = token_ids if request.echo else []
+                    logprobs = self._logprobs(
+                        request, echo_ids, output.prompt_logprobs, completion.token_ids, completion.logprobs, 0
+                    )
+                choices.append(CompletionResponseChoice(
+                    index=prompt_index * request.n + completion.index,
+                    text=(self._prompt_text(text, token_ids) if request.echo else "") + completion.text,
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                ))
+        return CompletionResponse(
+            id=request_id, model=self.model_name, choices=choices,
+            usage=usage_info(num_prompt_tokens, num_generated, num_cached),
+        )
+
+    async def _stream(
+        self, request: CompletionRequest, request_id: str, prompts: list[tuple[str | None, list[int]]],
+        first: tuple[int, RequestOutput] | None, rest: AsyncGenerator[tuple[int, RequestOutput], None],
+    ) -> AsyncGenerator[str, None]:
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        num_choices = len(prompts) * request.n
+        echoed = [False] * num_choices
+        # Where the next token's text starts in the choice's text (logprobs.text_offset).
+        text_offsets = [0] * num_choices
+        num_generated = [0] * num_choices
+        num_cached = [0] * len(prompts)
+
+        async def outputs() -> AsyncGenerator[tuple[int, RequestOutput], None]:
+            if first is not None:
+                yield first
+            async for item in rest:
+                yield item
+
+        async for prompt_index, output in outputs():
+            text, prompt_token_ids = prompts[prompt_index]
+            num_cached[prompt_index] = max(num_cached[prompt_index], output.num_cached_tokens)
+            for completion in output.outputs:
+                index = prompt_index * request.n + completion.index
+                delta_text = completion.text
+                token_ids: Sequence[int] = completion.token_ids
+                top_logprobs: list[Any] | None = completion.logprobs
+                echo_ids: list[int] = []
+                echo_logprobs: PromptLogprobs | None = None
+                if request.echo and not echoed[index]:
+                    echoed[index] = True
+                    delta_text = self._prompt_text(text, prompt_token_ids) + delta_text
+                    echo_ids, echo_logprobs = prompt_token_ids, output.prompt_logprobs
+                num_generated[index] += len(completion.token_ids)
+                # A token whose text is held back (a partial character, a
+                # possible stop string) makes a chunk only to carry its logprobs.
+                if not delta_text and completion.finish_reason is None and not (
+                    request.logprobs is not None and token_ids
+                ):
+                    continue
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._logprobs(
+                        request, echo_ids, echo_logprobs, list(token_ids), top_logprobs, text_offsets[index]
+                    )
+                    if logprobs.tokens:
+                        text_offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                chunk = CompletionStreamResponse(
+                    id=request_id, model=self.model_name,
+                    choices=[CompletionResponseChoice(
+                        index=index, text=delta_text, logprobs=logprobs,
+                        finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                    )],
+                )
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        if include_usage:
+            num_prompt_tokens = sum(len(token_ids) for _, token_ids in prompts)
+            usage_chunk = CompletionStreamResponse(
+                id=request_id, model=self.model_name, choices=[],
+                usage=usage_info(num_prompt_tokens, sum(num_generated), sum(num_cached)),
+            )
+            yield f"data: {usage_chunk.model_dump_json()}\n\n"
+
+    def _logprobs(
+        self, request: CompletionRequest, prompt_token_ids: list[int], prompt_logprobs: PromptLogprobs | None,
+        token_ids: list[int], logprobs: SampleLogprobs | None, initial_text_offset: int,
+    ) -> CompletionLogProbs:
+        """Echoed prompt positions first (the first one's logprob is null), then
+        the generated ones; each top_logprobs dict holds the chosen token and
+        the top `logprobs` (vLLM's layout)."""
+        num_top = request.logprobs or 0
+        all_ids = list(prompt_token_ids) + list(token_ids)
+        prompt_entries: list[Any] = list(prompt_logprobs or [None] * len(prompt_token_ids))
+        prompt_entries += [None] * (len(prompt_token_ids) - len(prompt_entries))
+        entries = prompt_entries[: len(prompt_token_ids)] + list(logprobs or [None] * len(token_ids))
+        result = CompletionLogProbs()
+        offset = initial_text_offset
+        for token_id, entry in zip(all_ids, entries):
+            if entry is None or token_id not in entry:
+                token = self.tokenizer.decode([token_id])
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                chosen = entry[token_id]
+                token = _token_text(chosen.decoded_token, token_id, self.tokenizer)
+                result.token_logprobs.append(max(chosen.logprob, MIN_LOGPROB))
+                top: dict[str, float] = {}
+                for rank_index, (top_id, top_logprob) in enumerate(entry.items()):
+                    if rank_index > num_top:
+                        break
+                    top[_token_text(top_logprob.decoded_token, top_id, self.tokenizer)] = max(
+                        top_logprob.logprob, MIN_LOGPROB
+                    )
+                result.top_logprobs.append(top)
+            result.tokens.append(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result
+
+
+def _token_text(decoded: str | None, token_id: int, tokenizer: Any) -> str:
+    return decoded if decoded is not None else tokenizer.decode([token_id])

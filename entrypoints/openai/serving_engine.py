@@ -1,0 +1,173 @@
+"""What the completion, chat and tokenize handlers share (vLLM's OpenAIServing):
+model-name check, prompt validation before anything reaches the engine,
+merging the outputs of several prompts, and aborting when the client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pagedllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from pagedllm.entrypoints.openai.errors import OpenAIServingError, error_body
+from pagedllm.entrypoints.openai.protocol import ChatMessage
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from pagedllm.core.async_llm import AsyncLLM
+    from pagedllm.core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# The ChatML end-of-turn token: when the tokenizer has it, chat replies stop there.
+END_OF_TURN_TOKEN = "<|im_end|>"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name: str = engine.model_name
+        self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.vocab_size
+
+    def check_model(self, model: str | None) -> None:
+        # NOTE: an omitted model means the served one (vLLM does the same).
+        if model is not None and model != self.model_name:
+            raise OpenAIServingError(404, f"The model `{model}` does not exist; this server serves "
+                                     f"`{self.model_name}`.", "model")
+
+    @staticmethod
+    def check_stream_options(stream: bool, stream_options: Any) -> None:
+        if stream_options is not None and not stream:
+            raise OpenAIServingError(400, "stream_options: only allowed when stream is true", "stream_options")
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The checks the engine would make, done here so a bad request is a
+        400 before any of its prompts is scheduled."""
+        self.engine.validate_request(prompt_token_ids, params)
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    chat_template: str | None = None) -> tuple[str, list[int]]:
+        if not messages:
+            raise OpenAIServingError(400, "messages: at least one message is required", "messages")
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+        except Exception as exc:  # jinja errors, a tokenizer without a template
+            raise OpenAIServingError(400, f"messages: the chat template failed: {exc}", "messages") from None
+        # The template already holds every special token it wants.
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def end_of_turn_token_ids(self) -> list[int]:
+        token_id = self.tokenizer.get_vocab().get(END_OF_TURN_TOKEN)
+        return [] if token_id is None else [token_id]
+
+
+async def first_and_rest(iterator: AsyncGenerator[T, None]) -> tuple[T | None, AsyncGenerator[T, None]]:
+    """Pull the first item now (so validation, overload and a dead engine are
+    an HTTP status, not a stream error), and return it with the iterator."""
+    try:
+        first = await iterator.__anext__()
+    except StopAsyncIteration:
+        return None, iterator
+    except BaseException:
+        await iterator.aclose()
+        raise
+    return first, iterator
+
+
+async def merge_async_iterators(*iterators: AsyncGenerator[T, None]) -> AsyncGenerator[tuple[int, T], None]:
+    """Items of several generators as they come, tagged with the generator's
+    index. Closing (or cancelling) this closes every one of them, which aborts
+    their requests in the engine."""
+    if len(iterators) == 1:
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await iterators[0].aclose()
+        return
+    pending: dict[asyncio.Future[T], int] = {
+        asyncio.ensure_future(anext(it)): index for index, it in enumerate(iterators)
+    }
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                index = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                yield index, item
+                pending[asyncio.ensure_future(anext(iterators[index]))] = index
+    finally:
+        for future in pending:
+            future.cancel()
+        # Cancelled anext() calls must settle before the generators can close.
+        await asyncio.gather(*pending, return_exceptions=True)
+        for it in iterators:
+            await it.aclose()
+
+
+async def run_until_disconnect(raw_request: Request, handler: Awaitable[T]) -> T | None:
+    """Run a non-streaming handler; if the client disconnects first, cancel
+    it (its generators abort their requests) and return None."""
+    handler_task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        done, _ = await asyncio.wait({handler_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        handler_task.cancel()
+        watcher.cancel()
+        raise
+    if handler_task in done:
+        watcher.cancel()
+        return handler_task.result()
+    handler_task.cancel()
+    await asyncio.gather(handler_task, return_exceptions=True)
+    logger.info("client disconnected from %s; request aborted", raw_request.url.path)
+    return None
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def stream_error_chunk(exc: BaseException) -> str:
+    """The `data:` line of an error that happened after the stream started."""
+    if isinstance(exc, OpenAIServingError):
+        body = error_body(exc.status, exc.message, exc.param)
+    elif isinstance(exc, InvalidRequestError):
+        body = error_body(400, str(exc), exc.field)
+    elif isinstance(exc, (EngineDeadError, EngineOverloadedError)):
+        body = error_body(503, str(exc) or type(exc).__name__)
+    else:
+        logger.exception("error while streaming", exc_info=exc)
+        body = error_body(500, f"{type(exc).__name__}: {exc}")
+    return f"data: {json.dumps(body)}\n\n"
+
+
+DONE_CHUNK = "data: [DONE]\n\n"
+
+
+async def sse_lines(chunks: AsyncIterator[str]) -> AsyncGenerator[str, None]:
+    """Wrap a chunk generator: an error becomes an error chunk, then [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:
+        yield stream_error_chunk(exc)
+    yield DONE_CHUNK
