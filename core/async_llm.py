@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient
 from pagedllm.core.engine import validate_prompt
 from pagedllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from pagedllm.core.llm import _check_token_ids, _load_tokenizer
 from pagedllm.core.metrics import StatLoggerManager
 from pagedllm.core.output_processor import OutputProcessor
 from pagedllm.core.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from pagedllm.core.serial import EngineCoreRequest, sampling_params_to_dict
 from pagedllm.core.stats import IterationStats
+from pagedllm.core.tokenizer import check_token_ids, load_tokenizer
 from pagedllm.model_registry.tiny import resolve_model_path
+from pagedllm.plugins import get_plugin_manager
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
@@ -75,12 +76,18 @@ class AsyncLLM:
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     ) -> None:
         self.config = config
+        # Plugins load in this process too (the core loads its own): a plugin
+        # that fails in strict mode fails here first, and API-side plugin code
+        # (tokenizers, hooks) is available to the front end.
+        get_plugin_manager().load(
+            enabled=config.plugins.enabled, disabled=config.plugins.disabled, strict=config.plugins.strict
+        )
         # Built here (not raced by the core) when it is the embedded default.
         model_path = resolve_model_path(config.model.model)
         self.engine_core = AsyncMPClient(config, in_thread=in_process)
         try:
             # The tokenizer loads while the core loads the model.
-            self.tokenizer = _load_tokenizer(config.model.tokenizer or model_path)
+            self.tokenizer = load_tokenizer(config.model.tokenizer or model_path)
             ready = self.engine_core.wait_for_ready(startup_timeout_s)
         except BaseException:
             self.engine_core.shutdown()
@@ -156,7 +163,7 @@ class AsyncLLM:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
-        return _check_token_ids(prompt)
+        return check_token_ids(prompt)
 
     def validate_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> int:
         """The checks `generate()` runs before anything reaches the core

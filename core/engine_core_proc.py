@@ -262,9 +262,8 @@ def _build_engine_core(config_json: str) -> EngineCore:
 
 
 def _ready_message(engine_core: EngineCore) -> Ready:
-    eos = getattr(engine_core.hf_config, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
+    from pagedllm.core.tokenizer import config_eos_token_id
+
     return Ready(
         pid=os.getpid(),
         model_path=str(engine_core.model_path),
@@ -272,7 +271,7 @@ def _ready_message(engine_core: EngineCore) -> Ready:
         vocab_size=engine_core.vocab_size,
         num_kv_blocks=engine_core.kv_cache_manager.num_blocks,
         block_size=engine_core.kv_cache_manager.block_size,
-        eos_token_id=eos,
+        eos_token_id=config_eos_token_id(engine_core.hf_config),
         attention_backend=engine_core.attn_selection.name,
     )
 

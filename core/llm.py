@@ -13,6 +13,7 @@ from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.output_processor import OutputProcessor
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.tokenizer import check_token_ids, eos_token_id, load_tokenizer
 
 if TYPE_CHECKING:
     from pagedllm.core.outputs import RequestOutput
@@ -35,8 +36,8 @@ class LLM:
         self.config = EngineConfig.from_flat(config_file=config_file, model=model, **kwargs)
         self.engine_core = InprocClient(self.config)
         core = self.engine_core.engine_core
-        self.tokenizer = _load_tokenizer(self.config.model.tokenizer or str(core.model_path))
-        self.eos_token_id = _eos_token_id(core.hf_config, self.tokenizer)
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer or str(core.model_path))
+        self.eos_token_id = eos_token_id(core.hf_config, self.tokenizer)
         self.max_model_len = core.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
@@ -151,8 +152,8 @@ class LLM:
                 if not isinstance(text, str):
                     raise InvalidRequestError("prompt", prompt, "needs a 'prompt' string or 'prompt_token_ids'")
                 token_ids = self.tokenizer.encode(text)
-            return text, _check_token_ids(token_ids), prompt.get("cache_salt")
-        return None, _check_token_ids(prompt), None
+            return text, check_token_ids(token_ids), prompt.get("cache_salt")
+        return None, check_token_ids(prompt), None
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -190,24 +191,3 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     if prompt_list and isinstance(prompt_list[0], int):
         return [prompt_list]  # one prompt given as token ids
     return prompt_list
-
-
-def _check_token_ids(token_ids: Any) -> list[int]:
-    if not isinstance(token_ids, (list, tuple)) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in token_ids
-    ):
-        raise InvalidRequestError("prompt_token_ids", token_ids, "must be a list of integers")
-    return list(token_ids)
-
-
-def _load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def _eos_token_id(hf_config: Any, tokenizer: Any) -> int | None:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    return eos if eos is not None else tokenizer.eos_token_id
