@@ -14,6 +14,7 @@ from pagedllm.core.output_processor import OutputProcessor
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.tokenizer import check_token_ids, eos_token_id, load_tokenizer
+from pagedllm.structured_output.manager import validate_structured_outputs
 
 if TYPE_CHECKING:
     from pagedllm.core.outputs import RequestOutput
@@ -33,7 +34,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, config_file: str | None = None, **kwargs: Any) -> None:
-        self.config = EngineConfig.from_flat(config_file=config_file, model=model, **kwargs)
+        if model is not None:  # not given: the config file's (or env's) model, else the default one
+            kwargs["model"] = model
+        self.config = EngineConfig.from_flat(config_file=config_file, **kwargs)
         self.engine_core = InprocClient(self.config)
         core = self.engine_core.engine_core
         self.tokenizer = load_tokenizer(self.config.model.tokenizer or str(core.model_path))
@@ -120,6 +123,8 @@ class LLM:
         core = self.engine_core.engine_core
         core.validate_prompt(token_ids)
         params.validate_against(self.max_model_len, len(token_ids))
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs, self.config.structured_output)
         request_id = str(next(self._request_counter))
         arrival_time = time.time()
         engine_requests = self.output_processor.add_request(request_id, text, token_ids, params, arrival_time)

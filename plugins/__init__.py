@@ -5,10 +5,18 @@ entry-point group ``pagedllm.plugins``::
 
     [project.entry-points."pagedllm.plugins"]
     my_plugin = "my_pkg.pagedllm_plugin"
+
+and declares the plugin API range it supports in that module::
+
+    PAGEDLLM_API_VERSION = ">=1.0,<2"
+
+``API_VERSION`` is this pagedllm's plugin API (semver); see plugins/compat.py
+and docs/plugins.md ("Compatibility").
 """
 
 from __future__ import annotations
 
+from pagedllm.plugins.compat import API_VERSION, API_VERSION_ATTR, ApiCompatibility, check_api_compatibility
 from pagedllm.plugins.hookspecs import PROJECT_NAME, RegisterFn, hookimpl, hookspec
 from pagedllm.plugins.manager import (
     ENTRY_POINT_GROUP,
@@ -20,10 +28,6 @@ from pagedllm.plugins.manager import (
 )
 from pagedllm.plugins.registry import Registration, Registry
 
-# Semantic version of the plugin API (hookspecs + register() contract):
-# major bumps break plugins, minor bumps add hooks or metadata keys.
-API_VERSION = "1.0.0"
-
 PLATFORM = "platform"
 ATTENTION_BACKEND = "attention_backend"
 MODEL = "model"
@@ -33,6 +37,8 @@ KV_CONNECTOR = "kv_connector"
 
 __all__ = [
     "API_VERSION",
+    "API_VERSION_ATTR",
+    "ApiCompatibility",
     "ATTENTION_BACKEND",
     "DRAFTER",
     "ENTRY_POINT_GROUP",
@@ -48,6 +54,7 @@ __all__ = [
     "RegisterFn",
     "Registration",
     "Registry",
+    "check_api_compatibility",
     "get_plugin_manager",
     "hookimpl",
     "hookspec",

@@ -18,6 +18,7 @@ import pluggy
 
 from pagedllm.core.errors import PluginError
 from pagedllm.plugins import builtin, hookspecs
+from pagedllm.plugins.compat import API_VERSION, ApiCompatibility, check_api_compatibility
 from pagedllm.plugins.registry import BUILTIN_SOURCE, Registration, Registry
 
 logger = logging.getLogger("pagedllm.plugins")
@@ -45,12 +46,25 @@ class PluginLoadError:
     plugin: str  # entry point name
     distribution: str  # "<distribution> <version>", or "unknown"
     error: str  # "ExceptionType: message"
+    api_range: str | None = None  # the plugin's PAGEDLLM_API_VERSION when that was the reason
 
 
 @dataclass(frozen=True)
 class PluginInfo:
     name: str  # pluggy name (entry point name, "builtin", or the pm.register name)
     source: str
+    # The plugin API range it declares (PAGEDLLM_API_VERSION); None = undeclared.
+    api_range: str | None = None
+
+    @property
+    def distribution(self) -> str | None:
+        """The distribution name when the plugin came from one ("pkg 1.0" -> "pkg")."""
+        name, _, version = self.source.partition(" ")
+        return name if version else None
+
+    @property
+    def version(self) -> str | None:
+        return self.source.partition(" ")[2] or None
 
 
 def _distribution_label(ep: importlib.metadata.EntryPoint) -> str:
@@ -72,6 +86,7 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         self._lock = threading.RLock()
         self._sources: dict[str, str] = {}  # pluggy name -> source label
+        self._api_ranges: dict[str, str | None] = {}  # pluggy name -> declared API range
         self._entry_point_plugins: set[str] = set()
         self._load_errors: dict[str, PluginLoadError] = {}
         self._load_args: tuple[frozenset[str] | None, frozenset[str], bool] | None = None
@@ -144,13 +159,23 @@ class PluginManager:
                 continue
             seen.add((ep.name, ep.value))
             unique.append(ep)
-        return unique
+        # Sorted by name: registration order (and `plugins list`) must not
+        # depend on the order site-packages happens to list distributions in.
+        return sorted(unique, key=lambda ep: ep.name)
 
     def _load_entry_point(self, ep: importlib.metadata.EntryPoint) -> None:
         source = _distribution_label(ep)
         self._load_errors.pop(ep.name, None)
         try:
             plugin = ep.load()
+            compat = check_api_compatibility(plugin)
+            if not compat.compatible:
+                error = PluginLoadError(
+                    ep.name, source, f"IncompatiblePluginAPI: {compat.reason}; skipped", compat.declared
+                )
+                self._load_errors[ep.name] = error
+                logger.error("skipped plugin %r from %s: %s", ep.name, source, error.error)
+                return
             self._register(plugin, ep.name, source)
         except Exception as exc:  # NOTE: one broken plugin must not take down the others
             error = PluginLoadError(ep.name, source, f"{type(exc).__name__}: {exc}")
@@ -167,9 +192,15 @@ class PluginManager:
     # ---- registering (tests, and the guarded entry-point path) ---------
 
     def register(self, plugin: object, name: str | None = None) -> str:
-        """Register a plugin object/module directly (tests); returns its name."""
+        """Register a plugin object/module directly (tests); returns its name.
+
+        A plugin whose PAGEDLLM_API_VERSION excludes this API is a PluginError.
+        """
         with self._lock:
             self._ensure_loaded()
+            compat = check_api_compatibility(plugin)
+            if not compat.compatible:
+                raise PluginError(f"plugin {name or plugin!r} cannot be registered: {compat.reason}")
             return self._register(plugin, name, None)
 
     def _register(self, plugin: object, name: str | None, source: str | None) -> str:
@@ -195,6 +226,7 @@ class PluginManager:
                 f"known hooks: {sorted(self._hook_names())}"
             )
         self._sources[registered_name] = source or registered_name
+        self._api_ranges[registered_name] = check_api_compatibility(plugin).declared
         self._invalidate()
         return registered_name
 
@@ -214,6 +246,7 @@ class PluginManager:
         if self.pm.get_plugin(name) is not None:
             self.pm.unregister(name=name)
         self._sources.pop(name, None)
+        self._api_ranges.pop(name, None)
         self._invalidate()
 
     # ---- registries ----------------------------------------------------
@@ -282,7 +315,17 @@ class PluginManager:
 
     def plugins(self) -> list[PluginInfo]:
         self._ensure_loaded()
-        return [PluginInfo(name, self._sources.get(name, name)) for name, _ in self.pm.list_name_plugin()]
+        return [
+            PluginInfo(name, self._sources.get(name, name), self._api_ranges.get(name))
+            for name, _ in self.pm.list_name_plugin()
+        ]
+
+    def api_compatibility(self, name: str) -> ApiCompatibility:
+        """A registered plugin's declared API range checked against API_VERSION."""
+        plugin = self.pm.get_plugin(name)
+        if plugin is None:
+            raise PluginError(f"no plugin named {name!r} is registered")
+        return check_api_compatibility(plugin, API_VERSION)
 
     def source_of(self, name: str) -> str | None:
         return self._sources.get(name)
@@ -291,7 +334,14 @@ class PluginManager:
         return [name for name in vars(hookspecs) if getattr(getattr(hookspecs, name), "pagedllm_spec", None)]
 
     def enable_tracing(self) -> None:
-        """Log every hook call and its result (``PAGEDLLM_TRACE_PLUGINS=1``)."""
+        """Log every hook call and its result (``PAGEDLLM_TRACE_PLUGINS=1``).
+
+        The records are INFO on logger ``pagedllm.plugins``, which is lowered
+        to INFO here so that a trace asked for is a trace shown, whatever the
+        log level of the rest of pagedllm.
+        """
+        if not logger.isEnabledFor(logging.INFO):
+            logger.setLevel(logging.INFO)
 
         def before(hook_name: str, hook_impls: Sequence[pluggy.HookImpl], kwargs: dict[str, Any]) -> None:
             logger.info(

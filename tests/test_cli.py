@@ -47,12 +47,23 @@ def test_plugins_list_json_shows_every_kind_name_and_source(capsys: pytest.Captu
         "triton": "builtin",
         "flash_attn": "builtin",
         "test_echo": TEST_DIST_SOURCE,
+        # installed by `make install` like any user plugin (tests/test_example_plugins.py)
+        "sdpa": f"pagedllm-example-attention {importlib.metadata.version('pagedllm-example-attention')}",
     }
     models = {c["name"]: c["target"] for c in payload["components"]["model"]}
     assert models["TestEchoForCausalLM"] == "pagedllm_test_plugin.model:TestEchoForCausalLM"
     flash = next(c for c in payload["components"]["attention_backend"] if c["name"] == "flash_attn")
     assert flash["metadata"]["min_capability"] == [8, 0]
-    assert {"name": "pagedllm_test_plugin", "source": TEST_DIST_SOURCE} in payload["plugins"]
+    [test_plugin] = [p for p in payload["plugins"] if p["name"] == "pagedllm_test_plugin"]
+    assert test_plugin == {
+        "name": "pagedllm_test_plugin",
+        "source": TEST_DIST_SOURCE,
+        "distribution": "pagedllm-test-plugin",
+        "version": TEST_DIST_SOURCE.split()[1],
+        "api_range": None,  # it declares no PAGEDLLM_API_VERSION
+        "api_compatible": True,
+        "api": "undeclared",
+    }
     assert payload["load_errors"] == []
     assert payload["api_version"] == pagedllm.plugins.API_VERSION
 
@@ -64,7 +75,12 @@ def test_plugins_list_reports_load_errors(monkeypatch: pytest.MonkeyPatch, capsy
     monkeypatch.setattr(pagedllm.plugins, "get_plugin_manager", lambda: private)
     payload = run_json(capsys, ["plugins", "list", "--json"])
     assert payload["load_errors"] == [
-        {"plugin": "ghost", "distribution": "unknown", "error": "ModuleNotFoundError: No module named 'pagedllm_ghost_module'"}
+        {
+            "plugin": "ghost",
+            "distribution": "unknown",
+            "error": "ModuleNotFoundError: No module named 'pagedllm_ghost_module'",
+            "api_range": None,
+        }
     ]
     assert main(["plugins", "list"]) == 0
     text = capsys.readouterr().out

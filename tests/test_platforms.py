@@ -102,11 +102,14 @@ def test_plugin_platform_is_resolved_by_name(fake_platform_plugin: None) -> None
     assert get_plugin_manager().registry("platform").get("fake_accel").source == "fake-platform"
 
 
-def test_plugin_platform_is_not_picked_by_auto(
+def test_available_plugin_platform_wins_auto_over_the_builtins(
     fake_platform_plugin: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    simulate_cuda(monkeypatch, None)
-    assert type(resolve_platform("auto")) is CpuPlatform
+    # vLLM's rule: one available out-of-tree platform beats cpu and even cuda.
+    simulate_cuda(monkeypatch, (8, 0))
+    assert type(resolve_platform("auto")) is FakeAccelerator
+    monkeypatch.setattr(FakeAccelerator, "is_available", classmethod(lambda cls: False))
+    assert type(resolve_platform("auto")) is CudaPlatform  # unavailable: the built-in order again
 
 
 @pytest.mark.parametrize(

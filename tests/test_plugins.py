@@ -102,6 +102,14 @@ def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
             "cpu": "pagedllm.platforms.cpu:CpuPlatform",
             "cuda": "pagedllm.platforms.cuda:CudaPlatform",
         },
+        "grammar_backend": {
+            "xgrammar": "pagedllm.structured_output.xgrammar_backend:XgrammarBackend",
+        },
+        "drafter": {
+            "ngram": "pagedllm.spec_decode.ngram:NgramDrafter",
+            "draft_model": "pagedllm.spec_decode.draft_model:DraftModelDrafter",
+            "eagle": "pagedllm.spec_decode.eagle:EagleDrafter",
+        },
     }
     for kind, targets in expected.items():
         builtins = {r.name: r for r in pm.registry(kind).registrations() if r.source == "builtin"}
@@ -110,8 +118,7 @@ def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
     assert flash.metadata["min_capability"] == (8, 0)
     assert flash.metadata["requires"] == ["flash_attn"]
     assert pm.registry("attention_backend").get("triton").metadata["min_capability"] == (7, 0)
-    for kind in ("drafter", "grammar_backend", "kv_connector"):
-        assert pm.registry(kind).names() == []
+    assert pm.registry("kv_connector").names() == []
 
 
 def test_registered_plugin_adds_backend_and_model_found_by_the_registries(
@@ -335,7 +342,9 @@ def test_allow_list_loads_only_the_enabled_plugins(fake_site: Path) -> None:
 def test_deny_list_skips_a_plugin_and_builtins_always_load(fake_site: Path) -> None:
     pm = PluginManager()
     pm.load(disabled=["broken", "pagedllm_test_plugin", "builtin"], strict=True)
-    assert sorted(p.name for p in pm.plugins()) == ["builtin", "ok"]
+    names = {p.name for p in pm.plugins()}
+    # Other installed plugins (the examples) load too; the denied ones do not.
+    assert {"builtin", "ok"} <= names and not names & {"broken", "pagedllm_test_plugin"}
     assert "torch_native" in pm.registry("attention_backend")
 
 

@@ -1,0 +1,37 @@
+"""The example platform: found through the entry point, and picked by
+platform=auto only while PAGEDLLM_EXAMPLE_PLATFORM is set."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+from pagedllm.attention_backends.selector import select_attention_backend
+from pagedllm.platforms import resolve_platform
+from pagedllm.plugins import PluginManager
+
+
+@pytest.fixture
+def pm() -> PluginManager:
+    manager = PluginManager()
+    manager.load(strict=True)
+    return manager
+
+
+def test_platform_is_registered_through_the_entry_point(pm: PluginManager) -> None:
+    registration = pm.registry("platform").get("example_accel")
+    assert registration.source == f"pagedllm-example-platform {importlib.metadata.version('pagedllm-example-platform')}"
+
+
+def test_auto_picks_the_example_platform_only_when_enabled(pm: PluginManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEDLLM_EXAMPLE_PLATFORM", raising=False)
+    assert resolve_platform("auto", pm).name != "example_accel"
+    monkeypatch.setenv("PAGEDLLM_EXAMPLE_PLATFORM", "1")
+    platform = resolve_platform("auto", pm)
+    assert platform.name == "example_accel"
+    selection = select_attention_backend(platform, head_size=16, dtype=torch.float32, block_size=16, load=False, plugin_manager=pm)
+    # its own priority: sdpa when pagedllm-example-attention is installed, else torch_native
+    expected = "sdpa" if "sdpa" in pm.registry("attention_backend") else "torch_native"
+    assert selection.name == expected

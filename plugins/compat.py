@@ -1,0 +1,70 @@
+"""The plugin API version, and the check of the range a plugin declares.
+
+A plugin module (the object its entry point names) declares the plugin API
+versions it was written for as a PEP 440 specifier string::
+
+    PAGEDLLM_API_VERSION = ">=1.0,<2"
+
+``pagedllm.plugins.API_VERSION`` is checked against it when the entry point is
+loaded, before any hook is registered. A plugin that declares nothing is
+loaded (and shown as "undeclared" by ``pagedllm plugins list``); one whose
+range excludes this version is skipped and recorded as a load error (an
+error in strict mode). docs/plugins.md ("Compatibility") says what a major,
+minor and patch bump of API_VERSION may change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+# Semantic version of the plugin API (hookspecs, the register() contract, the
+# base classes plugins subclass). Bump rules: docs/plugins.md "Compatibility".
+API_VERSION = "1.0.0"
+# The module attribute a plugin declares its supported range in.
+API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
+
+
+@dataclass(frozen=True)
+class ApiCompatibility:
+    """What a plugin declared and whether this pagedllm satisfies it."""
+
+    declared: str | None  # the specifier as written; None = undeclared
+    compatible: bool
+    reason: str | None = None  # why not, naming both versions
+
+    @property
+    def label(self) -> str:
+        """``">=1.0,<2 (compatible)"``, ``"undeclared"``: for ``plugins list``."""
+        if self.declared is None:
+            return "undeclared"
+        return f"{self.declared} ({'compatible' if self.compatible else 'incompatible'})"
+
+
+def check_api_compatibility(plugin: object, api_version: str = API_VERSION) -> ApiCompatibility:
+    """Read ``plugin.PAGEDLLM_API_VERSION`` and test ``api_version`` against it."""
+    declared = getattr(plugin, API_VERSION_ATTR, None)
+    if declared is None:
+        return ApiCompatibility(None, True)
+    if not isinstance(declared, str):
+        return ApiCompatibility(
+            repr(declared),
+            False,
+            f"{API_VERSION_ATTR} = {declared!r} is not a version specifier string such as '>=1.0,<2'",
+        )
+    try:
+        specifier = SpecifierSet(declared)
+    except InvalidSpecifier as exc:
+        return ApiCompatibility(declared, False, f"{API_VERSION_ATTR} = {declared!r} is not a valid specifier: {exc}")
+    if specifier.contains(Version(api_version), prereleases=True):
+        return ApiCompatibility(declared, True)
+    return ApiCompatibility(
+        declared,
+        False,
+        f"the plugin supports pagedllm plugin API {declared!r}, this pagedllm provides plugin API {api_version}",
+    )
+
+
+__all__ = ["API_VERSION", "API_VERSION_ATTR", "ApiCompatibility", "check_api_compatibility"]
