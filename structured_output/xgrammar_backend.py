@@ -1,0 +1,195 @@
+"""The built-in grammar backend: xgrammar (JSON schema, regex, EBNF, choice,
+structural tags), compiled against a TokenizerInfo of the model's vocab size."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.errors import InvalidRequestError
+from pagedllm.structured_output.interface import Grammar, GrammarBackend, StructuredOutputKind
+
+if TYPE_CHECKING:
+    import torch
+    import xgrammar as xgr
+
+    from pagedllm.core.config import StructuredOutputConfig
+
+logger = logging.getLogger(__name__)
+
+# JSON-schema keywords xgrammar ignores silently; a schema using one would be
+# enforced only in part, so it is refused instead (vLLM refuses these too).
+UNSUPPORTED_JSON_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+    "multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "propertyNames",
+    "patternProperties", "unevaluatedProperties", "unevaluatedItems", "minProperties", "maxProperties",
+})
+# Keywords whose value is a map of name -> schema, a schema, or a list of schemas.
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+# xgrammar's C++ errors start with "[12:34:56] /project/cpp/file.cc:123: ".
+_CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
+
+
+def unsupported_json_features(schema: Any, path: str = "#") -> list[str]:
+    """`"<keyword> at <json pointer>"` for every keyword of UNSUPPORTED_JSON_KEYWORDS."""
+    found: list[str] = []
+    if not isinstance(schema, dict):
+        return found
+    for key, value in schema.items():
+        if key in UNSUPPORTED_JSON_KEYWORDS and not (key == "uniqueItems" and value is False):
+            found.append(f"'{key}' at {path}")
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                found += unsupported_json_features(sub, f"{path}/{key}/{name}")
+        elif key in _SCHEMA_VALUES:
+            found += unsupported_json_features(value, f"{path}/{key}")
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            for index, sub in enumerate(value):
+                found += unsupported_json_features(sub, f"{path}/{key}/{index}")
+    return found
+
+
+def choice_to_ebnf(choices: list[str]) -> str:
+    # NOTE: json.dumps quotes and escapes exactly as EBNF string literals need.
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def clean_error(exc: BaseException) -> str:
+    return _CPP_PREFIX.sub("", str(exc)).strip() or type(exc).__name__
+
+
+class XgrammarGrammar(Grammar):
+    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+        self.matcher = matcher
+        self.num_processed_tokens = 0
+
+    def accept_tokens(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        for token_id in token_ids:
+            if not self.matcher.accept_token(token_id):
+                logger.error("request %s: the grammar rejected token %d", request_id, token_id)
+                return False
+            self.num_processed_tokens += 1
+        return True
+
+    def validate_tokens(self, token_ids: Sequence[int]) -> list[int]:
+        accepted: list[int] = []
+        for token_id in token_ids:
+            if not self.matcher.accept_token(token_id):
+                break
+            accepted.append(token_id)
+        if accepted:
+            self.matcher.rollback(len(accepted))
+        return accepted
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self.matcher.rollback(num_tokens)
+            self.num_processed_tokens -= num_tokens
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+    def reset(self) -> None:
+        self.matcher.reset()
+        self.num_processed_tokens = 0
+
+    def fork(self) -> XgrammarGrammar:
+        forked = XgrammarGrammar(self.matcher.fork())
+        forked.num_processed_tokens = self.num_processed_tokens
+        return forked
+
+
+class XgrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_id: int | None, config: StructuredOutputConfig
+    ) -> None:
+        super().__init__(tokenizer, vocab_size, eos_token_id, config)
+        import xgrammar as xgr
+
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=None if eos_token_id is None else [eos_token_id]
+        )
+        # NOTE: the manager keeps the LRU cache (hit rate, eviction); a second
+        # one inside xgrammar would only hold memory.
+        self.compiler = xgr.GrammarCompiler(
+            self.tokenizer_info, max_threads=config.num_compile_threads, cache_enabled=False
+        )
+
+    @classmethod
+    def validate(cls, kind: StructuredOutputKind, spec: str, *, any_whitespace: bool = True) -> None:
+        _validate_cached(StructuredOutputKind(kind), spec, any_whitespace)
+
+    def compile(self, kind: StructuredOutputKind, spec: str, *, any_whitespace: bool = True) -> XgrammarGrammar:
+        try:
+            return self._compile(StructuredOutputKind(kind), spec, any_whitespace)
+        except RuntimeError as exc:  # xgrammar's C++ errors
+            raise ValueError(clean_error(exc)) from None
+
+    def _compile(self, kind: StructuredOutputKind, spec: str, any_whitespace: bool) -> XgrammarGrammar:
+        import xgrammar as xgr
+
+        compiler = self.compiler
+        if kind is StructuredOutputKind.JSON:
+            compiled = compiler.compile_json_schema(spec, any_whitespace=any_whitespace)
+        elif kind is StructuredOutputKind.JSON_OBJECT:
+            compiled = compiler.compile_json_schema(
+                '{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False
+            )
+        elif kind is StructuredOutputKind.REGEX:
+            compiled = compiler.compile_regex(spec)
+        elif kind is StructuredOutputKind.CHOICE:
+            compiled = compiler.compile_grammar(choice_to_ebnf(json.loads(spec)))
+        elif kind is StructuredOutputKind.GRAMMAR:
+            compiled = compiler.compile_grammar(spec)
+        else:
+            compiled = compiler.compile_structural_tag(spec)
+        return XgrammarGrammar(xgr.GrammarMatcher(compiled))
+
+
+@lru_cache(maxsize=256)
+def _validate_cached(kind: StructuredOutputKind, spec: str, any_whitespace: bool) -> None:
+    import xgrammar as xgr
+
+    field = f"structured_outputs.{kind.value}"
+    if kind is StructuredOutputKind.JSON:
+        unsupported = unsupported_json_features(json.loads(spec))
+        if unsupported:
+            raise InvalidRequestError(
+                field, _short(spec), "the JSON schema uses keywords the xgrammar backend cannot enforce: "
+                + ", ".join(unsupported),
+            )
+    try:
+        if kind is StructuredOutputKind.JSON:
+            xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace)
+        elif kind is StructuredOutputKind.REGEX:
+            xgr.Grammar.from_regex(spec)
+        elif kind is StructuredOutputKind.CHOICE:
+            xgr.Grammar.from_ebnf(choice_to_ebnf(json.loads(spec)))
+        elif kind is StructuredOutputKind.GRAMMAR:
+            xgr.Grammar.from_ebnf(spec)
+        elif kind is StructuredOutputKind.STRUCTURAL_TAG:
+            xgr.Grammar.from_structural_tag(spec)
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types
+        what = {
+            StructuredOutputKind.JSON: "the JSON schema",
+            StructuredOutputKind.REGEX: "the regex",
+            StructuredOutputKind.CHOICE: "the choices",
+            StructuredOutputKind.GRAMMAR: "the EBNF grammar",
+            StructuredOutputKind.STRUCTURAL_TAG: "the structural tag",
+        }.get(kind, "the spec")
+        raise InvalidRequestError(field, _short(spec), f"{what} does not compile: {clean_error(exc)}") from None
+
+
+def _short(spec: str, limit: int = 200) -> str:
+    return spec if len(spec) <= limit else spec[: limit - 3] + "..."
