@@ -10,11 +10,21 @@ STAMP := $(VENV)/.installed
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+EXAMPLE_PLUGINS := examples/plugins/pagedllm-example-model \
+	examples/plugins/pagedllm-example-attention \
+	examples/plugins/pagedllm-example-platform \
+	examples/plugins/pagedllm-example-grammar \
+	examples/plugins/pagedllm-example-drafter
+
 # NOTE: torch==2.13.0 first, so that no later requirement pulls a CUDA build.
-$(STAMP): $(PY) pyproject.toml tests/plugins/pagedllm-test-plugin/pyproject.toml
+# The example plugins are installed the way a user installs a plugin: pip
+# install of their own pyproject.toml, found later through entry points only.
+$(STAMP): $(PY) pyproject.toml tests/plugins/pagedllm-test-plugin/pyproject.toml \
+		$(addsuffix /pyproject.toml,$(EXAMPLE_PLUGINS))
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q -e tests/plugins/pagedllm-test-plugin
+	$(PIP) install -q -e $(EXAMPLE_PLUGINS)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,8 +33,9 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/pagedllm serve --host 127.0.0.1 --port 8000
 
+# The example plugins' own tests run too (each package's tests/ folder).
 test: $(STAMP)
-	$(PY) -m pytest --import-mode=importlib tests -q
+	$(PY) -m pytest --import-mode=importlib tests $(wildcard $(addsuffix /tests/test_*.py,$(EXAMPLE_PLUGINS))) -q
 
 demo: $(STAMP)
 	$(VENV)/bin/pagedllm generate --prompt "def fibonacci(n):" --max-tokens 32

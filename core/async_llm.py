@@ -35,6 +35,7 @@ from pagedllm.core.stats import IterationStats
 from pagedllm.core.tokenizer import check_token_ids, load_tokenizer
 from pagedllm.model_registry.tiny import resolve_model_path
 from pagedllm.plugins import get_plugin_manager
+from pagedllm.structured_output.manager import validate_structured_outputs
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
@@ -45,6 +46,16 @@ logger = logging.getLogger(__name__)
 
 # The embedded default model's name in /v1/models.
 DEFAULT_MODEL_NAME = "pagedllm-tiny"
+
+
+def served_name_of(model: str | None) -> str:
+    """/v1/models' name for a model path: "pagedllm-tiny" for the embedded
+    default, else the folder's name."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return Path(model).name
+
+
 # Outputs processed between yields to the event loop (vLLM's
 # VLLM_V1_OUTPUT_PROC_CHUNK_SIZE): a big batch must not stall HTTP handling.
 OUTPUT_PROC_CHUNK_SIZE = 128
@@ -99,7 +110,7 @@ class AsyncLLM:
             ready.eos_token_id if ready.eos_token_id is not None else self.tokenizer.eos_token_id
         )
         self.model_name = config.server.served_model_name or (
-            DEFAULT_MODEL_NAME if config.model.model is None else Path(config.model.model).name
+            served_name_of(config.model.model)
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = StatLoggerManager(
@@ -170,7 +181,11 @@ class AsyncLLM:
         (InvalidRequestError naming field and limit); returns the effective
         max_tokens. Callers may run it first to answer 400 before streaming."""
         validate_prompt(prompt_token_ids, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
-        return sampling_params.validate_against(self.max_model_len, len(prompt_token_ids))
+        max_tokens = sampling_params.validate_against(self.max_model_len, len(prompt_token_ids))
+        if sampling_params.structured_outputs is not None:
+            # A bad schema or grammar is a 400 here, never a compile failure in the core.
+            validate_structured_outputs(sampling_params.structured_outputs, self.config.structured_output)
+        return max_tokens
 
     async def generate(
         self,

@@ -103,6 +103,45 @@ class PluginsConfig(_Section):
         return value
 
 
+class StructuredOutputConfig(_Section):
+    """Grammar-constrained decoding (SamplingParams.structured_outputs)."""
+
+    # A registered `grammar_backend` name; a request may name another (its
+    # structured_outputs.backend).
+    backend: str = "xgrammar"
+    # Engine-core threads compiling grammars; a request waits for its grammar
+    # (WAITING_FOR_FSM) while the rest of the batch runs.
+    num_compile_threads: int = Field(2, ge=1, le=64)
+    # JSON without free whitespace for every request (vLLM's option of the
+    # same name); a request may also ask with structured_outputs.disable_any_whitespace.
+    disable_any_whitespace: bool = False
+    # Compiled grammars kept, least recently used dropped first; keyed by
+    # (backend, kind, spec, whitespace). 0 = no cache.
+    cache_size: int = Field(128, ge=0)
+
+
+class SpeculativeConfig(_Section):
+    """Speculative decoding (vLLM's `speculative_config`); off while `method` is None."""
+
+    # A registered `drafter` name: ngram, draft_model, eagle, or a plugin's.
+    method: str | None = None
+    # Draft tokens proposed per request per step (k).
+    num_speculative_tokens: int = Field(3, ge=1, le=32)
+    # The drafter's model (draft_model, eagle): a folder, hub id or shipped alias.
+    model: str | None = None
+    # n-gram (prompt lookup): the shortest and longest suffix n-gram matched.
+    prompt_lookup_min: int = Field(1, ge=1)
+    prompt_lookup_max: int = Field(4, ge=1)
+
+    @field_validator("prompt_lookup_max")
+    @classmethod
+    def _max_at_least_min(cls, value: int, info: Any) -> int:
+        low = info.data.get("prompt_lookup_min")
+        if low is not None and value < low:
+            raise ValueError(f"must be >= prompt_lookup_min ({low})")
+        return value
+
+
 class ServerConfig(_Section):
     """The OpenAI-compatible HTTP front end (`pagedllm serve`); the engine core ignores it."""
 
@@ -150,6 +189,11 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "enabled_plugins": ("plugins", "enabled"),
     "disabled_plugins": ("plugins", "disabled"),
     "strict_plugins": ("plugins", "strict"),
+    "structured_outputs_config": ("structured_output", None),
+    "speculative_config": ("speculative", None),
+    "speculative_method": ("speculative", "method"),
+    "speculative_model": ("speculative", "model"),
+    "num_speculative_tokens": ("speculative", "num_speculative_tokens"),
 }
 
 # The parsed config file of the `EngineConfig.load` call in progress (settings
@@ -189,6 +233,8 @@ class EngineConfig(BaseSettings):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
+    structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
     def __init__(self, **values: Any) -> None:

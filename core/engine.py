@@ -20,6 +20,8 @@ from pagedllm.model_registry.tiny import resolve_model_path
 from pagedllm.attention_backends.selector import select_attention_backend
 from pagedllm.platforms import resolve_platform
 from pagedllm.plugins import get_plugin_manager
+from pagedllm.spec_decode.interface import DrafterContext
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -29,12 +31,16 @@ if TYPE_CHECKING:
 
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.outputs import EngineCoreOutput
+    from pagedllm.spec_decode.interface import Drafter
 
 logger = logging.getLogger(__name__)
 
 # Without an explicit size the CPU pool gets this much memory (vLLM's CPU
 # backend reserves a fixed KV space the same way).
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# Longest an idle step waits for a compiling grammar (the core's input loop
+# must stay responsive to aborts).
+GRAMMAR_WAIT_S = 0.01
 
 
 class EngineCore:
@@ -76,7 +82,10 @@ class EngineCore:
         )
         self.platform.optimize_model(model)
 
-        num_blocks = self._determine_num_blocks(model)
+        drafter_cls = None
+        if config.speculative.method is not None:
+            drafter_cls = plugin_manager.registry("drafter").load(config.speculative.method)
+        num_blocks = self._determine_num_blocks(model, drafter_cls)
         self.max_model_len = self._determine_max_model_len(num_blocks * block_size)
         self.vocab_size = hf.vocab_size
         self.kv_cache_manager = KVCacheManager(
@@ -85,7 +94,27 @@ class EngineCore:
             enable_caching=config.cache.enable_prefix_caching,
             hash_algo=config.cache.prefix_caching_hash_algo,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        from pagedllm.core.tokenizer import config_eos_token_id
+
+        # The tokenizer loads only when the first structured-output request
+        # needs a grammar backend (xgrammar's TokenizerInfo).
+        self.structured_output_manager = StructuredOutputManager(
+            config.structured_output,
+            vocab_size=self.vocab_size,
+            tokenizer=config.model.tokenizer or str(self.model_path),
+            eos_token_id=config_eos_token_id(self.hf_config),
+            max_num_rows=config.scheduler.max_num_seqs,
+        )
+        drafter = self._build_drafter(drafter_cls, model, num_blocks) if drafter_cls is not None else None
+        num_spec_tokens = config.speculative.num_speculative_tokens if drafter is not None else 0
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv_cache_manager,
+            self.max_model_len,
+            self.structured_output_manager,
+            num_spec_tokens=num_spec_tokens,
+            num_lookahead_tokens=num_spec_tokens if drafter is not None and drafter.needs_lookahead_slots else 0,
+        )
         self.model_runner = ModelRunner(
             model,
             self.attn_selection.backend_cls,
@@ -98,6 +127,7 @@ class EngineCore:
             vocab_size=self.vocab_size,
             seed=config.model.seed,
         )
+        self.model_runner.drafter = drafter
         # PAGEDLLM_DEBUG_KV=1 checks the block invariant after every step.
         self.check_kv_invariants = os.environ.get("PAGEDLLM_DEBUG_KV") == "1"
         # Tokens the last step() computed (the server's iteration_tokens_total).
@@ -106,7 +136,25 @@ class EngineCore:
 
     # --------------------------------------------------------------- sizing
 
-    def _determine_num_blocks(self, model: torch.nn.Module) -> int:
+    def _build_drafter(self, drafter_cls: type[Drafter], model: torch.nn.Module, num_blocks: int) -> Drafter:
+        context = DrafterContext(
+            target_model=model,
+            attn_backend=self.attn_selection.backend_cls,
+            device=self.device,
+            dtype=self.dtype,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            num_blocks=num_blocks,
+            block_size=self.config.cache.block_size,
+        )
+        drafter = drafter_cls(self.config.speculative, context)
+        logger.info(
+            "speculative decoding: %s, k=%d", self.config.speculative.method,
+            self.config.speculative.num_speculative_tokens,
+        )
+        return drafter
+
+    def _determine_num_blocks(self, model: torch.nn.Module, drafter_cls: type[Drafter] | None = None) -> int:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
@@ -114,6 +162,9 @@ class EngineCore:
         bytes_per_block = (
             2 * num_layers * cache.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
         )
+        if drafter_cls is not None:
+            # A model drafter's cache has as many blocks as the target's.
+            bytes_per_block += drafter_cls.kv_cache_bytes_per_block(self.config.speculative, cache.block_size, self.dtype)
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cpu":
@@ -172,6 +223,9 @@ class EngineCore:
         runner_output = self.model_runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens  # for iteration stats
+        if scheduler_output.is_empty and not outputs:
+            # Only grammars compiling: wait for one instead of spinning.
+            self.structured_output_manager.wait_for_compiles(GRAMMAR_WAIT_S)
         if self.check_kv_invariants:
             self.check_invariants()
         return outputs

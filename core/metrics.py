@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
@@ -166,6 +168,22 @@ class PrometheusStatLogger:
             REQUEST_LATENCY_BUCKETS,
         )
 
+        # Speculative decoding (zero without it)
+        self.counter_spec_decode_num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.counter_spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Number of draft tokens."
+        )
+        self.counter_spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self._spec_decode_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels + ["position"],
+            registry=registry,
+        )
+        self.counter_spec_decode_per_pos: dict[int, Any] = {}
+
         # Info: a gauge fixed at 1 whose labels carry the cache config.
         self._cache_config_info: Gauge | None = None
 
@@ -174,6 +192,8 @@ class PrometheusStatLogger:
             self.gauge_running, self.gauge_waiting, self.gauge_kv_cache_usage,
             self.counter_prefix_cache_queries, self.counter_prefix_cache_hits, self.counter_preemptions,
             self.counter_prompt_tokens, self.counter_generation_tokens,
+            self.counter_spec_decode_num_drafts, self.counter_spec_decode_num_draft_tokens,
+            self.counter_spec_decode_num_accepted_tokens,
             self.histogram_prompt_tokens, self.histogram_generation_tokens, self.histogram_iteration_tokens,
             self.histogram_max_tokens, self.histogram_n, self.histogram_ttft, self.histogram_itl,
             self.histogram_tpot, self.histogram_e2e, self.histogram_queue_time, self.histogram_inference_time,
@@ -201,6 +221,18 @@ class PrometheusStatLogger:
         self.counter_prefix_cache_queries.labels(name).inc(scheduler_stats.prefix_cache_queries)
         self.counter_prefix_cache_hits.labels(name).inc(scheduler_stats.prefix_cache_hits)
         self.counter_preemptions.labels(name).inc(num_new_preemptions)
+        spec = scheduler_stats.spec_decoding_stats
+        if spec is not None:
+            self.counter_spec_decode_num_drafts.labels(name).inc(spec.num_drafts)
+            self.counter_spec_decode_num_draft_tokens.labels(name).inc(spec.num_draft_tokens)
+            self.counter_spec_decode_num_accepted_tokens.labels(name).inc(spec.num_accepted_tokens)
+            for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+                counter = self.counter_spec_decode_per_pos.get(position)
+                if counter is None:
+                    counter = self.counter_spec_decode_per_pos[position] = self._spec_decode_per_pos.labels(
+                        name, str(position)
+                    )
+                counter.inc(count)
 
     def record_iteration_stats(self, iteration_stats: IterationStats) -> None:
         name = self.model_name
@@ -274,6 +306,7 @@ class StatLoggerManager:
         self.interval_prefix_cache_queries = 0
         self.interval_prefix_cache_hits = 0
         self._last_throughputs = (0.0, 0.0)
+        self.interval_spec_decoding_stats: SpecDecodingStats | None = None
 
     def log_engine_initialized(self, num_kv_blocks: int | None = None) -> None:
         """(Re)set `cache_config_info`; call again once the engine reports its
@@ -308,6 +341,11 @@ class StatLoggerManager:
             self.interval_prefix_cache_queries += scheduler_stats.prefix_cache_queries
             self.interval_prefix_cache_hits += scheduler_stats.prefix_cache_hits
             self.last_scheduler_stats = scheduler_stats
+            spec = scheduler_stats.spec_decoding_stats
+            if spec is not None:
+                if self.interval_spec_decoding_stats is None:
+                    self.interval_spec_decoding_stats = SpecDecodingStats.new(spec.num_spec_tokens)
+                self.interval_spec_decoding_stats.add(spec)
         if iteration_stats is not None:
             self.prometheus.record_iteration_stats(iteration_stats)
             self.interval_prompt_tokens += iteration_stats.num_prompt_tokens
@@ -349,6 +387,14 @@ class StatLoggerManager:
             f"KV cache usage: {(stats.kv_cache_usage if stats else 0.0) * 100:.1f}%, "
             f"Prefix cache hit rate: {hit_rate * 100:.1f}%"
         )
+        spec = self.interval_spec_decoding_stats
+        if spec is not None and spec.num_drafts:
+            line += (
+                f", Spec decode acceptance rate: {spec.acceptance_rate * 100:.1f}%, "
+                f"Mean acceptance length: {spec.mean_acceptance_length:.2f}"
+            )
+        if spec is not None:
+            self.interval_spec_decoding_stats = SpecDecodingStats.new(spec.num_spec_tokens)
         # An idle server would repeat the same zero line forever (vLLM: debug).
         idle = not any((prompt_throughput, generation_throughput, *self._last_throughputs))
         logger.log(logging.DEBUG if idle else logging.INFO, "%s", line)

@@ -15,13 +15,16 @@ import numpy as np
 import torch
 
 from pagedllm.attention_backends.base import AttentionMetadata
-from pagedllm.core.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from pagedllm.core.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, gather_logprobs
 from pagedllm.core.scheduler_output import LogprobEntry, ModelRunnerOutput, SchedulerOutput
+from pagedllm.spec_decode.interface import DraftInputs, TargetStep
+from pagedllm.spec_decode.rejection_sampler import DraftLayout, rejection_sample
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
     from pagedllm.core.sampler import LogprobsTensors
     from pagedllm.core.sampling_params import SamplingParams
+    from pagedllm.spec_decode.interface import Drafter
 
 
 @dataclass
@@ -37,6 +40,8 @@ class CachedRequestState:
     num_computed_tokens: int
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    # The drafter's q for the drafts it last proposed ([n, V]); None: one-hot.
+    draft_probs: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -54,6 +59,9 @@ class ModelRunner:
         vocab_size: int,
         seed: int = 0,
     ) -> None:
+        # Speculative decoding: set by the engine once the KV cache exists
+        # (a model drafter allocates its own cache with the same geometry).
+        self.drafter: Drafter | None = None
         self.model = model
         self.attn_backend = attn_backend
         self.block_size = block_size
@@ -158,48 +166,247 @@ class ModelRunner:
         )
         # Backend-specific per-batch work, once for all layers.
         attn_metadata = self.attn_backend.build_metadata(common_metadata, self.block_size)
+        input_ids_tensor = torch.tensor(input_ids, dtype=torch.long, device=device)
         hidden_states = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
+            input_ids_tensor,
             torch.from_numpy(positions).to(device),
             attn_metadata,
         )
 
         # A request samples when this step reaches the end of its known tokens.
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        num_drafts = [len(spec_tokens.get(req_id, ())) for req_id in req_ids]
         sampling_rows = [
-            row
-            for row, state in enumerate(states)
-            if seq_lens[row] - len(scheduler_output.scheduled_spec_decode_tokens.get(state.req_id, ()))
-            >= len(state.token_ids)
+            row for row, state in enumerate(states) if seq_lens[row] - num_drafts[row] >= len(state.token_ids)
         ]
         output = ModelRunnerOutput(sampled_token_ids={req_id: [] for req_id in req_ids})
         self._compute_prompt_logprobs(states, num_computed, query_start_loc, seq_lens, hidden_states, output)
-        if not sampling_rows:
+        if not sampling_rows and self.drafter is None:
             return output
 
-        logits_indices = torch.tensor([int(query_start_loc[row + 1]) - 1 for row in sampling_rows], device=device)
-        logits = self.model.compute_logits(hidden_states[logits_indices])
         sampling_states = [states[row] for row in sampling_rows]
+        sampled: list[list[int]] = []
+        if sampling_rows:
+            # With drafts: score all 1 + n positions and keep the accepted prefix.
+            sample = self._verify_drafts if any(num_drafts[row] for row in sampling_rows) else self._sample
+            sampled = sample(scheduler_output, hidden_states, query_start_loc, sampling_rows, sampling_states, output)
+        for state, token_ids in zip(sampling_states, sampled):
+            state.token_ids.extend(token_ids)
+            state.output_token_ids.extend(token_ids)
+            output.sampled_token_ids[state.req_id] = token_ids
+
+        if self.drafter is not None:
+            # NOTE: called even when nothing sampled: a model drafter mirrors
+            # every prefill chunk into its own KV cache.
+            num_rejected = np.zeros(len(req_ids), dtype=np.int64)
+            for row, token_ids in zip(sampling_rows, sampled):
+                num_rejected[row] = num_drafts[row] + 1 - len(token_ids)
+            # Position after each request's last kept row: its next token is known.
+            next_positions = seq_lens - num_rejected
+            target_step = TargetStep(
+                req_ids=req_ids,
+                input_ids=input_ids_tensor,
+                positions=positions,
+                query_start_loc=query_start_loc,
+                block_table=block_table,
+                hidden_states=hidden_states,
+                num_rejected=num_rejected,
+                next_token_ids=np.array(
+                    [state.token_ids[int(p)] for state, p in zip(states, next_positions)], dtype=np.int64
+                ),
+            )
+            self._propose_drafts(sampling_rows, sampling_states, target_step, output)
+        return output
+
+    def _sample(
+        self,
+        scheduler_output: SchedulerOutput,
+        hidden_states: torch.Tensor,
+        query_start_loc: np.ndarray,
+        sampling_rows: list[int],
+        sampling_states: list[CachedRequestState],
+        output: ModelRunnerOutput,
+    ) -> list[list[int]]:
+        """One token per sampling request, from its last position."""
+        logits_indices = torch.tensor([int(query_start_loc[row + 1]) - 1 for row in sampling_rows], device=self.device)
+        logits = self.model.compute_logits(hidden_states[logits_indices])
         metadata = SamplingMetadata.build(
             params=[s.sampling_params for s in sampling_states],
             prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in sampling_states],
             output_token_ids=[s.output_token_ids for s in sampling_states],
             generators={i: s.generator for i, s in enumerate(sampling_states) if s.generator is not None},
             vocab_size=logits.shape[-1],
-            device=device,
+            device=self.device,
             eos_token_ids=[s.eos_token_id for s in sampling_states],
             default_generator=self.generator,
         )
+        if scheduler_output.grammar_bitmask is not None:
+            metadata.grammar_bitmask = self._grammar_rows(scheduler_output, sampling_states)
         sampler_output = self.sampler(logits, metadata)
         sampled = sampler_output.sampled_token_ids.tolist()
         logprobs = _to_entries(sampler_output.logprobs_tensors)
         for i, state in enumerate(sampling_states):
-            token_id = sampled[i]
-            state.token_ids.append(token_id)
-            state.output_token_ids.append(token_id)
-            output.sampled_token_ids[state.req_id] = [token_id]
             if logprobs is not None and state.sampling_params.logprobs is not None:
                 output.logprobs[state.req_id] = [_trim(logprobs[i], state.sampling_params.logprobs)]
-        return output
+        return [[token_id] for token_id in sampled]
+
+    def _verify_drafts(
+        self,
+        scheduler_output: SchedulerOutput,
+        hidden_states: torch.Tensor,
+        query_start_loc: np.ndarray,
+        sampling_rows: list[int],
+        sampling_states: list[CachedRequestState],
+        output: ModelRunnerOutput,
+    ) -> list[list[int]]:
+        """Score all 1 + n_i positions of every sampling request and keep the
+        accepted drafts plus one token (spec_decode/rejection_sampler.py).
+
+        Row j of request i is processed as if its first j drafts were already
+        output tokens: penalties, min_tokens and the grammar see them."""
+        device = self.device
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        drafts = [spec_tokens.get(state.req_id, []) for state in sampling_states]
+        logits_indices: list[int] = []
+        for row, request_drafts in zip(sampling_rows, drafts):
+            end = int(query_start_loc[row + 1])
+            logits_indices.extend(range(end - 1 - len(request_drafts), end))
+        raw_logits = self.model.compute_logits(hidden_states[torch.tensor(logits_indices, device=device)]).float()
+
+        params, prompts, outputs, eos_ids = [], [], [], []
+        row_generators: dict[int, torch.Generator] = {}
+        for state, request_drafts in zip(sampling_states, drafts):
+            prompt = state.token_ids[: state.num_prompt_tokens]
+            request_params = state.sampling_params
+            # Only penalties and min_tokens read the output ids: skip the copies otherwise.
+            sees_drafts = not _no_penalties(request_params) or len(state.output_token_ids) < request_params.min_tokens
+            for position in range(len(request_drafts) + 1):
+                if state.generator is not None:
+                    row_generators[len(params)] = state.generator
+                params.append(request_params)
+                prompts.append(prompt)
+                outputs.append(
+                    state.output_token_ids + request_drafts[:position] if sees_drafts else state.output_token_ids
+                )
+                eos_ids.append(state.eos_token_id)
+        metadata = SamplingMetadata.build(
+            params=params,
+            prompt_token_ids=prompts,
+            output_token_ids=outputs,
+            generators=row_generators,
+            vocab_size=raw_logits.shape[-1],
+            device=device,
+            eos_token_ids=eos_ids,
+            default_generator=self.generator,
+        )
+        if scheduler_output.grammar_bitmask is not None:
+            metadata.grammar_bitmask = self._grammar_rows(scheduler_output, sampling_states, all_positions=True)
+        logits = self.sampler.apply_logits_processors(raw_logits, metadata)
+        target_probs = None if metadata.all_greedy else self.sampler.compute_probs(logits, metadata)
+
+        layout = DraftLayout.build([len(d) for d in drafts], device=device)
+        max_k = layout.max_num_drafts
+        draft_ids = torch.tensor([d + [0] * (max_k - len(d)) for d in drafts], dtype=torch.long, device=device)
+        draft_probs = None
+        if target_probs is not None and any(s.draft_probs is not None for s in sampling_states):
+            # Requests without q get one-hot rows (their drafts were deterministic).
+            draft_probs = torch.zeros_like(target_probs)
+            row_start = layout.row_start.tolist()
+            for i, (state, request_drafts) in enumerate(zip(sampling_states, drafts)):
+                n = len(request_drafts)
+                if not n:
+                    continue
+                if state.draft_probs is not None:
+                    draft_probs[row_start[i] : row_start[i] + n] = state.draft_probs[:n].to(draft_probs.dtype)
+                else:
+                    rows = torch.arange(row_start[i], row_start[i] + n, device=device)
+                    draft_probs[rows, torch.tensor(request_drafts, device=device)] = 1.0
+        request_generators = {i: s.generator for i, s in enumerate(sampling_states) if s.generator is not None}
+        emitted = rejection_sample(
+            layout,
+            draft_ids,
+            logits,
+            target_probs,
+            metadata.is_greedy[layout.row_start],
+            draft_probs=draft_probs,
+            generators=request_generators,
+            default_generator=self.generator,
+        ).tolist()
+        sampled = [[t for t in row if t >= 0] for row in emitted]
+
+        if metadata.max_num_logprobs is not None:
+            # NOTE: logprobs are the target's raw distribution at each emitted position.
+            row_start = layout.row_start.tolist()
+            rows = [row_start[i] + j for i, tokens in enumerate(sampled) for j in range(len(tokens))]
+            token_ids = [t for tokens in sampled for t in tokens]
+            raw_logprobs = raw_logits[torch.tensor(rows, device=device)].log_softmax(dim=-1)
+            entries = _to_entries(
+                gather_logprobs(raw_logprobs, metadata.max_num_logprobs, torch.tensor(token_ids, device=device))
+            ) or []
+            next_entry = 0
+            for state, tokens in zip(sampling_states, sampled):
+                request_entries = entries[next_entry : next_entry + len(tokens)]
+                next_entry += len(tokens)
+                if state.sampling_params.logprobs is not None:
+                    output.logprobs[state.req_id] = [_trim(e, state.sampling_params.logprobs) for e in request_entries]
+        return sampled
+
+    def _propose_drafts(
+        self,
+        sampling_rows: list[int],
+        sampling_states: list[CachedRequestState],
+        target_step: TargetStep,
+        output: ModelRunnerOutput,
+    ) -> None:
+        if self.drafter is None:
+            return
+        draft_output = self.drafter.propose(
+            DraftInputs(
+                req_ids=[s.req_id for s in sampling_states],
+                token_ids=[s.token_ids for s in sampling_states],
+                sampling_params=[s.sampling_params for s in sampling_states],
+                batch_rows=sampling_rows,
+                target_step=target_step,
+            )
+        )
+        all_probs = draft_output.draft_probs
+        for i, (state, draft_token_ids) in enumerate(zip(sampling_states, draft_output.draft_token_ids)):
+            state.draft_probs = all_probs[i] if all_probs is not None else None
+            if draft_token_ids:
+                output.spec_token_ids[state.req_id] = list(draft_token_ids)
+
+    @staticmethod
+    def _grammar_rows(
+        scheduler_output: SchedulerOutput, sampling_states: list[CachedRequestState], all_positions: bool = False
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """The bitmask rows of this step's sampled positions and the logits rows
+        they mask. A request owns 1 + len(drafts) bitmask rows; without
+        `all_positions` the logits hold one row per request (its first
+        position), with it 1 + len(drafts) rows per request, in batch order."""
+        bitmask = scheduler_output.grammar_bitmask
+        if bitmask is None:
+            return None
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        logits_row: dict[str, int] = {}
+        next_logits_row = 0
+        for state in sampling_states:
+            logits_row[state.req_id] = next_logits_row
+            next_logits_row += 1 + len(spec_tokens.get(state.req_id, ())) if all_positions else 1
+        bitmask_rows: list[int] = []
+        logits_rows: list[int] = []
+        next_row = 0
+        for req_id in scheduler_output.structured_output_request_ids:
+            num_rows = 1 + len(spec_tokens.get(req_id, ()))
+            if req_id in logits_row:
+                for position in range(num_rows if all_positions else 1):
+                    bitmask_rows.append(next_row + position)
+                    logits_rows.append(logits_row[req_id] + position)
+            next_row += num_rows
+        if not logits_rows:
+            return None
+        if len(bitmask_rows) != bitmask.shape[0]:
+            bitmask = bitmask[bitmask_rows]
+        return bitmask, logits_rows
 
     def _compute_prompt_logprobs(
         self,
@@ -225,6 +432,10 @@ class ModelRunner:
                 targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=logits.device)
                 entries.extend(_to_entries(compute_prompt_logprobs(logits, targets, num_logprobs)) or [])
             output.prompt_logprobs[state.req_id] = entries
+
+
+def _no_penalties(params: SamplingParams) -> bool:
+    return params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
 
 
 def _to_entries(tensors: LogprobsTensors | None) -> list[LogprobEntry] | None:

@@ -189,6 +189,9 @@ class ParentRequest:
             first_token_time=first([m.first_token_time for m in children]),
             last_token_time=last([m.last_token_time for m in children]),
             finished_time=last([m.finished_time for m in children]) if self.finished else None,
+            spec_num_drafts=sum(m.spec_num_drafts for m in children),
+            spec_num_draft_tokens=sum(m.spec_num_draft_tokens for m in children),
+            spec_num_accepted_tokens=sum(m.spec_num_accepted_tokens for m in children),
         )
 
 
@@ -374,6 +377,9 @@ class OutputProcessor:
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = engine_output.first_scheduled_time
         state.num_cached_tokens = max(0, engine_output.num_cached_tokens)
+        if engine_output.spec_counts is not None:
+            (metrics.spec_num_drafts, metrics.spec_num_draft_tokens,
+             metrics.spec_num_accepted_tokens) = engine_output.spec_counts
         new_token_ids = engine_output.new_token_ids
         if new_token_ids:
             if metrics.first_token_time is None:

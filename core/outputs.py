@@ -62,6 +62,21 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding: verification steps with drafts, drafts proposed,
+    # drafts accepted (all 0 without speculation).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed drafts; None when nothing was drafted."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens per verification step, 1 + accepted / drafts."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
 
 @dataclass
@@ -117,6 +132,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     events: list[EngineCoreEvent] | None = None
+    # Cumulative (num_drafts, num_draft_tokens, num_accepted_tokens) of the
+    # request; None without speculation.
+    spec_counts: tuple[int, int, int] | None = None
 
     @property
     def finished(self) -> bool:

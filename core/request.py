@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagedllm.core.kv_cache.hashing import BlockHash
     from pagedllm.core.sampling_params import SamplingParams
+    from pagedllm.structured_output.manager import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -62,7 +63,12 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_name = lora_name
 
-        self.status = RequestStatus.WAITING
+        # Structured output: the grammar compiles (WAITING_FOR_FSM) before the
+        # request may be scheduled; the manager fills structured_output_request.
+        self.status = (
+            RequestStatus.WAITING_FOR_FSM if sampling_params.structured_outputs is not None else RequestStatus.WAITING
+        )
+        self.structured_output_request: StructuredOutputRequest | None = None
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -72,6 +78,10 @@ class Request:
         self.num_cached_tokens = -1
         # Draft tokens to verify in the next step (speculative decoding).
         self.spec_token_ids: list[int] = []
+        # Verification steps with drafts, drafts proposed, drafts accepted.
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
         # Hashes of the full blocks of all_token_ids, filled by the KV manager.
         self.block_hashes: list[BlockHash] = []
         self.num_preemptions = 0
@@ -104,6 +114,10 @@ class Request:
             token_ids = [token_ids]
         self.output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

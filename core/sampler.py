@@ -1,6 +1,7 @@
 """Logits processing and sampling, with vLLM V1 semantics.
 
-Order: raw logprobs -> min_tokens stop masking -> penalties -> greedy argmax |
+Order: raw logprobs -> grammar bitmask (structured output) -> min_tokens stop
+masking -> penalties -> greedy argmax |
 (temperature -> min_p -> top_k -> top_p -> exponential-race sampling).
 """
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.sampling_params import SamplingParams, SamplingType
+from pagedllm.structured_output.bitmask import apply_token_bitmask_inplace
 
 # Exponential draws are clamped here so probs / q is never 0/0 (NaN would win argmax).
 _TINY = torch.finfo(torch.float32).tiny
@@ -65,6 +67,9 @@ class SamplingMetadata:
     # Draws for random rows without their own generator (the engine's, seeded
     # from the config's seed); None = torch's global RNG.
     default_generator: torch.Generator | None = None
+    # Structured output: (int32 bitmask [R, ceil(V / 32)], the R logits rows it
+    # masks); other rows are untouched. Set by the model runner.
+    grammar_bitmask: tuple[torch.Tensor, list[int]] | None = None
 
     @classmethod
     def build(
@@ -256,11 +261,7 @@ class Sampler(nn.Module):
         # NOTE: logprobs are of the raw model distribution (vLLM's raw_logprobs),
         # before any penalty, mask or temperature.
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
-
-        if metadata.min_tokens_mask is not None:
-            rows, token_ids = metadata.min_tokens_mask
-            logits = logits.index_put((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
-        logits = apply_penalties(logits, metadata)
+        logits = self.apply_logits_processors(logits, metadata)
         sampled = self.sample(logits, metadata)
 
         logprobs_tensors = None
@@ -268,15 +269,35 @@ class Sampler(nn.Module):
             logprobs_tensors = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
-    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        if metadata.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy_logits = logits
+    @staticmethod
+    def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Grammar bitmask, min_tokens stop masking and penalties: the logits
+        greedy rows take the argmax of (float32 in, float32 out)."""
+        if metadata.grammar_bitmask is not None:
+            bitmask, rows = metadata.grammar_bitmask
+            logits = logits.contiguous()
+            apply_token_bitmask_inplace(logits, bitmask, rows)
+        if metadata.min_tokens_mask is not None:
+            rows, token_ids = metadata.min_tokens_mask
+            logits = logits.index_put((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
+        return apply_penalties(logits, metadata)
+
+    @staticmethod
+    def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows sample from: temperature, min_p,
+        top-k, top-p, softmax over processed logits (speculative decoding
+        verifies drafts against it)."""
         logits = logits / metadata.temperature.unsqueeze(1)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        sampled = random_sample(logits.softmax(dim=-1), metadata.generators, metadata.default_generator)
+        return logits.softmax(dim=-1)
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        if metadata.all_greedy:
+            return logits.argmax(dim=-1)
+        greedy_logits = logits
+        sampled = random_sample(self.compute_probs(logits, metadata), metadata.generators, metadata.default_generator)
         if metadata.all_random:
             return sampled
         # Greedy rows take the argmax of the penalized logits, before temperature.

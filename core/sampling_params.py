@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
+import json
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pagedllm.core.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output.interface import StructuredOutputKind
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -20,6 +25,120 @@ class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+# The spec fields of StructuredOutputsParams: exactly one is set per request.
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured-output request: exactly one of `json` (a JSON schema,
+    dict or JSON text), `json_object` (True: any JSON object), `regex`,
+    `choice` (list of strings), `grammar` (EBNF, root rule `root`) or
+    `structural_tag` (xgrammar's structural-tag JSON, dict or text).
+
+    `disable_any_whitespace`: JSON without free whitespace between tokens.
+    `backend`: a registered grammar backend for this request (default: the
+    engine's `structured_output.backend`).
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        self._verify()
+
+    @classmethod
+    def coerce(cls, value: Any) -> StructuredOutputsParams | None:
+        """None, a StructuredOutputsParams, or its fields as a dict (the wire form)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise InvalidRequestError(
+                    "structured_outputs", unknown, "unknown fields; allowed: " + ", ".join(sorted(known))
+                )
+            return cls(**value)
+        raise InvalidRequestError(
+            "structured_outputs", _short_repr(value), "must be a StructuredOutputsParams, a dict or None"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @property
+    def kind_name(self) -> str:
+        return next(name for name in STRUCTURED_OUTPUT_KINDS if self._is_set(name))
+
+    def _is_set(self, name: str) -> bool:
+        value = getattr(self, name)
+        return value is not None and value is not False
+
+    def _verify(self) -> None:
+        given = [name for name in STRUCTURED_OUTPUT_KINDS if self._is_set(name)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs", given or None,
+                "exactly one of " + ", ".join(STRUCTURED_OUTPUT_KINDS) + " must be set",
+            )
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as exc:
+                    raise InvalidRequestError(f"structured_outputs.{name}", _short_repr(value),
+                                              f"not valid JSON: {exc}") from None
+            allowed = (dict, bool) if name == "json" else (dict,)
+            if not isinstance(value, allowed):
+                raise InvalidRequestError(f"structured_outputs.{name}", _short_repr(value),
+                                          "must be a JSON object (dict or JSON text)")
+        if self.json_object is not None and self.json_object is not True and self.json_object is not False:
+            raise InvalidRequestError("structured_outputs.json_object", self.json_object, "must be true or false")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise InvalidRequestError(f"structured_outputs.{name}", _short_repr(value),
+                                          "must be a non-empty string")
+        if self.choice is not None and not (
+            isinstance(self.choice, (list, tuple)) and self.choice and all(isinstance(c, str) for c in self.choice)
+        ):
+            raise InvalidRequestError("structured_outputs.choice", _short_repr(self.choice),
+                                      "must be a non-empty list of strings")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise InvalidRequestError("structured_outputs.disable_any_whitespace", self.disable_any_whitespace,
+                                      "must be true or false")
+        if self.backend is not None and not (isinstance(self.backend, str) and self.backend):
+            raise InvalidRequestError("structured_outputs.backend", self.backend,
+                                      "must be a registered grammar backend name or None")
+
+    def grammar_spec(self) -> tuple[StructuredOutputKind, str]:
+        """(kind, spec text): the same spec gives the same text (the cache key)."""
+        from pagedllm.structured_output.interface import StructuredOutputKind
+
+        kind = StructuredOutputKind(self.kind_name)
+        if kind in (StructuredOutputKind.JSON, StructuredOutputKind.STRUCTURAL_TAG):
+            value = getattr(self, kind.value)
+            if isinstance(value, str):
+                value = json.loads(value)
+            # NOTE: no sort_keys: property order is the order the output follows.
+            return kind, json.dumps(value, ensure_ascii=False)
+        if kind is StructuredOutputKind.JSON_OBJECT:
+            return kind, ""
+        if kind is StructuredOutputKind.CHOICE:
+            return kind, json.dumps(list(self.choice or ()), ensure_ascii=False)
+        return kind, str(getattr(self, kind.value))
 
 
 @dataclass
@@ -47,13 +166,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
-    # Structured-output spec (json / regex / choice / grammar); a later issue.
-    structured_outputs: Any = None
+    # Constrain the output to a JSON schema, regex, choice list or grammar;
+    # a dict (as it crosses the wire) is turned into StructuredOutputsParams.
+    structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self._verify()
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
@@ -132,6 +253,11 @@ class SamplingParams:
                 f"exceeds the context left for this prompt ({max_model_len} - {num_prompt_tokens} = {left})",
             )
         return self.max_tokens
+
+
+def _short_repr(value: Any, limit: int = 200) -> Any:
+    text = value if isinstance(value, str) else repr(value)
+    return value if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _is_int(value: Any) -> bool:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedllm.core.errors import ConfigError
+from pagedllm.core.errors import ConfigError, InvalidRequestError
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
@@ -23,10 +23,12 @@ from pagedllm.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedllm.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from pagedllm.core.config import SchedulerConfig
     from pagedllm.core.kv_cache.manager import KVCacheManager
+    from pagedllm.structured_output.manager import StructuredOutputManager
 
 
 @dataclass
@@ -37,6 +39,8 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int  # cumulative
+    # Verified drafts since the last stats (interval delta); None without speculation.
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 class Scheduler:
@@ -45,8 +49,20 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
+        structured_output_manager: StructuredOutputManager | None = None,
+        num_spec_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.config = scheduler_config
+        # Speculative decoding: k drafts per request at most; a model drafter
+        # writes KV past the scheduled tokens, into `num_lookahead_tokens`
+        # extra slots reserved per request.
+        self.num_spec_tokens = num_spec_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_decoding_stats = SpecDecodingStats.new(num_spec_tokens) if num_spec_tokens else None
+        # Since start (the interval stats above are taken by make_stats).
+        self.total_spec_decoding_stats = SpecDecodingStats.new(num_spec_tokens) if num_spec_tokens else None
+        self.structured_output_manager = structured_output_manager
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.policy = scheduler_config.scheduling_policy
@@ -70,10 +86,21 @@ class Scheduler:
         # Finished since the last schedule(); the runner must forget them.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Requests finished inside schedule() (a grammar that failed to
+        # compile); reported by the next update_from_output.
+        self._finished_outputs: list[EngineCoreOutput] = []
 
     # ---------------------------------------------------------------- intake
 
     def add_request(self, request: Request) -> None:
+        if request.use_structured_output:
+            if self.structured_output_manager is None:
+                raise InvalidRequestError(
+                    "structured_outputs", request.sampling_params.structured_outputs,
+                    "this scheduler has no structured-output manager",
+                )
+            # Compiles on the manager's threads; WAITING_FOR_FSM until done.
+            self.structured_output_manager.grammar_init(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -99,7 +126,7 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0
+        return self.get_num_unfinished_requests() > 0 or bool(self._finished_outputs)
 
     # -------------------------------------------------------------- schedule
 
@@ -128,7 +155,9 @@ class Scheduler:
             if num_new_tokens == 0:
                 continue
             while True:
-                new_blocks = kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+                )
                 if new_blocks is not None:
                     break
                 victim = self._select_victim()
@@ -155,9 +184,21 @@ class Scheduler:
                     spec_tokens[request_id] = request.spec_token_ids[:num_spec]
 
         # 2. Waiting requests, unless this step already had to preempt.
+        # Requests whose grammar still compiles step aside for this step.
+        waiting_for_fsm: list[Request] = []
         if not preempted:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting.peek()
+                if request.status == RequestStatus.WAITING_FOR_FSM:
+                    so_request = request.structured_output_request
+                    if so_request is None or not so_request.is_ready():
+                        waiting_for_fsm.append(self.waiting.pop())
+                        continue
+                    if so_request.error is not None:
+                        self.waiting.pop()
+                        self._finish_failed_grammar(request, so_request.error)
+                        continue
+                    request.status = RequestStatus.WAITING
                 computed_blocks, num_computed_tokens = [], request.num_computed_tokens
                 if num_computed_tokens == 0:
                     computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -166,7 +207,7 @@ class Scheduler:
                     break
                 num_new_tokens = self._cap_new_tokens(num_new_tokens, token_budget, num_computed_tokens)
                 new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_computed_tokens, computed_blocks
+                    request, num_new_tokens, num_computed_tokens, computed_blocks, self.num_lookahead_tokens
                 )
                 if new_blocks is None:
                     break  # head-of-line: later arrivals wait behind it
@@ -200,6 +241,19 @@ class Scheduler:
                     )
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
+        for request in reversed(waiting_for_fsm):
+            self.waiting.prepend(request)
+
+        # Requests that sample this step and follow a grammar get bitmask rows.
+        structured_output_request_ids = []
+        if self.structured_output_manager is not None:
+            for request_id, num_new_tokens in num_scheduled_tokens.items():
+                request = self.requests[request_id]
+                if (
+                    request.structured_output_request is not None
+                    and request.num_computed_tokens + num_new_tokens >= request.num_tokens
+                ):
+                    structured_output_request_ids.append(request_id)
 
         scheduler_output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -207,6 +261,14 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             scheduled_spec_decode_tokens=spec_tokens,
+            structured_output_request_ids=structured_output_request_ids,
+            grammar_bitmask=(
+                self.structured_output_manager.grammar_bitmask(
+                    self.requests, structured_output_request_ids, spec_tokens
+                )
+                if structured_output_request_ids and self.structured_output_manager is not None
+                else None
+            ),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
         )
@@ -217,6 +279,19 @@ class Scheduler:
         for request_id, num_new_tokens in num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_new_tokens
         return scheduler_output
+
+    def _finish_failed_grammar(self, request: Request, error: str) -> None:
+        """A grammar that failed to compile ends only its request (abort, with
+        the error as stop_reason), reported by the next update_from_output."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.stop_reason = error
+        self._free_request(request)
+        self._finished_outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[], finish_reason="abort",
+                stop_reason=error, num_cached_tokens=0,
+            )
+        )
 
     def _cap_new_tokens(self, num_new_tokens: int, token_budget: int, num_computed_tokens: int) -> int:
         threshold = self.long_prefill_token_threshold
@@ -248,7 +323,7 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._finished_outputs = self._finished_outputs, []
         sampled_token_ids = runner_output.sampled_token_ids
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         all_logprobs = runner_output.logprobs
@@ -260,7 +335,14 @@ class Scheduler:
             sampled = sampled_token_ids.get(request_id, ())
             if spec_tokens and sampled and request_id in spec_tokens:
                 # Drafts past the accepted prefix were not computed for real.
-                request.num_computed_tokens -= len(spec_tokens[request_id]) + 1 - len(sampled)
+                num_draft_tokens = len(spec_tokens[request_id])
+                request.num_computed_tokens -= num_draft_tokens + 1 - len(sampled)
+                request.spec_num_drafts += 1
+                request.spec_num_draft_tokens += num_draft_tokens
+                request.spec_num_accepted_tokens += len(sampled) - 1
+                if self.spec_decoding_stats is not None and self.total_spec_decoding_stats is not None:
+                    self.spec_decoding_stats.observe_draft(num_draft_tokens, len(sampled) - 1)
+                    self.total_spec_decoding_stats.observe_draft(num_draft_tokens, len(sampled) - 1)
             num_new_tokens = 0
             stopped = False
             for token_id in sampled:
@@ -269,6 +351,17 @@ class Scheduler:
                 if self._check_stop(request):
                     stopped = True
                     break
+            so_request = request.structured_output_request
+            if num_new_tokens and so_request is not None and so_request.grammar is not None:
+                grammar = so_request.grammar
+                grammar.accept_tokens(request_id, sampled[:num_new_tokens])
+                if not stopped and grammar.is_terminated():
+                    # e.g. ignore_eos: the grammar has ended, so has the request.
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    stopped = True
+            if sampled:
+                # The drafts the next step verifies (none while prefilling).
+                request.spec_token_ids = [] if stopped else self._usable_drafts(request, runner_output)
             logprobs = all_logprobs.get(request_id) if all_logprobs else None
             prompt_logprobs = all_prompt_logprobs.get(request_id) if all_prompt_logprobs else None
             if stopped:
@@ -285,9 +378,28 @@ class Scheduler:
                         stop_reason=request.stop_reason,
                         num_cached_tokens=request.num_cached_tokens,
                         first_scheduled_time=request.first_scheduled_time,
+                        spec_counts=(
+                            (request.spec_num_drafts, request.spec_num_draft_tokens, request.spec_num_accepted_tokens)
+                            if self.num_spec_tokens
+                            else None
+                        ),
                     )
                 )
         return outputs
+
+    def _usable_drafts(self, request: Request, runner_output: ModelRunnerOutput) -> list[int]:
+        drafts = runner_output.spec_token_ids.get(request.request_id)
+        if not drafts:
+            return []
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            # The last allowed token is the step's bonus/recovered one.
+            drafts = drafts[: max(0, max_tokens - request.num_output_tokens - 1)]
+        so_request = request.structured_output_request
+        if drafts and so_request is not None and so_request.grammar is not None:
+            # Drafts the grammar rejects would be rejected by sampling anyway.
+            drafts = so_request.grammar.validate_tokens(drafts)
+        return list(drafts)
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params
@@ -311,6 +423,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         request.finished_time = time.time()
+        request.structured_output_request = None
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -326,4 +439,12 @@ class Scheduler:
             prefix_cache_queries=prefix_stats.queries,
             prefix_cache_hits=prefix_stats.hits,
             num_preemptions=self.num_preemptions,
+            spec_decoding_stats=self._take_spec_decoding_stats(),
         )
+
+    def _take_spec_decoding_stats(self) -> SpecDecodingStats | None:
+        stats = self.spec_decoding_stats
+        if stats is None:
+            return None
+        self.spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
+        return stats

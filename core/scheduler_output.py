@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
+    import torch
+
     from pagedllm.core.sampling_params import SamplingParams
 
 
@@ -48,8 +50,13 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # req_id -> draft tokens to verify this step (speculative decoding).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # Requests that need a grammar bitmask row this step (structured output).
+    # Requests that sample this step under a grammar (structured output), in
+    # batch order; each owns 1 + len(its drafts) consecutive grammar_bitmask rows.
     structured_output_request_ids: list[str] = field(default_factory=list)
+    # int32 [rows, ceil(vocab_size / 32)] on the CPU, bit set = token allowed
+    # (structured_output/interface.py); None when no request needs one.
+    # NOTE: a view of a buffer the next schedule() overwrites: use it this step.
+    grammar_bitmask: torch.Tensor | None = None
     # Requests the runner must forget (finished or aborted since last step).
     finished_req_ids: set[str] = field(default_factory=set)
     # Requests preempted this step: the runner drops their blocks but keeps
@@ -78,3 +85,5 @@ class ModelRunnerOutput:
     # req_id -> entries for the prompt positions computed this step
     # (None for the very first prompt token, which has no logprob).
     prompt_logprobs: dict[str, list[LogprobEntry | None]] = field(default_factory=dict)
+    # req_id -> draft tokens the drafter proposed for the next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -96,6 +96,7 @@ class EngineCoreOutputWire(msgspec.Struct, array_like=True):
     num_cached_tokens: int
     first_scheduled_time: float | None
     events: list[EngineCoreEvent] | None
+    spec_counts: tuple[int, int, int] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -120,6 +121,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
                 num_cached_tokens=o.num_cached_tokens,
                 first_scheduled_time=o.first_scheduled_time,
                 events=o.events,
+                spec_counts=o.spec_counts,
             )
             for o in self.outputs
         ]
@@ -180,7 +182,11 @@ class CoreOutputDecoder:
 
 
 def sampling_params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    data = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    if params.structured_outputs is not None:
+        # A plain dict on the wire; SamplingParams rebuilds and re-validates it.
+        data["structured_outputs"] = params.structured_outputs.to_dict()
+    return data
 
 
 def sampling_params_from_dict(data: dict[str, Any]) -> SamplingParams:
@@ -227,4 +233,5 @@ def to_wire_output(output: EngineCoreOutput) -> EngineCoreOutputWire:
         num_cached_tokens=output.num_cached_tokens,
         first_scheduled_time=output.first_scheduled_time,
         events=output.events,
+        spec_counts=output.spec_counts,
     )

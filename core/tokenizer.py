@@ -10,9 +10,12 @@ from pagedllm.core.errors import InvalidRequestError
 
 
 def load_tokenizer(path: str) -> Any:
+    """`path` is a folder, a hub id or a shipped model's alias (`tiny`)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    from pagedllm.model_registry.tiny import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(path))
 
 
 def check_token_ids(token_ids: Any) -> list[int]:

@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: serve, generate, bench, plugins list, env."""
+"""The ``pagedllm`` command: serve, generate, bench, plugins list/new, env."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pagedllm.core.errors import PagedLLMError
 from pagedllm.entrypoints.bench.serve import add_bench_parser
+from pagedllm.entrypoints.bench.spec import add_spec_parser
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +40,7 @@ def _jsonable(value: Any) -> Any:
 
 def cmd_plugins_list(args: argparse.Namespace) -> int:
     from pagedllm.plugins import API_VERSION, KINDS, get_plugin_manager
+    from pagedllm.plugins.manager import BUILTIN_PLUGIN_NAME
 
     pm = get_plugin_manager()
     components = {
@@ -53,12 +55,28 @@ def cmd_plugins_list(args: argparse.Namespace) -> int:
         ]
         for kind in KINDS
     }
+    plugins = []
+    for plugin in pm.plugins():
+        is_builtin = plugin.name == BUILTIN_PLUGIN_NAME
+        plugins.append(
+            {
+                "name": plugin.name,
+                "source": plugin.source,
+                "distribution": plugin.distribution,
+                "version": plugin.version,
+                # builtins are the API itself; a loaded plugin is compatible by construction
+                "api_range": f"=={API_VERSION}" if is_builtin else plugin.api_range,
+                "api_compatible": True,
+                "api": f"{API_VERSION} (core)" if is_builtin else pm.api_compatibility(plugin.name).label,
+            }
+        )
     payload = {
         "api_version": API_VERSION,
-        "plugins": [{"name": p.name, "source": p.source} for p in pm.plugins()],
+        "plugins": plugins,
         "components": components,
         "load_errors": [
-            {"plugin": e.plugin, "distribution": e.distribution, "error": e.error} for e in pm.load_errors
+            {"plugin": e.plugin, "distribution": e.distribution, "error": e.error, "api_range": e.api_range}
+            for e in pm.load_errors
         ],
     }
     if args.json:
@@ -66,17 +84,28 @@ def cmd_plugins_list(args: argparse.Namespace) -> int:
         return 0
     print(f"pagedllm plugin API {API_VERSION}")
     print("plugins:")
-    for plugin in payload["plugins"]:
-        print(f"  {plugin['name']:<28} {plugin['source']}")
+    print(f"  {'NAME':<28} {'SOURCE':<36} API")
+    for plugin in plugins:
+        print(f"  {plugin['name']:<28} {plugin['source']:<36} {plugin['api']}")
     for kind, regs in components.items():
         print(f"{kind}:")
         if not regs:
             print("  (none)")
         for reg in regs:
-            print(f"  {reg['name']:<28} {reg['source']:<28} {reg['target']}")
+            print(f"  {reg['name']:<28} {reg['source']:<36} {reg['target']}")
     print("load errors:" if payload["load_errors"] else "load errors: none")
     for err in payload["load_errors"]:
         print(f"  {err['plugin']} ({err['distribution']}): {err['error']}")
+    return 0
+
+
+def cmd_plugins_new(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.plugin_template import create_plugin_package
+
+    package_dir = create_plugin_package(args.name, args.kind, args.dir)
+    print(f"created {package_dir}")
+    print(f"  pip install -e {package_dir}")
+    print(f"  cd {package_dir} && python -m pytest -q")
     return 0
 
 
@@ -216,7 +245,8 @@ def add_serve_parser(sub: Any) -> None:
         "Every engine setting has a flag; precedence: flags, env (PAGEDLLM_<SECTION>__<KEY>), "
         "--config file (YAML or TOML), defaults.",
     )
-    serve.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model folder or hub id")
+    serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                       help="model folder, hub id, or a shipped model: tiny (default), tiny-draft")
     serve.add_argument("--model", dest="model_flag", default=None, help="same as MODEL (vLLM's api_server flag)")
     serve.add_argument("--config", default=None, metavar="FILE", help="engine config file (.yaml, .yml, .toml)")
     add_engine_config_flags(serve, skip=frozenset({("model", "model")}))
@@ -232,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    gen.add_argument("--model", default=None, help="model folder or hub id (default: embedded tiny model)")
+    gen.add_argument("--model", default=None,
+                     help="model folder, hub id, or a shipped model: tiny (default), tiny-draft")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -244,6 +275,16 @@ def build_parser() -> argparse.ArgumentParser:
     plugins_list = plugins_sub.add_parser("list", help="every kind, name, source and load error")
     plugins_list.add_argument("--json", action="store_true")
     plugins_list.set_defaults(func=cmd_plugins_list)
+    plugins_new = plugins_sub.add_parser(
+        "new",
+        help="generate a plugin package skeleton (pyproject entry point, hooks, README, a test)",
+        description="Write DIR/NAME: a pip-installable package that registers one component of KIND "
+        "through the pagedllm.plugins entry point, with a test that passes once it is installed.",
+    )
+    plugins_new.add_argument("name", metavar="NAME", help="distribution name, e.g. pagedllm-my-backend")
+    plugins_new.add_argument("--kind", required=True, choices=["attention", "model", "platform"])
+    plugins_new.add_argument("--dir", default=".", metavar="DIR", help="parent folder (default: .)")
+    plugins_new.set_defaults(func=cmd_plugins_new)
 
     env = sub.add_parser("env", help="platform, device and attention backend decision")
     env.add_argument("--json", action="store_true")
@@ -254,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--block-size", type=int, default=16)
     env.set_defaults(func=cmd_env)
     add_bench_parser(sub)
+    add_spec_parser(sub)
     return parser
 
 

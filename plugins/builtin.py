@@ -59,3 +59,20 @@ def register_models(register: RegisterFn) -> None:
     register("MistralForCausalLM", llama)  # same graph; sliding window via config
     register("Qwen2ForCausalLM", "pagedllm.model_registry.models.qwen2:Qwen2ForCausalLM")
     register("Qwen3ForCausalLM", "pagedllm.model_registry.models.qwen3:Qwen3ForCausalLM")
+
+
+@hookimpl
+def register_drafters(register: RegisterFn) -> None:
+    register("ngram", "pagedllm.spec_decode.ngram:NgramDrafter", needs_model=False)
+    register("draft_model", "pagedllm.spec_decode.draft_model:DraftModelDrafter", needs_model=True)
+    register("eagle", "pagedllm.spec_decode.eagle:EagleDrafter", needs_model=True)
+
+
+@hookimpl
+def register_grammar_backends(register: RegisterFn) -> None:
+    register(
+        "xgrammar",
+        "pagedllm.structured_output.xgrammar_backend:XgrammarBackend",
+        kinds=["json", "json_object", "regex", "choice", "grammar", "structural_tag"],
+        requires=["xgrammar"],
+    )

@@ -30,6 +30,14 @@ hook receives a ``register`` function and calls it once per component::
 
 None of these hooks is ``firstresult``: every plugin gets called, and the
 return value is ignored.
+
+A plugin module declares the plugin API range it supports (checked against
+``pagedllm.plugins.API_VERSION`` before its hooks are registered; an
+incompatible plugin is skipped, or fails in strict mode)::
+
+    PAGEDLLM_API_VERSION = ">=1.0,<2"
+
+docs/plugins.md documents every hook below with an example.
 """
 
 from __future__ import annotations
@@ -67,7 +75,11 @@ def register_platforms(register: RegisterFn) -> None:
     Called lazily the first time the platform registry is needed (engine
     start-up, ``pagedllm env``, ``pagedllm plugins list``), and again after
     plugins are registered or unregistered. ``device.platform="name"`` selects
-    a platform; ``"auto"`` picks cuda when available, else cpu.
+    a platform. ``"auto"`` asks every plugin platform's ``is_available()``:
+    exactly one available plugin platform wins over the built-ins, two is a
+    ConfigError naming both; with none, cuda when available, else cpu. So an
+    out-of-tree platform gates itself in ``is_available`` (a device probe, an
+    env var).
     """
 
 
@@ -115,10 +127,15 @@ def register_drafters(register: RegisterFn) -> None:
 
     :param register: call ``register(method, "pkg.mod:DrafterCls", **metadata)``;
         ``method`` is what ``speculative.method`` selects (e.g. ``"ngram"``).
+        The target must be a subclass of
+        :class:`pagedllm.spec_decode.interface.Drafter`, built as
+        ``DrafterCls(speculative_config, drafter_context)``. Informational
+        metadata: ``needs_model`` (whether ``speculative.model`` is required).
     :return: nothing; the return value is ignored.
 
     Called lazily when the drafter registry is first needed (engine start
-    with speculative decoding configured). No built-in drafter yet.
+    with ``speculative.method`` set). Built-ins: ``ngram``, ``draft_model``,
+    ``eagle``.
     """
 
 
@@ -127,11 +144,17 @@ def register_grammar_backends(register: RegisterFn) -> None:
     """Register structured-output grammar backends (kind ``grammar_backend``).
 
     :param register: call ``register(name, "pkg.mod:GrammarBackendCls", **metadata)``;
-        ``name`` is what ``structured_output.backend`` selects.
+        the target must be a subclass of
+        :class:`pagedllm.structured_output.interface.GrammarBackend`.
+        ``name`` is what ``structured_output.backend`` (engine default) or a
+        request's ``structured_outputs.backend`` selects. Informational
+        metadata: ``kinds`` (spec kinds it compiles), ``requires`` (import
+        names of the packages it needs).
     :return: nothing; the return value is ignored.
 
-    Called lazily when the grammar-backend registry is first needed (the
-    first request with structured output). No built-in backend yet.
+    Called lazily when the grammar-backend registry is first needed: the first
+    request with structured output, in the API process (validation before
+    scheduling) and in the engine core (compilation). Built-in: ``xgrammar``.
     """
 
 

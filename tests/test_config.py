@@ -79,9 +79,11 @@ def test_unknown_key_in_arguments_lists_the_sections_known_keys() -> None:
     assert info.value.key == "cache.blok_size"
     assert "block_size" in info.value.allowed and "num_kv_blocks" in info.value.allowed
     with pytest.raises(ConfigError) as info:
-        EngineConfig(speculative={"method": "ngram"})
-    assert info.value.key == "speculative"
-    assert info.value.allowed == "known keys model, cache, scheduler, device, plugins, server"
+        EngineConfig(speculatve={"method": "ngram"})
+    assert info.value.key == "speculatve"
+    assert info.value.allowed == (
+        "known keys model, cache, scheduler, device, plugins, structured_output, speculative, server"
+    )
 
 
 def test_unknown_key_in_env_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,3 +210,33 @@ def test_bad_flat_value_names_the_section_key() -> None:
     with pytest.raises(ConfigError) as info:
         EngineConfig.from_flat(prefix_caching_hash_algo="sha1")
     assert info.value.key == "cache.prefix_caching_hash_algo"
+
+
+def test_speculative_section_from_file_flat_kwargs_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = EngineConfig.from_flat(speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    assert config.speculative.method == "ngram" and config.speculative.num_speculative_tokens == 5
+    path = tmp_path / "engine.yaml"
+    path.write_text("speculative:\n  method: draft_model\n  model: tiny-draft\n  num_speculative_tokens: 4\n")
+    config = EngineConfig.load(path)
+    assert (config.speculative.method, config.speculative.model) == ("draft_model", "tiny-draft")
+    monkeypatch.setenv("PAGEDLLM_SPECULATIVE__PROMPT_LOOKUP_MAX", "6")
+    assert EngineConfig().speculative.prompt_lookup_max == 6
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_flat(speculative_config={"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2})
+    assert info.value.key == "speculative.prompt_lookup_max"
+    assert "prompt_lookup_min (5)" in info.value.allowed
+
+
+def test_speculative_flags_reach_the_section() -> None:
+    import argparse
+
+    from pagedllm.entrypoints.config_flags import add_engine_config_flags, engine_config_overrides
+
+    parser = argparse.ArgumentParser()
+    add_engine_config_flags(parser)
+    args = parser.parse_args(
+        ["--speculative-method", "draft_model", "--speculative-model", "tiny-draft", "--num-speculative-tokens", "4"]
+    )
+    overrides = engine_config_overrides(args)
+    assert overrides["speculative"] == {"method": "draft_model", "model": "tiny-draft", "num_speculative_tokens": 4}
+    assert EngineConfig.load(**overrides).speculative.num_speculative_tokens == 4

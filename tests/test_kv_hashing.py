@@ -23,7 +23,7 @@ SHA256 = get_hash_fn("sha256")
 
 
 def make_request(request_id: str, token_ids: list[int], **kwargs: object) -> Request:
-    return Request(request_id, token_ids, SimpleNamespace(prompt_logprobs=None), eos_token_id=None, **kwargs)
+    return Request(request_id, token_ids, SimpleNamespace(prompt_logprobs=None, structured_outputs=None), eos_token_id=None, **kwargs)
 
 
 def reference_block_bytes(parent: bytes, token_ids: list[int]) -> bytes:

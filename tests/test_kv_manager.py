@@ -20,7 +20,7 @@ BLOCK_SIZE = 4
 def make_request(
     request_id: str, token_ids: list[int], prompt_logprobs: int | None = None, **kwargs: object
 ) -> Request:
-    params = SimpleNamespace(prompt_logprobs=prompt_logprobs)
+    params = SimpleNamespace(prompt_logprobs=prompt_logprobs, structured_outputs=None)
     return Request(request_id, token_ids, params, eos_token_id=None, **kwargs)
 
 

@@ -26,9 +26,9 @@ def token_id_pool(tokenizer_path: str | None) -> list[int]:
     """Ids prompts are drawn from: the tokenizer's vocabulary less its special tokens."""
     if tokenizer_path is None:
         return list(range(*SAFE_TOKEN_ID_RANGE))
-    from transformers import AutoTokenizer
+    from pagedllm.core.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
     special = set(tokenizer.all_special_ids)
     return [token_id for token_id in range(len(tokenizer)) if token_id not in special]
 

@@ -9,13 +9,13 @@ raises InvalidRequestError(field, value, limit) -> a 400 with `param`.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.outputs import RequestOutputKind
-from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Most samples one request may ask for (OpenAI's limit); each is an engine request.
 MAX_N = 128
@@ -30,6 +30,37 @@ class OpenAIBaseModel(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    # "schema" would shadow BaseModel.schema.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's `response_format`: {"type": "json_schema", "json_schema": {name,
+    schema, strict}}, {"type": "json_object"} or {"type": "text"}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` body field (the openai client's extra_body)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool = False
+    backend: str | None = None
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -59,6 +90,31 @@ class SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """`response_format` or `structured_outputs` as StructuredOutputsParams
+        (InvalidRequestError naming the body field when malformed)."""
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "text":
+            response_format = None
+        if response_format is not None and self.structured_outputs is not None:
+            raise InvalidRequestError(
+                "response_format", response_format.type, "cannot be combined with structured_outputs; send one"
+            )
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True)
+            return StructuredOutputsParams(**fields)
+        if response_format is None:
+            return None
+        if response_format.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+            raise InvalidRequestError(
+                "response_format.json_schema.schema", None, "a JSON schema is required when type is 'json_schema'"
+            )
+        return StructuredOutputsParams(json=response_format.json_schema.schema_)
 
     def sampling_params(
         self,
@@ -95,6 +151,7 @@ class SamplingFields(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=self.structured_outputs_params(),
             **{name: value for name, value in optional.items() if value is not None},
         )
 

@@ -48,7 +48,7 @@ class OpenAIServingChat(OpenAIServing):
         text, token_ids = self.render_chat(request.messages, request.add_generation_prompt, request.chat_template)
         try:
             params = self.build_sampling_params(request)
-            self.validate_prompt(token_ids, params)
+            self.validate_prompt(token_ids, params, request)
         except InvalidRequestError as exc:
             # Name the field the client sent.
             if exc.field == "max_tokens" and request.max_completion_tokens is not None:

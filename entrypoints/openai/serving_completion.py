@@ -47,7 +47,7 @@ class OpenAIServingCompletion(OpenAIServing):
             request.max_tokens, request.logprobs, prompt_logprobs or request.prompt_logprobs
         )
         for _, token_ids in prompts:
-            self.validate_prompt(token_ids, params)
+            self.validate_prompt(token_ids, params, request)
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generators = [

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from pagedllm.entrypoints.openai.errors import OpenAIServingError, error_body
-from pagedllm.entrypoints.openai.protocol import ChatMessage
+from pagedllm.entrypoints.openai.protocol import ChatMessage, SamplingFields
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -47,10 +47,22 @@ class OpenAIServing:
         if stream_options is not None and not stream:
             raise OpenAIServingError(400, "stream_options: only allowed when stream is true", "stream_options")
 
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_prompt(
+        self, prompt_token_ids: list[int], params: SamplingParams, request: SamplingFields | None = None
+    ) -> None:
         """The checks the engine would make, done here so a bad request is a
-        400 before any of its prompts is scheduled."""
-        self.engine.validate_request(prompt_token_ids, params)
+        400 before any of its prompts is scheduled (a schema that does not
+        compile included)."""
+        try:
+            self.engine.validate_request(prompt_token_ids, params)
+        except InvalidRequestError as exc:
+            uses_response_format = (
+                request is not None and request.response_format is not None and request.structured_outputs is None
+            )
+            if uses_response_format and exc.field == "structured_outputs.json":
+                # Name the field the client sent.
+                raise InvalidRequestError("response_format.json_schema.schema", exc.value, exc.limit) from None
+            raise
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     chat_template: str | None = None) -> tuple[str, list[int]]:

@@ -13,11 +13,27 @@ from pathlib import Path
 
 from pagedllm.model_registry.tiny.cache import build_once, get_cache_root
 
+# The trained family (issue 5) ships under WEIGHTS_DIR; until it does, the
+# default stays the random-weight model below and these names only resolve paths.
+TARGET_MODEL_NAME = "pagedllm-tiny"
+DRAFT_MODEL_NAME = "pagedllm-tiny-draft"
+MODEL_ALIASES = {
+    "tiny": TARGET_MODEL_NAME,
+    TARGET_MODEL_NAME: TARGET_MODEL_NAME,
+    "tiny-draft": DRAFT_MODEL_NAME,
+    DRAFT_MODEL_NAME: DRAFT_MODEL_NAME,
+}
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+
 TOKENIZER_CACHE_NAME = "tokenizer-bpe8k-v1"
 DEFAULT_MODEL_CACHE_NAME = "default-llama-v1"
 
 __all__ = [
     "DEFAULT_MODEL_CACHE_NAME",
+    "DRAFT_MODEL_NAME",
+    "MODEL_ALIASES",
+    "TARGET_MODEL_NAME",
+    "WEIGHTS_DIR",
     "TOKENIZER_CACHE_NAME",
     "get_cache_root",
     "get_default_model_dir",

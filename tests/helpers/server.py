@@ -100,11 +100,13 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
 
 @contextmanager
 def start_server(
-    model: str | Path, *args: str, api_key: str | None = None, env: dict[str, str] | None = None
+    model: str | Path | None, *args: str, api_key: str | None = None, env: dict[str, str] | None = None
 ) -> Iterator[ServerProcess]:
+    """`model=None` runs `pagedllm serve` with no MODEL, as `make serve` does."""
     port = free_port()
     log_file = tempfile.NamedTemporaryFile(prefix="pagedllm-serve-", suffix=".log", delete=False)
-    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(model),
+    model_args = [] if model is None else [str(model)]
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *model_args,
                "--host", "127.0.0.1", "--port", str(port), "--log-stats-interval-s", "0", *args]
     if api_key is not None:
         command += ["--api-key", api_key]

@@ -1,0 +1,64 @@
+"""Speculative-decoding counters (vLLM's SpecDecodingStats).
+
+The scheduler accounts every verified draft; the counts travel with the
+scheduler stats as interval deltas and feed the `pagedllm:spec_decode_*`
+Prometheus counters and the periodic log line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodingStats:
+    num_spec_tokens: int  # k: the length of num_accepted_tokens_per_pos
+    num_drafts: int = 0  # verification steps of requests that had drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, num_spec_tokens: int) -> SpecDecodingStats:
+        return cls(num_spec_tokens, num_accepted_tokens_per_pos=[0] * num_spec_tokens)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for position in range(min(num_accepted_tokens, self.num_spec_tokens)):
+            self.num_accepted_tokens_per_pos[position] += 1
+
+    def add(self, other: SpecDecodingStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        if len(other.num_accepted_tokens_per_pos) > len(self.num_accepted_tokens_per_pos):
+            grow = len(other.num_accepted_tokens_per_pos) - len(self.num_accepted_tokens_per_pos)
+            self.num_accepted_tokens_per_pos.extend([0] * grow)
+            self.num_spec_tokens = len(self.num_accepted_tokens_per_pos)
+        for position, count in enumerate(other.num_accepted_tokens_per_pos):
+            self.num_accepted_tokens_per_pos[position] += count
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification step: 1 + accepted / drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def per_position_acceptance_rate(self) -> list[float]:
+        return [count / self.num_drafts if self.num_drafts else 0.0 for count in self.num_accepted_tokens_per_pos]
+
+    def describe(self) -> str:
+        per_position = ", ".join(f"{rate:.3f}" for rate in self.per_position_acceptance_rate)
+        return (
+            f"SpecDecoding metrics: Mean acceptance length: {self.mean_acceptance_length:.2f}, "
+            f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
+            f"Draft acceptance rate: {self.acceptance_rate * 100:.1f}%, "
+            f"Per-position acceptance rate: {per_position}"
+        )

@@ -1,0 +1,38 @@
+"""`pagedllm bench spec` end to end on a tiny random model (numbers unchecked:
+only the report's shape and the consistency of its columns)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers.tiny_models import cached_tiny_model
+
+from pagedllm.entrypoints.cli import main
+
+
+def test_bench_spec_writes_a_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = cached_tiny_model("llama", with_tokenizer=True, seed=21)
+    result_file = tmp_path / "spec.json"
+    rc = main([
+        "bench", "spec", "--model", str(model), "--methods", "ngram,draft_model", "--draft-model", str(model),
+        "--dataset", "repeat", "--num-prompts", "2", "--output-len", "8", "--batch-sizes", "1,2",
+        "-k", "3", "--num-kv-blocks", "64", "--disable-tqdm", "--result-file", str(result_file),
+    ])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "speedup" in table and "ngram" in table and "draft_model" in table
+    rows = json.loads(result_file.read_text())["results"]
+    assert [(r["method"], r["batch_size"]) for r in rows] == [
+        ("none", 1), ("none", 2), ("ngram", 1), ("ngram", 2), ("draft_model", 1), ("draft_model", 2),
+    ]
+    for row in rows:
+        assert row["output_tokens"] == 2 * 8
+        if row["method"] == "none":
+            assert row["acceptance_rate"] is None
+        else:
+            assert row["speedup"] == pytest.approx(row["output_tok_s"] / row["baseline_tok_s"])
+            assert len(row["per_position_acceptance"]) == 3
+    # The draft model is the target: every draft is accepted.
+    assert all(r["acceptance_rate"] == 1.0 for r in rows if r["method"] == "draft_model")
