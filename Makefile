@@ -14,7 +14,8 @@ EXAMPLE_PLUGINS := examples/plugins/pagedllm-example-model \
 	examples/plugins/pagedllm-example-attention \
 	examples/plugins/pagedllm-example-platform \
 	examples/plugins/pagedllm-example-grammar \
-	examples/plugins/pagedllm-example-drafter
+	examples/plugins/pagedllm-example-drafter \
+	examples/plugins/pagedllm-example-connector
 
 # NOTE: torch==2.13.0 first, so that no later requirement pulls a CUDA build.
 # The example plugins are installed the way a user installs a plugin: pip

@@ -90,6 +90,13 @@ class AttentionBackend(ABC):
         """The AttentionImpl subclass layers instantiate."""
 
     @classmethod
+    def supports_graph_capture(cls, block_size: int) -> bool:
+        """Whether a forward can be captured in a graph and replayed
+        (core/decode_graphs.py): it must read only the metadata's device
+        tensors, and host values that stay fixed for a batch size."""
+        return False
+
+    @classmethod
     def build_metadata(cls, common: AttentionMetadata, block_size: int) -> AttentionMetadata:
         """Per-batch work every layer would otherwise repeat (index plans,
         masks, scheduler metadata of a kernel), done once per forward by the

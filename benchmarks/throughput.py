@@ -1,7 +1,8 @@
 """Offline throughput: pagedllm vs Hugging Face `generate`, same model, same run.
 
-Workload (issue 2): the embedded tiny Llama (hidden 256, intermediate 688,
-4 layers, 4 heads, 2 KV heads, 8,192-token BPE vocab, float32), 64 prompts of
+Workload (issue 2): the benchmark Llama, random weights from a fixed seed
+(`get_benchmark_model_dir()`: hidden 256, intermediate 688, 4 layers, 4 heads,
+2 KV heads, 8,192-token BPE vocab, float32), 64 prompts of
 24-40 tokens, 64 greedy tokens each with ignore_eos. HF runs batched and
 left-padded. Each engine runs in its own subprocess (a fresh allocator and
 thread pool), gets a warm-up run, then several timed repetitions; the table
@@ -141,9 +142,9 @@ def main() -> None:
         print(json.dumps(run_one(args.engine, args)))
         return
 
-    from pagedllm.model_registry.tiny import get_default_model_dir
+    from pagedllm.model_registry.tiny import get_benchmark_model_dir
 
-    model_path = str(get_default_model_dir())
+    model_path = str(get_benchmark_model_dir())
     results = {}
     for engine in ENGINES:
         python = sys.executable

@@ -33,7 +33,7 @@ from pagedllm.core.outputs import CompletionOutput, RequestOutput, RequestOutput
 from pagedllm.core.serial import EngineCoreRequest, sampling_params_to_dict
 from pagedllm.core.stats import IterationStats
 from pagedllm.core.tokenizer import check_token_ids, load_tokenizer
-from pagedllm.model_registry.tiny import resolve_model_path
+from pagedllm.model_registry.tiny import MODEL_ALIASES, TARGET_MODEL_NAME, resolve_model_path
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.structured_output.manager import validate_structured_outputs
 
@@ -45,15 +45,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # The embedded default model's name in /v1/models.
-DEFAULT_MODEL_NAME = "pagedllm-tiny"
+DEFAULT_MODEL_NAME = TARGET_MODEL_NAME
 
 
 def served_name_of(model: str | None) -> str:
-    """/v1/models' name for a model path: "pagedllm-tiny" for the embedded
-    default, else the folder's name."""
+    """/v1/models' name for a model path: a shipped model's full name for the
+    default and its aliases (`tiny` serves as `pagedllm-tiny`), else the
+    folder's name."""
     if model is None:
         return DEFAULT_MODEL_NAME
-    return Path(model).name
+    return MODEL_ALIASES.get(model) or Path(model).name
 
 
 # Outputs processed between yields to the event loop (vLLM's

@@ -95,6 +95,12 @@ class InprocClient(EngineCoreClient):
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def drain(self) -> None:
+        """Step until the core has nothing left, e.g. finished requests
+        whose blocks a KV connector still reads (a save in flight)."""
+        while self.engine_core.has_unfinished_requests():
+            self.engine_core.step()
+
 
 # ------------------------------------------------------------ multi-process
 

@@ -86,6 +86,22 @@ class DeviceConfig(_Section):
     # Registered names of the `platform` / `attention_backend` plugin kinds.
     platform: str = "auto"
     attention_backend: str = "auto"
+    # No graph capture (vLLM's enforce_eager): every step runs eagerly.
+    enforce_eager: bool = False
+    # Decode batch sizes captured as graphs where the platform and backend
+    # allow; None: 1, 2, 4, 8, ... up to scheduler.max_num_seqs.
+    cuda_graph_sizes: list[int] | None = None
+    # torch.compile the model outside attention (attention stays eager).
+    compile_model: bool = False
+
+    @field_validator("cuda_graph_sizes", mode="before")
+    @classmethod
+    def _graph_sizes(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [int(size) for size in value.split(",") if size.strip()]
+        if value is not None and (not value or any(int(size) < 1 for size in value)):
+            raise ValueError("cuda_graph_sizes must be positive batch sizes")
+        return value
 
 
 class PluginsConfig(_Section):
@@ -142,6 +158,23 @@ class SpeculativeConfig(_Section):
         return value
 
 
+class KVTransferConfig(_Section):
+    """KV blocks moving between engines or memory tiers (vLLM's
+    `kv_transfer_config`); off while `connector` is None."""
+
+    # A registered `kv_connector` name: shared_storage, cpu_offload, or a plugin's.
+    connector: str | None = None
+    # producer: saves the blocks it computes; consumer: loads blocks others
+    # saved instead of computing them; both.
+    role: Literal["producer", "consumer", "both"] = "both"
+    # The connector's own settings (shared_storage: {"path": DIR};
+    # cpu_offload: {"cpu_bytes": N}).
+    extra: dict[str, Any] = Field(default_factory=dict)
+    # A stored block that cannot be loaded (missing, truncated, corrupted):
+    # recompute it, or fail the request with a clear error.
+    load_failure_policy: Literal["fail", "recompute"] = "recompute"
+
+
 class ServerConfig(_Section):
     """The OpenAI-compatible HTTP front end (`pagedllm serve`); the engine core ignores it."""
 
@@ -186,6 +219,9 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
     "platform": ("device", "platform"),
     "attention_backend": ("device", "attention_backend"),
+    "enforce_eager": ("device", "enforce_eager"),
+    "cuda_graph_sizes": ("device", "cuda_graph_sizes"),
+    "compile_model": ("device", "compile_model"),
     "enabled_plugins": ("plugins", "enabled"),
     "disabled_plugins": ("plugins", "disabled"),
     "strict_plugins": ("plugins", "strict"),
@@ -194,6 +230,10 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "speculative_method": ("speculative", "method"),
     "speculative_model": ("speculative", "model"),
     "num_speculative_tokens": ("speculative", "num_speculative_tokens"),
+    "kv_transfer_config": ("kv_transfer", None),
+    "kv_connector": ("kv_transfer", "connector"),
+    "kv_role": ("kv_transfer", "role"),
+    "kv_connector_extra_config": ("kv_transfer", "extra"),
 }
 
 # The parsed config file of the `EngineConfig.load` call in progress (settings
@@ -235,6 +275,7 @@ class EngineConfig(BaseSettings):
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
     def __init__(self, **values: Any) -> None:

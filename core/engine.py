@@ -6,12 +6,17 @@ from the plugin registries; this module names none of them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING
 
 from pagedllm.core.errors import ConfigError, InvalidRequestError
+from pagedllm.core.compile import compile_outside_attention
+from pagedllm.core.decode_graphs import DecodeGraphRunner, default_graph_sizes
 from pagedllm.core.kv_cache.manager import KVCacheManager
+from pagedllm.core.memory_profiler import profile_run
+from pagedllm.kv_connectors.base import KVConnectorContext, model_fingerprint
 from pagedllm.core.model_runner import ModelRunner
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
@@ -31,13 +36,11 @@ if TYPE_CHECKING:
 
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.outputs import EngineCoreOutput
+    from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.spec_decode.interface import Drafter
 
 logger = logging.getLogger(__name__)
 
-# Without an explicit size the CPU pool gets this much memory (vLLM's CPU
-# backend reserves a fixed KV space the same way).
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # Longest an idle step waits for a compiling grammar (the core's input loop
 # must stay responsive to aborts).
 GRAMMAR_WAIT_S = 0.01
@@ -81,6 +84,8 @@ class EngineCore:
             hf_config=self.hf_config,
         )
         self.platform.optimize_model(model)
+        if config.device.compile_model:
+            compile_outside_attention(model)
 
         drafter_cls = None
         if config.speculative.method is not None:
@@ -107,6 +112,7 @@ class EngineCore:
         )
         drafter = self._build_drafter(drafter_cls, model, num_blocks) if drafter_cls is not None else None
         num_spec_tokens = config.speculative.num_speculative_tokens if drafter is not None else 0
+        self.kv_connector = self._build_kv_connector(model) if config.kv_transfer.connector else None
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv_cache_manager,
@@ -114,6 +120,7 @@ class EngineCore:
             self.structured_output_manager,
             num_spec_tokens=num_spec_tokens,
             num_lookahead_tokens=num_spec_tokens if drafter is not None and drafter.needs_lookahead_slots else 0,
+            kv_connector=self.kv_connector,
         )
         self.model_runner = ModelRunner(
             model,
@@ -128,6 +135,10 @@ class EngineCore:
             seed=config.model.seed,
         )
         self.model_runner.drafter = drafter
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.model_runner.kv_caches)
+            self.model_runner.kv_connector = self.kv_connector
+        self._maybe_capture_decode_graphs(model)
         # PAGEDLLM_DEBUG_KV=1 checks the block invariant after every step.
         self.check_kv_invariants = os.environ.get("PAGEDLLM_DEBUG_KV") == "1"
         # Tokens the last step() computed (the server's iteration_tokens_total).
@@ -135,6 +146,54 @@ class EngineCore:
         plugin_manager.hook.on_engine_start(config=config)
 
     # --------------------------------------------------------------- sizing
+
+    def _maybe_capture_decode_graphs(self, model: torch.nn.Module) -> None:
+        device_config = self.config.device
+        backend_cls = self.attn_selection.backend_cls
+        block_size = self.config.cache.block_size
+        if device_config.enforce_eager or not self.platform.supports_graph_capture():
+            return
+        if not backend_cls.supports_graph_capture(block_size):
+            logger.info("decode graphs: off (attention backend %s cannot be captured)", self.attn_selection.name)
+            return
+        sizes = device_config.cuda_graph_sizes or default_graph_sizes(self.config.scheduler.max_num_seqs)
+        runner = DecodeGraphRunner(
+            model,
+            backend_cls,
+            self.platform,
+            sizes=sizes,
+            max_model_len=self.max_model_len,
+            block_size=block_size,
+            device=self.device,
+        )
+        runner.capture()
+        self.model_runner.graph_runner = runner
+        logger.info("decode graphs captured for batch sizes %s", runner.sizes)
+
+    def _build_kv_connector(self, model: torch.nn.Module) -> KVConnectorBase:
+        transfer = self.config.kv_transfer
+        registry = get_plugin_manager().registry("kv_connector")
+        connector_cls = registry.load(transfer.connector)  # UnknownComponentError lists the names
+        roles = registry.get(transfer.connector).metadata.get("roles")
+        if roles is not None and transfer.role not in roles:
+            raise ConfigError("kv_transfer.role", transfer.role, f"{', '.join(roles)} for connector {transfer.connector!r}")
+        num_layers = len(model.get_attention_layers())
+        block_size = self.config.cache.block_size
+        context = KVConnectorContext(
+            model_path=str(self.model_path),
+            model_fingerprint=model_fingerprint(
+                str(self.model_path), self.dtype, block_size, num_layers, self.num_kv_heads, self.head_size
+            ),
+            block_size=block_size,
+            num_layers=num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        connector = connector_cls(transfer, context)
+        logger.info("kv transfer: %s", connector.describe())
+        return connector
 
     def _build_drafter(self, drafter_cls: type[Drafter], model: torch.nn.Module, num_blocks: int) -> Drafter:
         context = DrafterContext(
@@ -167,16 +226,31 @@ class EngineCore:
             bytes_per_block += drafter_cls.kv_cache_bytes_per_block(self.config.speculative, cache.block_size, self.dtype)
         budget = cache.kv_cache_memory_bytes
         if budget is None:
-            if self.device.type == "cpu":
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-            else:
-                budget = int(self.platform.free_memory_bytes() * cache.gpu_memory_utilization)
+            scheduler = self.config.scheduler
+            budget = self.platform.kv_cache_budget_bytes(
+                cache.gpu_memory_utilization,
+                functools.partial(
+                    profile_run,
+                    model,
+                    self.attn_selection.backend_cls,
+                    num_tokens=min(scheduler.max_num_batched_tokens, self._model_position_limit()),
+                    num_logit_rows=scheduler.max_num_seqs,
+                    block_size=cache.block_size,
+                    num_kv_heads=self.num_kv_heads,
+                    head_size=self.head_size,
+                    dtype=self.dtype,
+                    device=self.device,
+                ),
+            )
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ConfigError(
                 "cache.kv_cache_memory_bytes", budget, f">= {bytes_per_block} (one block of this model)"
             )
         return num_blocks
+
+    def _model_position_limit(self) -> int:
+        return self.config.model.max_model_len or getattr(self.hf_config, "max_position_embeddings", None) or 1 << 30
 
     def _determine_max_model_len(self, kv_capacity_tokens: int) -> int:
         configured = self.config.model.max_model_len
@@ -231,7 +305,7 @@ class EngineCore:
         return outputs
 
     def check_invariants(self) -> None:
-        self.kv_cache_manager.check_invariants(self.scheduler.running)
+        self.kv_cache_manager.check_invariants(self.scheduler.requests_holding_blocks())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

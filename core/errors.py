@@ -84,3 +84,14 @@ class EngineStartupError(PagedLLMError, RuntimeError):
     def __init__(self, message: str, error_type: str | None = None) -> None:
         self.error_type = error_type
         super().__init__(message)
+
+
+class KVTransferError(PagedLLMError):
+    """A KV block from a connector could not be loaded under
+    `kv_transfer.load_failure_policy: fail`; fails that request alone."""
+
+    def __init__(self, connector: str, block_hash: str, reason: str) -> None:
+        self.connector = connector
+        self.block_hash = block_hash
+        self.reason = reason
+        super().__init__(f"kv_transfer connector {connector!r} could not load block {block_hash}: {reason}")

@@ -176,6 +176,8 @@ class LLM:
                         finished[request_output.request_id] = request_output
                         if progress is not None:
                             progress.update(1)
+            # Every request has its output; let the core release what it still holds.
+            self.engine_core.drain()
         except BaseException:
             # Interrupted (Ctrl-C) or failed: leave the engine clean for the next call.
             self._abort(request_ids)

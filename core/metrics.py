@@ -184,6 +184,27 @@ class PrometheusStatLogger:
         )
         self.counter_spec_decode_per_pos: dict[int, Any] = {}
 
+        # KV transfer (zero without a connector): vLLM's names, plus tiers.
+        self.counter_external_prefix_cache_queries = counter(
+            "external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of tokens.",
+        )
+        self.counter_external_prefix_cache_hits = counter(
+            "external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of tokens.",
+        )
+        self.counter_kv_connector_load_failures = counter(
+            "kv_connector_load_failures", "Stored KV blocks that could not be loaded (missing, corrupted)."
+        )
+        self._kv_tier_blocks = Counter(
+            PREFIX + "kv_connector_tier_blocks", "KV connector tier lookups, in blocks.",
+            labels + ["tier", "result"], registry=registry,
+        )
+        self._kv_tier_bytes = Counter(
+            PREFIX + "kv_connector_tier_bytes", "Bytes moved by the KV connector, per tier and direction.",
+            labels + ["tier", "direction"], registry=registry,
+        )
+
         # Info: a gauge fixed at 1 whose labels carry the cache config.
         self._cache_config_info: Gauge | None = None
 
@@ -194,6 +215,8 @@ class PrometheusStatLogger:
             self.counter_prompt_tokens, self.counter_generation_tokens,
             self.counter_spec_decode_num_drafts, self.counter_spec_decode_num_draft_tokens,
             self.counter_spec_decode_num_accepted_tokens,
+            self.counter_external_prefix_cache_queries, self.counter_external_prefix_cache_hits,
+            self.counter_kv_connector_load_failures,
             self.histogram_prompt_tokens, self.histogram_generation_tokens, self.histogram_iteration_tokens,
             self.histogram_max_tokens, self.histogram_n, self.histogram_ttft, self.histogram_itl,
             self.histogram_tpot, self.histogram_e2e, self.histogram_queue_time, self.histogram_inference_time,
@@ -233,6 +256,17 @@ class PrometheusStatLogger:
                         name, str(position)
                     )
                 counter.inc(count)
+        kv = scheduler_stats.kv_connector_stats
+        if kv is not None:
+            self.counter_external_prefix_cache_queries.labels(name).inc(kv.external_queries)
+            self.counter_external_prefix_cache_hits.labels(name).inc(kv.external_hits)
+            self.counter_kv_connector_load_failures.labels(name).inc(kv.load_failures)
+            for result, table in (("hit", kv.tier_hits), ("miss", kv.tier_misses)):
+                for tier, count in table.items():
+                    self._kv_tier_blocks.labels(name, tier, result).inc(count)
+            for direction, table in (("saved", kv.tier_bytes_saved), ("loaded", kv.tier_bytes_loaded)):
+                for tier, count in table.items():
+                    self._kv_tier_bytes.labels(name, tier, direction).inc(count)
 
     def record_iteration_stats(self, iteration_stats: IterationStats) -> None:
         name = self.model_name
@@ -307,6 +341,7 @@ class StatLoggerManager:
         self.interval_prefix_cache_hits = 0
         self._last_throughputs = (0.0, 0.0)
         self.interval_spec_decoding_stats: SpecDecodingStats | None = None
+        self.interval_external_queries = self.interval_external_hits = 0
 
     def log_engine_initialized(self, num_kv_blocks: int | None = None) -> None:
         """(Re)set `cache_config_info`; call again once the engine reports its
@@ -340,6 +375,9 @@ class StatLoggerManager:
             self.prometheus.record_scheduler_stats(scheduler_stats, cumulative - base)
             self.interval_prefix_cache_queries += scheduler_stats.prefix_cache_queries
             self.interval_prefix_cache_hits += scheduler_stats.prefix_cache_hits
+            if scheduler_stats.kv_connector_stats is not None:
+                self.interval_external_queries += scheduler_stats.kv_connector_stats.external_queries
+                self.interval_external_hits += scheduler_stats.kv_connector_stats.external_hits
             self.last_scheduler_stats = scheduler_stats
             spec = scheduler_stats.spec_decoding_stats
             if spec is not None:
@@ -387,11 +425,17 @@ class StatLoggerManager:
             f"KV cache usage: {(stats.kv_cache_usage if stats else 0.0) * 100:.1f}%, "
             f"Prefix cache hit rate: {hit_rate * 100:.1f}%"
         )
+        if self.interval_external_queries:
+            external_rate = self.interval_external_hits / self.interval_external_queries
+            line += f", External prefix cache hit rate: {external_rate * 100:.1f}%"
+        self.interval_external_queries = self.interval_external_hits = 0
         spec = self.interval_spec_decoding_stats
         if spec is not None and spec.num_drafts:
             line += (
                 f", Spec decode acceptance rate: {spec.acceptance_rate * 100:.1f}%, "
-                f"Mean acceptance length: {spec.mean_acceptance_length:.2f}"
+                f"Mean acceptance length: {spec.mean_acceptance_length:.2f}, "
+                "Per-position acceptance rate: "
+                + ", ".join(f"{count / spec.num_drafts:.3f}" for count in spec.num_accepted_tokens_per_pos)
             )
         if spec is not None:
             self.interval_spec_decoding_stats = SpecDecodingStats.new(spec.num_spec_tokens)

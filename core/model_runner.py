@@ -22,7 +22,9 @@ from pagedllm.spec_decode.rejection_sampler import DraftLayout, rejection_sample
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
+    from pagedllm.core.decode_graphs import DecodeGraphRunner
     from pagedllm.core.sampler import LogprobsTensors
+    from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.spec_decode.interface import Drafter
 
@@ -62,6 +64,11 @@ class ModelRunner:
         # Speculative decoding: set by the engine once the KV cache exists
         # (a model drafter allocates its own cache with the same geometry).
         self.drafter: Drafter | None = None
+        # Set by the engine when decode steps replay captured graphs.
+        self.graph_runner: DecodeGraphRunner | None = None
+        # Set by the engine with kv_transfer configured: loads before the
+        # forward, saves after it.
+        self.kv_connector: KVConnectorBase | None = None
         self.model = model
         self.attn_backend = attn_backend
         self.block_size = block_size
@@ -164,14 +171,23 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc_cpu,
             seq_lens_cpu=seq_lens_cpu,
         )
-        # Backend-specific per-batch work, once for all layers.
-        attn_metadata = self.attn_backend.build_metadata(common_metadata, self.block_size)
         input_ids_tensor = torch.tensor(input_ids, dtype=torch.long, device=device)
-        hidden_states = self.model(
-            input_ids_tensor,
-            torch.from_numpy(positions).to(device),
-            attn_metadata,
-        )
+        positions_tensor = torch.from_numpy(positions).to(device)
+        connector, connector_metadata = self.kv_connector, scheduler_output.kv_connector_metadata
+        if connector is not None and connector_metadata is not None:
+            connector.start_load_kv(connector_metadata)
+            for layer_index in range(len(self.kv_caches)):
+                connector.wait_for_layer_load(layer_index)
+        if self.graph_runner is not None and self.graph_runner.can_run(common_metadata):
+            hidden_states = self.graph_runner.run(input_ids_tensor, positions_tensor, common_metadata)
+        else:
+            # Backend-specific per-batch work, once for all layers.
+            attn_metadata = self.attn_backend.build_metadata(common_metadata, self.block_size)
+            hidden_states = self.model(input_ids_tensor, positions_tensor, attn_metadata)
+        if connector is not None and connector_metadata is not None:
+            for layer_index, kv_cache in enumerate(self.kv_caches):
+                connector.save_kv_layer(layer_index, kv_cache, connector_metadata)
+            connector.wait_for_save()
 
         # A request samples when this step reaches the end of its known tokens.
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
@@ -187,8 +203,11 @@ class ModelRunner:
         sampling_states = [states[row] for row in sampling_rows]
         sampled: list[list[int]] = []
         if sampling_rows:
-            # With drafts: score all 1 + n positions and keep the accepted prefix.
-            sample = self._verify_drafts if any(num_drafts[row] for row in sampling_rows) else self._sample
+            # With a drafter: score all 1 + n positions and keep the accepted
+            # prefix, also for steps without drafts, so that a seeded request
+            # draws its random numbers the same way whatever the batch around
+            # it drafted (it would not if this step used the plain sampler).
+            sample = self._verify_drafts if self.drafter is not None else self._sample
             sampled = sample(scheduler_output, hidden_states, query_start_loc, sampling_rows, sampling_states, output)
         for state, token_ids in zip(sampling_states, sampled):
             state.token_ids.extend(token_ids)

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedllm.core.errors import ConfigError, InvalidRequestError
+from pagedllm.core.errors import ConfigError, InvalidRequestError, KVTransferError
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
@@ -23,11 +23,13 @@ from pagedllm.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedllm.kv_connectors.base import KVConnectorStats
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from pagedllm.core.config import SchedulerConfig
     from pagedllm.core.kv_cache.manager import KVCacheManager
+    from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.structured_output.manager import StructuredOutputManager
 
 
@@ -41,6 +43,8 @@ class SchedulerStats:
     num_preemptions: int  # cumulative
     # Verified drafts since the last stats (interval delta); None without speculation.
     spec_decoding_stats: SpecDecodingStats | None = None
+    # The KV connector's counters since the last stats; None without one.
+    kv_connector_stats: KVConnectorStats | None = None
 
 
 class Scheduler:
@@ -52,8 +56,18 @@ class Scheduler:
         structured_output_manager: StructuredOutputManager | None = None,
         num_spec_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        kv_connector: KVConnectorBase | None = None,
     ) -> None:
         self.config = scheduler_config
+        # KV transfer (kv_connectors/): external prefix hits past the local
+        # cache, loads and saves handed to the runner with each step.
+        self.kv_connector = kv_connector
+        if kv_connector is not None and kv_connector.wants_eviction_events:
+            kv_cache_manager.record_evictions()
+        # Finished requests whose blocks a connector still reads (freed when
+        # get_finished lists them).
+        self._delayed_free: dict[str, Request] = {}
+        self._last_connector_stats = KVConnectorStats()
         # Speculative decoding: k drafts per request at most; a model drafter
         # writes KV past the scheduled tokens, into `num_lookahead_tokens`
         # extra slots reserved per request.
@@ -86,6 +100,9 @@ class Scheduler:
         # Finished since the last schedule(); the runner must forget them.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Prompt positions actually run through the model (prefix-cache and
+        # connector hits excluded; a recomputed preemption counts again).
+        self.num_prompt_tokens_computed = 0
         # Requests finished inside schedule() (a grammar that failed to
         # compile); reported by the next update_from_output.
         self._finished_outputs: list[EngineCoreOutput] = []
@@ -126,11 +143,13 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0 or bool(self._finished_outputs)
+        # Delayed frees keep the loop stepping until the connector lets go.
+        return self.get_num_unfinished_requests() > 0 or bool(self._finished_outputs) or bool(self._delayed_free)
 
     # -------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
+        self.free_finished_transfers()
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -196,24 +215,46 @@ class Scheduler:
                         continue
                     if so_request.error is not None:
                         self.waiting.pop()
-                        self._finish_failed_grammar(request, so_request.error)
+                        self._finish_failed_request(request, so_request.error)
                         continue
                     request.status = RequestStatus.WAITING
                 computed_blocks, num_computed_tokens = [], request.num_computed_tokens
+                num_external_tokens = 0
                 if num_computed_tokens == 0:
                     computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
-                num_new_tokens = request.num_tokens - num_computed_tokens
+                    if self.kv_connector is not None:
+                        try:
+                            num_external_tokens = self._external_matched_tokens(request, num_computed_tokens)
+                        except KVTransferError as exc:
+                            self.waiting.pop()
+                            self._finish_failed_request(request, str(exc))
+                            continue
+                        if num_external_tokens is None:  # the connector says: not yet
+                            waiting_for_fsm.append(self.waiting.pop())
+                            continue
+                num_new_tokens = request.num_tokens - num_computed_tokens - num_external_tokens
                 if not self.enable_chunked_prefill and num_new_tokens > token_budget:
                     break
-                num_new_tokens = self._cap_new_tokens(num_new_tokens, token_budget, num_computed_tokens)
+                num_new_tokens = self._cap_new_tokens(
+                    num_new_tokens, token_budget, num_computed_tokens + num_external_tokens
+                )
                 new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_computed_tokens, computed_blocks, self.num_lookahead_tokens
+                    request,
+                    num_new_tokens,
+                    num_computed_tokens + num_external_tokens,
+                    computed_blocks,
+                    self.num_lookahead_tokens,
                 )
                 if new_blocks is None:
                     break  # head-of-line: later arrivals wait behind it
                 self.waiting.pop()
                 resumed = request.status == RequestStatus.PREEMPTED
                 request.status = RequestStatus.RUNNING
+                if self.kv_connector is not None:
+                    self.kv_connector.update_state_after_alloc(
+                        request, self.kv_cache_manager.get_block_ids(request.request_id), num_external_tokens
+                    )
+                num_computed_tokens += num_external_tokens
                 request.num_computed_tokens = num_computed_tokens
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_computed_tokens
@@ -272,17 +313,41 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
         )
+        if self.kv_connector is not None:
+            if self.kv_connector.wants_eviction_events:
+                self.kv_connector.on_blocks_evicted(self.kv_cache_manager.take_evicted_blocks())
+            # NOTE: before num_computed_tokens advances: the connector reads
+            # where each request's new tokens start.
+            scheduler_output.kv_connector_metadata = self.kv_connector.build_connector_meta(scheduler_output)
         self.finished_req_ids = set()
         # The tokens are as good as computed: the runner executes this output
         # before the next schedule() (NOTE: rejected drafts are subtracted in
         # update_from_output).
         for request_id, num_new_tokens in num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_new_tokens
+            request = self.requests[request_id]
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(
+                    num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens
+                )
+            request.num_computed_tokens += num_new_tokens
         return scheduler_output
 
-    def _finish_failed_grammar(self, request: Request, error: str) -> None:
-        """A grammar that failed to compile ends only its request (abort, with
-        the error as stop_reason), reported by the next update_from_output."""
+    def _external_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Tokens the connector loads past the local hit (None: ask again later)."""
+        assert self.kv_connector is not None
+        if request.sampling_params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt position computed
+        self.kv_cache_manager.ensure_block_hashes(request)
+        num_external = self.kv_connector.get_num_new_matched_tokens(request, num_computed_tokens)
+        if num_external is None:
+            return None
+        # The last prompt position is always computed (its logits sample).
+        return max(0, min(num_external, request.num_tokens - 1 - num_computed_tokens))
+
+    def _finish_failed_request(self, request: Request, error: str) -> None:
+        """A request that cannot run (a grammar that failed to compile, a KV
+        block that failed to load) ends alone: abort, with the error as
+        stop_reason, reported by the next update_from_output."""
         request.status = RequestStatus.FINISHED_ABORTED
         request.stop_reason = error
         self._free_request(request)
@@ -324,6 +389,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs, self._finished_outputs = self._finished_outputs, []
+        self.free_finished_transfers()
         sampled_token_ids = runner_output.sampled_token_ids
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         all_logprobs = runner_output.logprobs
@@ -424,9 +490,30 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         request.finished_time = time.time()
         request.structured_output_request = None
-        self.kv_cache_manager.free(request)
+        delay_free = False
+        if self.kv_connector is not None:
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            delay_free = self.kv_connector.request_finished(request, block_ids)
+        if delay_free:
+            self._delayed_free[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+    def requests_holding_blocks(self) -> list[Request]:
+        """Running requests and finished ones a connector still reads."""
+        return [*self.running, *self._delayed_free.values()]
+
+    def free_finished_transfers(self) -> None:
+        """Free the blocks of finished requests whose delayed save is done."""
+        if self.kv_connector is None or not self._delayed_free:
+            return
+        finished_sending, _ = self.kv_connector.get_finished(set(self._delayed_free))
+        for request_id in finished_sending:
+            request = self._delayed_free.pop(request_id, None)
+            if request is not None:
+                self.kv_cache_manager.free(request)
 
     # ----------------------------------------------------------------- stats
 
@@ -440,7 +527,15 @@ class Scheduler:
             prefix_cache_hits=prefix_stats.hits,
             num_preemptions=self.num_preemptions,
             spec_decoding_stats=self._take_spec_decoding_stats(),
+            kv_connector_stats=self._take_connector_stats(),
         )
+
+    def _take_connector_stats(self) -> KVConnectorStats | None:
+        if self.kv_connector is None:
+            return None
+        now = self.kv_connector.stats.copy()
+        delta, self._last_connector_stats = now.minus(self._last_connector_stats), now
+        return delta
 
     def _take_spec_decoding_stats(self) -> SpecDecodingStats | None:
         stats = self.spec_decoding_stats

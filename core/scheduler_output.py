@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagedllm.core.sampling_params import SamplingParams
+    from pagedllm.kv_connectors.base import KVConnectorMetadata
 
 
 @dataclass
@@ -62,6 +63,9 @@ class SchedulerOutput:
     # Requests preempted this step: the runner drops their blocks but keeps
     # their tokens and RNG state for the resume.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # The KV connector's instructions for this step (loads, saves, spills);
+    # None without a connector.
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -253,6 +253,16 @@ def add_serve_parser(sub: Any) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
+def cmd_disagg_proxy(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.disagg_proxy import run_proxy
+
+    try:
+        run_proxy(args.prefill, args.decode, args.host, args.port)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 # ---- parser ------------------------------------------------------------
 
 
@@ -294,6 +304,16 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--head-size", type=int, default=128)
     env.add_argument("--block-size", type=int, default=16)
     env.set_defaults(func=cmd_env)
+
+    proxy = sub.add_parser(
+        "disagg-proxy",
+        help="disaggregated prefill: prefill server first (max_tokens 1), then the decode server",
+    )
+    proxy.add_argument("--prefill", required=True, metavar="URL", help="the prefill (producer) server")
+    proxy.add_argument("--decode", required=True, metavar="URL", help="the decode (consumer) server")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.set_defaults(func=cmd_disagg_proxy)
     add_bench_parser(sub)
     add_spec_parser(sub)
     return parser

@@ -11,6 +11,7 @@ apply underneath them.
 from __future__ import annotations
 
 import argparse
+import json
 import typing
 from collections import Counter
 from types import NoneType, UnionType
@@ -89,6 +90,9 @@ def _add_field_flag(
     if typing.get_origin(annotation) is list:
         group.add_argument(*flags, type=_comma_list, metavar="A,B,...", **common)
         return
+    if annotation is dict or typing.get_origin(annotation) is dict:
+        group.add_argument(*flags, type=_json_object, metavar="JSON", **common)
+        return
     if typing.get_origin(annotation) is Literal:
         choices = [str(choice) for choice in typing.get_args(annotation)]
         group.add_argument(*flags, type=str, metavar="{" + ",".join(choices) + "}", **common)
@@ -103,6 +107,16 @@ def _strip_optional(annotation: Any) -> Any:
         if len(args) == 1:
             return args[0]
     return annotation
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return parsed
 
 
 def _comma_list(value: str) -> list[str]:

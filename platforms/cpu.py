@@ -6,6 +6,7 @@ import ctypes
 import logging
 import os
 import platform as pyplatform
+from collections.abc import Callable
 
 import torch
 
@@ -17,6 +18,10 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit
+
+# Without an explicit size the CPU pool gets this much memory (vLLM's CPU
+# backend reserves a fixed KV space the same way: VLLM_CPU_KVCACHE_SPACE).
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def keep_freed_memory_in_process() -> bool:
@@ -53,6 +58,11 @@ class CpuPlatform(Platform):
 
     def get_attention_backend_priority(self) -> list[str]:
         return ["torch_native"]
+
+    def kv_cache_budget_bytes(self, utilization: float, profile_run: Callable[[], None]) -> int:
+        # Host memory is shared with everything else: a fixed space, not a
+        # fraction of what happens to be free.
+        return DEFAULT_CPU_KV_CACHE_BYTES
 
     def optimize_model(self, model: torch.nn.Module) -> None:
         from pagedllm.platforms.cpu_linear import prepack_linear_layers

@@ -7,9 +7,17 @@ time, so tests simulate a device by patching ``torch.cuda.is_available`` and
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 
 from pagedllm.platforms.interface import Platform
+
+logger = logging.getLogger(__name__)
+
+# bfloat16 arithmetic needs Ampere.
+BF16_MIN_CAPABILITY = (8, 0)
 
 
 class CudaPlatform(Platform):
@@ -35,9 +43,22 @@ class CudaPlatform(Platform):
 
     def supported_dtypes(self) -> list[torch.dtype]:
         # bfloat16 needs Ampere (8.0); Turing emulates nothing, it just fails.
-        if self.get_device_capability() >= (8, 0):
+        if self.get_device_capability() >= BF16_MIN_CAPABILITY:
             return [torch.bfloat16, torch.float16, torch.float32]
         return [torch.float16, torch.float32]
+
+    def resolve_dtype(self, requested: str, model_dtype: torch.dtype) -> torch.dtype:
+        """As the base rule; a bfloat16 checkpoint under "auto" below 8.0
+        runs in float16, with a warning (asking for bfloat16 by name there is
+        a ConfigError)."""
+        dtype = super().resolve_dtype(requested, model_dtype)
+        if requested == "auto" and model_dtype == torch.bfloat16 and dtype != torch.bfloat16:
+            logger.warning(
+                "%s cannot compute in bfloat16 (needs compute capability >= %d.%d); "
+                "the bfloat16 checkpoint runs in %s. Set dtype to silence this.",
+                self.describe(), *BF16_MIN_CAPABILITY, str(dtype).removeprefix("torch."),
+            )
+        return dtype
 
     def get_attention_backend_priority(self) -> list[str]:
         return ["flash_attn", "triton", "torch_native"]
@@ -47,6 +68,43 @@ class CudaPlatform(Platform):
 
     def free_memory_bytes(self) -> int:
         return int(torch.cuda.mem_get_info(self.device_index)[0])
+
+    def kv_cache_budget_bytes(self, utilization: float, profile_run: Callable[[], None]) -> int:
+        """free memory (weights already loaded) x utilization, minus the peak
+        activation memory of a profiled forward of the largest batch."""
+        torch.cuda.synchronize(self.device_index)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device_index)
+        free_bytes = self.free_memory_bytes()
+        allocated_before = torch.cuda.memory_allocated(self.device_index)
+        profile_run()
+        torch.cuda.synchronize(self.device_index)
+        peak_bytes = torch.cuda.max_memory_allocated(self.device_index) - allocated_before
+        torch.cuda.empty_cache()
+        budget = int(free_bytes * utilization) - peak_bytes
+        logger.info(
+            "KV cache budget: %.2f GiB = %.2f GiB free x %.2f - %.2f GiB profiled activation peak",
+            budget / 2**30, free_bytes / 2**30, utilization, peak_bytes / 2**30,
+        )
+        return budget
+
+    def supports_graph_capture(self) -> bool:
+        return True
+
+    def capture_graph(
+        self, run: Callable[[], torch.Tensor], pool: object | None
+    ) -> tuple[Callable[[], None], torch.Tensor, object]:
+        # Warm up outside the graph (lazy inits, Triton autotuning, cuBLAS handles).
+        stream = torch.cuda.Stream(self.device_index)
+        stream.wait_stream(torch.cuda.current_stream(self.device_index))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(self.device_index).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = run()
+        return graph.replay, output, graph.pool()
 
     def device(self) -> torch.device:
         return torch.device("cuda", self.device_index)

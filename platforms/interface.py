@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -67,6 +68,26 @@ class Platform(ABC):
 
     def device(self) -> torch.device:
         return torch.device(self.device_type)
+
+    def kv_cache_budget_bytes(self, utilization: float, profile_run: Callable[[], None]) -> int:
+        """Bytes the KV cache may take, the model already loaded.
+
+        `profile_run` runs one forward of the largest batch the scheduler
+        can send (on a throwaway cache); a device whose activations come out
+        of the same memory measures its peak with it. Default: free memory
+        x `utilization`, without profiling.
+        """
+        return int(self.free_memory_bytes() * utilization)
+
+    def supports_graph_capture(self) -> bool:
+        """Whether `capture_graph` works here (CUDA graphs and the like)."""
+        return False
+
+    def capture_graph(self, run: Callable[[], torch.Tensor], pool: object | None) -> tuple[Callable[[], None], torch.Tensor, object]:
+        """Record `run` once; returns (replay, its output tensor, the memory
+        pool to share with the next capture). Replays re-read the inputs
+        `run` read, in place."""
+        raise NotImplementedError(f"{self.name} cannot capture graphs")
 
     def optimize_model(self, model: torch.nn.Module) -> None:
         """Device-specific preparation of a loaded model (weight prepacking,

@@ -6,9 +6,18 @@ and must work before (or without) the heavy packages being installed.
 
 from __future__ import annotations
 
+import os
+
 from pagedllm.plugins.hookspecs import RegisterFn, hookimpl
 
 ALL_FLOAT_DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def _triton_device_types() -> list[str]:
+    # Under TRITON_INTERPRET=1 Triton kernels run on CPU tensors (slowly): the
+    # backend can then be forced on CPU (never chosen by "auto": the CPU
+    # platform does not list it), which is how CI proves the kernels.
+    return ["cuda", "cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else ["cuda"]
 
 
 @hookimpl
@@ -30,7 +39,7 @@ def register_attention_backends(register: RegisterFn) -> None:
     register(
         "triton",
         "pagedllm.attention_backends.triton:TritonBackend",
-        device_types=["cuda"],
+        device_types=_triton_device_types(),
         min_capability=(7, 0),  # Volta and Turing (7.5) included
         dtypes=ALL_FLOAT_DTYPES,
         head_sizes=[64, 80, 96, 128, 256],
@@ -76,3 +85,10 @@ def register_grammar_backends(register: RegisterFn) -> None:
         kinds=["json", "json_object", "regex", "choice", "grammar", "structural_tag"],
         requires=["xgrammar"],
     )
+
+
+@hookimpl
+def register_kv_connectors(register: RegisterFn) -> None:
+    register("shared_storage", "pagedllm.kv_connectors.shared_storage:SharedStorageConnector",
+             roles=["producer", "consumer", "both"])
+    register("cpu_offload", "pagedllm.kv_connectors.cpu_offload:CpuOffloadConnector", roles=["both"])

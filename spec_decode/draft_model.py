@@ -11,11 +11,13 @@ Each step (`propose`):
    at the next position; the logits there give draft 1;
 2. k - 1 single-token steps feed draft j at the next position for draft j + 1.
 Greedy requests draft the argmax (q one-hot); random requests sample from the
-draft distribution at their temperature and report it as q.
+draft distribution at their temperature and report it as q (a seeded
+request from its own generator: see `DraftSampling`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -41,6 +43,26 @@ def _load_draft_hf_config(config: SpeculativeConfig, method: str) -> tuple[str, 
     return path, load_hf_config(path)
 
 
+@dataclass
+class DraftSampling:
+    """How each request of a propose call draws its drafts."""
+
+    temperatures: torch.Tensor  # [N] float32 (1.0 on greedy rows)
+    is_greedy: torch.Tensor  # [N] bool
+    all_greedy: bool
+    # A seeded random request's (seed, number of known tokens): its drafts
+    # come from a generator seeded by these and the draft's index alone, so
+    # they do not depend on the batch it runs in, nor on preemption.
+    seeds: list[tuple[int, int] | None]
+
+
+def draft_seed(seed: int, num_tokens: int, draft_index: int) -> int:
+    """The generator seed of draft `draft_index` of a seeded request that
+    knows `num_tokens` tokens (a 64-bit mix; distinct for nearby inputs)."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + (num_tokens + draft_index) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    return (mixed ^ (mixed >> 31)) % (1 << 63)
+
+
 def _kv_bytes_per_block(hf_config: Any, num_layers: int, block_size: int, dtype: torch.dtype) -> int:
     num_heads = hf_config.num_attention_heads
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -55,20 +77,26 @@ class ModelDrafter(Drafter):
 
     def __init__(self, config: SpeculativeConfig, context: DrafterContext) -> None:
         super().__init__(config, context)
+        # Unseeded random requests draw their drafts from this.
         self.generator = torch.Generator(device=context.device)
         self.generator.manual_seed(0)
 
     def _sample_drafts(
-        self, logits: torch.Tensor, temperatures: torch.Tensor, is_greedy: torch.Tensor
+        self, logits: torch.Tensor, sampling: DraftSampling, draft_index: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [N] and, when some row is random, q [N, V] (one-hot on greedy rows)."""
         logits = logits.float()
         greedy_tokens = logits.argmax(dim=-1)
-        if bool(is_greedy.all()):
+        if sampling.all_greedy:
             return greedy_tokens, None
-        probs = (logits / temperatures.unsqueeze(1)).softmax(dim=-1)
+        probs = (logits / sampling.temperatures.unsqueeze(1)).softmax(dim=-1)
         exponential = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seed in enumerate(sampling.seeds):
+            if seed is not None:
+                generator = torch.Generator(device=probs.device).manual_seed(draft_seed(*seed, draft_index))
+                exponential[row].exponential_(generator=generator)
         sampled = probs.div(exponential.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+        is_greedy = sampling.is_greedy
         tokens = torch.where(is_greedy, greedy_tokens, sampled)
         one_hot = torch.zeros_like(probs).scatter_(1, tokens.unsqueeze(1), 1.0)
         return tokens, torch.where(is_greedy.unsqueeze(1), one_hot, probs)
@@ -79,13 +107,19 @@ class ModelDrafter(Drafter):
         room = self.context.max_model_len - next_positions
         return np.clip(room, 0, self.num_speculative_tokens)
 
-    def _sampling_temperatures(self, inputs: DraftInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft_sampling(self, inputs: DraftInputs) -> DraftSampling:
         device = self.context.device
         is_greedy = [p.temperature < 1e-5 for p in inputs.sampling_params]
         temperatures = [1.0 if g else p.temperature for p, g in zip(inputs.sampling_params, is_greedy)]
-        return (
-            torch.tensor(temperatures, dtype=torch.float32, device=device),
-            torch.tensor(is_greedy, dtype=torch.bool, device=device),
+        seeds = [
+            None if greedy or params.seed is None else (params.seed, len(tokens))
+            for params, greedy, tokens in zip(inputs.sampling_params, is_greedy, inputs.token_ids)
+        ]
+        return DraftSampling(
+            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
+            is_greedy=torch.tensor(is_greedy, dtype=torch.bool, device=device),
+            all_greedy=all(is_greedy),
+            seeds=seeds,
         )
 
     @staticmethod
@@ -178,7 +212,7 @@ class DraftModelDrafter(ModelDrafter):
             return DraftOutput([])
 
         # 2. Draft k tokens for the sampling requests.
-        temperatures, is_greedy = self._sampling_temperatures(inputs)
+        sampling = self._draft_sampling(inputs)
         next_positions = positions[last_rows] + 1
         num_drafts = self._num_drafts(next_positions)
         block_table = step.block_table[sampling_rows]
@@ -187,7 +221,7 @@ class DraftModelDrafter(ModelDrafter):
         draft_probs: list[torch.Tensor | None] = []
         max_drafts = int(num_drafts.max()) if len(num_drafts) else 0
         for j in range(max_drafts):
-            tokens, probs = self._sample_drafts(logits, temperatures, is_greedy)
+            tokens, probs = self._sample_drafts(logits, sampling, j)
             draft_tokens.append(tokens)
             draft_probs.append(probs)
             if j + 1 == max_drafts:

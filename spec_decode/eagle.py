@@ -168,7 +168,7 @@ class EagleDrafter(ModelDrafter):
             return DraftOutput([])
 
         # 2. Draft: draft j sits at position (last kept position) + 1 + j.
-        temperatures, is_greedy = self._sampling_temperatures(inputs)
+        sampling = self._draft_sampling(inputs)
         last = torch.from_numpy(last_rows[sampling_rows]).to(device)
         feature = features[last]
         last_positions = positions[last_rows[sampling_rows]]
@@ -179,7 +179,7 @@ class EagleDrafter(ModelDrafter):
         draft_probs: list[torch.Tensor | None] = []
         max_drafts = int(num_drafts.max()) if len(num_drafts) else 0
         for j in range(max_drafts):
-            tokens, probs = self._sample_drafts(logits, temperatures, is_greedy)
+            tokens, probs = self._sample_drafts(logits, sampling, j)
             draft_tokens.append(tokens)
             draft_probs.append(probs)
             if j + 1 == max_drafts:

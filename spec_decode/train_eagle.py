@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -115,11 +116,13 @@ def eagle_config(target_config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def save_eagle_head(head: TrainableEagleHead, config: dict[str, Any], out_dir: Path) -> None:
+def save_eagle_head(
+    head: TrainableEagleHead, config: dict[str, Any], out_dir: Path, dtype: torch.dtype = torch.float32
+) -> None:
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().float() for k, v in head.state_dict().items() if "rotary_emb" not in k}
+    state = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items() if "rotary_emb" not in k}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
@@ -219,11 +222,14 @@ def train(
                 flush=True,
             )
         step += 1
-    save_eagle_head(head, config, out_dir)
+    # Half precision like the rest of the shipped family.
+    save_eagle_head(head, dict(config, torch_dtype="float16"), out_dir, dtype=torch.float16)
+    command = "python -m pagedllm.spec_decode.train_eagle " + " ".join(sys.argv[1:])
     (out_dir / "README.md").write_text(
         f"# pagedllm-tiny-eagle\n\nAn EAGLE-1 head for `{target_dir.name}`, trained by "
-        f"`python -m pagedllm.spec_decode.train_eagle` ({step} steps of {batch_size} x {seq_len} tokens, "
-        f"lr {lr}, seed {seed}) on the target's hidden states over the train split of the tiny corpus.\n"
+        f"`{command}` ({step} steps of {batch_size} x {seq_len} tokens in {minutes:g} minutes, "
+        f"{torch.get_num_threads()} torch thread(s), lr {lr}, seed {seed}) on the target's hidden states over "
+        "the train split of the tiny corpus.\n"
     )
     print(f"saved {out_dir} after {step} steps", flush=True)
 

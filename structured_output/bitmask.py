@@ -19,6 +19,15 @@ def allocate_token_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((num_rows, bitmask_width(vocab_size)), -1, dtype=torch.int32)
 
 
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """int32 [ceil(V / 32)] with bit t set where `allowed[t]` (bool [V])."""
+    padded = torch.zeros(bitmask_width(len(allowed)) * BITS_PER_WORD, dtype=torch.int64)
+    padded[: len(allowed)] = allowed.to(torch.int64)
+    words = (padded.view(-1, BITS_PER_WORD) << torch.arange(BITS_PER_WORD, dtype=torch.int64)).sum(dim=1)
+    # Two's complement: bit 31 set means a negative int32.
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bool [rows, vocab_size]: True where the token is allowed."""
     shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=bitmask.device)

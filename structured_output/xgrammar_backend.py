@@ -10,11 +10,13 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from pagedllm.core.errors import InvalidRequestError
+from pagedllm.structured_output.bitmask import pack_bitmask
 from pagedllm.structured_output.interface import Grammar, GrammarBackend, StructuredOutputKind
 
 if TYPE_CHECKING:
-    import torch
     import xgrammar as xgr
 
     from pagedllm.core.config import StructuredOutputConfig
@@ -65,9 +67,17 @@ def clean_error(exc: BaseException) -> str:
 
 
 class XgrammarGrammar(Grammar):
-    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, allowed: torch.Tensor | None = None) -> None:
         self.matcher = matcher
         self.num_processed_tokens = 0
+        # A packed bitmask row ANDed into every row this grammar fills (see
+        # XgrammarBackend.allowed_tokens); None = xgrammar's mask as it is.
+        self.allowed = allowed
+
+    def _is_allowed(self, token_id: int) -> bool:
+        if self.allowed is None:
+            return True
+        return bool((int(self.allowed[token_id // 32]) >> (token_id % 32)) & 1)
 
     def accept_tokens(self, request_id: str, token_ids: Sequence[int]) -> bool:
         for token_id in token_ids:
@@ -80,7 +90,7 @@ class XgrammarGrammar(Grammar):
     def validate_tokens(self, token_ids: Sequence[int]) -> list[int]:
         accepted: list[int] = []
         for token_id in token_ids:
-            if not self.matcher.accept_token(token_id):
+            if not self._is_allowed(token_id) or not self.matcher.accept_token(token_id):
                 break
             accepted.append(token_id)
         if accepted:
@@ -94,6 +104,8 @@ class XgrammarGrammar(Grammar):
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.allowed is not None:
+            bitmask[row] &= self.allowed
 
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
@@ -103,7 +115,7 @@ class XgrammarGrammar(Grammar):
         self.num_processed_tokens = 0
 
     def fork(self) -> XgrammarGrammar:
-        forked = XgrammarGrammar(self.matcher.fork())
+        forked = XgrammarGrammar(self.matcher.fork(), self.allowed)
         forked.num_processed_tokens = self.num_processed_tokens
         return forked
 
@@ -125,6 +137,39 @@ class XgrammarBackend(GrammarBackend):
         self.compiler = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=config.num_compile_threads, cache_enabled=False
         )
+        self._allowed_rows: dict[bool, torch.Tensor] = {}
+
+    def allowed_tokens(self, json_text: bool) -> torch.Tensor:
+        """Packed bitmask row ANDed into every mask of this backend's grammars.
+
+        Special tokens (chat markers, BOS, padding; not EOS, which ends a
+        grammar) are never text: xgrammar takes a special token that the
+        tokenizer does not list in all_special_ids for its literal text, so
+        "<|im_end|>" could land inside a JSON string and then vanish from the
+        detokenized output (or stop a chat). For JSON (`json_text`) also every
+        token holding a raw control character but \\n and \\r: xgrammar
+        0.2.9 lets \\x00-\\x1f (tab included) into strings with
+        minLength/maxLength, which is not JSON, and no JSON text needs them
+        (a tab between values can always be a space).
+        """
+        row = self._allowed_rows.get(json_text)
+        if row is None:
+            allowed = torch.ones(self.vocab_size, dtype=torch.bool)
+            special = set(getattr(self.tokenizer, "all_special_ids", ()))
+            special |= {
+                token_id for token_id, token in getattr(self.tokenizer, "added_tokens_decoder", {}).items()
+                if getattr(token, "special", False)
+            }
+            for token_id in special - {self.eos_token_id}:
+                if 0 <= token_id < self.vocab_size:
+                    allowed[token_id] = False
+            if json_text:
+                for token_id, piece in enumerate(self.tokenizer_info.decoded_vocab[: self.vocab_size]):
+                    raw = piece if isinstance(piece, bytes) else str(piece).encode()
+                    if any(byte < 0x20 and byte not in (0x0A, 0x0D) for byte in raw):
+                        allowed[token_id] = False
+            row = self._allowed_rows[json_text] = pack_bitmask(allowed)
+        return row
 
     @classmethod
     def validate(cls, kind: StructuredOutputKind, spec: str, *, any_whitespace: bool = True) -> None:
@@ -154,7 +199,8 @@ class XgrammarBackend(GrammarBackend):
             compiled = compiler.compile_grammar(spec)
         else:
             compiled = compiler.compile_structural_tag(spec)
-        return XgrammarGrammar(xgr.GrammarMatcher(compiled))
+        json_text = kind in (StructuredOutputKind.JSON, StructuredOutputKind.JSON_OBJECT)
+        return XgrammarGrammar(xgr.GrammarMatcher(compiled), self.allowed_tokens(json_text))
 
 
 @lru_cache(maxsize=256)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import os
 from typing import Any
 
 import pytest
@@ -95,7 +96,9 @@ def test_env_json_on_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capture
     assert payload["device_capability"] is None
     assert payload["attention_backend"] == "torch_native"
     assert payload["rejected"] == {}
-    assert payload["backends"]["triton"][0] == "device type 'cpu' is not supported (needs cuda)"
+    # Under the Triton interpreter (this suite) triton may run on CPU, so only "auto" skips it.
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        assert payload["backends"]["triton"][0] == "device type 'cpu' is not supported (needs cuda)"
     assert payload["dtype"] == "float32"
 
 

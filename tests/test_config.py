@@ -82,7 +82,7 @@ def test_unknown_key_in_arguments_lists_the_sections_known_keys() -> None:
         EngineConfig(speculatve={"method": "ngram"})
     assert info.value.key == "speculatve"
     assert info.value.allowed == (
-        "known keys model, cache, scheduler, device, plugins, structured_output, speculative, server"
+        "known keys model, cache, scheduler, device, plugins, structured_output, speculative, kv_transfer, server"
     )
 
 
@@ -105,7 +105,7 @@ def test_unknown_key_in_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         EngineConfig.load(path)
     assert info.value.key == "device.backend"
-    assert info.value.allowed == "known keys platform, attention_backend"
+    assert info.value.allowed == "known keys platform, attention_backend, enforce_eager, cuda_graph_sizes, compile_model"
 
 
 def test_bad_literal_names_key_path_and_allowed_values(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -183,7 +183,8 @@ def test_from_flat_maps_vllm_names_to_sections(tmp_path: Path) -> None:
     assert (d["cache"]["block_size"], d["cache"]["num_kv_blocks"], d["cache"]["enable_prefix_caching"]) == (32, 64, False)
     assert (d["scheduler"]["max_num_seqs"], d["scheduler"]["max_num_batched_tokens"]) == (4, 256)
     assert d["scheduler"]["scheduling_policy"] == "priority"
-    assert d["device"] == {"platform": "auto", "attention_backend": "torch_native"}
+    assert d["device"] == {"platform": "auto", "attention_backend": "torch_native", "enforce_eager": False,
+                           "cuda_graph_sizes": None, "compile_model": False}
     assert d["plugins"] == {"enabled": ["a"], "disabled": [], "strict": True}
 
 

@@ -1,4 +1,6 @@
-"""The embedded default model: trained BPE tokenizer, chat template, tiny Llama, cache."""
+"""The shipped BPE tokenizer and chat template, and the random-weight
+benchmark model built once into the cache (the shipped models themselves are
+tested in test_tiny_models.py)."""
 
 from __future__ import annotations
 
@@ -24,14 +26,14 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_dir(cache_dir):
-    return tiny.get_default_model_dir()
+    return tiny.get_benchmark_model_dir()
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(model_dir):
+def hf_tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(tiny.get_tokenizer_dir())
 
 
 def test_tokenizer_has_8192_tokens_and_the_special_tokens(hf_tokenizer):
@@ -68,11 +70,11 @@ def test_chat_template_renders_chatml(hf_tokenizer):
     assert without_prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
 
 
-def test_default_model_loads_with_transformers(model_dir, hf_tokenizer):
+def test_benchmark_model_loads_with_transformers(model_dir, hf_tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.model_registry.tiny.default_model import random_llama_weights
+    from pagedllm.model_registry.tiny.benchmark_model import random_llama_weights
 
     config = json.loads((model_dir / "config.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -103,22 +105,20 @@ def test_second_call_reuses_the_cache(model_dir, cache_dir, monkeypatch):
         raise AssertionError("rebuilt a cached artifact")
 
     monkeypatch.setattr(tiny_tokenizer, "train_tokenizer", must_not_build)
-    monkeypatch.setattr("pagedllm.model_registry.tiny.default_model.build_default_model", must_not_build)
-    assert tiny.get_default_model_dir() == model_dir == cache_dir / tiny.DEFAULT_MODEL_CACHE_NAME
-    assert tiny.get_tokenizer_dir() == cache_dir / tiny.TOKENIZER_CACHE_NAME
+    monkeypatch.setattr("pagedllm.model_registry.tiny.benchmark_model.build_benchmark_model", must_not_build)
+    assert tiny.get_benchmark_model_dir() == model_dir == cache_dir / tiny.BENCHMARK_MODEL_CACHE_NAME
+    # The tokenizer and the default model are shipped: nothing is trained at run time.
+    assert (tiny.get_tokenizer_dir() / "tokenizer.json").is_file()
+    assert (tiny.get_default_model_dir() / "model.safetensors").is_file()
     assert {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()} == files
-    assert tiny.resolve_model_path(None) == str(model_dir)
-    assert tiny.resolve_model_path("some/model") == "some/model"
     # No temporary build folders are left behind.
-    assert sorted(p.name for p in cache_dir.iterdir()) == sorted(
-        [tiny.DEFAULT_MODEL_CACHE_NAME, tiny.TOKENIZER_CACHE_NAME]
-    )
+    assert sorted(p.name for p in cache_dir.iterdir()) == [tiny.BENCHMARK_MODEL_CACHE_NAME]
 
 
-def test_tokenizer_training_is_deterministic(tmp_path, model_dir):
+def test_shipped_tokenizer_is_what_the_training_code_builds(tmp_path):
     tiny_tokenizer.train_tokenizer(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        assert (tmp_path / name).read_bytes() == (model_dir / name).read_bytes()
+        assert (tmp_path / name).read_bytes() == (tiny.get_tokenizer_dir() / name).read_bytes()
 
 
 def test_concurrent_builder_that_wins_the_race_is_kept(tmp_path, monkeypatch):

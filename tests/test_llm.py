@@ -619,7 +619,8 @@ def test_sampled_text_equals_tokenizer_decode_with_multibyte_prompts(llm: LLM, t
     assert partial_pieces, "no sampled token was a partial UTF-8 sequence; pick other seeds"
 
 
-MULTIBYTE_TEXT = "éж日🎉"  # 2, 2, 3 and 4 UTF-8 bytes; no byte repeats
+MULTIBYTE_TEXT = "ǅӜ㐀𝄞"  # 2, 2, 3 and 4 UTF-8 bytes; no byte repeats; rare enough that
+# the shipped tokenizer has no merge inside any of them
 
 
 @pytest.fixture(scope="module")
@@ -661,8 +662,8 @@ def test_multibyte_characters_split_across_tokens_are_reassembled(
         [
             _greedy(num_cycles * len(cycle)),
             _greedy(num_cycles * len(cycle) + 3),  # ends inside a character
-            _greedy(num_cycles * len(cycle), stop=["日"]),
-            _greedy(num_cycles * len(cycle), stop=["日"], include_stop_str_in_output=True),
+            _greedy(num_cycles * len(cycle), stop=["㐀"]),
+            _greedy(num_cycles * len(cycle), stop=["㐀"], include_stop_str_in_output=True),
         ],
         use_tqdm=False,
     )
@@ -675,9 +676,9 @@ def test_multibyte_characters_split_across_tokens_are_reassembled(
     assert cut.token_ids == expected_tokens
     assert cut.text == tokenizer.decode(cut.token_ids, skip_special_tokens=True)
 
-    num_tokens_to_stop = len(tokenizer.encode("éж日"))
-    for completion, text in [(stopped, "éж"), (stopped_with, "éж日")]:
+    num_tokens_to_stop = len(tokenizer.encode("ǅӜ㐀"))
+    for completion, text in [(stopped, "ǅӜ"), (stopped_with, "ǅӜ㐀")]:
         assert completion.text == text
-        assert (completion.finish_reason, completion.stop_reason) == ("stop", "日")
+        assert (completion.finish_reason, completion.stop_reason) == ("stop", "㐀")
         assert completion.token_ids == cycle[:num_tokens_to_stop]
     _assert_all_freed(llm)

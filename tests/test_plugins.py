@@ -110,6 +110,10 @@ def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
             "draft_model": "pagedllm.spec_decode.draft_model:DraftModelDrafter",
             "eagle": "pagedllm.spec_decode.eagle:EagleDrafter",
         },
+        "kv_connector": {
+            "shared_storage": "pagedllm.kv_connectors.shared_storage:SharedStorageConnector",
+            "cpu_offload": "pagedllm.kv_connectors.cpu_offload:CpuOffloadConnector",
+        },
     }
     for kind, targets in expected.items():
         builtins = {r.name: r for r in pm.registry(kind).registrations() if r.source == "builtin"}
@@ -118,7 +122,6 @@ def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
     assert flash.metadata["min_capability"] == (8, 0)
     assert flash.metadata["requires"] == ["flash_attn"]
     assert pm.registry("attention_backend").get("triton").metadata["min_capability"] == (7, 0)
-    assert pm.registry("kv_connector").names() == []
 
 
 def test_registered_plugin_adds_backend_and_model_found_by_the_registries(
@@ -354,12 +357,12 @@ def test_load_is_idempotent_and_reapplies_changed_lists(fake_site: Path) -> None
     first = pm.plugins()
     pm.load(disabled=["broken"])
     assert pm.plugins() == first
-    assert pm.registry("kv_connector").names() == ["ok_connector"]
+    assert "ok_connector" in pm.registry("kv_connector").names()
     pm.load(disabled=["broken", "ok"])
     assert "ok" not in [p.name for p in pm.plugins()]
-    assert pm.registry("kv_connector").names() == []
+    assert "ok_connector" not in pm.registry("kv_connector").names()
     pm.load(disabled=["broken"])
-    assert pm.registry("kv_connector").names() == ["ok_connector"]
+    assert "ok_connector" in pm.registry("kv_connector").names()
 
 
 def test_trace_env_logs_every_hook_call(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

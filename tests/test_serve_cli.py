@@ -37,7 +37,11 @@ def _sample_argv(flag: str, field: Any) -> tuple[list[str], Any]:
     if kind is bool:
         return ([f"--no-{flag[2:]}"], False) if default else ([flag], True)
     if typing.get_origin(kind) is list:
+        if typing.get_args(kind) == (int,):
+            return [flag, "3, 5"], [3, 5]
         return [flag, "alpha, beta"], ["alpha", "beta"]
+    if typing.get_origin(kind) is dict:
+        return [flag, '{"a": 1}'], {"a": 1}
     if typing.get_origin(kind) is Literal:
         choice = [c for c in typing.get_args(kind) if c != default][-1]
         return [flag, str(choice)], choice

@@ -45,6 +45,7 @@ def test_prometheus_counters_and_log_line() -> None:
     line = manager.log()
     assert "Spec decode acceptance rate: 75.0%" in line
     assert "Mean acceptance length: 2.50" in line
+    assert "Per-position acceptance rate: 1.000, 0.500" in line
 
 
 def test_scheduler_stats_with_spec_stats_cross_the_wire() -> None:

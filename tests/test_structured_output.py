@@ -293,3 +293,50 @@ def test_guidance_backend_selected_by_config_and_per_request(model_dir: Path) ->
             structural_tag={"type": "structural_tag"}, backend="guidance")), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="registered grammar backends: .*guidance.*xgrammar"):
         llm_default.generate("x", SamplingParams(structured_outputs=SO(regex="a", backend="nope")), use_tqdm=False)
+
+
+def test_bitmask_pack_and_unpack_round_trip() -> None:
+    from pagedllm.structured_output.bitmask import pack_bitmask
+
+    allowed = torch.rand(77, generator=torch.Generator().manual_seed(0)) > 0.5
+    allowed[31] = allowed[63] = True  # bit 31 of a word: the int32 sign bit
+    packed = pack_bitmask(allowed)
+    assert packed.dtype == torch.int32 and packed.shape == (3,)
+    assert torch.equal(unpack_bitmask(packed[None], 77)[0], allowed)
+
+
+def test_json_grammars_never_offer_raw_control_characters(tokenizer: Any) -> None:
+    # xgrammar alone accepts "\x06" and "\t" inside a length-bounded string.
+    backend = _backend("xgrammar", tokenizer)
+    schema = json.dumps({"type": "object", "properties": {"nick": {"type": "string", "minLength": 1, "maxLength": 6}},
+                         "required": ["nick"]})
+    grammar = backend.compile(StructuredOutputKind.JSON, schema, any_whitespace=True)
+    assert grammar.accept_tokens("r", tokenizer.encode('{"nick": "', add_special_tokens=False))
+    control = [t for t in range(len(tokenizer)) if tokenizer.decode([t]) in ("\x06", "\t", "\x1d")]
+    letter = tokenizer.encode("a", add_special_tokens=False)
+    assert len(control) == 3 and len(letter) == 1
+    mask = _mask(grammar, len(tokenizer))
+    assert not mask[control].any() and mask[letter[0]]
+    assert grammar.validate_tokens(control[:1]) == [] and grammar.validate_tokens(letter) == letter
+    # Other kinds are left as xgrammar makes them: a regex may want a tab.
+    regex = backend.compile(StructuredOutputKind.REGEX, "a\tb")
+    assert regex.accept_tokens("r", letter) and _mask(regex, len(tokenizer))[control[1:2]].all()
+
+
+@pytest.mark.parametrize("kind,spec", [(StructuredOutputKind.JSON_OBJECT, ""), (StructuredOutputKind.REGEX, ".{0,40}")])
+def test_special_tokens_are_never_text_but_eos_still_ends_the_grammar(
+    tokenizer: Any, kind: StructuredOutputKind, spec: str
+) -> None:
+    # "<|im_end|>" inside a JSON string would vanish from the text (or stop a chat).
+    backend = _backend("xgrammar", tokenizer)
+    grammar = backend.compile(kind, spec, any_whitespace=False)
+    prefix = tokenizer.encode('{"' if kind is StructuredOutputKind.JSON_OBJECT else "ab", add_special_tokens=False)
+    assert grammar.accept_tokens("r", prefix)
+    added = {t for t, tok in tokenizer.added_tokens_decoder.items() if tok.special}
+    specials = sorted((set(tokenizer.all_special_ids) | added) - {tokenizer.eos_token_id})
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in specials
+    mask = _mask(grammar, len(tokenizer))
+    assert not mask[specials].any()
+    assert grammar.validate_tokens(specials[:1]) == []
+    if kind is StructuredOutputKind.REGEX:
+        assert mask[tokenizer.eos_token_id]  # "ab" is a whole match: EOS may end it

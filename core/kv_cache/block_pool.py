@@ -109,6 +109,9 @@ class BlockPool:
         # NOTE: one block per hash. A second block with the same content (two
         # requests computed it concurrently) stays unregistered.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # (block id, hash) of cached blocks reallocated to new contents, kept
+        # only while someone (a KV connector's offload tier) reads them.
+        self.evicted_for_reuse: list[tuple[int, BlockHash]] | None = None
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -123,7 +126,10 @@ class BlockPool:
         new_blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in new_blocks:
             if self.enable_caching:
-                self._maybe_evict_cached_block(block)
+                block_hash = block.block_hash
+                if self._maybe_evict_cached_block(block) and self.evicted_for_reuse is not None:
+                    assert block_hash is not None
+                    self.evicted_for_reuse.append((block.block_id, block_hash))
             block.ref_cnt += 1
         return new_blocks
 

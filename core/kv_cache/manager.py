@@ -13,6 +13,7 @@ from pagedllm.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
 
 if TYPE_CHECKING:
+    from pagedllm.core.kv_cache.hashing import BlockHash
     from pagedllm.core.request import Request
 
 DEBUG_ENV_VAR = "PAGEDLLM_DEBUG_KV"
@@ -241,6 +242,25 @@ class KVCacheManager:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
     # ------------------------------------------------------- prefix cache
+
+    def ensure_block_hashes(self, request: Request) -> None:
+        """Hash every full block of `request` (even with caching off: a KV
+        connector names blocks by these hashes)."""
+        if request.num_tokens // self.block_size > len(request.block_hashes):
+            self.request_block_hasher(request)
+
+    def record_evictions(self) -> None:
+        """From now on remember each cached block reallocated to new
+        contents; `take_evicted_blocks` hands them over."""
+        if self.block_pool.evicted_for_reuse is None:
+            self.block_pool.evicted_for_reuse = []
+
+    def take_evicted_blocks(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) reallocated since the last call, oldest first."""
+        evicted = self.block_pool.evicted_for_reuse or []
+        if self.block_pool.evicted_for_reuse is not None:
+            self.block_pool.evicted_for_reuse = []
+        return evicted
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (False) while any block is in use."""

@@ -178,7 +178,7 @@ def run_bench(args: argparse.Namespace) -> list[SpecRunResult]:
         for method in ["none", *methods]:
             extra = {} if method == "none" else {"speculative_config": _speculative_config(method, args)}
             llm = LLM(**engine_args, **extra)
-            _run(llm, prompts[:1], 1, 8)  # warm-up
+            _run(llm, prompts[:2], 2, 32)  # warm-up
             for batch_size in batch_sizes:
                 progress.set_postfix_str(f"{dataset} {method} bs={batch_size}")
                 num_tokens, elapsed, stats = _run(llm, prompts, batch_size, args.output_len)

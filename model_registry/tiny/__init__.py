@@ -1,9 +1,21 @@
-"""The embedded default model and its tokenizer, built once into a cache folder.
+"""The embedded model family, shipped inside the package, and its tokenizer.
 
-`get_tokenizer_dir()` trains the byte-level BPE tokenizer (a few seconds, once);
-`get_default_model_dir()` adds a tiny random-weight Llama next to a copy of it.
-Both live under `$PAGEDLLM_CACHE_DIR` (default `~/.cache/pagedllm`) in folders
-whose names carry a version: bump it whenever what they contain changes.
+- `pagedllm-tiny` (alias `tiny`): a trained ~6.5M-parameter Llama, the default
+  model of `LLM()` and `pagedllm serve`.
+- `pagedllm-tiny-draft` (alias `tiny-draft`): a ~1.4M-parameter Llama with the
+  same tokenizer, for speculative-decoding experiments.
+- `pagedllm-tiny-eagle` (alias `tiny-eagle`): an EAGLE-1 head for
+  `pagedllm-tiny` (`speculative: {method: eagle, model: tiny-eagle}`),
+  trained by `pagedllm.spec_decode.train_eagle`.
+
+Both were trained by `pagedllm.model_registry.tiny.train` on the Python
+standard library sources (see each folder's README.md) and live under
+`weights/` as package data: nothing is trained or downloaded at run time.
+
+`get_benchmark_model_dir()` builds, once, into `$PAGEDLLM_CACHE_DIR` (default
+`~/.cache/pagedllm`) the random-weight Llama the throughput benchmark uses;
+its cache folder name carries a version: bump it whenever what it contains
+changes.
 """
 
 from __future__ import annotations
@@ -13,54 +25,74 @@ from pathlib import Path
 
 from pagedllm.model_registry.tiny.cache import build_once, get_cache_root
 
-# The trained family (issue 5) ships under WEIGHTS_DIR; until it does, the
-# default stays the random-weight model below and these names only resolve paths.
 TARGET_MODEL_NAME = "pagedllm-tiny"
 DRAFT_MODEL_NAME = "pagedllm-tiny-draft"
+EAGLE_MODEL_NAME = "pagedllm-tiny-eagle"
+# Every name a model path may be given as -> the shipped folder's name.
 MODEL_ALIASES = {
     "tiny": TARGET_MODEL_NAME,
     TARGET_MODEL_NAME: TARGET_MODEL_NAME,
     "tiny-draft": DRAFT_MODEL_NAME,
     DRAFT_MODEL_NAME: DRAFT_MODEL_NAME,
+    "tiny-eagle": EAGLE_MODEL_NAME,
+    EAGLE_MODEL_NAME: EAGLE_MODEL_NAME,
 }
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
-
-TOKENIZER_CACHE_NAME = "tokenizer-bpe8k-v1"
-DEFAULT_MODEL_CACHE_NAME = "default-llama-v1"
+BENCHMARK_MODEL_CACHE_NAME = "benchmark-llama-v2"
 
 __all__ = [
-    "DEFAULT_MODEL_CACHE_NAME",
+    "BENCHMARK_MODEL_CACHE_NAME",
     "DRAFT_MODEL_NAME",
+    "EAGLE_MODEL_NAME",
     "MODEL_ALIASES",
     "TARGET_MODEL_NAME",
-    "WEIGHTS_DIR",
-    "TOKENIZER_CACHE_NAME",
+    "get_benchmark_model_dir",
     "get_cache_root",
     "get_default_model_dir",
+    "get_tiny_model_dir",
     "get_tokenizer_dir",
     "resolve_model_path",
 ]
 
 
-def get_tokenizer_dir() -> Path:
-    """Folder with tokenizer.json, tokenizer_config.json (chat template
-    included) and special_tokens_map.json; loadable by `AutoTokenizer`."""
-    from pagedllm.model_registry.tiny.tokenizer import train_tokenizer
-
-    return build_once(TOKENIZER_CACHE_NAME, train_tokenizer)
+def get_tiny_model_dir(name: str = TARGET_MODEL_NAME) -> Path:
+    """The shipped folder of `name` (a model name or one of its aliases)."""
+    if name not in MODEL_ALIASES:
+        raise ValueError(f"model={name!r} is not a shipped tiny model; expected one of {sorted(MODEL_ALIASES)}")
+    return WEIGHTS_DIR / MODEL_ALIASES[name]
 
 
 def get_default_model_dir() -> Path:
-    """Folder of the embedded default model (HF layout, float32 safetensors)."""
-    from pagedllm.model_registry.tiny.default_model import build_default_model
+    """Folder of the default model, `pagedllm-tiny` (HF layout, float16 safetensors)."""
+    return get_tiny_model_dir(TARGET_MODEL_NAME)
+
+
+def get_tokenizer_dir() -> Path:
+    """Folder with only tokenizer.json, tokenizer_config.json (chat template
+    included) and special_tokens_map.json: the tokenizer of both shipped
+    models, loadable by `AutoTokenizer`."""
+    return WEIGHTS_DIR / "tokenizer"
+
+
+def get_benchmark_model_dir() -> Path:
+    """Folder of the throughput benchmark's model: a random-weight Llama
+    (hidden 256, 4 layers) with the shipped tokenizer, float32 safetensors."""
+    from pagedllm.model_registry.tiny.benchmark_model import build_benchmark_model
 
     tokenizer_dir = get_tokenizer_dir()
-    return build_once(DEFAULT_MODEL_CACHE_NAME, lambda out_dir: build_default_model(out_dir, tokenizer_dir))
+    return build_once(BENCHMARK_MODEL_CACHE_NAME, lambda out_dir: build_benchmark_model(out_dir, tokenizer_dir))
 
 
 def resolve_model_path(name_or_path: str | os.PathLike[str] | None) -> str:
-    """None -> the embedded default model's folder; anything else unchanged
-    (a local folder or a hub id for the loader to handle)."""
+    """None -> the default model's folder; an alias (`tiny`, `tiny-draft`,
+    `tiny-eagle`, or the full names) -> that shipped folder; anything else unchanged (a
+    local folder or a hub id for the loader to handle).
+
+    NOTE: an alias wins over a same-named folder in the working directory,
+    so `tiny` means the same model wherever the command runs.
+    """
     if name_or_path is None:
         return str(get_default_model_dir())
+    if isinstance(name_or_path, str) and name_or_path in MODEL_ALIASES:
+        return str(get_tiny_model_dir(name_or_path))
     return os.fspath(name_or_path)

@@ -1,5 +1,5 @@
-"""Byte-level BPE tokenizer trained by project code on the Python standard
-library sources of the running interpreter (text every machine has).
+"""Byte-level BPE tokenizer trained by project code on the train split of the
+Python standard library sources (see `corpus.py`).
 
 Choices:
 - 8,192 tokens: 5 special tokens (ids 0-4), the 256 byte symbols, merges.
@@ -7,15 +7,23 @@ Choices:
   tokens (as Qwen/ChatML tokenizers do), so prompts round-trip and the chat
   template alone decides the framing. `<|bos|>` exists for models that want it.
 - `clean_up_tokenization_spaces` is off, so `decode(encode(text)) == text`.
+- Source text is encoded with the `tokenizers` flag `encode_special_tokens`
+  on (`source_encoder()`): a literal `<|im_start|>` or `<|eos|>` in a file of
+  the corpus stays text, so the models never learn the markers from code.
+  The saved tokenizer keeps the flag off (transformers' `split_special_tokens`
+  false), as every chat tokenizer does: a chat template rendered to text and
+  encoded, in transformers, vLLM or pagedllm, gives the marker tokens.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sysconfig
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 VOCAB_SIZE = 8192
 BOS_TOKEN = "<|bos|>"
@@ -26,44 +34,18 @@ IM_END_TOKEN = "<|im_end|>"
 # NOTE: order fixes the ids (0..4); the default model's config relies on it.
 SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START_TOKEN, IM_END_TOKEN]
 MODEL_MAX_LENGTH = 2048
-# Training text budget: the first ~8 MB of stdlib sources in sorted path order
-# trains in a couple of seconds and gives a reasonable code vocabulary.
-TRAINING_CHARS = 8_000_000
 
 
 def chat_template() -> str:
     return resources.files(__package__).joinpath("chat_template.jinja").read_text(encoding="utf-8")
 
 
-def iter_stdlib_sources(max_chars: int = TRAINING_CHARS) -> list[str]:
-    """UTF-8 `*.py` files of the stdlib, sorted by relative path, up to `max_chars`."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paths: list[tuple[str, Path]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        # Third-party code differs between machines; keep only the stdlib itself.
-        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")]
-        for filename in filenames:
-            if filename.endswith(".py"):
-                path = Path(dirpath) / filename
-                paths.append((path.relative_to(root).as_posix(), path))
-    paths.sort()
-    texts: list[str] = []
-    num_chars = 0
-    for _, path in paths:
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        texts.append(text)
-        num_chars += len(text)
-        if num_chars >= max_chars:
-            break
-    return texts
-
-
-def train_tokenizer(out_dir: Path, max_chars: int = TRAINING_CHARS) -> None:
-    """Train the BPE tokenizer and save transformers-loadable files in `out_dir`."""
+def train_tokenizer(out_dir: Path) -> None:
+    """Train the BPE tokenizer on the corpus's train split and save
+    transformers-loadable files in `out_dir`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pagedllm.model_registry.tiny.corpus import load_split
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -75,7 +57,7 @@ def train_tokenizer(out_dir: Path, max_chars: int = TRAINING_CHARS) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = iter_stdlib_sources(max_chars)
+    texts = [source.text for source in load_split("train")]
     tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -109,6 +91,16 @@ def train_tokenizer(out_dir: Path, max_chars: int = TRAINING_CHARS) -> None:
     }
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
     _write_json(out_dir / "special_tokens_map.json", special_tokens_map)
+
+
+def source_encoder(tokenizer_dir: Path) -> Tokenizer:
+    """The saved tokenizer, set to encode special-token strings as plain text
+    (for corpus files; not for rendered chat prompts)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    tokenizer.encode_special_tokens = True
+    return tokenizer
 
 
 def special_token_ids(tokenizer_dir: Path) -> dict[str, int]:

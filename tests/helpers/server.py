@@ -103,13 +103,22 @@ def start_server(
     model: str | Path | None, *args: str, api_key: str | None = None, env: dict[str, str] | None = None
 ) -> Iterator[ServerProcess]:
     """`model=None` runs `pagedllm serve` with no MODEL, as `make serve` does."""
-    port = free_port()
-    log_file = tempfile.NamedTemporaryFile(prefix="pagedllm-serve-", suffix=".log", delete=False)
     model_args = [] if model is None else [str(model)]
-    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *model_args,
-               "--host", "127.0.0.1", "--port", str(port), "--log-stats-interval-s", "0", *args]
+    command = ["serve", *model_args, "--log-stats-interval-s", "0", *args]
     if api_key is not None:
         command += ["--api-key", api_key]
+    with start_cli_server(command, api_key=api_key, env=env) as server:
+        yield server
+
+
+@contextmanager
+def start_cli_server(
+    cli_args: list[str], api_key: str | None = None, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    """`pagedllm <cli_args> --host 127.0.0.1 --port <free>`, healthy, then stopped by pid."""
+    port = free_port()
+    log_file = tempfile.NamedTemporaryFile(prefix="pagedllm-serve-", suffix=".log", delete=False)
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", *cli_args, "--host", "127.0.0.1", "--port", str(port)]
     process_env = {**os.environ, **(env or {})}
     process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=process_env)
     server = ServerProcess(f"http://127.0.0.1:{port}", process.pid, process, Path(log_file.name), api_key)

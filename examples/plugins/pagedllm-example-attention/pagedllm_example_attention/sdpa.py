@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
+from pagedllm.core.errors import AttentionBackendError
 
 
 @dataclass
@@ -79,7 +80,10 @@ class SdpaAttentionImpl(AttentionImpl):
         # NOTE: the selector already rejects sliding windows (registration
         # metadata); a soft cap has no metadata key, so refuse it here.
         if sliding_window is not None or logits_soft_cap is not None:
-            raise NotImplementedError("the sdpa backend supports neither sliding windows nor logits soft-capping")
+            raise AttentionBackendError(
+                "sdpa",
+                [f"sliding_window={sliding_window!r} and logits_soft_cap={logits_soft_cap!r}: supports neither"],
+            )
         super().__init__(num_heads, head_size, scale, num_kv_heads)
 
     def forward(

@@ -38,8 +38,8 @@ def test_selected_by_name_and_greedy_output_is_unchanged() -> None:
     prompts = [[rng.randrange(10, 400)] + span * 3 + [rng.randrange(10, 400)] for _ in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
-    plain = LLM(num_kv_blocks=64).generate(requests, params, use_tqdm=False)
-    spec_llm = LLM(num_kv_blocks=64,
+    plain = LLM(model="tiny", num_kv_blocks=64).generate(requests, params, use_tqdm=False)
+    spec_llm = LLM(model="tiny", num_kv_blocks=64,
                    speculative_config={"method": "suffix_window", "num_speculative_tokens": 3})
     speculative = spec_llm.generate(requests, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in speculative] == [o.outputs[0].token_ids for o in plain]

@@ -1,0 +1,203 @@
+"""The KV connector interface, modeled on vLLM's `KVConnectorBase_V1`.
+
+A connector moves KV blocks (16 tokens with a content hash, the prefix
+cache's unit) between this engine's paged cache and somewhere else: another
+engine through shared storage, a CPU-memory tier, a remote store. One
+instance per engine serves both sides (scheduler and model runner share the
+engine-core process):
+
+Scheduler side, in the order the scheduler calls them:
+- `get_num_new_matched_tokens(request, num_computed_tokens)`: how many tokens
+  past the local prefix-cache hit the connector can load (None: ask again
+  next step, e.g. while a transfer is still arriving);
+- `update_state_after_alloc(request, block_ids, num_external_tokens)`: the
+  request got blocks; remember which ones to load into;
+- `build_connector_meta(scheduler_output)`: everything the worker side needs
+  this step (blocks to load, to save, to spill), handed over with the step;
+- `request_finished(request, block_ids)`: True keeps the blocks allocated
+  until `get_finished` reports the request's save done.
+
+Worker side, around the model forward of the step:
+- `register_kv_caches(kv_caches)` once at start-up;
+- `start_load_kv(metadata)` before the forward; `wait_for_layer_load(i)`
+  before layer i reads its cache;
+- `save_kv_layer(i, ...)` after layer i wrote its cache; `wait_for_save()`
+  at the end of the step;
+- `get_finished(finished_req_ids)`: requests whose async save / load is done.
+
+A failed load is the connector's to detect (checksums, sizes): under
+`load_failure_policy: recompute` it simply reports fewer matched tokens;
+under `fail` it raises `KVTransferError`, which fails that request alone.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.core.config import KVTransferConfig
+    from pagedllm.core.request import Request
+    from pagedllm.core.scheduler_output import SchedulerOutput
+
+
+def model_fingerprint(
+    model_path: str, dtype: torch.dtype, block_size: int, num_layers: int, num_kv_heads: int, head_size: int
+) -> str:
+    """A short name for "these KV blocks are interchangeable": the model's
+    config.json, its weight files' names and sizes, the dtype and the cache
+    layout. (Weights are not read: sizes stand in for a checksum, so two
+    checkpoints of one architecture with equal file sizes must not share
+    a directory.)"""
+    import hashlib
+    from pathlib import Path
+
+    digest = hashlib.sha256()
+    folder = Path(model_path)
+    config_file = folder / "config.json"
+    digest.update(config_file.read_bytes() if config_file.is_file() else str(model_path).encode())
+    if folder.is_dir():
+        for weights in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+            digest.update(f"{weights.name}:{weights.stat().st_size};".encode())
+    digest.update(f"{dtype}|{block_size}|{num_layers}|{num_kv_heads}|{head_size}".encode())
+    return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class KVConnectorContext:
+    """The engine facts a connector needs to lay out and name blocks."""
+
+    model_path: str
+    # Identifies models whose KV blocks are interchangeable (architecture,
+    # weights, dtype, layout); stored blocks are kept apart by it.
+    model_fingerprint: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class KVConnectorMetadata:
+    """What the scheduler side hands the worker side for one step; each
+    connector subclasses it."""
+
+
+@dataclass
+class KVConnectorStats:
+    """Cumulative counters (the engine reports deltas)."""
+
+    # Prompt tokens looked up past the local prefix-cache hit, and found.
+    external_queries: int = 0
+    external_hits: int = 0
+    # The connector's own tiers, by name: hits/misses (blocks) and bytes moved.
+    tier_hits: dict[str, int] = field(default_factory=dict)
+    tier_misses: dict[str, int] = field(default_factory=dict)
+    tier_bytes_saved: dict[str, int] = field(default_factory=dict)
+    tier_bytes_loaded: dict[str, int] = field(default_factory=dict)
+    load_failures: int = 0
+
+    def count(self, table: str, tier: str, amount: int = 1) -> None:
+        counts: dict[str, int] = getattr(self, table)
+        counts[tier] = counts.get(tier, 0) + amount
+
+    def copy(self) -> KVConnectorStats:
+        return KVConnectorStats(
+            self.external_queries, self.external_hits, dict(self.tier_hits), dict(self.tier_misses),
+            dict(self.tier_bytes_saved), dict(self.tier_bytes_loaded), self.load_failures,
+        )
+
+    def minus(self, earlier: KVConnectorStats) -> KVConnectorStats:
+        """The counts since `earlier` (a copy taken before)."""
+
+        def diff(now: dict[str, int], then: dict[str, int]) -> dict[str, int]:
+            return {tier: count - then.get(tier, 0) for tier, count in now.items() if count != then.get(tier, 0)}
+
+        return KVConnectorStats(
+            self.external_queries - earlier.external_queries,
+            self.external_hits - earlier.external_hits,
+            diff(self.tier_hits, earlier.tier_hits),
+            diff(self.tier_misses, earlier.tier_misses),
+            diff(self.tier_bytes_saved, earlier.tier_bytes_saved),
+            diff(self.tier_bytes_loaded, earlier.tier_bytes_loaded),
+            self.load_failures - earlier.load_failures,
+        )
+
+
+class KVConnectorBase(ABC):
+    # Whether the scheduler reports prefix-cache evictions (a block's cached
+    # contents about to be overwritten) through `on_blocks_evicted`.
+    wants_eviction_events: ClassVar[bool] = False
+
+    def __init__(self, config: KVTransferConfig, context: KVConnectorContext) -> None:
+        self.config = config
+        self.context = context
+        self.stats = KVConnectorStats()
+        self.kv_caches: list[torch.Tensor] = []
+
+    @property
+    def is_producer(self) -> bool:
+        return self.config.role in ("producer", "both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.config.role in ("consumer", "both")
+
+    # ------------------------------------------------------ scheduler side
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Tokens after `num_computed_tokens` (a multiple of the block size:
+        the local hit) the connector will load for `request`; at most up to
+        `request.num_tokens - 1` (the last prompt token is always computed).
+        None: not decidable yet; the scheduler asks again next step."""
+
+    def on_blocks_evicted(self, evicted: list[tuple[int, bytes]]) -> None:
+        """(block id, block hash) of cached blocks this step's allocations
+        reuse; their old contents stay intact until this step's forward.
+        Called only when `wants_eviction_events`."""
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """`request` holds `block_ids` (its whole table); the
+        `num_external_tokens` after its local hit are to be loaded."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """The worker side's instructions for the step being scheduled."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """`request` finished holding `block_ids`. True: do not free them
+        until `get_finished` lists the request (a save still reads them)."""
+        return False
+
+    # --------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """The engine's per-layer caches, [2, num_blocks, block_size, Hkv, D] each."""
+        self.kv_caches = kv_caches
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        """Begin (or do) this step's loads into the paged cache."""
+
+    def wait_for_layer_load(self, layer_index: int) -> None:
+        """Return once layer `layer_index`'s loads are in its cache."""
+
+    def save_kv_layer(self, layer_index: int, kv_cache: torch.Tensor, metadata: KVConnectorMetadata) -> None:
+        """Layer `layer_index` computed this step's K/V into `kv_cache`."""
+
+    def wait_for_save(self) -> None:
+        """Return once this step's saves no longer need the paged cache."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(requests whose delayed save finished, requests whose async load
+        finished) since the last call."""
+        return set(), set()
+
+    def describe(self) -> dict[str, Any]:
+        """For logs and `/server_info`."""
+        return {"connector": self.config.connector, "role": self.config.role}
