@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from helpers.attention_case import build_case, run_backend
 from pagedllm.attention_backends.base import AttentionMetadata
 from pagedllm.attention_backends.torch_native import TorchNativeBackend, build_batch_plan
 
@@ -53,62 +52,16 @@ def run_case(
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (backend output, reference output), both [T, H, D] float32."""
-    gen = torch.Generator().manual_seed(seed)
-    num_reqs = len(seq_lens)
-    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + 3
-    # Non-contiguous, shuffled physical block ids.
-    block_ids = torch.randperm(num_blocks, generator=gen).tolist()
-    max_blocks = max(blocks_per_req) + 1
-    block_table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
-    tables = []
-    for r, n in enumerate(blocks_per_req):
-        table = [block_ids.pop() for _ in range(n)]
-        tables.append(table)
-        block_table[r, :n] = torch.tensor(table, dtype=torch.int32)
-
-    shape = TorchNativeBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-    # NaN garbage: unwritten slots must never leak into the result.
-    kv_cache = torch.full(shape, float("nan"), dtype=dtype)
-    flat_k = kv_cache[0].view(-1, num_kv_heads, head_size)
-    flat_v = kv_cache[1].view(-1, num_kv_heads, head_size)
-
-    def slot(r: int, pos: int) -> int:
-        return tables[r][pos // block_size] * block_size + pos % block_size
-
-    queries, new_keys, new_values, slots, refs = [], [], [], [], []
-    for r, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
-        keys = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
-        values = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
-        query = torch.randn(q_len, num_heads, head_size, generator=gen).to(dtype)
-        for pos in range(seq_len - q_len):  # cached context, written by earlier steps
-            flat_k[slot(r, pos)] = keys[pos]
-            flat_v[slot(r, pos)] = values[pos]
-        queries.append(query)
-        new_keys.append(keys[seq_len - q_len :])
-        new_values.append(values[seq_len - q_len :])
-        slots += [slot(r, pos) for pos in range(seq_len - q_len, seq_len)]
-        refs.append(reference_attention(query, keys, values, head_size**-0.5, sliding_window, soft_cap))
-
-    query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-    metadata = AttentionMetadata(
-        num_actual_tokens=sum(query_lens),
-        num_reqs=num_reqs,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens_t,
-        block_table=block_table,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc_cpu=query_start_loc.clone(),
-        seq_lens_cpu=seq_lens_t.clone(),
+    case = build_case(
+        seq_lens, query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+        block_size=block_size, dtype=dtype, sliding_window=sliding_window, soft_cap=soft_cap, seed=seed,
     )
-    impl = TorchNativeBackend.get_impl_cls()(
-        num_heads, head_size, head_size**-0.5, num_kv_heads, sliding_window=sliding_window, logits_soft_cap=soft_cap
-    )
-    out = impl.forward(torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), kv_cache, metadata)
-    return out.float(), torch.cat(refs)
+    out, _ = run_backend(TorchNativeBackend, case)
+    refs = [
+        reference_attention(query, keys, values, head_size**-0.5, sliding_window, soft_cap)
+        for query, keys, values in case.requests
+    ]
+    return out.float().cpu(), torch.cat(refs)
 
 
 # A prefill chunk with cached context, a fresh prefill, and decodes.

@@ -37,6 +37,9 @@ class AttentionCase:
     metadata: AttentionMetadata
     sliding_window: int | None = None
     soft_cap: float | None = None
+    # Per request, on the CPU: (query [q_len, H, D], every key and value
+    # [seq_len, Hkv, D]): what a reference implementation attends over.
+    requests: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 def build_case(
@@ -71,7 +74,7 @@ def build_case(
     def slot(r: int, pos: int) -> int:
         return tables[r][pos // block_size] * block_size + pos % block_size
 
-    queries, new_keys, new_values, slots = [], [], [], []
+    queries, new_keys, new_values, slots, requests = [], [], [], [], []
     for r, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         keys = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
         values = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
@@ -79,6 +82,7 @@ def build_case(
         for pos in range(seq_len - q_len):  # cached context, written by earlier steps
             flat_k[slot(r, pos)] = keys[pos]
             flat_v[slot(r, pos)] = values[pos]
+        requests.append((queries[-1], keys, values))
         new_keys.append(keys[seq_len - q_len :])
         new_values.append(values[seq_len - q_len :])
         slots += [slot(r, pos) for pos in range(seq_len - q_len, seq_len)]
@@ -102,7 +106,7 @@ def build_case(
     return AttentionCase(
         num_heads, num_kv_heads, head_size, block_size, num_blocks,
         torch.cat(queries).to(DEVICE), torch.cat(new_keys).to(DEVICE), torch.cat(new_values).to(DEVICE),
-        kv_cache.to(DEVICE), dataclasses.replace(metadata, **on_device), sliding_window, soft_cap,
+        kv_cache.to(DEVICE), dataclasses.replace(metadata, **on_device), sliding_window, soft_cap, requests,
     )
 
 
