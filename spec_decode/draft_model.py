@@ -74,6 +74,13 @@ class ModelDrafter(Drafter):
     """Shared by the drafters that run a model over the target's tokens."""
 
     needs_lookahead_slots: ClassVar[bool] = True
+    # The speculative.method name, for errors about speculative.model.
+    method: ClassVar[str]
+
+    @classmethod
+    def kv_cache_bytes_per_block(cls, config: SpeculativeConfig, block_size: int, dtype: torch.dtype) -> int:
+        _, hf_config = _load_draft_hf_config(config, cls.method)
+        return _kv_bytes_per_block(hf_config, hf_config.num_hidden_layers, block_size, dtype)
 
     def __init__(self, config: SpeculativeConfig, context: DrafterContext) -> None:
         super().__init__(config, context)
@@ -142,12 +149,14 @@ class ModelDrafter(Drafter):
 
 
 class DraftModelDrafter(ModelDrafter):
+    method = "draft_model"
+
     def __init__(self, config: SpeculativeConfig, context: DrafterContext) -> None:
         super().__init__(config, context)
         from pagedllm.model_registry.loader import get_architecture, load_model
         from pagedllm.plugins import get_plugin_manager
 
-        path, hf_config = _load_draft_hf_config(config, "draft_model")
+        path, hf_config = _load_draft_hf_config(config, self.method)
         if hf_config.vocab_size != context.vocab_size:
             raise ConfigError(
                 "speculative.model", config.model,
@@ -160,11 +169,6 @@ class DraftModelDrafter(ModelDrafter):
             device=context.device, hf_config=hf_config,
         )
         self.kv_caches = bind_kv_caches(self.model, context)
-
-    @classmethod
-    def kv_cache_bytes_per_block(cls, config: SpeculativeConfig, block_size: int, dtype: torch.dtype) -> int:
-        _, hf_config = _load_draft_hf_config(config, "draft_model")
-        return _kv_bytes_per_block(hf_config, hf_config.num_hidden_layers, block_size, dtype)
 
     @torch.inference_mode()
     def propose(self, inputs: DraftInputs) -> DraftOutput:

@@ -33,7 +33,7 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.model_registry.layers.rotary import RotaryEmbedding, get_rope_parameters
 from pagedllm.model_registry.loader import ModelLoadError, default_weight_loader, iterate_safetensors
 from pagedllm.model_registry.models.llama import LlamaDecoderLayer, LlamaFlags, LlamaForCausalLM
-from pagedllm.spec_decode.draft_model import ModelDrafter, _kv_bytes_per_block, _load_draft_hf_config
+from pagedllm.spec_decode.draft_model import ModelDrafter, _load_draft_hf_config
 from pagedllm.spec_decode.interface import DrafterContext, DraftInputs, DraftOutput
 from pagedllm.spec_decode.utils import bind_kv_caches, build_attn_metadata
 
@@ -105,9 +105,11 @@ class EagleHead(nn.Module):
 
 
 class EagleDrafter(ModelDrafter):
+    method = "eagle"
+
     def __init__(self, config: SpeculativeConfig, context: DrafterContext) -> None:
         super().__init__(config, context)
-        path, hf_config = _load_draft_hf_config(config, "eagle")
+        path, hf_config = _load_draft_hf_config(config, self.method)
         target = context.target_model
         embed = getattr(getattr(target, "model", None), "embed_tokens", None)
         if embed is None or not hasattr(target, "compute_logits"):
@@ -126,11 +128,6 @@ class EagleDrafter(ModelDrafter):
         self.head.load_checkpoint(iterate_safetensors(path), path)
         self.head.eval()
         self.kv_caches = bind_kv_caches(self.head, context)
-
-    @classmethod
-    def kv_cache_bytes_per_block(cls, config: SpeculativeConfig, block_size: int, dtype: torch.dtype) -> int:
-        _, hf_config = _load_draft_hf_config(config, "eagle")
-        return _kv_bytes_per_block(hf_config, hf_config.num_hidden_layers, block_size, dtype)
 
     @torch.inference_mode()
     def propose(self, inputs: DraftInputs) -> DraftOutput:

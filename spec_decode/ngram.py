@@ -13,15 +13,11 @@ import numpy as np
 from pagedllm.spec_decode.interface import Drafter, DraftInputs, DraftOutput
 
 
-def ngram_propose(token_ids: np.ndarray | list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """The drafts for one sequence (see the module docstring)."""
-    tokens = np.asarray(token_ids, dtype=np.int64)
+def suffix_match_lengths(tokens: np.ndarray, max_n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ends, match_len): for every earlier position e (exclusive end, e <
+    len(tokens)), how many tokens before e equal the sequence's last ones,
+    capped at max_n. One vectorized pass for all n at once."""
     num_tokens = len(tokens)
-    if num_tokens < 2 or k <= 0 or max_n < min_n:
-        return []
-    # One pass over every earlier occurrence, for all n at once: an occurrence
-    # ending (exclusive) at e < num_tokens matches a suffix of length
-    # match_len[e] = how many of tokens[e - j] == tokens[-j], j = 1, 2, ...
     ends = np.arange(1, num_tokens)
     match_len = np.zeros(num_tokens - 1, dtype=np.int64)
     still_matching = np.ones(num_tokens - 1, dtype=bool)
@@ -30,6 +26,15 @@ def ngram_propose(token_ids: np.ndarray | list[int], min_n: int, max_n: int, k: 
         if not still_matching.any():
             break
         match_len += still_matching
+    return ends, match_len
+
+
+def ngram_propose(token_ids: np.ndarray | list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The drafts for one sequence (see the module docstring)."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    if len(tokens) < 2 or k <= 0 or max_n < min_n:
+        return []
+    ends, match_len = suffix_match_lengths(tokens, max_n)
     best_n = int(match_len.max())
     if best_n < min_n:
         return []

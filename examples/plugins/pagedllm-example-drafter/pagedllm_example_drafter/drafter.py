@@ -9,6 +9,7 @@ import os
 import numpy as np
 
 from pagedllm.spec_decode import Drafter, DraftInputs, DraftOutput
+from pagedllm.spec_decode.ngram import suffix_match_lengths
 
 DEFAULT_WINDOW = 256
 
@@ -19,14 +20,7 @@ def suffix_window_propose(token_ids: list[int], min_n: int, max_n: int, k: int, 
     if num_tokens < 2 or k <= 0:
         return []
     # match_len[e]: how long a suffix of the context ends (exclusive) at e < num_tokens.
-    ends = np.arange(1, num_tokens)
-    match_len = np.zeros(num_tokens - 1, dtype=np.int64)
-    still_matching = np.ones(num_tokens - 1, dtype=bool)
-    for j in range(1, min(max_n, num_tokens - 1) + 1):
-        still_matching &= (ends >= j) & (tokens[np.maximum(ends - j, 0)] == tokens[num_tokens - j])
-        if not still_matching.any():
-            break
-        match_len += still_matching
+    ends, match_len = suffix_match_lengths(tokens, max_n)
     best_n = int(match_len.max())
     if best_n < min_n:
         return []
