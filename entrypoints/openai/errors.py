@@ -38,7 +38,15 @@ class OpenAIServingError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     error_type = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    return {"error": {"message": printable(message), "type": error_type, "param": param, "code": status}}
+
+
+def printable(text: str) -> str:
+    """`text` with lone UTF-16 surrogates escaped (`\\ud800`): an error that
+    quotes a client's bad string must still encode as UTF-8 JSON."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_json(status: int, message: str, param: str | None = None) -> bytes:
@@ -51,7 +59,8 @@ def invalid_request(exc: InvalidRequestError) -> OpenAIServingError:
 
 # Union-typed fields: pydantic reports one error per union member; say it once.
 _UNION_MESSAGES = {
-    "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
+    "prompt": "must be a non-empty string, or a non-empty list of non-empty strings, of token ids or of "
+              "non-empty token-id lists",
     "stop": "must be a string or a list of strings",
     "content": "must be a string or a list of content parts ({'type': 'text', 'text': ...})",
     "tokens": "must be a list of token ids",
@@ -62,6 +71,7 @@ def _is_union_tag(part: Any) -> bool:
     # pydantic names the union member in `loc` ('str', 'list[int]', 'ChatMessage').
     return isinstance(part, str) and (
         "[" in part or part in {"str", "int", "float", "bool", "list", "dict", "none"} or part[:1].isupper()
+        or part.startswith("constrained-")
     )
 
 
@@ -91,6 +101,8 @@ def describe_validation_error(errors: list[Any]) -> tuple[str, str | None]:
         return f"{param}: this field is required", param
     if error_type == "extra_forbidden":
         return f"{param}: unknown field", param
+    if error_type in ("too_short", "string_too_short") and first.get("ctx", {}).get("min_length") == 1:
+        return f"{param}: at least one {'character' if error_type == 'string_too_short' else 'item'} is required", param
     return f"{param}={_short(value)}: {message}", param
 
 

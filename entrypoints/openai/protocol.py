@@ -9,13 +9,16 @@ raises InvalidRequestError(field, value, limit) -> a 400 with `param`.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.outputs import RequestOutputKind
 from pagedllm.core.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.entrypoints.openai.surrogates import find_unpaired_surrogate
+from pagedllm.entrypoints.openai.unsupported import RefusedChatFields, RefusedMessageFields, check_content_parts
 
 # Most samples one request may ask for (OpenAI's limit); each is an engine request.
 MAX_N = 128
@@ -23,6 +26,21 @@ MAX_N = 128
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_unpaired_surrogates(cls, value: Any) -> Any:
+        # NOTE: before any other validation, so no tokenizer, encoder or
+        # grammar compiler ever sees a lone surrogate (JSON's "\ud800").
+        found = find_unpaired_surrogate(value) if isinstance(value, (str, dict, list)) else None
+        if found is not None:
+            where, position = found
+            raise PydanticCustomError(
+                "unpaired_surrogate",
+                "contains an unpaired UTF-16 surrogate at {where}character {position}; send valid Unicode text",
+                {"where": f"{where} " if where else "", "position": position},
+            )
+        return value
 
 
 # --------------------------------------------------------------- requests
@@ -160,7 +178,13 @@ class SamplingFields(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # NOTE: non-empty at every level, so the OpenAPI schema admits only what is served.
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+    )
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -175,10 +199,12 @@ class TextContentPart(OpenAIBaseModel):
     text: str
 
 
-class ChatMessage(OpenAIBaseModel):
+class ChatMessage(OpenAIBaseModel, RefusedMessageFields):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+
+    _content_parts = field_validator("content", mode="before")(check_content_parts)
 
     def text(self) -> str:
         if self.content is None:
@@ -188,8 +214,8 @@ class ChatMessage(OpenAIBaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+class ChatCompletionRequest(SamplingFields, RefusedChatFields):
+    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     # The newer OpenAI name; wins over max_tokens when both are sent.
     max_completion_tokens: int | None = None
