@@ -1,0 +1,441 @@
+"""Soak: rounds of mixed traffic against `pagedllm serve`, then check that
+nothing is left behind (no running or waiting request, no KV block in use) and
+that neither process keeps growing.
+
+Each round sends N requests from C concurrent httpx clients: a fixed-seed mix
+of completions and chat, streaming and not, n in {1, 2, 4}, a few multi-prompt
+completions, structured output (a JSON schema through `response_format`, a
+regex or a choice through `structured_outputs`), stop strings, logprobs, and a
+share aborted by disconnect (a stream closed after a chunk or two, a
+non-streaming request dropped by a short read timeout). Every round draws new
+prompts and grammars, so a cache that is not bounded shows up as growth.
+
+After each round the script waits until the server is idle, reads /metrics and
+the RSS of the API process and of the engine-core process (pids from
+/server_info, VmRSS from /proc), and prints one table row. Round 1 is warm-up;
+from round 2 on, each process may grow at most --max-rss-growth-mb per round.
+Exit 0 when every round had no error, ended idle and stayed within the growth
+limit; 1 otherwise.
+
+    .venv/bin/python benchmarks/soak.py [--model tiny | --base-url http://127.0.0.1:8000]
+        [--rounds 3] [--num-requests 600] [--concurrency 16] [--max-rss-growth-mb 8]
+        [--serve-args "--num-kv-blocks 512"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import re
+import shlex
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+WORDS = (
+    "def return import self class for in range print value result items data os path len list dict None "
+    "True False if else while try except with open read write name key index count total self.cache"
+).split()
+SHARED_PREFIX = "import os\nimport sys\n\n\n"  # a third of the prompts share it, so prefix caching is exercised
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "count": {"type": "integer"}},
+    "required": ["name", "count"],
+    "additionalProperties": False,
+}
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class SoakRequest:
+    path: str
+    body: dict[str, Any]
+    num_choices: int
+    # Disconnect plans: close the stream after this many chunks, or drop a
+    # non-streaming request when no byte came back within this many seconds.
+    abort_after_chunks: int | None = None
+    abort_after_s: float | None = None
+    # ("json" | "regex" | "choice", argument): checked on choices that finished with "stop".
+    check: tuple[str, Any] | None = None
+    tags: tuple[str, ...] = ()
+
+
+@dataclass
+class Outcome:
+    latency_s: float | None = None  # set only for requests that completed with a valid body
+    error: str | None = None  # "500", "timeout", "bad-body", ...
+    aborted: bool = False
+    detail: str = ""
+
+
+@dataclass
+class RoundResult:
+    outcomes: list[Outcome] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def _prompt(rng: random.Random) -> str:
+    words = " ".join(rng.choices(WORDS, k=rng.randint(1, 40)))
+    return SHARED_PREFIX + words if rng.random() < 0.33 else words
+
+
+def make_request(rng: random.Random, model: str, max_tokens: int, abort_max_tokens: int,
+                 abort_share: float) -> SoakRequest:
+    chat = rng.random() < 0.5
+    stream = rng.random() < 0.5
+    n = rng.choice((1, 1, 2, 4))
+    tags = ["chat" if chat else "completion", "stream" if stream else "non-stream"]
+    body: dict[str, Any] = {"model": model, "n": n, "stream": stream, "max_tokens": rng.randint(1, max_tokens)}
+    if n > 1:
+        tags.append("n>1")
+    if stream and rng.random() < 0.5:
+        body["stream_options"] = {"include_usage": True}
+    if rng.random() < 0.5:
+        body["temperature"] = 0.0
+    else:
+        body.update(temperature=0.8, seed=rng.randrange(2**31))
+    num_prompts = 1
+    if chat:
+        messages = [{"role": "user", "content": _prompt(rng)}]
+        if rng.random() < 0.3:
+            messages.insert(0, {"role": "system", "content": "You write Python."})
+        body["messages"] = messages
+    elif rng.random() < 0.1:
+        num_prompts = rng.randint(2, 3)
+        body["prompt"] = [_prompt(rng) for _ in range(num_prompts)]
+        tags.append("multi-prompt")
+    else:
+        body["prompt"] = _prompt(rng)
+
+    check: tuple[str, Any] | None = None
+    draw = rng.random()
+    if draw < 0.25:
+        kind = rng.choice(("json", "regex", "choice"))
+        tags.append(f"structured:{kind}")
+        if kind == "json":
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "item", "schema": JSON_SCHEMA}}
+            check = ("json", None)
+        elif kind == "regex":
+            # Fresh words each time: new grammars keep reaching the compiler and its cache.
+            pattern = f"({'|'.join(rng.sample(WORDS, 2))})-[0-9]{{1,{rng.randint(1, 4)}}}"
+            body["structured_outputs"] = {"regex": pattern}
+            check = ("regex", pattern)
+        else:
+            options = rng.sample(WORDS, rng.randint(2, 4))
+            body["structured_outputs"] = {"choice": options}
+            check = ("choice", options)
+    elif draw < 0.45:
+        body["stop"] = rng.sample(["\n", ")", ":", "return", " ="], rng.randint(1, 2))
+        tags.append("stop")
+    if rng.random() < 0.2:
+        if chat:
+            body.update(logprobs=True, top_logprobs=2)
+        else:
+            body["logprobs"] = rng.choice((0, 1, 3))
+        tags.append("logprobs")
+
+    abort_after_chunks = abort_after_s = None
+    if rng.random() < abort_share:
+        # Long and without EOS, so the disconnect lands mid-generation.
+        body.update(max_tokens=abort_max_tokens, ignore_eos=True)
+        body.pop("stop", None)
+        if stream:
+            abort_after_chunks = rng.randint(1, 2)
+        else:
+            abort_after_s = rng.uniform(0.05, 0.5)
+        tags.append("abort")
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    return SoakRequest(path, body, num_prompts * n, abort_after_chunks, abort_after_s, check, tuple(tags))
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    if "text" in choice:
+        return str(choice["text"] or "")
+    part = choice.get("message") or choice.get("delta") or {}
+    return str(part.get("content") or "")
+
+
+def check_choices(request: SoakRequest, texts: dict[int, str], finishes: dict[int, str | None],
+                  logprobs_seen: set[int]) -> str | None:
+    """What is wrong with a completed response, or None."""
+    if sorted(finishes) != list(range(request.num_choices)):
+        return f"choice indexes {sorted(finishes)}, expected 0..{request.num_choices - 1}"
+    for index, reason in finishes.items():
+        if reason not in FINISH_REASONS:
+            return f"choice {index}: finish_reason={reason!r}"
+        text = texts.get(index, "")
+        if "logprobs" in request.tags and not request.body.get("stream") and index not in logprobs_seen:
+            return f"choice {index}: logprobs requested but missing"
+        if request.check is None or reason != "stop":
+            continue
+        kind, argument = request.check
+        if kind == "json":
+            try:
+                json.loads(text)
+            except ValueError:
+                return f"choice {index}: finished 'stop' but is not JSON: {text[:80]!r}"
+        elif kind == "regex" and not re.fullmatch(argument, text):
+            return f"choice {index}: {text[:80]!r} does not match {argument!r}"
+        elif kind == "choice" and text not in argument:
+            return f"choice {index}: {text[:80]!r} not in {argument}"
+    return None
+
+
+async def _send_streaming(client: httpx.AsyncClient, request: SoakRequest, start: float) -> Outcome:
+    texts: dict[int, str] = {}
+    finishes: dict[int, str | None] = {}
+    chunks = 0
+    async with client.stream("POST", request.path, json=request.body) as response:
+        if response.status_code != 200:
+            body = (await response.aread()).decode(errors="replace")
+            return Outcome(error=str(response.status_code), detail=body[:200])
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            if payload == "[DONE]":
+                problem = check_choices(request, texts, finishes, set())
+                if problem:
+                    return Outcome(error="bad-body", detail=problem)
+                return Outcome(latency_s=time.perf_counter() - start)
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                return Outcome(error="error-event", detail=payload[:200])
+            chunks += 1
+            for choice in chunk.get("choices", []):
+                index = choice["index"]
+                texts[index] = texts.get(index, "") + _choice_text(choice)
+                if choice.get("finish_reason") is not None:
+                    finishes[index] = choice["finish_reason"]
+            if request.abort_after_chunks is not None and chunks >= request.abort_after_chunks:
+                return Outcome(aborted=True)  # leaving the block closes the connection mid-stream
+    return Outcome(error="bad-body", detail=f"stream ended without [DONE] after {chunks} chunks")
+
+
+async def _send_plain(client: httpx.AsyncClient, request: SoakRequest, start: float) -> Outcome:
+    timeout = client.timeout
+    if request.abort_after_s is not None:
+        timeout = httpx.Timeout(timeout.connect, read=request.abort_after_s, write=timeout.write, pool=timeout.pool)
+    try:
+        response = await client.post(request.path, json=request.body, timeout=timeout)
+    except httpx.ReadTimeout:
+        if request.abort_after_s is not None:
+            return Outcome(aborted=True)
+        raise
+    if response.status_code != 200:
+        return Outcome(error=str(response.status_code), detail=response.text[:200])
+    choices = response.json().get("choices", [])
+    texts = {c["index"]: _choice_text(c) for c in choices}
+    finishes = {c["index"]: c.get("finish_reason") for c in choices}
+    logprobs_seen = {c["index"] for c in choices if c.get("logprobs") is not None}
+    problem = check_choices(request, texts, finishes, logprobs_seen)
+    if problem:
+        return Outcome(error="bad-body", detail=problem)
+    return Outcome(latency_s=time.perf_counter() - start)
+
+
+async def send(client: httpx.AsyncClient, request: SoakRequest, timeout_s: float) -> Outcome:
+    start = time.perf_counter()
+    sender = _send_streaming if request.body["stream"] else _send_plain
+    try:
+        # NOTE: httpx timeouts bound each read, not the whole stream; this bounds the request.
+        return await asyncio.wait_for(sender(client, request, start), timeout_s)
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        return Outcome(error="timeout", detail=f"{request.path} {request.tags}")
+    except httpx.TransportError as exc:
+        return Outcome(error=f"transport:{type(exc).__name__}", detail=str(exc)[:200])
+    except ValueError as exc:  # a body or chunk that is not JSON
+        return Outcome(error="bad-body", detail=f"not JSON: {exc}"[:200])
+
+
+async def run_round(base_url: str, headers: dict[str, str], requests: list[SoakRequest], concurrency: int,
+                    timeout_s: float, round_timeout_s: float) -> RoundResult:
+    outcomes: list[Outcome | None] = [None] * len(requests)
+    pending = iter(range(len(requests)))
+    deadline = time.monotonic() + round_timeout_s
+
+    async def client_loop() -> None:
+        # One client (one connection) per concurrent user, as C separate clients would be.
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s) as client:
+            for index in pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    outcomes[index] = Outcome(error="round-deadline")
+                    continue
+                outcomes[index] = await send(client, requests[index], min(timeout_s, left))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    return RoundResult([o or Outcome(error="not-sent") for o in outcomes], time.perf_counter() - start)
+
+
+def scrape(client: httpx.Client) -> dict[str, float]:
+    """Sum of each /metrics sample over its labels, plus `name{finished_reason=abort}`-style keys."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = client.get("/metrics")
+    response.raise_for_status()
+    totals: dict[str, float] = Counter()
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            totals[sample.name] += sample.value
+            if "finished_reason" in sample.labels:
+                totals[f"{sample.name}{{{sample.labels['finished_reason']}}}"] += sample.value
+    return totals
+
+
+def wait_idle(client: httpx.Client, timeout_s: float) -> tuple[bool, dict[str, float]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = scrape(client)
+        state = [metrics.get(f"pagedllm:{name}", math.nan)
+                 for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
+        if state == [0, 0, 0]:
+            return True, metrics
+        if time.monotonic() > deadline:
+            return False, metrics
+        time.sleep(0.2)
+
+
+def rss_mb(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def percentile(values: list[float], share: float) -> float:
+    """Nearest-rank percentile (NaN when empty)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
+
+
+def _mb(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def _growth(now: float | None, before: float | None) -> str:
+    return "n/a" if now is None or before is None else f"{now - before:+.1f}"
+
+
+def soak(args: argparse.Namespace, base_url: str, headers: dict[str, str]) -> int:
+    with httpx.Client(base_url=base_url, headers=headers, timeout=30) as client:
+        info = client.get("/server_info").json()
+        api_pid, engine_pid = info["api_pid"], info.get("engine_pid")
+        model, max_model_len = info["model"], int(info["max_model_len"])
+        model_id = client.get("/v1/models").json()["data"][0]["id"]
+        # Prompts stay under ~120 tokens; the aborted requests must still fit.
+        abort_max_tokens = max(args.max_tokens, min(256, max_model_len - 160))
+        plans = [[make_request(random.Random(f"{args.seed}-{round_index}-{i}"), model_id, args.max_tokens,
+                               abort_max_tokens, args.abort_share) for i in range(args.num_requests)]
+                 for round_index in range(args.rounds)]
+        mix = Counter(tag for request in plans[0] for tag in request.tags)
+        print(f"# Soak: {args.rounds} rounds x {args.num_requests} requests at concurrency {args.concurrency}, "
+              f"seed {args.seed}, model {model} (max_model_len {max_model_len}), {base_url}\n")
+        print("Mix in round 1: " + ", ".join(f"{tag} {count}" for tag, count in sorted(mix.items())) + "\n")
+        print("| round | requests | errors | aborted | abort metric Δ | p50 s | p99 s | running/waiting after "
+              "| KV usage after | API RSS MB | API Δ MB | engine RSS MB | engine Δ MB | wall s |")
+        print("|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+        previous_rss = (rss_mb(api_pid), rss_mb(engine_pid))
+        print(f"| start | | | | | | | | | {_mb(previous_rss[0])} | | {_mb(previous_rss[1])} | | |", flush=True)
+        previous_aborts = scrape(client).get("pagedllm:request_success_total{abort}", 0.0)
+        failures: list[str] = []
+        for round_index, requests in enumerate(plans, start=1):
+            result = asyncio.run(run_round(base_url, headers, requests, args.concurrency, args.request_timeout_s,
+                                           args.round_timeout_s))
+            idle, metrics = wait_idle(client, args.idle_timeout_s)
+            rss = (rss_mb(api_pid), rss_mb(engine_pid))
+            errors = Counter(o.error for o in result.outcomes if o.error)
+            latencies = [o.latency_s for o in result.outcomes if o.latency_s is not None]
+            aborts = metrics.get("pagedllm:request_success_total{abort}", 0.0)
+            running = metrics.get("pagedllm:num_requests_running", math.nan)
+            waiting = metrics.get("pagedllm:num_requests_waiting", math.nan)
+            kv_usage = metrics.get("pagedllm:kv_cache_usage_perc", math.nan)
+            error_text = str(sum(errors.values()))
+            if errors:
+                error_text += " (" + ", ".join(f"{kind}: {count}" for kind, count in sorted(errors.items())) + ")"
+            print(f"| {round_index} | {len(requests)} | {error_text} | {sum(o.aborted for o in result.outcomes)} | "
+                  f"{aborts - previous_aborts:.0f} | {percentile(latencies, 0.5):.2f} | "
+                  f"{percentile(latencies, 0.99):.2f} | {running:.0f}/{waiting:.0f} | {kv_usage:.3f} | "
+                  f"{_mb(rss[0])} | {_growth(rss[0], previous_rss[0])} | {_mb(rss[1])} | "
+                  f"{_growth(rss[1], previous_rss[1])} | {result.wall_s:.1f} |", flush=True)
+            for outcome in [o for o in result.outcomes if o.error][:5]:
+                print(f"  round {round_index} error {outcome.error}: {outcome.detail}", file=sys.stderr)
+            if errors:
+                failures.append(f"round {round_index}: {sum(errors.values())} errors {dict(errors)}")
+            if not idle:
+                failures.append(f"round {round_index}: not idle {args.idle_timeout_s} s after the last request "
+                                f"(running {running}, waiting {waiting}, KV usage {kv_usage})")
+            if round_index > 1:  # round 1 is warm-up: allocator pools, grammar caches, lazy imports
+                for name, now, before in (("API", rss[0], previous_rss[0]), ("engine", rss[1], previous_rss[1])):
+                    if now is not None and before is not None and now - before > args.max_rss_growth_mb:
+                        failures.append(f"round {round_index}: {name} RSS grew {now - before:.1f} MB "
+                                        f"(> {args.max_rss_growth_mb} MB)")
+            previous_rss, previous_aborts = rss, aborts
+            if not idle:
+                break  # later rounds would measure a server that is still busy
+    if args.rounds < 2:
+        print("\nRSS growth not checked: it needs at least 2 rounds (round 1 is warm-up).")
+    if failures:
+        print("\nFAIL: " + "; ".join(failures))
+        return 1
+    print(f"\nPASS: no errors, idle with KV usage 0 after every round, RSS growth after round 1 "
+          f"within {args.max_rss_growth_mb} MB per round for both processes.")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model to serve (default: the embedded default model)")
+    parser.add_argument("--base-url", default=None, help="attach to a running server on 127.0.0.1 instead")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--serve-args", default="", help="extra `pagedllm serve` flags, one shell-quoted string")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-requests", type=int, default=600)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32, help="upper bound of a normal request's max_tokens")
+    parser.add_argument("--abort-share", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-timeout-s", type=float, default=120.0)
+    parser.add_argument("--round-timeout-s", type=float, default=1800.0)
+    parser.add_argument("--idle-timeout-s", type=float, default=30.0)
+    parser.add_argument("--max-rss-growth-mb", type=float, default=8.0)
+    args = parser.parse_args()
+    if min(args.rounds, args.num_requests, args.concurrency, args.max_tokens) < 1:
+        parser.error("--rounds, --num-requests, --concurrency and --max-tokens must be >= 1")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    if args.base_url is not None:
+        if urlsplit(args.base_url).hostname not in ("127.0.0.1", "localhost", "::1"):
+            parser.error(f"--base-url {args.base_url}: only a loopback server may be soaked")
+        return soak(args, args.base_url.rstrip("/"), headers)
+
+    from helpers.server import start_server
+
+    with start_server(args.model, *shlex.split(args.serve_args), api_key=args.api_key) as server:
+        code = soak(args, server.base_url, headers)
+        if server.process.poll() is not None:
+            print(f"server exited with {server.process.returncode}:\n{server.log()[-2000:]}", file=sys.stderr)
+            code = 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
