@@ -13,6 +13,7 @@ import hmac
 import inspect
 import logging
 import os
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -77,20 +78,27 @@ async def _send_error(send: Send, status: int, message: str, param: str | None =
 
 
 class AuthMiddleware:
-    """`Authorization: Bearer <key>` on every path but the open ones."""
+    """`Authorization: Bearer <key>` on every path but the open ones. The
+    scheme is case-insensitive (RFC 9110); two Authorization headers are
+    refused rather than one of them picked."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        provided = dict(scope["headers"]).get(b"authorization", b"")
+        values = [value for name, value in scope["headers"] if name == b"authorization"]
+        if len(values) > 1:
+            await _send_error(send, 400, "authorization: send exactly one Authorization header", "authorization")
+            return
+        scheme, _, token = (values[0] if values else b"").strip().partition(b" ")
         # NOTE: constant-time compare, so the key cannot be guessed byte by byte.
-        if not hmac.compare_digest(provided, self.expected):
+        key_matches = hmac.compare_digest(token.strip(), self.expected)
+        if scheme.lower() != b"bearer" or not key_matches:
             await _send_error(send, 401, "authorization: missing or invalid API key "
                               "(send 'Authorization: Bearer <key>')", "authorization")
             return
@@ -154,8 +162,10 @@ class BodySizeLimitMiddleware:
         )
 
 
-def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def _error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def _add_exception_handlers(app: FastAPI) -> None:
@@ -182,14 +192,17 @@ def _add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 400:  # FastAPI could not decode the body (e.g. invalid UTF-8)
+        if exc.status_code == 400:  # FastAPI could not decode the body (e.g. invalid UTF-8, nested too deep)
             return _error_response(400, f"body: the request body is not valid JSON ({exc.detail})", "body")
-        return _error_response(exc.status_code, str(exc.detail))
+        # NOTE: keep the exception's headers: a 405 must say what is Allowed.
+        return _error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error", exc_info=exc)
-        return _error_response(500, f"{type(exc).__name__}: {exc}")
+        # The client learns that it failed, not how: the trace goes to the log under an id.
+        error_id = uuid.uuid4().hex[:12]
+        logger.exception("unhandled error %s", error_id, exc_info=exc)
+        return _error_response(500, f"internal server error (error id {error_id}; the server log has the details)")
 
 
 def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
@@ -203,9 +216,14 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
             # NOTE: here, not after uvicorn returns: uvicorn re-raises SIGTERM on exit.
             engine.shutdown()
 
+    # NOTE: no /docs or /redoc: FastAPI's pages load their scripts from a CDN
+    # (blank offline, and third-party code on the operator's origin);
+    # /openapi.json is the contract and works with any viewer.
     app = FastAPI(
         title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan,
+        docs_url=None, redoc_url=None,
     )
+    app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     _add_exception_handlers(app)
     completion = OpenAIServingCompletion(engine)
     chat = OpenAIServingChat(engine)
@@ -240,15 +258,14 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList)
     async def show_models() -> ModelList:
-        return ModelList(data=[ModelCard(
-            id=model_name, root=engine.ready.model_path, max_model_len=engine.max_model_len
-        )])
+        # NOTE: root is the served name, never the model folder's path on this host.
+        return ModelList(data=[ModelCard(id=model_name, root=model_name, max_model_len=engine.max_model_len)])
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_streaming_responses())
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return await completion.create_completion(request, raw_request)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_streaming_responses())
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
 
@@ -266,6 +283,30 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
         open_paths = ALWAYS_OPEN_PATHS | ({"/metrics"} if config.server.allow_unauthenticated_metrics else set())
         app.add_middleware(AuthMiddleware, api_key=config.server.api_key, open_paths=frozenset(open_paths))
     return app
+
+
+def _streaming_responses() -> dict[int | str, dict[str, Any]]:
+    """The error answers, and 200 as either JSON or (stream: true) server-sent events."""
+    events = {"text/event-stream": {"schema": {"type": "string", "description": "data: <chunk JSON> lines, "
+                                                "then data: [DONE]"}}}
+    return {**ERROR_RESPONSES, 200: {"content": events}}
+
+
+def _openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without its 422 answers: validation errors are 400s
+    here (OpenAI's status), so the schema lists what the server answers."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path_item in schema.get("paths", {}).values():
+            for operation in path_item.values():
+                operation.get("responses", {}).pop("422", None)
+        schemas = schema.get("components", {}).get("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def serve(config: EngineConfig) -> None:
