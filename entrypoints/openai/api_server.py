@@ -223,7 +223,8 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
         title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan,
         docs_url=None, redoc_url=None,
     )
-    app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
+    key_open_paths = _open_paths(config) if config.server.api_key else None
+    app.openapi = lambda: _openapi_schema(app, key_open_paths)  # type: ignore[method-assign]
     _add_exception_handlers(app)
     completion = OpenAIServingCompletion(engine)
     chat = OpenAIServingChat(engine)
@@ -280,9 +281,13 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
     # Added last = outermost: auth first, then the body limit, then routing.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.server.max_body_bytes)
     if config.server.api_key:
-        open_paths = ALWAYS_OPEN_PATHS | ({"/metrics"} if config.server.allow_unauthenticated_metrics else set())
-        app.add_middleware(AuthMiddleware, api_key=config.server.api_key, open_paths=frozenset(open_paths))
+        app.add_middleware(AuthMiddleware, api_key=config.server.api_key, open_paths=_open_paths(config))
     return app
+
+
+def _open_paths(config: EngineConfig) -> frozenset[str]:
+    """Paths that answer without the API key."""
+    return ALWAYS_OPEN_PATHS | ({"/metrics"} if config.server.allow_unauthenticated_metrics else frozenset())
 
 
 def _streaming_responses() -> dict[int | str, dict[str, Any]]:
@@ -292,19 +297,31 @@ def _streaming_responses() -> dict[int | str, dict[str, Any]]:
     return {**ERROR_RESPONSES, 200: {"content": events}}
 
 
-def _openapi_schema(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema without its 422 answers: validation errors are 400s
-    here (OpenAI's status), so the schema lists what the server answers."""
+def _openapi_schema(app: FastAPI, key_open_paths: frozenset[str] | None) -> dict[str, Any]:
+    """FastAPI's schema, made to list what the server answers: no 422 (a
+    validation error is a 400 here, OpenAI's status) and, with an API key
+    (`key_open_paths` not None), the bearer scheme and a 401 on every route
+    that needs it."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        for path_item in schema.get("paths", {}).values():
-            for operation in path_item.values():
-                operation.get("responses", {}).pop("422", None)
-        schemas = schema.get("components", {}).get("schemas", {})
+        components = schema.setdefault("components", {})
         for unused in ("HTTPValidationError", "ValidationError"):
-            schemas.pop(unused, None)
+            components.get("schemas", {}).pop(unused, None)
+        if key_open_paths is not None:
+            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+        for path, path_item in schema.get("paths", {}).items():
+            for operation in path_item.values():
+                responses = operation.setdefault("responses", {})
+                responses.pop("422", None)
+                if key_open_paths is not None and path not in key_open_paths:
+                    operation["security"] = [{"bearer": []}]
+                    responses.setdefault("401", {
+                        "description": "Missing or invalid API key",
+                        "content": {"application/json": {"schema": error_ref}},
+                    })
         app.openapi_schema = schema
     return app.openapi_schema
 
