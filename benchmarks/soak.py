@@ -77,6 +77,7 @@ class Outcome:
     error: str | None = None  # "500", "timeout", "bad-body", ...
     aborted: bool = False
     detail: str = ""
+    request: SoakRequest | None = None  # for the error and slowest-request lines
 
 
 @dataclass
@@ -273,7 +274,9 @@ async def run_round(base_url: str, headers: dict[str, str], requests: list[SoakR
                 if left <= 0:
                     outcomes[index] = Outcome(error="round-deadline")
                     continue
-                outcomes[index] = await send(client, requests[index], min(timeout_s, left))
+                outcome = await send(client, requests[index], min(timeout_s, left))
+                outcome.request = requests[index]
+                outcomes[index] = outcome
 
     start = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
@@ -328,6 +331,23 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
 
 
+def _describe(request: SoakRequest | None) -> str:
+    if request is None:
+        return "-"
+    body = request.body
+    return f"{request.path} {','.join(request.tags)} n={body['n']} max_tokens={body['max_tokens']}"
+
+
+def report_outliers(round_index: int, outcomes: list[Outcome]) -> None:
+    """The first errors and the slowest completed requests, on stderr: what to look at when a row is odd."""
+    for outcome in [o for o in outcomes if o.error][:5]:
+        print(f"  round {round_index} error {outcome.error}: {outcome.detail} [{_describe(outcome.request)}]",
+              file=sys.stderr)
+    completed = sorted((o for o in outcomes if o.latency_s is not None), key=lambda o: -(o.latency_s or 0))
+    for outcome in completed[:3]:
+        print(f"  round {round_index} slow {outcome.latency_s:.2f} s [{_describe(outcome.request)}]", file=sys.stderr)
+
+
 def _mb(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}"
 
@@ -377,8 +397,7 @@ def soak(args: argparse.Namespace, base_url: str, headers: dict[str, str]) -> in
                   f"{percentile(latencies, 0.99):.2f} | {running:.0f}/{waiting:.0f} | {kv_usage:.3f} | "
                   f"{_mb(rss[0])} | {_growth(rss[0], previous_rss[0])} | {_mb(rss[1])} | "
                   f"{_growth(rss[1], previous_rss[1])} | {result.wall_s:.1f} |", flush=True)
-            for outcome in [o for o in result.outcomes if o.error][:5]:
-                print(f"  round {round_index} error {outcome.error}: {outcome.detail}", file=sys.stderr)
+            report_outliers(round_index, result.outcomes)
             if errors:
                 failures.append(f"round {round_index}: {sum(errors.values())} errors {dict(errors)}")
             if not idle:
@@ -397,8 +416,9 @@ def soak(args: argparse.Namespace, base_url: str, headers: dict[str, str]) -> in
     if failures:
         print("\nFAIL: " + "; ".join(failures))
         return 1
-    print(f"\nPASS: no errors, idle with KV usage 0 after every round, RSS growth after round 1 "
-          f"within {args.max_rss_growth_mb} MB per round for both processes.")
+    growth = (f", RSS growth after round 1 within {args.max_rss_growth_mb} MB per round for both processes"
+              if args.rounds > 1 else "")
+    print(f"\nPASS: no errors, idle with KV usage 0 after every round{growth}.")
     return 0
 
 
@@ -432,8 +452,10 @@ def main() -> int:
     with start_server(args.model, *shlex.split(args.serve_args), api_key=args.api_key) as server:
         code = soak(args, server.base_url, headers)
         if server.process.poll() is not None:
-            print(f"server exited with {server.process.returncode}:\n{server.log()[-2000:]}", file=sys.stderr)
+            print(f"server exited with {server.process.returncode}", file=sys.stderr)
             code = 1
+        if code != 0:  # the server's own account of what went wrong, while its log still exists
+            print("--- server log (last 40 lines) ---\n" + "\n".join(server.log().splitlines()[-40:]), file=sys.stderr)
     return code
 
 
