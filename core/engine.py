@@ -12,6 +12,7 @@ import os
 from typing import TYPE_CHECKING
 
 from pagedllm.core.errors import ConfigError, InvalidRequestError
+from pagedllm.core.int_limits import short_value
 from pagedllm.core.compile import compile_outside_attention
 from pagedllm.core.decode_graphs import DecodeGraphRunner, default_graph_sizes
 from pagedllm.core.kv_cache.manager import KVCacheManager
@@ -332,7 +333,10 @@ def validate_prompt(prompt_token_ids: list[int], *, max_model_len: int, vocab_si
         )
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError("prompt_token_ids", bad[:5], f"token ids must be in [0, {vocab_size})")
+        # A client's id may have thousands of digits: echo it shortened.
+        raise InvalidRequestError(
+            "prompt_token_ids", [short_value(t, 24) for t in bad[:5]], f"token ids must be in [0, {vocab_size})"
+        )
 
 
 def _config_dtype(hf_config: PretrainedConfig) -> torch.dtype:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.client import InprocClient
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.int_limits import check_priority
 from pagedllm.core.output_processor import OutputProcessor
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
@@ -119,10 +120,11 @@ class LLM:
         return params_list
 
     def _add_request(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
+        check_priority(priority)
         text, token_ids, cache_salt = self._tokenize(prompt)
         core = self.engine_core.engine_core
         core.validate_prompt(token_ids)
-        params.validate_against(self.max_model_len, len(token_ids))
+        params.validate_against(self.max_model_len, len(token_ids), core.vocab_size)
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs, self.config.structured_output)
         request_id = str(next(self._request_counter))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.int_limits import INT64_MAX, INT64_MIN, check_int, short_value
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.interface import StructuredOutputKind
@@ -19,6 +20,16 @@ if TYPE_CHECKING:
 SAMPLING_EPS = 1e-5
 # Most top logprobs a request may ask for, per position.
 MAX_LOGPROBS = 20
+# Most samples one SamplingParams may ask for (the API allows fewer): each is
+# an engine request, so this bounds the fan-out of one call.
+MAX_N = 1024
+# logit_bias: OpenAI's range for a bias, and how many tokens one request may bias.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# Float knobs stay far below float32's max, so the sampler's tensors stay
+# finite (-inf / inf and inf * 0 are NaN, and NaN wins argmax).
+MAX_TEMPERATURE = 1e6
+MAX_REPETITION_PENALTY = 1e6
 
 
 class SamplingType(enum.IntEnum):
@@ -170,10 +181,14 @@ class SamplingParams:
     # a dict (as it crosses the wire) is turned into StructuredOutputsParams.
     structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] | None = None
+    # token id -> bias added to its logit before any sampling step (OpenAI's
+    # logit_bias, in [-100, 100]); None (or empty) = no bias.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self._verify()
         self.temperature = float(self.temperature)
@@ -185,31 +200,40 @@ class SamplingParams:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def _verify(self) -> None:
-        if not (_is_int(self.n) and self.n >= 1):
-            raise InvalidRequestError("n", self.n, "must be an integer >= 1")
-        _check_number("temperature", self.temperature, lambda v: v >= 0.0, "must be >= 0")
+        # NOTE: every int is range-checked: these values cross msgpack (int64 /
+        # uint64), become tensors and seed generators; none may overflow them.
+        check_int("n", self.n, 1, MAX_N)
+        _check_number("temperature", self.temperature, lambda v: 0.0 <= v <= MAX_TEMPERATURE,
+                      f"must be >= 0 and <= {MAX_TEMPERATURE:.0f}")
         _check_number("top_p", self.top_p, lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
-        if not (_is_int(self.top_k) and self.top_k >= -1):
-            raise InvalidRequestError("top_k", self.top_k, "must be -1 or 0 (disabled) or a positive integer")
+        # A top_k above the vocabulary keeps every token (the sampler clamps it).
+        check_int("top_k", self.top_k, -1, INT64_MAX,
+                  f"must be -1 or 0 (disabled) or a positive integer <= {INT64_MAX}")
         _check_number("min_p", self.min_p, lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_number(name, getattr(self, name), lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2]")
-        _check_number("repetition_penalty", self.repetition_penalty, lambda v: v > 0.0, "must be > 0")
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequestError("seed", self.seed, "must be an integer or None")
-        if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens >= 1):
-            raise InvalidRequestError("max_tokens", self.max_tokens, "must be an integer >= 1 or None")
-        if not (_is_int(self.min_tokens) and self.min_tokens >= 0):
-            raise InvalidRequestError("min_tokens", self.min_tokens, "must be an integer >= 0")
+        _check_number("repetition_penalty", self.repetition_penalty, lambda v: 0.0 < v <= MAX_REPETITION_PENALTY,
+                      f"must be > 0 and <= {MAX_REPETITION_PENALTY:.0f}")
+        if self.seed is not None:
+            # int64 as vLLM; children's seed + index wraps inside it (for_child).
+            check_int("seed", self.seed, INT64_MIN, INT64_MAX,
+                      f"must be None or an integer in [{INT64_MIN}, {INT64_MAX}]")
+        self._verify_counts()
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise InvalidRequestError("extra_args", short_value(self.extra_args), "must be a dict or None")
+
+    def _verify_counts(self) -> None:
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, 1, INT64_MAX,
+                      f"must be None or an integer in [1, {INT64_MAX}]")
+        check_int("min_tokens", self.min_tokens, 0, INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens", self.min_tokens,
                                       f"must be <= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
-                raise InvalidRequestError(name, value, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
-        if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            raise InvalidRequestError("extra_args", self.extra_args, "must be a dict or None")
+            if value is not None:
+                check_int(name, value, 0, MAX_LOGPROBS, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -233,11 +257,15 @@ class SamplingParams:
         child = self.clone()
         child.n = 1
         if child.seed is not None:
-            child.seed += index
+            # Wraps around inside int64 so seed = INT64_MAX still has valid children.
+            child.seed = (child.seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
         return child
 
-    def validate_against(self, max_model_len: int, num_prompt_tokens: int) -> int:
-        """Check the request fits the context; returns the effective max_tokens."""
+    def validate_against(self, max_model_len: int, num_prompt_tokens: int, vocab_size: int | None = None) -> int:
+        """Check the request fits the context (and, given `vocab_size`, that
+        every token id it names exists); returns the effective max_tokens."""
+        if vocab_size is not None:
+            self.validate_vocab(vocab_size)
         left = max_model_len - num_prompt_tokens
         if left < 1:
             raise InvalidRequestError(
@@ -254,22 +282,34 @@ class SamplingParams:
             )
         return self.max_tokens
 
+    def validate_vocab(self, vocab_size: int) -> None:
+        """Token ids must exist in the model's vocabulary: an id past it would
+        index past the logits (the sampler drops such ids rather than crash)."""
+        for token_id in self.stop_token_ids or ():
+            check_int("stop_token_ids", token_id, 0, vocab_size - 1, f"token ids must be in [0, {vocab_size})")
+        for token_id in self.logit_bias or {}:
+            check_int("logit_bias", token_id, 0, vocab_size - 1, f"keys must be token ids in [0, {vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise InvalidRequestError(name, value, f"must be <= the vocabulary size ({vocab_size})")
+
 
 def _short_repr(value: Any, limit: int = 200) -> Any:
-    text = value if isinstance(value, str) else repr(value)
-    return value if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return short_value(value, limit)
 
 
 def _check_number(name: str, value: Any, ok: Callable[[float], bool], limit: str) -> None:
-    # NaN and inf fail every range check; bool is not a number here.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequestError(name, value, limit)
-    if not ok(value):
-        raise InvalidRequestError(name, value, limit)
+    # NaN and inf fail every range check; bool is not a number here; an int
+    # too large for a float fails like inf instead of raising OverflowError.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(name, short_value(value), limit)
+    try:
+        number = float(value)
+    except OverflowError:
+        raise InvalidRequestError(name, short_value(value), limit) from None
+    if not math.isfinite(number) or not ok(number):
+        raise InvalidRequestError(name, short_value(value), limit)
 
 
 def _normalize_stop(stop: Any) -> list[str]:
@@ -288,8 +328,26 @@ def _normalize_stop_token_ids(stop_token_ids: Any) -> list[int]:
     if stop_token_ids is None:
         return []
     if not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
-        raise InvalidRequestError("stop_token_ids", stop_token_ids, "must be a list of token ids or None")
+        raise InvalidRequestError("stop_token_ids", short_value(stop_token_ids), "must be a list of token ids or None")
     for token_id in stop_token_ids:
-        if not _is_int(token_id) or token_id < 0:
-            raise InvalidRequestError("stop_token_ids", stop_token_ids, "every id must be an integer >= 0")
+        check_int("stop_token_ids", token_id, 0, INT64_MAX, f"every id must be an integer in [0, {INT64_MAX}]")
     return list(stop_token_ids)
+
+
+def _normalize_logit_bias(logit_bias: Any) -> dict[int, float] | None:
+    """{token id: bias} with float biases; None when empty. Ids are checked
+    against the vocabulary later (validate_vocab), when it is known."""
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise InvalidRequestError("logit_bias", short_value(logit_bias), "must be a dict {token id: bias} or None")
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError("logit_bias", f"<{len(logit_bias)} entries>",
+                                  f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    normalized: dict[int, float] = {}
+    for token_id, bias in logit_bias.items():
+        check_int("logit_bias", token_id, 0, INT64_MAX, f"keys must be token ids (integers in [0, {INT64_MAX}])")
+        _check_number("logit_bias", bias, lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS,
+                      f"biases must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        normalized[token_id] = float(bias)
+    return normalized or None

@@ -5,7 +5,26 @@ import math
 import pytest
 
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.core.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingType
+from pagedllm.core.int_limits import INT64_MAX, INT64_MIN, check_priority, short_value
+from pagedllm.core.request import Request
+from pagedllm.core.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    SamplingParams,
+    SamplingType,
+)
+from pagedllm.core.serial import (
+    AddRequests,
+    CoreInputDecoder,
+    CoreInputEncoder,
+    from_engine_core_request,
+    to_engine_core_request,
+)
+
+VOCAB_SIZE = 16  # below MAX_LOGPROBS, so logprobs can exceed it
 
 
 def test_defaults_are_vllms() -> None:
@@ -105,3 +124,133 @@ def test_validate_against_context_left() -> None:
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(max_tokens=None).validate_against(100, 100)
     assert info.value.field == "prompt"
+
+
+# ------------------------------------------------------- integer ranges (issue 13)
+
+HUGE = 10**5000  # more digits than Python will even turn into text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"n": MAX_N + 1}, "n"),
+        ({"n": 10**30}, "n"),
+        ({"seed": INT64_MAX + 1}, "seed"),
+        ({"seed": INT64_MIN - 1}, "seed"),
+        ({"seed": HUGE}, "seed"),
+        ({"max_tokens": INT64_MAX + 1}, "max_tokens"),
+        ({"max_tokens": None, "min_tokens": INT64_MAX + 1}, "min_tokens"),
+        ({"top_k": INT64_MAX + 1}, "top_k"),
+        ({"top_k": -HUGE}, "top_k"),
+        ({"logprobs": 10**30}, "logprobs"),
+        ({"prompt_logprobs": HUGE}, "prompt_logprobs"),
+        ({"stop_token_ids": [1, INT64_MAX + 1]}, "stop_token_ids"),
+        ({"stop_token_ids": [HUGE]}, "stop_token_ids"),
+        ({"temperature": HUGE}, "temperature"),
+        ({"temperature": MAX_TEMPERATURE * 2}, "temperature"),
+        ({"repetition_penalty": MAX_REPETITION_PENALTY * 2}, "repetition_penalty"),
+        ({"presence_penalty": -HUGE}, "presence_penalty"),
+        ({"logit_bias": {INT64_MAX + 1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {HUGE: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {True: 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {5: -101}}, "logit_bias"),
+        ({"logit_bias": {5: math.nan}}, "logit_bias"),
+        ({"logit_bias": {5: math.inf}}, "logit_bias"),
+        ({"logit_bias": {5: HUGE}}, "logit_bias"),
+        ({"logit_bias": {5: "1"}}, "logit_bias"),
+        ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
+        ({"logit_bias": dict.fromkeys(range(MAX_LOGIT_BIAS_ENTRIES + 1), 1.0)}, "logit_bias"),
+    ],
+    ids=lambda value: _case_id(value),
+)
+def test_out_of_range_values_name_their_field_in_a_short_message(kwargs: dict, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}=")
+    # The value is echoed shortened: never thousands of digits.
+    assert len(str(info.value)) < 200
+
+
+def _case_id(value: object) -> str:
+    if not isinstance(value, dict):
+        return str(value)
+    return "-".join(f"{k}={short_value(v, 24)}" for k, v in value.items())
+
+
+def test_int64_extremes_are_accepted() -> None:
+    p = SamplingParams(n=MAX_N, seed=INT64_MAX, max_tokens=INT64_MAX, min_tokens=INT64_MAX, top_k=INT64_MAX,
+                       stop_token_ids=[0, INT64_MAX], logit_bias={0: -100, INT64_MAX: 100.0})
+    assert (p.n, p.seed, p.max_tokens, p.top_k) == (MAX_N, INT64_MAX, INT64_MAX, INT64_MAX)
+    assert p.logit_bias == {0: -100.0, INT64_MAX: 100.0}
+    assert all(type(bias) is float for bias in p.logit_bias.values())
+    assert SamplingParams(seed=INT64_MIN).seed == INT64_MIN
+    assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+def test_children_seeds_wrap_around_inside_int64() -> None:
+    p = SamplingParams(n=3, seed=INT64_MAX - 1)
+    children = [p.for_child(i) for i in range(3)]
+    assert [c.seed for c in children] == [INT64_MAX - 1, INT64_MAX, INT64_MIN]
+    # Each child is itself valid (it is rebuilt from the wire in the engine core).
+    assert [SamplingParams(seed=c.seed).seed for c in children] == [INT64_MAX - 1, INT64_MAX, INT64_MIN]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"stop_token_ids": [3, VOCAB_SIZE]}, "stop_token_ids"),
+        ({"logit_bias": {VOCAB_SIZE: 1.0}}, "logit_bias"),
+        ({"logprobs": VOCAB_SIZE + 1}, "logprobs"),
+        ({"prompt_logprobs": VOCAB_SIZE + 1}, "prompt_logprobs"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_refused_by_validate_against(kwargs: dict, field: str) -> None:
+    params = SamplingParams(**kwargs)  # fine until the vocabulary is known
+    with pytest.raises(InvalidRequestError) as info:
+        params.validate_against(100, 10, vocab_size=VOCAB_SIZE)
+    assert info.value.field == field
+    assert str(VOCAB_SIZE) in info.value.limit
+
+
+def test_token_ids_inside_the_vocabulary_are_accepted() -> None:
+    params = SamplingParams(stop_token_ids=[0, VOCAB_SIZE - 1], logit_bias={VOCAB_SIZE - 1: 5}, logprobs=VOCAB_SIZE)
+    assert params.validate_against(100, 10, vocab_size=VOCAB_SIZE) == 16
+
+
+def test_short_value_never_spells_out_a_huge_int() -> None:
+    assert short_value(12345) == 12345
+    assert short_value("x" * 10) == "x" * 10
+    assert short_value("x" * 100) == "x" * 77 + "..."
+    assert short_value(HUGE) == "<integer of about 5001 digits>"
+    assert short_value(-HUGE) == "<-integer of about 5001 digits>"
+    assert short_value([HUGE]) == "<list too large to show>"
+    assert short_value(10**100) == str(10**100)[:77] + "..."
+
+
+@pytest.mark.parametrize("priority", [INT64_MAX + 1, INT64_MIN - 1, HUGE, 1.5, True, "1"],
+                         ids=lambda value: repr(short_value(value, 24)))
+def test_priority_outside_int64_is_refused(priority: object) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        check_priority(priority)
+    assert info.value.field == "priority"
+    assert len(str(info.value)) < 200
+    assert check_priority(INT64_MIN) == INT64_MIN and check_priority(INT64_MAX) == INT64_MAX
+
+
+def test_extreme_but_valid_values_cross_the_engine_wire() -> None:
+    params = SamplingParams(n=1, seed=INT64_MAX, max_tokens=INT64_MAX, min_tokens=INT64_MAX, top_k=INT64_MAX,
+                            stop_token_ids=[INT64_MAX], logit_bias={INT64_MAX: -100.0, 0: 100.0})
+    encoder, decoder = CoreInputEncoder(), CoreInputDecoder()
+    for priority in (INT64_MAX, INT64_MIN):
+        request = Request("r", [1, 2], params.for_child(1), eos_token_id=2, arrival_time=1.0, priority=priority)
+        message = decoder.decode(encoder.encode(AddRequests([to_engine_core_request(request)])))
+        assert isinstance(message, AddRequests)
+        rebuilt = from_engine_core_request(message.requests[0])
+        assert rebuilt.priority == priority
+        assert rebuilt.sampling_params == request.sampling_params
+        assert rebuilt.sampling_params.seed == INT64_MIN  # INT64_MAX + 1 wrapped
