@@ -256,8 +256,8 @@ async def send(client: httpx.AsyncClient, request: SoakRequest, timeout_s: float
         return Outcome(error="timeout", detail=f"{request.path} {request.tags}")
     except httpx.TransportError as exc:
         return Outcome(error=f"transport:{type(exc).__name__}", detail=str(exc)[:200])
-    except ValueError as exc:  # a body or chunk that is not JSON
-        return Outcome(error="bad-body", detail=f"not JSON: {exc}"[:200])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a body or chunk of the wrong shape
+        return Outcome(error="bad-body", detail=f"{type(exc).__name__}: {exc}"[:200])
 
 
 async def run_round(base_url: str, headers: dict[str, str], requests: list[SoakRequest], concurrency: int,
@@ -356,10 +356,65 @@ def _growth(now: float | None, before: float | None) -> str:
     return "n/a" if now is None or before is None else f"{now - before:+.1f}"
 
 
+TABLE_HEADER = (
+    "| round | requests | errors | aborted (seqs) | abort metric Δ | p50 s | p99 s | running/waiting after "
+    "| KV usage after | API RSS MB | API Δ MB | engine RSS MB | engine Δ MB | wall s |\n"
+    "|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"
+)
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """What the server looked like once a round was over."""
+
+    idle: bool
+    metrics: dict[str, float]
+    rss: tuple[float | None, float | None]  # API process, engine-core process
+
+    def gauge(self, name: str) -> float:
+        return self.metrics.get(f"pagedllm:{name}", math.nan)
+
+    @property
+    def aborts(self) -> float:
+        return self.metrics.get("pagedllm:request_success_total{abort}", 0.0)
+
+
+def summarize_round(round_index: int, result: RoundResult, state: RoundState, before: RoundState,
+                    args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The table row and the failures of one round."""
+    outcomes = result.outcomes
+    errors = Counter(o.error for o in outcomes if o.error)
+    latencies = [o.latency_s for o in outcomes if o.latency_s is not None]
+    # The engine counts an abort per sequence (prompts x n), so the row shows both for comparison.
+    aborted = sum(o.aborted for o in outcomes)
+    aborted_seqs = sum(o.request.num_choices for o in outcomes if o.aborted and o.request)
+    running, waiting, kv_usage = (state.gauge(name) for name in
+                                  ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+    error_text = str(sum(errors.values()))
+    if errors:
+        error_text += " (" + ", ".join(f"{kind}: {count}" for kind, count in sorted(errors.items())) + ")"
+    row = (f"| {round_index} | {len(outcomes)} | {error_text} | {aborted} ({aborted_seqs}) | "
+           f"{state.aborts - before.aborts:.0f} | {percentile(latencies, 0.5):.2f} | {percentile(latencies, 0.99):.2f} | "
+           f"{running:.0f}/{waiting:.0f} | {kv_usage:.3f} | {_mb(state.rss[0])} | {_growth(state.rss[0], before.rss[0])} | "
+           f"{_mb(state.rss[1])} | {_growth(state.rss[1], before.rss[1])} | {result.wall_s:.1f} |")
+    failures = []
+    if errors:
+        failures.append(f"round {round_index}: {sum(errors.values())} errors {dict(errors)}")
+    if not state.idle:
+        failures.append(f"round {round_index}: not idle {args.idle_timeout_s} s after the last request "
+                        f"(running {running}, waiting {waiting}, KV usage {kv_usage})")
+    if round_index > 1:  # round 1 is warm-up: allocator pools, grammar caches, lazy imports
+        for name, now, then in zip(("API", "engine"), state.rss, before.rss):
+            if now is not None and then is not None and now - then > args.max_rss_growth_mb:
+                failures.append(f"round {round_index}: {name} RSS grew {now - then:.1f} MB "
+                                f"(> {args.max_rss_growth_mb} MB)")
+    return row, failures
+
+
 def soak(args: argparse.Namespace, base_url: str, headers: dict[str, str]) -> int:
     with httpx.Client(base_url=base_url, headers=headers, timeout=30) as client:
         info = client.get("/server_info").json()
-        api_pid, engine_pid = info["api_pid"], info.get("engine_pid")
+        pids = (info["api_pid"], info.get("engine_pid"))
         model, max_model_len = info["model"], int(info["max_model_len"])
         model_id = client.get("/v1/models").json()["data"][0]["id"]
         # Prompts stay under ~120 tokens; the aborted requests must still fit.
@@ -371,46 +426,28 @@ def soak(args: argparse.Namespace, base_url: str, headers: dict[str, str]) -> in
         print(f"# Soak: {args.rounds} rounds x {args.num_requests} requests at concurrency {args.concurrency}, "
               f"seed {args.seed}, model {model} (max_model_len {max_model_len}), {base_url}\n")
         print("Mix in round 1: " + ", ".join(f"{tag} {count}" for tag, count in sorted(mix.items())) + "\n")
-        print("| round | requests | errors | aborted | abort metric Δ | p50 s | p99 s | running/waiting after "
-              "| KV usage after | API RSS MB | API Δ MB | engine RSS MB | engine Δ MB | wall s |")
-        print("|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
-        previous_rss = (rss_mb(api_pid), rss_mb(engine_pid))
-        print(f"| start | | | | | | | | | {_mb(previous_rss[0])} | | {_mb(previous_rss[1])} | | |", flush=True)
-        previous_aborts = scrape(client).get("pagedllm:request_success_total{abort}", 0.0)
+        print(TABLE_HEADER)
+        before = RoundState(True, scrape(client), (rss_mb(pids[0]), rss_mb(pids[1])))
+        print(f"| start | | | | | | | | | {_mb(before.rss[0])} | | {_mb(before.rss[1])} | | |", flush=True)
         failures: list[str] = []
         for round_index, requests in enumerate(plans, start=1):
             result = asyncio.run(run_round(base_url, headers, requests, args.concurrency, args.request_timeout_s,
                                            args.round_timeout_s))
-            idle, metrics = wait_idle(client, args.idle_timeout_s)
-            rss = (rss_mb(api_pid), rss_mb(engine_pid))
-            errors = Counter(o.error for o in result.outcomes if o.error)
-            latencies = [o.latency_s for o in result.outcomes if o.latency_s is not None]
-            aborts = metrics.get("pagedllm:request_success_total{abort}", 0.0)
-            running = metrics.get("pagedllm:num_requests_running", math.nan)
-            waiting = metrics.get("pagedllm:num_requests_waiting", math.nan)
-            kv_usage = metrics.get("pagedllm:kv_cache_usage_perc", math.nan)
-            error_text = str(sum(errors.values()))
-            if errors:
-                error_text += " (" + ", ".join(f"{kind}: {count}" for kind, count in sorted(errors.items())) + ")"
-            print(f"| {round_index} | {len(requests)} | {error_text} | {sum(o.aborted for o in result.outcomes)} | "
-                  f"{aborts - previous_aborts:.0f} | {percentile(latencies, 0.5):.2f} | "
-                  f"{percentile(latencies, 0.99):.2f} | {running:.0f}/{waiting:.0f} | {kv_usage:.3f} | "
-                  f"{_mb(rss[0])} | {_growth(rss[0], previous_rss[0])} | {_mb(rss[1])} | "
-                  f"{_growth(rss[1], previous_rss[1])} | {result.wall_s:.1f} |", flush=True)
+            try:
+                idle, metrics = wait_idle(client, args.idle_timeout_s)
+            except httpx.HTTPError as exc:
+                failures.append(f"round {round_index}: /metrics unreadable after the round ({exc!r})")
+                break
+            state = RoundState(idle, metrics, (rss_mb(pids[0]), rss_mb(pids[1])))
+            row, round_failures = summarize_round(round_index, result, state, before, args)
+            print(row, flush=True)
             report_outliers(round_index, result.outcomes)
-            if errors:
-                failures.append(f"round {round_index}: {sum(errors.values())} errors {dict(errors)}")
-            if not idle:
-                failures.append(f"round {round_index}: not idle {args.idle_timeout_s} s after the last request "
-                                f"(running {running}, waiting {waiting}, KV usage {kv_usage})")
-            if round_index > 1:  # round 1 is warm-up: allocator pools, grammar caches, lazy imports
-                for name, now, before in (("API", rss[0], previous_rss[0]), ("engine", rss[1], previous_rss[1])):
-                    if now is not None and before is not None and now - before > args.max_rss_growth_mb:
-                        failures.append(f"round {round_index}: {name} RSS grew {now - before:.1f} MB "
-                                        f"(> {args.max_rss_growth_mb} MB)")
-            previous_rss, previous_aborts = rss, aborts
+            failures += round_failures
+            before = state
             if not idle:
                 break  # later rounds would measure a server that is still busy
+    if None in before.rss:
+        print("\nRSS of a process was not readable (n/a): its growth was not checked.")
     if args.rounds < 2:
         print("\nRSS growth not checked: it needs at least 2 rounds (round 1 is warm-up).")
     if failures:
