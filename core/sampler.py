@@ -1,7 +1,7 @@
 """Logits processing and sampling, with vLLM V1 semantics.
 
-Order: raw logprobs -> grammar bitmask (structured output) -> min_tokens stop
-masking -> penalties -> greedy argmax |
+Order: raw logprobs -> grammar bitmask (structured output) -> logit bias ->
+min_tokens stop masking -> penalties -> greedy argmax |
 (temperature -> min_p -> top_k -> top_p -> exponential-race sampling).
 """
 
@@ -70,6 +70,8 @@ class SamplingMetadata:
     # Structured output: (int32 bitmask [R, ceil(V / 32)], the R logits rows it
     # masks); other rows are untouched. Set by the model runner.
     grammar_bitmask: tuple[torch.Tensor, list[int]] | None = None
+    # logit_bias as (rows, token ids, biases) of every biased entry; None if no row has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -136,6 +138,7 @@ class SamplingMetadata:
             min_tokens_mask=_min_tokens_mask(params, output_token_ids, eos_token_ids, vocab_size, device),
             vocab_size=vocab_size,
             default_generator=default_generator,
+            logit_bias=_logit_bias(params, vocab_size, device),
         )
 
 
@@ -178,6 +181,28 @@ def _min_tokens_mask(
         return None
     return (torch.tensor(rows, dtype=torch.long, device=device),
             torch.tensor(tokens, dtype=torch.long, device=device))
+
+
+def _logit_bias(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for row, p in enumerate(params):
+        if not p.logit_bias:
+            continue  # NOTE: the common case; a batch without biases builds nothing
+        for token_id, bias in p.logit_bias.items():
+            # Validation refuses ids past the vocabulary (validate_vocab); never index past it.
+            if token_id < vocab_size:
+                rows.append(row)
+                token_ids.append(token_id)
+                biases.append(bias)
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(token_ids, dtype=torch.long, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -271,12 +296,16 @@ class Sampler(nn.Module):
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Grammar bitmask, min_tokens stop masking and penalties: the logits
-        greedy rows take the argmax of (float32 in, float32 out)."""
+        """Grammar bitmask, logit bias, min_tokens stop masking and penalties:
+        the logits greedy rows take the argmax of (float32 in, float32 out)."""
         if metadata.grammar_bitmask is not None:
             bitmask, rows = metadata.grammar_bitmask
             logits = logits.contiguous()
             apply_token_bitmask_inplace(logits, bitmask, rows)
+        if metadata.logit_bias is not None:
+            bias_rows, bias_token_ids, biases = metadata.logit_bias
+            # Out of place: the caller may still read the raw logits (logprobs).
+            logits = logits.index_put((bias_rows, bias_token_ids), biases, accumulate=True)
         if metadata.min_tokens_mask is not None:
             rows, token_ids = metadata.min_tokens_mask
             logits = logits.index_put((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))

@@ -508,6 +508,32 @@ def test_invalid_prompt_is_an_invalid_request_with_its_field(
     assert excinfo.value.field == field
 
 
+@pytest.mark.parametrize(
+    ("params", "priority", "field"),
+    [
+        (SamplingParams(stop_token_ids=[8192]), None, "stop_token_ids"),
+        (SamplingParams(logit_bias={8192: 1.0}), None, "logit_bias"),
+        (None, [2**63], "priority"),
+        (None, [-(2**63) - 1], "priority"),
+        (None, [10**5000], "priority"),
+    ],
+    ids=["stop-token-id-past-vocab", "logit-bias-key-past-vocab", "priority-int64-max-plus-1",
+         "priority-int64-min-minus-1", "priority-5000-digits"],
+)
+def test_out_of_range_ids_and_priorities_are_refused_before_the_engine(
+    llm: LLM, params: SamplingParams | None, priority: list[int] | None, field: str
+) -> None:
+    assert llm.engine_core.engine_core.vocab_size == 8192
+    with pytest.raises(InvalidRequestError) as excinfo:
+        llm.generate(["def a():", "def b():"], params, priority=priority and priority * 2, use_tqdm=False)
+    assert excinfo.value.field == field
+    assert len(str(excinfo.value)) < 200
+    _assert_all_freed(llm)
+    # The int64 extremes themselves are fine.
+    outputs = llm.generate(["def a():", "def b():"], _greedy(2), priority=[2**63 - 1, -(2**63)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [2, 2]
+
+
 def test_max_tokens_up_to_the_context_left_is_accepted(llm: LLM) -> None:
     (exact,) = llm.generate({"prompt_token_ids": _long_prompt(509)}, _greedy(3), use_tqdm=False)
     assert len(exact.outputs[0].token_ids) == 3

@@ -103,7 +103,20 @@ def describe_validation_error(errors: list[Any]) -> tuple[str, str | None]:
         return f"{param}: unknown field", param
     if error_type in ("too_short", "string_too_short") and first.get("ctx", {}).get("min_length") == 1:
         return f"{param}: at least one {'character' if error_type == 'string_too_short' else 'item'} is required", param
+    bound = _BOUNDS.get(error_type)
+    if bound is not None and bound[0] in first.get("ctx", {}):
+        # "seed=10**30: must be <= 9223372036854775807" rather than pydantic's sentence.
+        message = f"must be {bound[1]} {first['ctx'][bound[0]]}"
     return f"{param}={_short(value)}: {message}", param
+
+
+# pydantic's range errors: error type -> (its ctx key, the comparison it demands).
+_BOUNDS = {
+    "greater_than_equal": ("ge", ">="),
+    "greater_than": ("gt", ">"),
+    "less_than_equal": ("le", "<="),
+    "less_than": ("lt", "<"),
+}
 
 
 def _short(value: Any) -> str:
