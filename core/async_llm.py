@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient
 from pagedllm.core.engine import validate_prompt
+from pagedllm.core.int_limits import check_priority
 from pagedllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from pagedllm.core.metrics import StatLoggerManager
 from pagedllm.core.output_processor import OutputProcessor
@@ -182,7 +183,7 @@ class AsyncLLM:
         (InvalidRequestError naming field and limit); returns the effective
         max_tokens. Callers may run it first to answer 400 before streaming."""
         validate_prompt(prompt_token_ids, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
-        max_tokens = sampling_params.validate_against(self.max_model_len, len(prompt_token_ids))
+        max_tokens = sampling_params.validate_against(self.max_model_len, len(prompt_token_ids), self.vocab_size)
         if sampling_params.structured_outputs is not None:
             # A bad schema or grammar is a 400 here, never a compile failure in the core.
             validate_structured_outputs(sampling_params.structured_outputs, self.config.structured_output)
@@ -239,8 +240,7 @@ class AsyncLLM:
             raise EngineOverloadedError(len(self._streams), limit)
         if request_id in self._streams:
             raise InvalidRequestError("request_id", request_id, "a request with this id is still running")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError("priority", priority, "must be an integer")
+        check_priority(priority)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt", cache_salt, "must be a string or None")
         if isinstance(prompt, str) and prompt_text is None:

@@ -16,7 +16,14 @@ from pydantic_core import PydanticCustomError
 
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.outputs import RequestOutputKind
-from pagedllm.core.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.core.int_limits import INT64_MAX, INT64_MIN, short_value
+from pagedllm.core.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pagedllm.entrypoints.openai.surrogates import find_unpaired_surrogate
 from pagedllm.entrypoints.openai.unsupported import RefusedChatFields, RefusedMessageFields, check_content_parts
 
@@ -85,29 +92,35 @@ class SamplingFields(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions; the vLLM
     extras (`top_k`, `min_p`, ...) arrive through the client's `extra_body`."""
 
+    # NOTE: every integer has bounds here (so the OpenAPI schema says them and
+    # a 10**30 is a 400 naming the field); SamplingParams checks them again.
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     cache_salt: str | None = None
+    # OpenAI's {"token id": bias}: JSON keys are strings; sampling_params() makes them ints.
+    logit_bias: (
+        dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None
+    ) = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
@@ -141,8 +154,6 @@ class SamplingFields(OpenAIBaseModel):
         prompt_logprobs: int | None,
         extra_stop_token_ids: list[int] | None = None,
     ) -> SamplingParams:
-        if self.n > MAX_N:
-            raise InvalidRequestError("n", self.n, f"must be <= {MAX_N}")
         stop_token_ids = list(self.stop_token_ids or [])
         for token_id in extra_stop_token_ids or []:
             if token_id not in stop_token_ids:
@@ -170,8 +181,26 @@ class SamplingFields(OpenAIBaseModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             structured_outputs=self.structured_outputs_params(),
+            logit_bias=self.logit_bias_by_token_id(),
             **{name: value for name, value in optional.items() if value is not None},
         )
+
+    def logit_bias_by_token_id(self) -> dict[int, float] | None:
+        """`logit_bias` with int keys; a key that is not a decimal token id is a
+        400 naming `logit_bias` (ids past the vocabulary: validate_vocab)."""
+        if self.logit_bias is None:
+            return None
+        bias_by_id: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            # ASCII digits only: int() would also take " 7", "+7", "1_0" and other scripts' digits.
+            if not (key.isascii() and key.isdigit()):
+                raise InvalidRequestError(
+                    "logit_bias", short_value(key), "keys must be token ids written as decimal integers ('50256')"
+                )
+            if len(key) > len(str(INT64_MAX)):
+                raise InvalidRequestError("logit_bias", short_value(key), f"keys must be token ids <= {INT64_MAX}")
+            bias_by_id[int(key)] = bias
+        return bias_by_id
 
     def output_kind(self) -> RequestOutputKind:
         return RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
@@ -185,13 +214,29 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[int], Field(min_length=1)]
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
     )
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    # Legacy: the best of best_of samples. Not implemented (vLLM V1 neither):
+    # omitted or equal to n, else a 400 rather than silently ignored.
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     # vLLM extras
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True
+
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        extra_stop_token_ids: list[int] | None = None,
+    ) -> SamplingParams:
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(
+                "best_of", self.best_of, f"not supported; best_of must equal n ({self.n}) or be omitted"
+            )
+        return super().sampling_params(max_tokens, logprobs, prompt_logprobs, extra_stop_token_ids)
 
 
 class TextContentPart(OpenAIBaseModel):
@@ -216,14 +261,17 @@ class ChatMessage(OpenAIBaseModel, RefusedMessageFields):
 
 class ChatCompletionRequest(SamplingFields, RefusedChatFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     # The newer OpenAI name; wins over max_tokens when both are sent.
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM extras
     add_generation_prompt: bool = True
-    chat_template: str | None = None
+    # The request's own template and extra template variables: refused (400)
+    # unless the server trusts request templates (--trust-request-chat-template).
+    chat_template: str | None = Field(None, min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -232,11 +280,15 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # With messages only; as in ChatCompletionRequest.
+    chat_template: str | None = Field(None, min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    # Checked against the vocabulary by the route; bounded here for the schema.
+    tokens: list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
 
 
 # -------------------------------------------------------------- responses
