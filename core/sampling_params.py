@@ -26,6 +26,11 @@ MAX_N = 1024
 # logit_bias: OpenAI's range for a bias, and how many tokens one request may bias.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Stop strings are searched after every token and token ids matched at every
+# step: a list of 50,000 would stall every other request.
+MAX_STOP_STRINGS = 1024
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 # Float knobs stay far below float32's max, so the sampler's tensors stay
 # finite (-inf / inf and inf * 0 are NaN, and NaN wins argmax).
 MAX_TEMPERATURE = 1e6
@@ -317,10 +322,15 @@ def _normalize_stop(stop: Any) -> list[str]:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)):
-        raise InvalidRequestError("stop", stop, "must be a string, a list of strings or None")
+        raise InvalidRequestError("stop", short_value(stop), "must be a string, a list of strings or None")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequestError("stop", f"<{len(stops)} strings>", f"at most {MAX_STOP_STRINGS} stop strings")
     for s in stops:
         if not isinstance(s, str) or not s:
-            raise InvalidRequestError("stop", stop, "every stop string must be a non-empty string")
+            raise InvalidRequestError("stop", short_value(stop), "every stop string must be a non-empty string")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError("stop", f"<a stop string of {len(s)} characters>",
+                                      f"each stop string has at most {MAX_STOP_STRING_CHARS} characters")
     return list(stops)
 
 
@@ -329,6 +339,8 @@ def _normalize_stop_token_ids(stop_token_ids: Any) -> list[int]:
         return []
     if not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
         raise InvalidRequestError("stop_token_ids", short_value(stop_token_ids), "must be a list of token ids or None")
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError("stop_token_ids", f"<{len(stop_token_ids)} ids>", f"at most {MAX_STOP_TOKEN_IDS} ids")
     for token_id in stop_token_ids:
         check_int("stop_token_ids", token_id, 0, INT64_MAX, f"every id must be an integer in [0, {INT64_MAX}]")
     return list(stop_token_ids)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.int_limits import INT64_MAX, INT64_MIN
-from pagedllm.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS
+from pagedllm.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from pagedllm.entrypoints.openai.errors import describe_validation_error
 from pagedllm.entrypoints.openai.protocol import (
     MAX_N,
@@ -46,6 +46,8 @@ CASES: list[tuple[type[BaseModel], dict[str, Any], str, Any, str, str]] = [
     (CompletionRequest, CMPL, "priority", INT64_MIN - 1, "priority", f"must be >= {INT64_MIN}"),
     (CompletionRequest, CMPL, "stop_token_ids", [1, BEYOND], "stop_token_ids.1", f"must be <= {INT64_MAX}"),
     (CompletionRequest, CMPL, "stop_token_ids", [-1], "stop_token_ids.0", "must be >= 0"),
+    (CompletionRequest, CMPL, "stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1), "stop_token_ids",
+     f"at most {MAX_STOP_TOKEN_IDS}"),
     (CompletionRequest, CMPL, "max_tokens", 0, "max_tokens", "must be >= 1"),
     (CompletionRequest, CMPL, "max_tokens", BEYOND, "max_tokens", f"must be <= {INT64_MAX}"),
     (CompletionRequest, CMPL, "logprobs", MAX_LOGPROBS + 1, "logprobs", f"must be <= {MAX_LOGPROBS}"),
@@ -112,6 +114,7 @@ def test_openapi_schema_bounds_list_items_and_logit_bias() -> None:
     properties = CompletionRequest.model_json_schema()["properties"]
     items = properties["stop_token_ids"]["anyOf"][0]["items"]
     assert (items["minimum"], items["maximum"]) == (0, INT64_MAX)
+    assert properties["stop_token_ids"]["anyOf"][0]["maxItems"] == MAX_STOP_TOKEN_IDS
     bias = properties["logit_bias"]["anyOf"][0]
     assert bias["maxProperties"] == MAX_LOGIT_BIAS_ENTRIES
     assert (bias["additionalProperties"]["minimum"], bias["additionalProperties"]["maximum"]) == (-100, 100)

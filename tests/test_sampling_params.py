@@ -12,6 +12,9 @@ from pagedllm.core.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
     SamplingParams,
     SamplingType,
@@ -147,6 +150,9 @@ HUGE = 10**5000  # more digits than Python will even turn into text
         ({"prompt_logprobs": HUGE}, "prompt_logprobs"),
         ({"stop_token_ids": [1, INT64_MAX + 1]}, "stop_token_ids"),
         ({"stop_token_ids": [HUGE]}, "stop_token_ids"),
+        ({"stop_token_ids": [7] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
+        ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop": ["ok", "x" * (MAX_STOP_STRING_CHARS + 1)]}, "stop"),
         ({"temperature": HUGE}, "temperature"),
         ({"temperature": MAX_TEMPERATURE * 2}, "temperature"),
         ({"repetition_penalty": MAX_REPETITION_PENALTY * 2}, "repetition_penalty"),
@@ -190,6 +196,9 @@ def test_int64_extremes_are_accepted() -> None:
     assert all(type(bias) is float for bias in p.logit_bias.values())
     assert SamplingParams(seed=INT64_MIN).seed == INT64_MIN
     assert SamplingParams(logit_bias={}).logit_bias is None
+    longest = SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+                             stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
+    assert (len(longest.stop), len(longest.stop_token_ids)) == (MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS)
 
 
 def test_children_seeds_wrap_around_inside_int64() -> None:

@@ -21,6 +21,7 @@ from pagedllm.core.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
     SamplingParams,
     StructuredOutputsParams,
 )
@@ -111,7 +112,9 @@ class SamplingFields(OpenAIBaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS
+    )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
