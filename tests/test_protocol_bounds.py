@@ -57,6 +57,7 @@ CASES: list[tuple[type[BaseModel], dict[str, Any], str, Any, str, str]] = [
     (CompletionRequest, CMPL, "best_of", BEYOND, "best_of", f"must be <= {MAX_N}"),
     (CompletionRequest, CMPL, "logit_bias", {"5": 100.5}, "logit_bias.5", "must be <= 100"),
     (CompletionRequest, CMPL, "logit_bias", {"5": -BEYOND}, "logit_bias.5", "must be >= -100"),
+    (CompletionRequest, CMPL, "logit_bias", {"5": float("nan")}, "logit_bias.5", "not NaN"),
     (CompletionRequest, CMPL, "logit_bias", {str(i): 1 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}, "logit_bias",
      f"at most {MAX_LOGIT_BIAS_ENTRIES}"),
     (ChatCompletionRequest, CHAT, "n", BEYOND, "n", f"must be <= {MAX_N}"),

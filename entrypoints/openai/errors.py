@@ -8,6 +8,7 @@ see the same shape with the HTTP status repeated in `code`.
 from __future__ import annotations
 
 import json
+import math
 from http import HTTPStatus
 from typing import Any
 
@@ -107,6 +108,8 @@ def describe_validation_error(errors: list[Any]) -> tuple[str, str | None]:
     if bound is not None and bound[0] in first.get("ctx", {}):
         # "seed=10**30: must be <= 9223372036854775807" rather than pydantic's sentence.
         message = f"must be {bound[1]} {first['ctx'][bound[0]]}"
+        if isinstance(value, float) and math.isnan(value):  # Python's JSON parser reads NaN
+            message = f"must be a number {bound[1]} {first['ctx'][bound[0]]}, not NaN"
     return f"{param}={_short(value)}: {message}", param
 
 
