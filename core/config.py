@@ -134,6 +134,31 @@ class StructuredOutputConfig(_Section):
     # Compiled grammars kept, least recently used dropped first; keyed by
     # (backend, kind, spec, whitespace). 0 = no cache.
     cache_size: int = Field(128, ge=0)
+    # Longest whitespace run a JSON grammar (json, json_object) allows between
+    # two tokens, so a weak model cannot spend max_tokens on spaces; 0 = none
+    # at all (as disable_any_whitespace), None = unbounded (xgrammar's default).
+    # 4 still admits "\n" plus a 3-space indent or a 2-space indent one level
+    # deep. A request may override it (structured_outputs.max_whitespace).
+    max_whitespace: int | None = Field(4, ge=0, le=64)
+    # Limits on a request's spec, checked before any parser or compiler runs
+    # (API side and engine core); past one, the request is a 400 naming it.
+    # Bytes of the spec (UTF-8; a choice list: all choices together). Large
+    # real schemas (dozens of tools, OpenAPI-derived) stay well under 64 KiB.
+    max_spec_bytes: int = Field(128 * 1024, ge=1, le=16 * 1024 * 1024)
+    # Nesting of the JSON document of a schema or structural tag ({} and []
+    # levels). One object level of data is two levels ("properties" and the
+    # property), so 64 is ~30 levels of data; schemas with $defs stay far
+    # below. xgrammar's conversion grows ~ depth^3 (measured 0.8 s at 400
+    # levels, so ~6 s at 800) and Python's recursive code stops near 1000:
+    # hence le=512.
+    max_schema_depth: int = Field(64, ge=1, le=512)
+    # Entries of a choice list (each is an alternative of one grammar rule).
+    max_choices: int = Field(4096, ge=1)
+    # Wall-clock seconds one spec may take to validate and compile: the API
+    # side compiles it in a child process that is killed past this; the
+    # engine core fails the request whose compile runs longer. Typical specs
+    # compile in milliseconds; the largest real ones in about a second.
+    compile_timeout_s: float = Field(10.0, gt=0, le=600)
 
 
 class SpeculativeConfig(_Section):

@@ -45,6 +45,9 @@ class SamplingType(enum.IntEnum):
 
 # The spec fields of StructuredOutputsParams: exactly one is set per request.
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# Largest structured_outputs.max_whitespace a request may ask for (as the
+# engine's structured_output.max_whitespace: a bound, never a need for more).
+MAX_WHITESPACE = 64
 
 
 @dataclass
@@ -55,8 +58,14 @@ class StructuredOutputsParams:
     `structural_tag` (xgrammar's structural-tag JSON, dict or text).
 
     `disable_any_whitespace`: JSON without free whitespace between tokens.
+    `max_whitespace`: the longest whitespace run JSON may have between two
+    tokens (0 = none, as disable_any_whitespace); None = the engine's
+    `structured_output.max_whitespace`.
     `backend`: a registered grammar backend for this request (default: the
     engine's `structured_output.backend`).
+
+    Size and nesting limits need the engine config, so they are checked by
+    `structured_output.limits.check_spec_limits` before the spec is used.
     """
 
     json: str | dict[str, Any] | None = None
@@ -67,6 +76,7 @@ class StructuredOutputsParams:
     structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = False
     backend: str | None = None
+    max_whitespace: int | None = None
 
     def __post_init__(self) -> None:
         self._verify()
@@ -89,7 +99,16 @@ class StructuredOutputsParams:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, value in data.items():
+            # NOTE: a JSON round trip, not deepcopy: deepcopy spends two Python
+            # frames per level and fails at structured_output.max_schema_depth = 512.
+            data[name] = json.loads(json.dumps(value)) if isinstance(value, (dict, list)) else value
+        return data
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StructuredOutputsParams:
+        # SamplingParams.clone() deep-copies; see to_dict for why not field by field.
+        return type(self)(**self.to_dict())
 
     @property
     def kind_name(self) -> str:
@@ -107,19 +126,7 @@ class StructuredOutputsParams:
                 "exactly one of " + ", ".join(STRUCTURED_OUTPUT_KINDS) + " must be set",
             )
         for name in ("json", "structural_tag"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError as exc:
-                    raise InvalidRequestError(f"structured_outputs.{name}", _short_repr(value),
-                                              f"not valid JSON: {exc}") from None
-            allowed = (dict, bool) if name == "json" else (dict,)
-            if not isinstance(value, allowed):
-                raise InvalidRequestError(f"structured_outputs.{name}", _short_repr(value),
-                                          "must be a JSON object (dict or JSON text)")
+            self._verify_json_field(name)
         if self.json_object is not None and self.json_object is not True and self.json_object is not False:
             raise InvalidRequestError("structured_outputs.json_object", self.json_object, "must be true or false")
         for name in ("regex", "grammar"):
@@ -135,12 +142,35 @@ class StructuredOutputsParams:
         if not isinstance(self.disable_any_whitespace, bool):
             raise InvalidRequestError("structured_outputs.disable_any_whitespace", self.disable_any_whitespace,
                                       "must be true or false")
+        if self.max_whitespace is not None:
+            check_int("structured_outputs.max_whitespace", self.max_whitespace, 0, MAX_WHITESPACE)
         if self.backend is not None and not (isinstance(self.backend, str) and self.backend):
             raise InvalidRequestError("structured_outputs.backend", self.backend,
                                       "must be a registered grammar backend name or None")
 
+    def _verify_json_field(self, name: str) -> None:
+        value = getattr(self, name)
+        if value is None:
+            return
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except RecursionError:
+                # NOTE: nested past the parser: check_spec_limits (run before
+                # the spec is used) refuses it naming structured_output.max_schema_depth.
+                return
+            except ValueError as exc:
+                raise InvalidRequestError(f"structured_outputs.{name}", _short_repr(value),
+                                          f"not valid JSON: {exc}") from None
+        allowed = (dict, bool) if name == "json" else (dict,)
+        if not isinstance(value, allowed):
+            # No repr of the value: a list nested 10,000 deep would not repr().
+            raise InvalidRequestError(f"structured_outputs.{name}", f"<{type(value).__name__}>",
+                                      "must be a JSON object (dict or JSON text)")
+
     def grammar_spec(self) -> tuple[StructuredOutputKind, str]:
-        """(kind, spec text): the same spec gives the same text (the cache key)."""
+        """(kind, spec text): the same spec gives the same text (the cache key).
+        NOTE: recursive (json); call it after check_spec_limits."""
         from pagedllm.structured_output.interface import StructuredOutputKind
 
         kind = StructuredOutputKind(self.kind_name)

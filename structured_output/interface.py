@@ -83,7 +83,17 @@ class GrammarBackend(ABC):
 
     `compile` runs on the manager's thread pool, several at a time: it must be
     thread-safe. `validate` is a classmethod: the API process calls it before
-    a request is scheduled, without a tokenizer or a backend instance.
+    a request is scheduled, in a child process under
+    `structured_output.compile_timeout_s` (killed past it), and then compiles
+    the spec there too when the model's vocabulary is known (so the class
+    must be importable by its module path).
+
+    Whitespace: `any_whitespace=False` means JSON without free whitespace.
+    A `validate` / `compile` whose signature names `max_whitespace` (plugin
+    API 1.1) is also passed it (int >= 1, or None = unbounded): the longest
+    whitespace run its JSON grammars allow between two tokens. One that does
+    not is called as under API 1.0, and its JSON whitespace stays unbounded
+    unless the limit is 0 (sent as any_whitespace=False).
     """
 
     #: The registered name (also the first element of the manager's cache key).

@@ -7,16 +7,26 @@ each step's bitmask.
                 -> grammar_bitmask(...)    # one row per sampled position
     update_from_output -> accept_tokens    # advance with the accepted tokens
 
-A compiled grammar is cached once per (backend, kind, spec, any_whitespace),
+A compiled grammar is cached once per (backend, kind, spec, whitespace),
 as a never-advanced Grammar that every request forks; in-flight compiles are
 shared too, so a burst of identical schemas compiles once.
+
+Limits: a spec past a size or depth limit fails its request without
+compiling (structured_output.limits); a compile running longer than
+`structured_output.compile_timeout_s` fails every request waiting on it, and
+the compile pool is replaced so the grammars queued behind it still compile.
+The API side has already compiled the same spec within that limit in a child
+process (structured_output.validator), so this is the rare case (a loaded
+machine, or a request that skipped the API: a crafted engine message).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -24,6 +34,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from pagedllm.core.errors import InvalidRequestError, PagedLLMError
 from pagedllm.structured_output.bitmask import allocate_token_bitmask
 from pagedllm.structured_output.interface import Grammar, GrammarBackend, StructuredOutputKind
+from pagedllm.structured_output.limits import check_spec_limits, summary
+from pagedllm.structured_output.validator import GrammarVocab, get_validator
+from pagedllm.structured_output.whitespace import WhitespaceOptions, backend_kwargs, resolve_whitespace
 
 if TYPE_CHECKING:
     import torch
@@ -40,31 +53,76 @@ class GrammarKey(NamedTuple):
     kind: StructuredOutputKind
     spec: str
     any_whitespace: bool
+    # The longest JSON whitespace run; None = unbounded (see whitespace.py).
+    max_whitespace: int | None = None
+
+
+class CompileJob:
+    """One compile (shared by every request with its key): its future, when a
+    compile thread started it, and the limit it runs under."""
+
+    def __init__(self, key: GrammarKey, timeout_s: float, on_timeout: Callable[[CompileJob], None]) -> None:
+        self.key = key
+        self.timeout_s = timeout_s
+        self.future: Future[Grammar] = Future()
+        self.started_at: float | None = None
+        self.timed_out = False
+        self._on_timeout = on_timeout
+        self._claim_lock = threading.Lock()
+
+    def claim(self) -> bool:
+        """Called by the compile thread: True for the one that may run it."""
+        with self._claim_lock:
+            if self.started_at is not None:
+                return False
+            self.started_at = time.monotonic()
+            return True
+
+    def check_deadline(self) -> bool:
+        """True if the compile has run past its limit (reported once to the manager)."""
+        if not self.timed_out and self.started_at is not None and not self.future.done():
+            if time.monotonic() - self.started_at > self.timeout_s:
+                self.timed_out = True
+                self._on_timeout(self)
+        return self.timed_out and not self.future.done()
 
 
 @dataclass
 class StructuredOutputRequest:
-    """A request's grammar: compiling (future), ready (grammar) or failed (error)."""
+    """A request's grammar: compiling (job), ready (grammar) or failed (error)."""
 
     key: GrammarKey
-    future: Future[Grammar]
+    job: CompileJob | None
     grammar: Grammar | None = None
     error: str | None = None
+
+    @property
+    def future(self) -> Future[Grammar]:
+        assert self.job is not None, "a request refused before compiling has no future"
+        return self.job.future
 
     def is_ready(self) -> bool:
         """True once compiled or failed; forks the cached Grammar on first success."""
         if self.grammar is not None or self.error is not None:
             return True
-        if not self.future.done():
+        assert self.job is not None
+        future = self.job.future
+        if not future.done():
+            if self.job.check_deadline():
+                self.error = self._failed(
+                    f"the compile took longer than structured_output.compile_timeout_s = {self.job.timeout_s:g} s"
+                )
+                return True
             return False
-        exc = self.future.exception()
+        exc = future.exception()
         if exc is not None:
-            self.error = f"structured output ({self.key.backend}, {self.key.kind.value}) failed to compile: " + (
-                str(exc) if isinstance(exc, PagedLLMError) else f"{type(exc).__name__}: {exc}"
-            )
+            self.error = self._failed(str(exc) if isinstance(exc, PagedLLMError) else f"{type(exc).__name__}: {exc}")
             return True
-        self.grammar = self.future.result().fork()
+        self.grammar = future.result().fork()
         return True
+
+    def _failed(self, reason: str) -> str:
+        return f"structured output ({self.key.backend}, {self.key.kind.value}) failed to compile: {reason}"
 
 
 @dataclass
@@ -94,18 +152,25 @@ def backend_class(name: str) -> type[GrammarBackend]:
     return backend_cls
 
 
-def validate_structured_outputs(params: StructuredOutputsParams, config: StructuredOutputConfig) -> None:
-    """The API-side check before scheduling: the backend exists and compiles the spec."""
+def validate_structured_outputs(
+    params: StructuredOutputsParams, config: StructuredOutputConfig, vocab: GrammarVocab | None = None
+) -> None:
+    """The API-side check before scheduling: the spec is within the size and
+    depth limits, the backend exists, and the spec validates (and, given the
+    model's `vocab`, compiles) within structured_output.compile_timeout_s in
+    the validator's child process. Blocking and thread-safe: call it off the
+    event loop."""
+    check_spec_limits(params, config)  # NOTE: first: grammar_spec() below is recursive
     kind, spec = params.grammar_spec()
     backend_name = params.backend or config.backend
     backend_cls = backend_class(backend_name)
     if kind not in backend_cls.supported_kinds:
         raise InvalidRequestError(
-            f"structured_outputs.{kind.value}", spec[:200],
+            f"structured_outputs.{kind.value}", summary(spec),
             f"the {backend_name} backend does not support {kind.value}; it supports "
             + ", ".join(sorted(k.value for k in backend_cls.supported_kinds)),
         )
-    backend_cls.validate(kind, spec, any_whitespace=not (params.disable_any_whitespace or config.disable_any_whitespace))
+    get_validator().validate(backend_cls, kind, spec, resolve_whitespace(params, config), config, vocab)
 
 
 class StructuredOutputManager:
@@ -128,8 +193,10 @@ class StructuredOutputManager:
         self._backends: dict[str, GrammarBackend] = {}
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
-        self._cache: OrderedDict[GrammarKey, Future[Grammar]] = OrderedDict()
-        self._pending: set[Future[Grammar]] = set()
+        self._cache: OrderedDict[GrammarKey, CompileJob] = OrderedDict()
+        # Jobs not yet finished; the done callbacks (compile threads) remove them.
+        self._pending: set[CompileJob] = set()
+        self._pending_lock = threading.Lock()
         self.stats = CacheStats()
         # Reused every step; grows when a step needs more rows (drafts).
         self._bitmask = allocate_token_bitmask(max_num_rows, vocab_size)
@@ -140,34 +207,74 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         if params is None:
             return
+        backend_name = params.backend or self.config.backend
+        try:
+            check_spec_limits(params, self.config)
+        except InvalidRequestError as exc:
+            # Refused without compiling; the scheduler ends it like a failed compile.
+            key = GrammarKey(backend_name, StructuredOutputKind(params.kind_name), "", True)
+            request.structured_output_request = StructuredOutputRequest(
+                key, None, error=f"structured output ({backend_name}, {key.kind.value}) refused: {exc}"
+            )
+            return
         kind, spec = params.grammar_spec()
-        any_whitespace = not (params.disable_any_whitespace or self.config.disable_any_whitespace)
-        key = GrammarKey(params.backend or self.config.backend, kind, spec, any_whitespace)
-        future = self._cache.get(key)
-        if future is not None and not (future.done() and future.exception() is not None):
+        key = GrammarKey(backend_name, kind, spec, *resolve_whitespace(params, self.config))
+        job = self._cache.get(key)
+        if job is not None and not (job.future.done() and job.future.exception() is not None):
             self._cache.move_to_end(key)
             self.stats.hits += 1
         else:
             self.stats.misses += 1
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    self.config.num_compile_threads, thread_name_prefix="pagedllm-grammar"
-                )
-            future = self._executor.submit(self._compile, key)
-            self._pending.add(future)
-            future.add_done_callback(self._pending.discard)
+            job = CompileJob(key, self.config.compile_timeout_s, self._on_compile_timeout)
+            with self._pending_lock:
+                self._pending.add(job)
+            job.future.add_done_callback(lambda _, job=job: self._discard_pending(job))
+            self._submit(job)
             if self.config.cache_size > 0:
-                self._cache[key] = future
+                self._cache[key] = job
                 while len(self._cache) > self.config.cache_size:
                     self._cache.popitem(last=False)
-        request.structured_output_request = StructuredOutputRequest(key, future)
+        request.structured_output_request = StructuredOutputRequest(key, job)
+
+    def _submit(self, job: CompileJob) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.config.num_compile_threads, thread_name_prefix="pagedllm-grammar")
+        self._executor.submit(self._run_job, job)
+
+    def _run_job(self, job: CompileJob) -> None:
+        if not job.claim():
+            return  # resubmitted to a new pool, and started there
+        try:
+            grammar = self._compile(job.key)
+        except BaseException as exc:  # noqa: BLE001 - the request reports it
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(grammar)
+
+    def _on_compile_timeout(self, job: CompileJob) -> None:
+        """A compile ran past the limit: its thread cannot be stopped, so the
+        grammars queued behind it move to a fresh pool."""
+        logger.warning(
+            "grammar compile (%s, %s, %d bytes) ran past structured_output.compile_timeout_s = %g s; "
+            "its requests fail", job.key.backend, job.key.kind.value, len(job.key.spec), job.timeout_s,
+        )
+        old, self._executor = self._executor, None
+        if old is not None:
+            old.shutdown(wait=False, cancel_futures=True)
+        with self._pending_lock:
+            queued = [pending for pending in self._pending if pending.started_at is None]
+        for pending in queued:
+            self._submit(pending)
+
+    def _discard_pending(self, job: CompileJob) -> None:
+        with self._pending_lock:
+            self._pending.discard(job)
 
     def _compile(self, key: GrammarKey) -> Grammar:
-        import time
-
         backend = self._get_backend(key.backend)
         start = time.perf_counter()
-        grammar = backend.compile(key.kind, key.spec, any_whitespace=key.any_whitespace)
+        whitespace = WhitespaceOptions(key.any_whitespace, key.max_whitespace)
+        grammar = backend.compile(key.kind, key.spec, **backend_kwargs(backend.compile, whitespace))
         self.stats.compile_seconds.append(time.perf_counter() - start)
         return grammar
 
@@ -189,12 +296,14 @@ class StructuredOutputManager:
         return self._tokenizer
 
     def has_pending_compiles(self) -> bool:
-        return bool(self._pending)
+        with self._pending_lock:
+            return bool(self._pending)
 
     def wait_for_compiles(self, timeout_s: float) -> None:
         """Block until any compile finishes or `timeout_s` passes (an idle
         engine must not spin while it waits for grammars)."""
-        pending = list(self._pending)
+        with self._pending_lock:
+            pending = [job.future for job in self._pending]
         if pending:
             wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
 

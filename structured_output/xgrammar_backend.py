@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -39,22 +39,37 @@ _CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
 
 
 def unsupported_json_features(schema: Any, path: str = "#") -> list[str]:
-    """`"<keyword> at <json pointer>"` for every keyword of UNSUPPORTED_JSON_KEYWORDS."""
+    """`"<keyword> at <json pointer>"` for every keyword of UNSUPPORTED_JSON_KEYWORDS,
+    in document order.
+
+    NOTE: iterative (a stack of the per-schema generators below, visited in
+    the order a recursive walk would), so no nesting depth can overflow it.
+    """
     found: list[str] = []
-    if not isinstance(schema, dict):
-        return found
+    stack: list[Iterator[tuple[Any, str]]] = [iter([(schema, path)])]
+    while stack:
+        task = next(stack[-1], None)
+        if task is None:
+            stack.pop()
+        elif isinstance(task[0], dict):
+            stack.append(_subschemas(task[0], task[1], found))
+    return found
+
+
+def _subschemas(schema: dict[str, Any], path: str, found: list[str]) -> Iterator[tuple[Any, str]]:
+    """Yields each subschema of `schema` with its path; appends the keywords
+    of UNSUPPORTED_JSON_KEYWORDS to `found` as it reaches them."""
     for key, value in schema.items():
         if key in UNSUPPORTED_JSON_KEYWORDS and not (key == "uniqueItems" and value is False):
             found.append(f"'{key}' at {path}")
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
-                found += unsupported_json_features(sub, f"{path}/{key}/{name}")
+                yield sub, f"{path}/{key}/{name}"
         elif key in _SCHEMA_VALUES:
-            found += unsupported_json_features(value, f"{path}/{key}")
+            yield value, f"{path}/{key}"
         elif key in _SCHEMA_LISTS and isinstance(value, list):
             for index, sub in enumerate(value):
-                found += unsupported_json_features(sub, f"{path}/{key}/{index}")
-    return found
+                yield sub, f"{path}/{key}/{index}"
 
 
 def choice_to_ebnf(choices: list[str]) -> str:
@@ -172,25 +187,27 @@ class XgrammarBackend(GrammarBackend):
         return row
 
     @classmethod
-    def validate(cls, kind: StructuredOutputKind, spec: str, *, any_whitespace: bool = True) -> None:
-        _validate_cached(StructuredOutputKind(kind), spec, any_whitespace)
+    def validate(
+        cls, kind: StructuredOutputKind, spec: str, *, any_whitespace: bool = True, max_whitespace: int | None = None
+    ) -> None:
+        _validate_cached(StructuredOutputKind(kind), spec, any_whitespace, max_whitespace)
 
-    def compile(self, kind: StructuredOutputKind, spec: str, *, any_whitespace: bool = True) -> XgrammarGrammar:
+    def compile(
+        self, kind: StructuredOutputKind, spec: str, *, any_whitespace: bool = True, max_whitespace: int | None = None
+    ) -> XgrammarGrammar:
         try:
-            return self._compile(StructuredOutputKind(kind), spec, any_whitespace)
+            return self._compile(StructuredOutputKind(kind), spec, _json_options(any_whitespace, max_whitespace))
         except RuntimeError as exc:  # xgrammar's C++ errors
             raise ValueError(clean_error(exc)) from None
 
-    def _compile(self, kind: StructuredOutputKind, spec: str, any_whitespace: bool) -> XgrammarGrammar:
+    def _compile(self, kind: StructuredOutputKind, spec: str, json_options: dict[str, Any]) -> XgrammarGrammar:
         import xgrammar as xgr
 
         compiler = self.compiler
         if kind is StructuredOutputKind.JSON:
-            compiled = compiler.compile_json_schema(spec, any_whitespace=any_whitespace)
+            compiled = compiler.compile_json_schema(spec, **json_options)
         elif kind is StructuredOutputKind.JSON_OBJECT:
-            compiled = compiler.compile_json_schema(
-                '{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False
-            )
+            compiled = compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **json_options)
         elif kind is StructuredOutputKind.REGEX:
             compiled = compiler.compile_regex(spec)
         elif kind is StructuredOutputKind.CHOICE:
@@ -203,8 +220,16 @@ class XgrammarBackend(GrammarBackend):
         return XgrammarGrammar(xgr.GrammarMatcher(compiled), self.allowed_tokens(json_text))
 
 
+def _json_options(any_whitespace: bool, max_whitespace: int | None) -> dict[str, Any]:
+    """xgrammar's whitespace keywords; max_whitespace_cnt only with any_whitespace
+    (xgrammar refuses 0: "none" is any_whitespace=False)."""
+    if any_whitespace and max_whitespace is not None and max_whitespace > 0:
+        return {"any_whitespace": True, "max_whitespace_cnt": max_whitespace}
+    return {"any_whitespace": any_whitespace}
+
+
 @lru_cache(maxsize=256)
-def _validate_cached(kind: StructuredOutputKind, spec: str, any_whitespace: bool) -> None:
+def _validate_cached(kind: StructuredOutputKind, spec: str, any_whitespace: bool, max_whitespace: int | None) -> None:
     import xgrammar as xgr
 
     field = f"structured_outputs.{kind.value}"
@@ -217,7 +242,7 @@ def _validate_cached(kind: StructuredOutputKind, spec: str, any_whitespace: bool
             )
     try:
         if kind is StructuredOutputKind.JSON:
-            xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace)
+            xgr.Grammar.from_json_schema(spec, **_json_options(any_whitespace, max_whitespace))
         elif kind is StructuredOutputKind.REGEX:
             xgr.Grammar.from_regex(spec)
         elif kind is StructuredOutputKind.CHOICE:

@@ -40,6 +40,13 @@ def _response_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "items", "schema": schema, "strict": True}}
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {}
+    for _ in range(depth - 1):
+        schema = {"items": schema}
+    return schema
+
+
 
 
 def test_chat_response_format_json_schema_streamed_and_not(client: openai.OpenAI) -> None:
@@ -110,6 +117,13 @@ def test_json_object_response_format(client: openai.OpenAI) -> None:
     ({"structured_outputs": {"regex": "a", "backend": "nope"}}, "structured_outputs.backend", "registered"),
     ({"structured_outputs": {"grammar": "root ::= bad", "backend": "guidance"}}, "structured_outputs.grammar",
      "llguidance"),
+    # Bounded grammars: refused before any parser runs, naming the limit.
+    ({"structured_outputs": {"json": _nested(400)}}, "structured_outputs.json",
+     "nesting depth 400 exceeds structured_output.max_schema_depth = 64"),
+    ({"response_format": _response_format(_nested(400))}, "response_format.json_schema.schema",
+     "structured_output.max_schema_depth = 64"),
+    ({"structured_outputs": {"regex": "a" * 140_000}}, "structured_outputs.regex",
+     "size 140000 bytes exceeds structured_output.max_spec_bytes = 131072"),
 ])
 def test_bad_specs_are_400s_naming_the_problem(server: ServerProcess, client: openai.OpenAI, body: dict,
                                                 param: str, problem: str) -> None:

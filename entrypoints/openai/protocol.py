@@ -22,6 +22,7 @@ from pagedllm.core.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
+    MAX_WHITESPACE,
     SamplingParams,
     StructuredOutputsParams,
 )
@@ -87,6 +88,8 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     structural_tag: dict[str, Any] | str | None = None
     disable_any_whitespace: bool = False
     backend: str | None = None
+    # The longest whitespace run in JSON output (0 = none); None = the server's default.
+    max_whitespace: int | None = Field(None, ge=0, le=MAX_WHITESPACE)
 
 
 class SamplingFields(OpenAIBaseModel):

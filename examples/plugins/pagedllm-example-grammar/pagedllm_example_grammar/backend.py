@@ -25,10 +25,13 @@ if TYPE_CHECKING:
     from pagedllm.core.config import StructuredOutputConfig
 
 
-def grammar_text(kind: StructuredOutputKind, spec: str, any_whitespace: bool) -> str:
+def grammar_text(kind: StructuredOutputKind, spec: str, any_whitespace: bool, max_whitespace: int | None = None) -> str:
     """The llguidance grammar (its JSON form) for a pagedllm spec."""
     kind = StructuredOutputKind(kind)
-    options = {"whitespace_flexible": any_whitespace}
+    options: dict[str, Any] = {"whitespace_flexible": any_whitespace}
+    if any_whitespace and max_whitespace:
+        # JSON's four whitespace characters, at most `max_whitespace` in a run.
+        options["whitespace_pattern"] = f"[\\x20\\x0A\\x0D\\x09]{{0,{max_whitespace}}}"
     if kind is StructuredOutputKind.JSON:
         return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides=options)
     if kind is StructuredOutputKind.JSON_OBJECT:
@@ -125,21 +128,28 @@ class GuidanceBackend(GrammarBackend):
         if self.eos_token_id is None:
             self.eos_token_id = self.ll_tokenizer.eos_token
 
+    # NOTE: naming `max_whitespace` in validate/compile is what opts in: plugin
+    # API >= 1.1 passes it (bounded JSON whitespace), 1.0 never does.
     @classmethod
-    def validate(cls, kind: StructuredOutputKind, spec: str, *, any_whitespace: bool = True) -> None:
+    def validate(
+        cls, kind: StructuredOutputKind, spec: str, *, any_whitespace: bool = True, max_whitespace: int | None = None
+    ) -> None:
         kind = StructuredOutputKind(kind)
         field = f"structured_outputs.{kind.value}"
         if kind not in cls.supported_kinds:
             raise InvalidRequestError(field, spec[:200], "the guidance backend does not support this kind")
         try:
-            error = llguidance.LLMatcher.validate_grammar(grammar_text(kind, spec, any_whitespace))
+            error = llguidance.LLMatcher.validate_grammar(grammar_text(kind, spec, any_whitespace, max_whitespace))
         except ValueError as exc:
             error = str(exc)
         if error:
             raise InvalidRequestError(field, spec[:200], f"llguidance cannot compile it: {error}")
 
-    def compile(self, kind: StructuredOutputKind, spec: str, *, any_whitespace: bool = True) -> GuidanceGrammar:
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(kind, spec, any_whitespace), log_level=0)
+    def compile(
+        self, kind: StructuredOutputKind, spec: str, *, any_whitespace: bool = True, max_whitespace: int | None = None
+    ) -> GuidanceGrammar:
+        grammar = grammar_text(kind, spec, any_whitespace, max_whitespace)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"llguidance cannot compile the {StructuredOutputKind(kind).value}: {matcher.get_error()}")
         return GuidanceGrammar(matcher, self.eos_token_id)
