@@ -63,18 +63,35 @@ class KVReference:
 
     def on_allocated(self, request: Request, hit_block_ids: Iterable[int], new_block_ids: Iterable[int]) -> None:
         """`request` took these prefix-hit blocks, then these fresh blocks."""
-        request_id = request.request_id
-        table = self.tables.setdefault(request_id, [])
-        hit_block_ids = list(hit_block_ids)
-        assert not (hit_block_ids and table), f"{request_id}: prefix hit on a request that already has blocks"
-        table.extend(hit_block_ids)
-        for block_id in new_block_ids:
-            holders = [other for other, blocks in self.tables.items() if block_id in blocks]
-            assert not holders, f"fresh block {block_id} given to {request_id} is still held by {holders}"
-            self.origins[block_id] = BlockOrigin(request, len(table))
-            table.append(block_id)
-        self.live[request_id] = request
-        self._known[request_id] = request
+        self.on_step_allocated([(request, list(hit_block_ids), list(new_block_ids))])
+
+    def on_step_allocated(self, allocations: list[tuple[Request, list[int], list[int]]]) -> None:
+        """Several requests' allocations of one scheduler step, in any order.
+
+        NOTE: a request admitted later in a step may hit a block allocated
+        (and cached) earlier in the same step; both compute it in that step.
+        So every fresh block of the step is checked against the tables from
+        before the step, and hits are added after.
+        """
+        fresh_block_ids: set[int] = set()
+        for request, hit_block_ids, new_block_ids in allocations:
+            table = self.tables.get(request.request_id, [])
+            assert not (hit_block_ids and table), f"{request.request_id}: prefix hit on a request with blocks"
+            first_new_index = len(table) + len(hit_block_ids)
+            for offset, block_id in enumerate(new_block_ids):
+                holders = [other for other, blocks in self.tables.items() if block_id in blocks]
+                assert not holders and block_id not in fresh_block_ids, (
+                    f"fresh block {block_id} given to {request.request_id} is still held by "
+                    f"{holders or 'another request of this step'}"
+                )
+                fresh_block_ids.add(block_id)
+                self.origins[block_id] = BlockOrigin(request, first_new_index + offset)
+        for request, hit_block_ids, new_block_ids in allocations:
+            table = self.tables.setdefault(request.request_id, [])
+            table.extend(hit_block_ids)
+            table.extend(new_block_ids)
+            self.live[request.request_id] = request
+            self._known[request.request_id] = request
 
     def on_computed(self, request: Request, start: int, end: int) -> None:
         """The model wrote the K/V of positions [start, end) of `request`."""
