@@ -22,7 +22,8 @@ from packaging.version import Version
 
 # Semantic version of the plugin API (hookspecs, the register() contract, the
 # base classes plugins subclass). Bump rules: docs/plugins.md "Compatibility".
-API_VERSION = "1.0.0"
+# 1.1: grammar backends whose validate/compile name `max_whitespace` get it.
+API_VERSION = "1.1.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 
