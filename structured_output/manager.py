@@ -26,13 +26,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pagedllm.core.errors import InvalidRequestError, PagedLLMError
 from pagedllm.structured_output.bitmask import allocate_token_bitmask
+from pagedllm.structured_output.compile_job import CompileJob, CompilePool
 from pagedllm.structured_output.interface import Grammar, GrammarBackend, StructuredOutputKind
 from pagedllm.structured_output.limits import check_spec_limits, summary
 from pagedllm.structured_output.validator import GrammarVocab, get_validator
@@ -55,36 +55,6 @@ class GrammarKey(NamedTuple):
     any_whitespace: bool
     # The longest JSON whitespace run; None = unbounded (see whitespace.py).
     max_whitespace: int | None = None
-
-
-class CompileJob:
-    """One compile (shared by every request with its key): its future, when a
-    compile thread started it, and the limit it runs under."""
-
-    def __init__(self, key: GrammarKey, timeout_s: float, on_timeout: Callable[[CompileJob], None]) -> None:
-        self.key = key
-        self.timeout_s = timeout_s
-        self.future: Future[Grammar] = Future()
-        self.started_at: float | None = None
-        self.timed_out = False
-        self._on_timeout = on_timeout
-        self._claim_lock = threading.Lock()
-
-    def claim(self) -> bool:
-        """Called by the compile thread: True for the one that may run it."""
-        with self._claim_lock:
-            if self.started_at is not None:
-                return False
-            self.started_at = time.monotonic()
-            return True
-
-    def check_deadline(self) -> bool:
-        """True if the compile has run past its limit (reported once to the manager)."""
-        if not self.timed_out and self.started_at is not None and not self.future.done():
-            if time.monotonic() - self.started_at > self.timeout_s:
-                self.timed_out = True
-                self._on_timeout(self)
-        return self.timed_out and not self.future.done()
 
 
 @dataclass
@@ -192,7 +162,7 @@ class StructuredOutputManager:
         self._tokenizer = tokenizer
         self._backends: dict[str, GrammarBackend] = {}
         self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
+        self._pool: CompilePool | None = None
         self._cache: OrderedDict[GrammarKey, CompileJob] = OrderedDict()
         # Jobs not yet finished; the done callbacks (compile threads) remove them.
         self._pending: set[CompileJob] = set()
@@ -237,9 +207,9 @@ class StructuredOutputManager:
         request.structured_output_request = StructuredOutputRequest(key, job)
 
     def _submit(self, job: CompileJob) -> None:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(self.config.num_compile_threads, thread_name_prefix="pagedllm-grammar")
-        self._executor.submit(self._run_job, job)
+        if self._pool is None:
+            self._pool = CompilePool(self.config.num_compile_threads, self._run_job)
+        self._pool.submit(job)
 
     def _run_job(self, job: CompileJob) -> None:
         if not job.claim():
@@ -258,9 +228,9 @@ class StructuredOutputManager:
             "grammar compile (%s, %s, %d bytes) ran past structured_output.compile_timeout_s = %g s; "
             "its requests fail", job.key.backend, job.key.kind.value, len(job.key.spec), job.timeout_s,
         )
-        old, self._executor = self._executor, None
+        old, self._pool = self._pool, None
         if old is not None:
-            old.shutdown(wait=False, cancel_futures=True)
+            old.shutdown()
         with self._pending_lock:
             queued = [pending for pending in self._pending if pending.started_at is None]
         for pending in queued:
@@ -349,7 +319,8 @@ class StructuredOutputManager:
     # ------------------------------------------------------------- stats
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         for backend in self._backends.values():
             backend.close()

@@ -264,7 +264,7 @@ def test_the_manager_refuses_an_over_limit_spec_without_compiling(model_dir: Pat
         "structured output (xgrammar, json) refused: structured_outputs.json='<dict nested too deep to show>' "
         "is invalid: nesting depth 9 exceeds structured_output.max_schema_depth = 8"
     )
-    assert (manager.stats.misses, manager._executor, manager._backends) == (0, None, {})
+    assert (manager.stats.misses, manager._pool, manager._backends) == (0, None, {})
     manager.close()
 
 
