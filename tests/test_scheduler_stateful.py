@@ -180,9 +180,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.scheduler is not None
         scheduler = self.scheduler
         block_size = scheduler.kv_cache_manager.block_size
-        assert scheduler_output.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
-        assert sum(scheduler_output.num_scheduled_tokens.values()) == scheduler_output.total_num_scheduled_tokens
-        assert len(scheduler.running) <= scheduler.max_num_seqs
+        total = scheduler_output.total_num_scheduled_tokens
+        assert total <= scheduler.max_num_batched_tokens, f"{total} tokens over the budget"
+        assert sum(scheduler_output.num_scheduled_tokens.values()) == total
+        assert len(scheduler.running) <= scheduler.max_num_seqs, f"{len(scheduler.running)} running sequences"
         for request_id in scheduler_output.preempted_req_ids:
             SEEN["preempted"] += 1
             assert request_id not in scheduler_output.num_scheduled_tokens
@@ -337,7 +338,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(set(running_ids)) == len(running_ids), f"a request twice in running: {running_ids}"
         assert len(set(waiting_ids)) == len(waiting_ids), f"a request twice in waiting: {waiting_ids}"
         assert not set(running_ids) & set(waiting_ids), f"both running and waiting: {set(running_ids) & set(waiting_ids)}"
-        assert set(scheduler.requests) == set(running_ids) | set(waiting_ids)
+        assert set(scheduler.requests) == set(running_ids) | set(waiting_ids), (
+            f"live requests {sorted(scheduler.requests)} are not running {running_ids} + waiting {waiting_ids}"
+        )
         assert set(self.reference.tables) == set(running_ids), "only running requests hold blocks"
         assert len(running_ids) <= scheduler.max_num_seqs
         for request in scheduler.running:
