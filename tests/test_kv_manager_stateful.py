@@ -21,8 +21,6 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
-from helpers.kv_reference import KVReference
-from helpers.stateful_budget import stateful_settings
 from hypothesis import Phase
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -37,6 +35,9 @@ from hypothesis.stateful import (
 from pagedllm.core.kv_cache import KVCacheBlock, KVCacheManager, hashing
 from pagedllm.core.kv_cache.block_pool import BlockPool
 from pagedllm.core.request import Request
+
+from helpers.kv_reference import KVReference
+from helpers.stateful_budget import stateful_settings
 
 # Shared prefixes and a two-token tail alphabet: hits, shared blocks and
 # same-tokens-different-salt clashes are all common.
