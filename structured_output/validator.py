@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -55,6 +56,10 @@ WORKER_MODULE = "pagedllm.structured_output.validator_worker"
 WORKER_START_TIMEOUT_S = 300.0
 # Validation results kept (passed or refused), least recently used dropped.
 RESULT_CACHE_SIZE = 1024
+# How long a timeout (or a crash) is remembered: long enough that a client
+# repeating a costly spec cannot keep the child busy, short enough that a
+# spec refused while the machine was loaded can be tried again.
+TRANSIENT_MEMORY_S = 60.0
 
 
 class GrammarVocab(NamedTuple):
@@ -68,6 +73,14 @@ class GrammarVocab(NamedTuple):
     def of(cls, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> GrammarVocab:
         """From a loaded HF tokenizer (the folder or id it was loaded from)."""
         return cls(str(tokenizer.name_or_path), vocab_size, eos_token_id)
+
+
+class _Refusal(NamedTuple):
+    field: str
+    value: Any
+    limit: str
+    # A timeout or a crash: also a matter of the machine's load, so not remembered for good.
+    transient: bool = False
 
 
 class _WorkerGone(Exception):
@@ -87,7 +100,8 @@ class GrammarValidator:
         # Prepared (backend, vocab, config) keys of the current child; False =
         # the child cannot import that backend (validated in-process instead).
         self._prepared: dict[tuple[Any, ...], bool] = {}
-        self._results: OrderedDict[tuple[Any, ...], tuple[str, Any, str] | None] = OrderedDict()
+        # key -> (refusal or None, monotonic time it is forgotten)
+        self._results: OrderedDict[tuple[Any, ...], tuple[_Refusal | None, float]] = OrderedDict()
         self._results_lock = threading.Lock()
         self._closed = False
 
@@ -109,24 +123,26 @@ class GrammarValidator:
         key = (_class_path(backend_cls), kind.value, hashlib.sha256(spec.encode("utf-8", "surrogatepass")).digest(),
                tuple(whitespace), vocab, config.model_dump_json())
         with self._results_lock:
-            hit = key in self._results
-            result = self._results.get(key)
+            result, forget_at = self._results.get(key, (None, 0.0))
+            hit = time.monotonic() < forget_at
             if hit:
                 self._results.move_to_end(key)
         if not hit:
             with self._lock:
                 result = self._validate_locked(backend_cls, kind, spec, whitespace, config, vocab)
+            forget_at = time.monotonic() + TRANSIENT_MEMORY_S if result and result.transient else float("inf")
             with self._results_lock:
-                self._results[key] = result
+                self._results[key] = (result, forget_at)
+                self._results.move_to_end(key)
                 while len(self._results) > RESULT_CACHE_SIZE:
                     self._results.popitem(last=False)
         if result is not None:
-            raise InvalidRequestError(*result)
+            raise InvalidRequestError(result.field, result.value, result.limit)
 
     def _validate_locked(
         self, backend_cls: type[GrammarBackend], kind: StructuredOutputKind, spec: str, whitespace: WhitespaceOptions,
         config: StructuredOutputConfig, vocab: GrammarVocab | None,
-    ) -> tuple[str, Any, str] | None:
+    ) -> _Refusal | None:
         request = {"backend": _class_path(backend_cls), "config": config.model_dump_json(), "vocab": vocab,
                    "kind": kind.value, "spec": spec, "whitespace": whitespace}
         for attempt in (1, 2):
@@ -143,14 +159,13 @@ class GrammarValidator:
                 self._stop_child()
                 if attempt == 2:
                     logger.error("grammar validator child died twice on one %s spec: %s", kind.value, exc)
-                    return f"structured_outputs.{kind.value}", summary(spec), (
-                        f"the grammar validator process crashed on it ({exc})"
-                    )
+                    return _Refusal(f"structured_outputs.{kind.value}", summary(spec),
+                                    f"the grammar validator process crashed on it ({exc})", transient=True)
         return None  # not reached
 
     def _validate_in_child(
         self, backend_cls: type[GrammarBackend], request: dict[str, Any], timeout_s: float
-    ) -> tuple[str, Any, str] | None:
+    ) -> _Refusal | None:
         if not self._prepare(request):
             return _validate_in_process(backend_cls, request["kind"], request["spec"], request["whitespace"])
         reply = self._exchange({**request, "op": "validate"}, timeout_s)
@@ -158,13 +173,14 @@ class GrammarValidator:
             # NOTE: killed, not abandoned: nothing keeps compiling it.
             self._stop_child()
             self._start_child()  # warms up while the caller gets its answer
-            return f"structured_outputs.{request['kind']}", summary(request["spec"]), (
-                f"validating and compiling it took longer than "
-                f"structured_output.compile_timeout_s = {timeout_s:g} s"
+            return _Refusal(
+                f"structured_outputs.{request['kind']}", summary(request["spec"]),
+                f"validating and compiling it took longer than structured_output.compile_timeout_s = {timeout_s:g} s",
+                transient=True,
             )
         if reply["ok"]:
             return None
-        return reply["field"], reply["value"], reply["limit"]
+        return _Refusal(reply["field"], reply["value"], reply["limit"])
 
     def _prepare(self, request: dict[str, Any]) -> bool:
         """True once the child has the backend ready for `request`; False if
@@ -258,13 +274,13 @@ def _class_path(backend_cls: type) -> str:
 
 def _validate_in_process(
     backend_cls: type[GrammarBackend], kind: str, spec: str, whitespace: WhitespaceOptions
-) -> tuple[str, Any, str] | None:
+) -> _Refusal | None:
     from pagedllm.structured_output.interface import StructuredOutputKind
 
     try:
         backend_cls.validate(StructuredOutputKind(kind), spec, **backend_kwargs(backend_cls.validate, whitespace))
     except InvalidRequestError as exc:
-        return exc.field, exc.value, exc.limit
+        return _Refusal(exc.field, exc.value, exc.limit)
     return None
 
 
