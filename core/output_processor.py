@@ -297,27 +297,39 @@ class OutputProcessor:
         self.request_states[request_id] = state
         return state
 
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
+    def abort_requests(
+        self, request_ids: list[str], iteration_stats: IterationStats | None = None, now: float | None = None
+    ) -> list[str]:
         """Forget requests by user id (all samples of an n > 1 request) or
-        engine id; return the engine request ids the core must abort."""
-        to_abort: list[str] = []
+        engine id; return the engine request ids the core must abort.
+
+        With `iteration_stats`, every sample still unfinished is accounted
+        there as finished by "abort", once: aborts happen on this side (a
+        client leaving, shutdown), so the core never reports them."""
+        removed: list[RequestState] = []
         for request_id in request_ids:
             parent = self.parent_requests.pop(request_id, None)
             if parent is None:
                 state = self.request_states.get(request_id)
                 if state is None:
                     continue
-                if state.parent is not None:
-                    # Aborting one sample aborts the request it belongs to.
-                    parent = self.parent_requests.pop(state.parent.request_id, None)
-                else:
+                if state.parent is None:
                     del self.request_states[request_id]
-                    to_abort.append(request_id)
+                    removed.append(state)
+                    continue
+                # Aborting one sample aborts the request it belongs to.
+                parent = self.parent_requests.pop(state.parent.request_id, None)
             if parent is not None:
                 for child in parent.child_states:
                     if self.request_states.pop(child.request_id, None) is not None:
-                        to_abort.append(child.request_id)
-        return to_abort
+                        removed.append(child)
+        if iteration_stats is not None:
+            now = time.time() if now is None else now
+            for state in removed:
+                state.finish_reason = "abort"
+                state.metrics.finished_time = now
+                self._record_finished(state, iteration_stats, now)
+        return [state.request_id for state in removed]
 
     # ------------------------------------------------------------- outputs
 

@@ -292,6 +292,33 @@ def test_output_processor_stats_skip_token_free_chunks_and_aborted_requests():
     assert stats.num_prompt_tokens == 0 and stats.time_to_first_tokens == []
 
 
+def test_abort_here_counts_each_unfinished_sample_once_with_its_phases():
+    processor = OutputProcessor(None)
+    processor.add_request("p", None, [1, 2, 3], SamplingParams(n=3, max_tokens=4, detokenize=False),
+                          arrival_time=10.0)  # fmt: skip
+    processor.add_request("q", None, [1], SamplingParams(max_tokens=4, detokenize=False), arrival_time=10.0)
+    # Sample 0 finishes normally, sample 1 has a token, sample 2 none yet.
+    step(processor, [out("0_p", [5], 10.25, "length"), out("1_p", [6], 10.5)], now=11.0)
+    stats = IterationStats()
+    # A sample's id aborts its whole request; "q" is untouched; a repeat counts nothing.
+    assert processor.abort_requests(["1_p", "p", "unknown"], stats, now=12.0) == ["1_p", "2_p"]
+    assert processor.abort_requests(["p"], stats, now=13.0) == []
+    assert [(f.finish_reason, f.e2e_latency, f.num_generation_tokens) for f in stats.finished_requests] == [
+        ("abort", 2.0, 1), ("abort", 2.0, 0),
+    ]
+    assert (stats.finished_requests[0].queued_time, stats.finished_requests[0].prefill_time) == (0.5, 0.5)
+    assert stats.n_params == [3]  # one observation for the request, when its last sample ended
+    assert processor.get_num_unfinished_requests() == 1
+
+
+def test_abort_after_the_request_finished_counts_nothing():
+    processor = OutputProcessor(None)
+    processor.add_request("a", None, [1], SamplingParams(max_tokens=4, detokenize=False), arrival_time=0.0)
+    step(processor, [out("a", [4], 0.5, "stop")], now=1.0)
+    stats = IterationStats()
+    assert processor.abort_requests(["a"], stats) == [] and stats.finished_requests == []
+
+
 def test_stop_string_finish_is_recorded_as_stop():
     from transformers import AutoTokenizer
 
