@@ -164,6 +164,8 @@ class MPClient:
         self.output_decoder = CoreOutputDecoder()
         self.dead_error: EngineDeadError | None = None
         self.ready: Ready | None = None
+        # time.monotonic() of the last message read from the core: proof of life for /health.
+        self.last_heard_at = 0.0
         resources = self.resources = _CoreResources()
         self._finalizer = weakref.finalize(self, resources.shutdown)
         try:
@@ -212,6 +214,7 @@ class MPClient:
                     message = self.output_decoder.decode(self.output_socket.recv())
                     if isinstance(message, Ready):
                         self.ready = message
+                        self.last_heard_at = time.monotonic()
                         return message
                     if isinstance(message, StartupFailed):
                         raise EngineStartupError(
@@ -382,6 +385,7 @@ class AsyncMPClient(MPClient):
                     self.check_alive()
                     return None
                 message = self.output_decoder.decode(await sock.recv())
+                self.last_heard_at = time.monotonic()
                 if isinstance(message, EngineCoreOutputs):
                     return message
                 if isinstance(message, UtilityResult):

@@ -64,7 +64,7 @@ class EngineCoreProc:
     """Runs an EngineCore against a pair of ZMQ sockets."""
 
     # NOTE: the only names a UtilityRequest may call; never getattr() a client's string.
-    UTILITIES = frozenset({"get_stats", "reset_prefix_cache"})
+    UTILITIES = frozenset({"get_stats", "reset_prefix_cache", "ping"})
 
     def __init__(
         self,
@@ -177,6 +177,11 @@ class EngineCoreProc:
 
     def utility_reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def utility_ping(self) -> str:
+        # NOTE: the answer only proves the busy loop turns (between steps);
+        # it must stay free of work so /health measures the loop, not itself.
+        return "pong"
 
     # ---------------------------------------------------------------- parent
 

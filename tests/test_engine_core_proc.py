@@ -187,6 +187,10 @@ def test_abort_in_the_core_frees_blocks_at_once(client: SyncMPClient) -> None:
     assert (stats["num_unfinished_reqs"], stats["num_free_blocks"]) == (0, NUM_KV_BLOCKS)
 
 
+def test_ping_utility_answers_from_the_busy_loop(client: SyncMPClient) -> None:
+    assert client.call_utility("ping") == "pong"
+
+
 def test_unknown_utility_is_refused_and_the_loop_goes_on(client: SyncMPClient) -> None:
     with pytest.raises(RuntimeError, match="UnknownUtility"):
         client.call_utility("__init__")
