@@ -65,15 +65,34 @@ class EngineDeadError(PagedLLMError, RuntimeError):
     The HTTP layer answers 503 (and ends a stream with an error chunk)."""
 
 
-class EngineOverloadedError(PagedLLMError):
-    """Too many unfinished requests (`server.max_pending_requests`); retry later (503)."""
+class ServerShuttingDownError(EngineDeadError):
+    """The server is shutting down and ended a request its drain timeout did
+    not let finish. An EngineDeadError so every path that answers a dead
+    engine with 503 (and a stream with an error chunk) answers this too."""
 
-    def __init__(self, num_pending: int, limit: int) -> None:
+
+class EngineUnresponsiveError(PagedLLMError):
+    """The engine core is alive but did not answer a health ping in time
+    (stopped, wedged in a kernel, deadlocked); /health answers 503."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"the engine core did not answer a health check within {timeout_s:g} s (server.health_timeout_s)"
+        )
+
+
+class EngineOverloadedError(PagedLLMError):
+    """Too many unfinished sequences (`server.max_pending_requests` counts
+    prompts x n); retry later (503)."""
+
+    def __init__(self, num_pending: int, limit: int, num_requested: int = 1) -> None:
         self.num_pending = num_pending
         self.limit = limit
+        self.num_requested = num_requested
         super().__init__(
-            f"the engine has {num_pending} unfinished requests, the limit (server.max_pending_requests) "
-            f"is {limit}; retry later"
+            f"the engine has {num_pending} unfinished sequences and this request adds {num_requested}; "
+            f"the limit (server.max_pending_requests) is {limit}; retry later"
         )
 
 
