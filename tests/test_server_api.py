@@ -299,3 +299,33 @@ def test_tokenize_and_detokenize_round_trip(server: ServerProcess, offline: LLM)
     chat_tokens = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()["tokens"]
     text = offline.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     assert chat_tokens == offline.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_tokenize_and_detokenize_are_exact_on_hard_text(server: ServerProcess, offline: LLM) -> None:
+    # Special tokens inside the text, non-ASCII, whitespace runs, a long text.
+    texts = ["<|im_start|>user\nhi<|im_end|>", "héllo wörld — 日本語 🙂", "  a\n\n\tb  ", "word " * 2000]
+    for text in texts:
+        for add_special_tokens in (True, False):
+            body = {"prompt": text, "add_special_tokens": add_special_tokens}
+            tokens = httpx.post(f"{server.base_url}/tokenize", json=body).json()["tokens"]
+            assert tokens == offline.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    token_ids = list(range(0, 8192, 7))  # every kind of token, special ones included
+    detokenized = httpx.post(f"{server.base_url}/detokenize", json={"tokens": token_ids}).json()
+    assert detokenized == {"prompt": offline.tokenizer.decode(token_ids)}
+
+
+def test_request_chat_template_and_kwargs_are_refused_unless_trusted(server: ServerProcess) -> None:
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    bodies = {
+        "/v1/chat/completions": {"messages": MESSAGES, "max_tokens": 1},
+        "/tokenize": {"messages": MESSAGES},
+    }
+    for path, body in bodies.items():
+        for field, value in (("chat_template", template), ("chat_template_kwargs", {"flavour": "mint"})):
+            response = httpx.post(f"{server.base_url}{path}", json={**body, field: value})
+            assert response.status_code == 400, (path, field, response.text)
+            error = response.json()["error"]
+            assert (error["param"], error["type"]) == (field, "BadRequestError")
+            assert "--trust-request-chat-template" in error["message"]
+    # Without them the same requests are served.
+    assert httpx.post(f"{server.base_url}/tokenize", json=bodies["/tokenize"]).status_code == 200

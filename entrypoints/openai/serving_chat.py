@@ -30,6 +30,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     first_and_rest,
     merge_async_iterators,
+    request_body_size,
     run_until_disconnect,
     sse_lines,
 )
@@ -45,15 +46,11 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
         self.check_stream_options(request.stream, request.stream_options)
-        text, token_ids = self.render_chat(request.messages, request.add_generation_prompt, request.chat_template)
+        self.check_chat_template_allowed(request.chat_template, request.chat_template_kwargs)
         try:
-            params = self.build_sampling_params(request)
-            self.validate_prompt(token_ids, params, request)
-        except InvalidRequestError as exc:
-            # Name the field the client sent.
-            if exc.field == "max_tokens" and request.max_completion_tokens is not None:
-                raise InvalidRequestError("max_completion_tokens", exc.value, exc.limit) from None
-            raise
+            text, token_ids, params = await self.pool.run(self._prepare, request)
+        finally:
+            self.pool.note_request_size(request_body_size(raw_request))
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generator = self.engine.generate(
@@ -70,6 +67,23 @@ class OpenAIServingChat(OpenAIServing):
         if response is None:
             return Response(status_code=499)
         return JSONResponse(response.model_dump())
+
+    def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
+        """Render and tokenize, build the sampling parameters, validate.
+        Blocking (the template, a long prompt, a grammar check): runs in the pool."""
+        text, token_ids = self.render_chat(
+            request.messages, request.add_generation_prompt, request.chat_template, request.chat_template_kwargs,
+            max_num_tokens=self.max_model_len - 1,
+        )
+        try:
+            params = self.build_sampling_params(request)
+            self.validate_prompt(token_ids, params, request)
+        except InvalidRequestError as exc:
+            # Name the field the client sent.
+            if exc.field == "max_tokens" and request.max_completion_tokens is not None:
+                raise InvalidRequestError("max_completion_tokens", exc.value, exc.limit) from None
+            raise
+        return text, token_ids, params
 
     def build_sampling_params(self, request: ChatCompletionRequest) -> SamplingParams:
         top_logprobs = request.top_logprobs

@@ -1,6 +1,10 @@
 """What the completion, chat and tokenize handlers share (vLLM's OpenAIServing):
 model-name check, prompt validation before anything reaches the engine,
-merging the outputs of several prompts, and aborting when the client leaves."""
+merging the outputs of several prompts, and aborting when the client leaves.
+
+NOTE: the blocking steps here (tokenizing, rendering a chat template,
+validating a request) are plain functions that the handlers run in
+`self.pool`, never on the event loop."""
 
 from __future__ import annotations
 
@@ -10,9 +14,13 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from pagedllm.core.config import ServerConfig
 from pagedllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from pagedllm.entrypoints.openai.chat_template import check_chat_template_kwargs, render_chat_template
 from pagedllm.entrypoints.openai.errors import OpenAIServingError, error_body
+from pagedllm.entrypoints.openai.fast_tokenizer import encode_text
 from pagedllm.entrypoints.openai.protocol import ChatMessage, SamplingFields
+from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool, shared_request_pool
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -26,15 +34,28 @@ T = TypeVar("T")
 
 # The ChatML end-of-turn token: when the tokenizer has it, chat replies stop there.
 END_OF_TURN_TOKEN = "<|im_end|>"
+# Slack a chat template may add beyond twice the body: headers per message,
+# a default system prompt.
+RENDERED_PROMPT_SLACK_CHARS = 1 << 20
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM) -> None:
+    def __init__(self, engine: AsyncLLM, pool: RequestWorkerPool | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.vocab_size
+        engine_config = getattr(engine, "config", None)
+        self.server_config: ServerConfig = engine_config.server if engine_config is not None else ServerConfig()
+        # One pool per engine, shared by the completion, chat and tokenize handlers.
+        self.pool = pool or shared_request_pool(engine, self.server_config.request_worker_threads)
+        # A rendered prompt is the body's messages plus the template's markup:
+        # far more than that is a template manufacturing text, and stopped.
+        self.max_rendered_chars = 2 * self.server_config.max_body_bytes + RENDERED_PROMPT_SLACK_CHARS
+        # get_vocab() builds the whole dict: once, not per request.
+        end_of_turn = self.tokenizer.get_vocab().get(END_OF_TURN_TOKEN)
+        self._end_of_turn_token_ids = [] if end_of_turn is None else [end_of_turn]
 
     def check_model(self, model: str | None) -> None:
         # NOTE: an omitted model means the served one (vLLM does the same).
@@ -64,24 +85,54 @@ class OpenAIServing:
                 raise InvalidRequestError("response_format.json_schema.schema", exc.value, exc.limit) from None
             raise
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    chat_template: str | None = None) -> tuple[str, list[int]]:
+    def check_chat_template_allowed(
+        self, chat_template: str | None, chat_template_kwargs: dict[str, Any] | None
+    ) -> None:
+        """A request's own template is code the server would run: refused
+        unless the operator trusts requests (vLLM's --trust-request-chat-template)."""
+        if not self.server_config.trust_request_chat_template:
+            for field, value in (("chat_template", chat_template), ("chat_template_kwargs", chat_template_kwargs)):
+                if value is not None:
+                    raise InvalidRequestError(
+                        field, f"<{len(value)} {'characters' if isinstance(value, str) else 'keys'}>",
+                        "request-supplied chat templates are disabled on this server "
+                        "(the operator can enable them with --trust-request-chat-template)",
+                    )
+        if chat_template_kwargs is not None:
+            check_chat_template_kwargs(chat_template_kwargs)
+
+    def render_chat(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None, max_num_tokens: int | None = None,
+    ) -> tuple[str, list[int]]:
+        """The rendered prompt and its token ids (at most `max_num_tokens` of
+        them, else a 400). Blocking: run it in `self.pool` (after
+        check_chat_template_allowed)."""
         if not messages:
             raise OpenAIServingError(400, "messages: at least one message is required", "messages")
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                tokenize=False,
+            text = render_chat_template(
+                self.tokenizer, conversation, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, template_kwargs=chat_template_kwargs,
+                timeout_s=self.server_config.chat_template_timeout_s, max_chars=self.max_rendered_chars,
             )
+        except InvalidRequestError:
+            raise  # a limit, named
         except Exception as exc:  # jinja errors, a tokenizer without a template
-            raise OpenAIServingError(400, f"messages: the chat template failed: {exc}", "messages") from None
+            field = "messages" if chat_template is None else "chat_template"
+            raise OpenAIServingError(400, f"{field}: the chat template failed: {exc}", field) from None
         # The template already holds every special token it wants.
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, encode_text(self.tokenizer, text, False, max_num_tokens)
 
     def end_of_turn_token_ids(self) -> list[int]:
-        token_id = self.tokenizer.get_vocab().get(END_OF_TURN_TOKEN)
-        return [] if token_id is None else [token_id]
+        return list(self._end_of_turn_token_ids)
+
+
+def request_body_size(raw_request: Request) -> int:
+    """The request's declared body size (0 when not declared)."""
+    declared = raw_request.headers.get("content-length", "")
+    return int(declared) if declared.isdigit() else 0
 
 
 async def first_and_rest(iterator: AsyncGenerator[T, None]) -> tuple[T | None, AsyncGenerator[T, None]]:
