@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# A request that handled at least this much input (characters, tokens or body
-# bytes) asks for freed memory to be handed back to the OS afterwards.
+# A request whose body is at least this many bytes (its parsed copies and its
+# tokenizer work are several times that) has freed memory handed back to the
+# OS afterwards.
 LARGE_REQUEST_SIZE = 1 << 20
 # Seconds after such a request before trimming (its objects are gone by then),
 # and the least time between two trims: malloc_trim walks the whole heap.
@@ -76,8 +77,8 @@ class RequestWorkerPool:
         return self._num_waiting
 
     def note_request_size(self, size: int) -> None:
-        """After a request that handled `size` characters / tokens / bytes:
-        schedule one trim of freed memory if it was large (coalesced, rate-limited)."""
+        """After a request whose body had `size` bytes: schedule one trim of
+        freed memory if it was large (coalesced, rate-limited)."""
         if size < LARGE_REQUEST_SIZE or self._trim_handle is not None:
             return
         loop = asyncio.get_running_loop()
