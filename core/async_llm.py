@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,13 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient
 from pagedllm.core.engine import validate_prompt
 from pagedllm.core.int_limits import check_priority
-from pagedllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from pagedllm.core.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineUnresponsiveError,
+    InvalidRequestError,
+    ServerShuttingDownError,
+)
 from pagedllm.core.metrics import StatLoggerManager
 from pagedllm.core.output_processor import OutputProcessor
 from pagedllm.core.outputs import CompletionOutput, RequestOutput, RequestOutputKind
@@ -36,7 +43,7 @@ from pagedllm.core.stats import IterationStats
 from pagedllm.core.tokenizer import check_token_ids, load_tokenizer
 from pagedllm.model_registry.tiny import MODEL_ALIASES, TARGET_MODEL_NAME, resolve_model_path
 from pagedllm.plugins import get_plugin_manager
-from pagedllm.structured_output.manager import validate_structured_outputs
+from pagedllm.structured_output.manager import GrammarVocab, validate_structured_outputs
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
@@ -78,6 +85,27 @@ class _RequestStream:
             CompletionOutput(index, "", [], None, None, finish_reason="abort") for index in range(self.n)
         ]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, None, completions, True)
+
+
+class Admission:
+    """Sequences reserved for one HTTP request by `AsyncLLM.admit()` before any
+    of its prompts reaches the engine, so a request is admitted whole or not
+    at all; each `generate(..., admission=...)` takes its n from here.
+
+    NOTE: a reservation nobody takes (a prompt never started) is released
+    when the request's handler lets go of this object (AsyncLLM holds it
+    weakly): there is no release call to forget."""
+
+    __slots__ = ("num_reserved", "__weakref__")
+
+    def __init__(self, num_sequences: int) -> None:
+        self.num_reserved = num_sequences
+
+    def take(self, num_sequences: int) -> bool:
+        if num_sequences > self.num_reserved:
+            return False
+        self.num_reserved -= num_sequences
+        return True
 
 
 class AsyncLLM:
@@ -122,6 +150,12 @@ class AsyncLLM:
             max_model_len=ready.max_model_len,
         )
         self._streams: dict[str, _RequestStream] = {}
+        self._admissions: weakref.WeakSet[Admission] = weakref.WeakSet()
+        # Set by end_all_requests() (shutdown): new requests are refused with it.
+        self._refusal: str | None = None
+        # The health ping in flight, shared by concurrent checks, and when it was sent.
+        self._health_ping: asyncio.Future[Any] | None = None
+        self._health_ping_sent_at = 0.0
         self._output_task: asyncio.Task[None] | None = None
         self._output_loop: asyncio.AbstractEventLoop | None = None
 
@@ -167,9 +201,49 @@ class AsyncLLM:
     def num_unfinished_requests(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_pending_sequences(self) -> int:
+        """What `server.max_pending_requests` limits: the engine sequences
+        (prompts x n) of unfinished requests plus those admitted, not yet added."""
+        reserved = sum(admission.num_reserved for admission in self._admissions)
+        return reserved + sum(stream.n for stream in self._streams.values())
+
     async def check_health(self) -> None:
-        """Raise EngineDeadError if the engine core died."""
+        """Raise EngineDeadError if the engine core died, EngineUnresponsiveError
+        if it showed no life within `server.health_timeout_s` (stopped, wedged).
+
+        Healthy at once when the core sent anything (a step's outputs, a ping's
+        answer) within the timeout, so a busy core costs /health no wait;
+        otherwise wait for a ping. One ping is in flight at a time, shared by
+        concurrent checks, and each check sends a new one if none is; once the
+        one in flight is older than the timeout, checks fail at once until the
+        core answers it. A core that stops is reported within about one timeout.
+        """
         self.engine_core.check_alive()
+        await self.start()
+        timeout_s = self.config.server.health_timeout_s
+        ping = self._health_ping_in_flight()
+        now = time.monotonic()
+        remaining_s = self._health_ping_sent_at + timeout_s - now
+        if remaining_s <= 0:
+            raise EngineUnresponsiveError(timeout_s)
+        if now - self.engine_core.last_heard_at < timeout_s:
+            return
+        try:
+            # shield: a check that gives up must not cancel the ping others wait for.
+            await asyncio.wait_for(asyncio.shield(ping), remaining_s)
+        except TimeoutError:
+            raise EngineUnresponsiveError(timeout_s) from None
+
+    def _health_ping_in_flight(self) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        ping = self._health_ping
+        if ping is None or ping.done() or ping.get_loop() is not loop:
+            ping = self._health_ping = loop.create_task(self.engine_core.call_utility_async("ping"))
+            # Nobody may await it (a fresh core answers checks): its error is not news.
+            ping.add_done_callback(lambda task: task.cancelled() or task.exception())
+            self._health_ping_sent_at = time.monotonic()
+        return ping
 
     # --------------------------------------------------------------- requests
 
@@ -177,6 +251,36 @@ class AsyncLLM:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
         return check_token_ids(prompt)
+
+    def admit(self, num_prompts: int, n: int) -> Admission:
+        """Admit one request of `num_prompts` prompts x `n` samples as a whole,
+        before any of its prompts reaches the engine; pass the result to each
+        of its `generate()` calls. InvalidRequestError (400) if it alone
+        exceeds `server.max_pending_requests`, EngineOverloadedError (503)
+        if it does not fit beside the sequences already pending."""
+        self._check_accepting()
+        num_sequences = num_prompts * n
+        self._check_pending_limit(num_sequences, num_prompts, n)
+        admission = Admission(num_sequences)
+        self._admissions.add(admission)
+        return admission
+
+    def _check_pending_limit(self, num_sequences: int, num_prompts: int, n: int) -> None:
+        limit = self.config.server.max_pending_requests
+        if num_sequences > limit:
+            field, value = ("n", n) if n > 1 else ("prompt", num_prompts)
+            raise InvalidRequestError(
+                field, value, f"{num_prompts} prompt(s) x n={n} = {num_sequences} sequences exceed the limit "
+                f"on pending sequences (server.max_pending_requests = {limit})",
+            )
+        num_pending = self.num_pending_sequences
+        if num_pending + num_sequences > limit:
+            raise EngineOverloadedError(num_pending, limit, num_sequences)
+
+    def _check_accepting(self) -> None:
+        if self._refusal is not None:
+            raise ServerShuttingDownError(self._refusal)
+        self.engine_core.check_alive()
 
     def validate_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> int:
         """The checks `generate()` runs before anything reaches the core
@@ -186,7 +290,9 @@ class AsyncLLM:
         max_tokens = sampling_params.validate_against(self.max_model_len, len(prompt_token_ids), self.vocab_size)
         if sampling_params.structured_outputs is not None:
             # A bad schema or grammar is a 400 here, never a compile failure in the core.
-            validate_structured_outputs(sampling_params.structured_outputs, self.config.structured_output)
+            # With the vocab, the validator compiles exactly what the core will, under the time limit.
+            validate_structured_outputs(sampling_params.structured_outputs, self.config.structured_output,
+                                        GrammarVocab.of(self.tokenizer, self.vocab_size, self.eos_token_id))
         return max_tokens
 
     async def generate(
@@ -199,18 +305,20 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        admission: Admission | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's RequestOutputs as the core produces them.
 
         Errors (InvalidRequestError, EngineOverloadedError, EngineDeadError)
         raise at the first iteration. If the consumer stops early (break,
         client disconnect: GeneratorExit / CancelledError) the request is
-        aborted in the core at once.
+        aborted in the core at once. With `admission` (from `admit()`) its
+        sequences were counted already; without, they are counted here.
         """
-        self.engine_core.check_alive()
+        self._check_accepting()
         await self.start()
         stream = self._add_request(
-            prompt, sampling_params, request_id, prompt_text, priority, cache_salt, output_kind
+            prompt, sampling_params, request_id, prompt_text, priority, cache_salt, output_kind, admission
         )
         finished = False
         try:
@@ -234,10 +342,11 @@ class AsyncLLM:
         priority: int,
         cache_salt: str | None,
         output_kind: RequestOutputKind,
+        admission: Admission | None = None,
     ) -> _RequestStream:
-        limit = self.config.server.max_pending_requests
-        if len(self._streams) >= limit:
-            raise EngineOverloadedError(len(self._streams), limit)
+        n = sampling_params.n
+        if admission is None or not admission.take(n):
+            self._check_pending_limit(n, 1, n)
         if request_id in self._streams:
             raise InvalidRequestError("request_id", request_id, "a request with this id is still running")
         check_priority(priority)
@@ -286,21 +395,44 @@ class AsyncLLM:
         # NOTE: synchronous on purpose: it runs in generate()'s finally, where
         # a cancelled task must not await.
         self._streams.pop(request_id, None)
-        engine_request_ids = self.output_processor.abort_requests([request_id])
+        self._abort_in_core(self._forget_aborted([request_id]))
+
+    def _forget_aborted(self, request_ids: list[str]) -> list[str]:
+        """Drop requests from the output processor, counting each unfinished
+        sample once as finished by "abort"; returns their engine request ids."""
+        iteration_stats = IterationStats()
+        engine_request_ids = self.output_processor.abort_requests(request_ids, iteration_stats)
+        if iteration_stats.finished_requests:
+            self.stat_logger.record(None, iteration_stats)
+        return engine_request_ids
+
+    def _abort_in_core(self, engine_request_ids: list[str]) -> None:
         try:
             self.engine_core.abort_requests(engine_request_ids)
         except EngineDeadError:
             pass  # nothing left to free
+
+    def end_all_requests(self, reason: str = "the server is shutting down") -> int:
+        """Shutdown's last step: end every unfinished request with
+        ServerShuttingDownError (its client gets a 503, or an error chunk and
+        [DONE]), abort it in the core, and refuse new requests from now on.
+        Returns how many requests it ended."""
+        self._refusal = reason
+        streams = list(self._streams)
+        self._fail_all(ServerShuttingDownError(reason))
+        return len(streams)
 
     # -------------------------------------------------------------- utilities
 
     async def get_stats(self) -> dict[str, Any]:
         """The core's queue and KV figures now (num_running_reqs,
         num_waiting_reqs, num_unfinished_reqs, kv_cache_usage, num_free_blocks,
-        num_kv_blocks, num_preemptions) plus this side's num_pending_requests."""
+        num_kv_blocks, num_preemptions) plus this side's num_pending_requests
+        and num_pending_sequences."""
         await self.start()
         stats = dict(await self.engine_core.call_utility_async("get_stats"))
         stats["num_pending_requests"] = len(self._streams)
+        stats["num_pending_sequences"] = self.num_pending_sequences
         return stats
 
     async def reset_prefix_cache(self) -> bool:
@@ -353,4 +485,6 @@ class AsyncLLM:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.queue.put_nowait(error)
-        self.output_processor.abort_requests(list(streams))
+        engine_request_ids = self._forget_aborted(list(streams))
+        if not self.engine_core.errored:
+            self._abort_in_core(engine_request_ids)

@@ -212,12 +212,34 @@ class ServerConfig(_Section):
     allow_unauthenticated_metrics: bool = False
     # Request bodies above this are refused with 413.
     max_body_bytes: int = Field(4 << 20, ge=1024)
-    # Requests admitted but not finished, beyond which new ones get 503.
+    # Engine sequences (prompts x n) admitted but not finished. A request that
+    # would pass it gets 503 (retry later); one that alone exceeds it gets 400.
+    # NOTE: the name predates counting sequences; kept for compatibility.
     max_pending_requests: int = Field(1024, ge=1)
+    # /health fails (503) when the engine core does not answer a ping this fast.
+    health_timeout_s: float = Field(5.0, gt=0.0)
+    # On SIGTERM / SIGINT: how long in-flight requests may still finish; the
+    # rest then end with a 503 (or an error chunk and [DONE] when streaming).
+    drain_timeout_s: float = Field(30.0, ge=0.0)
+    # When the engine core dies: False = the API process ends its requests with
+    # 503 and exits non-zero (a supervisor restarts it, as vLLM); True = it stays
+    # up answering 503 (a liveness probe on /health decides).
+    keep_alive_on_engine_death: bool = False
     # The model id clients send and /v1/models lists; None = the model path's name.
     served_model_name: str | None = None
     # Seconds between the periodic throughput log line; 0 = off.
     log_stats_interval_s: float = Field(10.0, ge=0.0)
+    # Threads that tokenize, detokenize, render chat templates and validate
+    # requests off the event loop; a request waits for a free one. Fast
+    # tokenizers release the GIL, so more threads use more cores; templates
+    # hold it, so many would slow the event loop down.
+    request_worker_threads: int = Field(4, ge=1, le=64)
+    # Accept `chat_template` / `chat_template_kwargs` in requests. Off: a 400
+    # naming the field (a request template is code the server runs).
+    trust_request_chat_template: bool = False
+    # Longest a chat template may render (the model's own template included);
+    # past it the render is stopped and the request gets a 400.
+    chat_template_timeout_s: float = Field(5.0, gt=0.0, le=600.0)
 
 
 # vLLM's flat keyword names (LLM(model=..., block_size=...)) -> (section, key).

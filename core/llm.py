@@ -15,7 +15,7 @@ from pagedllm.core.output_processor import OutputProcessor
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.tokenizer import check_token_ids, eos_token_id, load_tokenizer
-from pagedllm.structured_output.manager import validate_structured_outputs
+from pagedllm.structured_output.manager import GrammarVocab, validate_structured_outputs
 
 if TYPE_CHECKING:
     from pagedllm.core.outputs import RequestOutput
@@ -126,7 +126,8 @@ class LLM:
         core.validate_prompt(token_ids)
         params.validate_against(self.max_model_len, len(token_ids), core.vocab_size)
         if params.structured_outputs is not None:
-            validate_structured_outputs(params.structured_outputs, self.config.structured_output)
+            validate_structured_outputs(params.structured_outputs, self.config.structured_output,
+                                        GrammarVocab.of(self.tokenizer, core.vocab_size, self.eos_token_id))
         request_id = str(next(self._request_counter))
         arrival_time = time.time()
         engine_requests = self.output_processor.add_request(request_id, text, token_ids, params, arrival_time)

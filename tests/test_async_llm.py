@@ -20,7 +20,13 @@ from helpers.tiny_models import cached_tiny_model
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.async_llm import AsyncLLM
 from pagedllm.core.config import EngineConfig
-from pagedllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from pagedllm.core.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineUnresponsiveError,
+    InvalidRequestError,
+    ServerShuttingDownError,
+)
 from pagedllm.core.outputs import RequestOutput, RequestOutputKind
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -232,6 +238,140 @@ async def test_requests_beyond_max_pending_requests_are_refused() -> None:
         # Room again once they are gone.
         outputs = await _collect(llm, PROMPTS[2], SamplingParams(max_tokens=2), "pending-3")
         assert outputs[-1].finished
+    finally:
+        llm.shutdown()
+
+
+async def test_admission_counts_prompts_times_n_and_refuses_a_request_too_big_alone() -> None:
+    llm = AsyncLLM(_config(max_pending_requests=8), in_process=True)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=400, ignore_eos=True)
+    try:
+        with pytest.raises(InvalidRequestError) as too_many_samples:
+            llm.admit(3, 3)
+        assert (too_many_samples.value.field, too_many_samples.value.value) == ("n", 3)
+        assert "= 9 sequences" in str(too_many_samples.value)
+        assert "(server.max_pending_requests = 8)" in str(too_many_samples.value)
+        with pytest.raises(InvalidRequestError) as too_many_prompts:
+            llm.admit(9, 1)
+        assert (too_many_prompts.value.field, too_many_prompts.value.value) == ("prompt", 9)
+
+        admission = llm.admit(2, 3)
+        assert llm.num_pending_sequences == 6  # reserved before any prompt reached the engine
+        with pytest.raises(EngineOverloadedError) as overloaded:
+            llm.admit(1, 3)
+        assert (overloaded.value.num_pending, overloaded.value.num_requested, overloaded.value.limit) == (6, 3, 8)
+        running = [llm.generate(PROMPTS[i], params, f"admitted-{i}", admission=admission) for i in range(2)]
+        for generator in running:
+            await generator.__anext__()
+        assert (admission.num_reserved, llm.num_pending_sequences) == (0, 6)
+        # Without an admission, generate() counts its own n.
+        with pytest.raises(EngineOverloadedError):
+            await _collect(llm, PROMPTS[2], params, "unadmitted")
+        unused = llm.admit(1, 2)
+        assert llm.num_pending_sequences == 8
+        del unused  # a handler that never started its prompts: the reservation goes with it
+        assert llm.num_pending_sequences == 6
+        for generator in running:
+            await generator.aclose()
+        assert llm.num_pending_sequences == 0
+        with pytest.raises(InvalidRequestError) as alone:
+            await _collect(llm, PROMPTS[0], SamplingParams(n=9), "too-big")
+        assert alone.value.field == "n"
+    finally:
+        llm.shutdown()
+
+
+def _finish_counts(llm: AsyncLLM) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        sample.labels["finished_reason"]: sample.value
+        for family in text_string_to_metric_families(llm.stat_logger.render().decode())
+        for sample in family.samples
+        if sample.name == "pagedllm:request_success_total"
+    }
+
+
+async def test_every_abort_is_counted_once_and_a_stop_string_is_a_stop(reference: list[RequestOutput]) -> None:
+    llm = AsyncLLM(_config(), in_process=True)
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    try:
+        dropped = llm.generate(PROMPTS[0], long, "dropped")  # a client that disconnects
+        await dropped.__anext__()
+        await dropped.aclose()
+        async for _ in llm.generate(PROMPTS[1], long, "aborted"):
+            await llm.abort("aborted")
+        n2 = llm.generate(PROMPTS[2], SamplingParams(n=2, max_tokens=400, ignore_eos=True), "n2")
+        await n2.__anext__()
+        await n2.aclose()  # both samples end by abort
+        full_text = reference[1].outputs[0].text
+        stop = full_text[len(full_text) // 2 :].strip()[:3]
+        stopped = await _collect(llm, PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                                 stop=[stop]), "stop")
+        assert stopped[-1].outputs[0].finish_reason == "stop"
+        assert _finish_counts(llm) == {"abort": 4, "stop": 1, "length": 0}
+    finally:
+        llm.shutdown()
+
+
+async def test_end_all_requests_fails_those_in_flight_and_refuses_new_ones() -> None:
+    llm = AsyncLLM(_config(), in_process=True)
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    try:
+        in_flight = llm.generate(PROMPTS[0], long, "in-flight")
+        await in_flight.__anext__()
+        assert llm.end_all_requests("the server is shutting down") == 1
+        with pytest.raises(ServerShuttingDownError, match="the server is shutting down"):
+            async for _ in in_flight:
+                pass
+        with pytest.raises(ServerShuttingDownError):
+            await _collect(llm, PROMPTS[1], long, "too-late")
+        with pytest.raises(ServerShuttingDownError):
+            llm.admit(1, 1)
+        assert _finish_counts(llm)["abort"] == 1
+        stats = await _wait_until_idle(llm, timeout_s=2.0)  # the core let go of it too
+        assert (stats["num_unfinished_reqs"], stats["num_free_blocks"]) == (0, NUM_KV_BLOCKS)
+    finally:
+        llm.shutdown()
+
+
+async def test_health_check_fails_within_its_timeout_while_the_core_is_stopped() -> None:
+    timeout_s = 0.5
+    llm = AsyncLLM(_config(health_timeout_s=timeout_s), in_process=False)
+    pid = llm.engine_pid
+    assert pid is not None
+    try:
+        await llm.check_health()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stopped_at = time.monotonic()
+            while True:  # polled like a load balancer would
+                results = await asyncio.gather(*(llm.check_health() for _ in range(3)), return_exceptions=True)
+                if any(results):
+                    break
+                assert time.monotonic() - stopped_at < timeout_s + 5.0
+                await asyncio.sleep(0.05)
+            failed_after = time.monotonic() - stopped_at
+            assert [type(result) for result in results] == [EngineUnresponsiveError] * 3
+            # The core was heard from just before the stop: no sooner than one timeout.
+            assert timeout_s - 0.05 <= failed_after < timeout_s + 5.0
+            assert len(llm.engine_core._utility_futures) == 1  # every check shared one ping
+            # That ping is overdue: a check now fails at once.
+            started = time.monotonic()
+            with pytest.raises(EngineUnresponsiveError, match="server.health_timeout_s"):
+                await llm.check_health()
+            assert time.monotonic() - started < timeout_s / 2
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10.0
+        while True:  # healthy again once the core answered the overdue ping
+            try:
+                await llm.check_health()
+                break
+            except EngineUnresponsiveError:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+        assert not llm.errored
     finally:
         llm.shutdown()
 

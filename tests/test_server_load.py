@@ -165,7 +165,7 @@ def test_sigterm_stops_server_and_engine_core_without_orphans(server: ServerProc
     descendants = server.descendants()
     assert engine_pid in descendants
     server.process.send_signal(signal.SIGTERM)
-    server.process.wait(timeout=15)
+    assert server.process.wait(timeout=15) == 0  # drained, not killed by the signal
     assert wait_until(lambda: not any(is_alive(pid) for pid in descendants), timeout_s=5.0)
 
 
@@ -173,7 +173,9 @@ def test_sigterm_stops_server_and_engine_core_without_orphans(server: ServerProc
 
 
 def test_killed_engine_core_makes_health_503_and_inflight_requests_fail_fast(model_dir: Path) -> None:
-    with start_server(model_dir, "--num-kv-blocks", str(NUM_KV_BLOCKS), "--served-model-name", MODEL_NAME) as srv:
+    # The stay-up policy; the default (exit 1) is in test_server_faults.py.
+    with start_server(model_dir, "--num-kv-blocks", str(NUM_KV_BLOCKS), "--served-model-name", MODEL_NAME,
+                      "--keep-alive-on-engine-death") as srv:
         url = srv.base_url
         body = {"model": MODEL_NAME, "prompt": "never finishes", "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True}
         non_streaming: dict[str, Any] = {}
@@ -207,6 +209,8 @@ def test_killed_engine_core_makes_health_503_and_inflight_requests_fail_fast(mod
             time.monotonic() - killed_at))
         refused = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2}, timeout=10)
         assert refused.status_code == 503
+        time.sleep(0.5)  # a dead core does not end a server that is told to stay up
+        assert srv.process.poll() is None and httpx.head(f"{url}/health").status_code == 503
         srv.process.send_signal(signal.SIGTERM)
-        srv.process.wait(timeout=15)
+        assert srv.process.wait(timeout=15) == 0
         assert wait_until(lambda: not any(is_alive(pid) for pid in descendants), timeout_s=5.0)

@@ -24,7 +24,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
-from pagedllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from pagedllm.core.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineUnresponsiveError,
+    InvalidRequestError,
+)
 from pagedllm.entrypoints.openai.errors import (
     OpenAIServingError,
     describe_validation_error,
@@ -60,8 +65,20 @@ logger = logging.getLogger(__name__)
 
 # Routes that answer without the API key.
 ALWAYS_OPEN_PATHS = frozenset({"/health"})
-# Seconds uvicorn waits for open requests on shutdown before cancelling them.
+# Seconds uvicorn waits, after the drain ended every engine request, for
+# their answers to be written before it cancels what is left.
 GRACEFUL_SHUTDOWN_S = 5
+# /health documents what it answers: no body on 200, the error JSON on 503.
+HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The engine core answered a ping in time (no body)", "content": None},
+    503: {"description": "The engine core died or did not answer within server.health_timeout_s",
+          "model": ErrorResponse},
+}
+HEALTH_HEAD_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The engine core answered a ping in time", "content": None},
+    503: {"description": "The engine core died or did not answer within server.health_timeout_s",
+          "content": None},
+}
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)
@@ -231,13 +248,18 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
     tokenization = OpenAIServingTokenization(engine)
     model_name = completion.model_name
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
     async def health() -> Response:
-        """200 while the engine core runs, 503 once it died."""
-        result = engine.check_health()
-        if inspect.isawaitable(result):
-            await result
-        return Response(status_code=200)
+        """200 (no body) when the engine core answered a ping within
+        `server.health_timeout_s`; 503 with an error body when it died or
+        did not answer."""
+        problem = await _health_problem(engine)
+        return Response(status_code=200) if problem is None else _error_response(503, problem)
+
+    @app.head("/health", response_class=Response, responses=HEALTH_HEAD_RESPONSES)
+    async def health_head() -> Response:
+        """GET /health without a body: 200 or 503."""
+        return Response(status_code=200 if await _health_problem(engine) is None else 503)
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
@@ -271,12 +293,12 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
         return await chat.create_chat_completion(request, raw_request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
-    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        return tokenization.tokenize(request)
+    async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
+        return await tokenization.tokenize(request, raw_request)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
-    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
-        return tokenization.detokenize(request)
+    async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
+        return await tokenization.detokenize(request, raw_request)
 
     # Added last = outermost: auth first, then the body limit, then routing.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.server.max_body_bytes)
@@ -326,24 +348,61 @@ def _openapi_schema(app: FastAPI, key_open_paths: frozenset[str] | None) -> dict
     return app.openapi_schema
 
 
+async def _health_problem(engine: AsyncLLM) -> str | None:
+    """Why /health fails (the engine core died or did not answer a ping in
+    time), or None when it is healthy."""
+    try:
+        result = engine.check_health()
+        if inspect.isawaitable(result):
+            await result
+    except EngineDeadError as exc:
+        return f"the engine is not running: {exc}"
+    except EngineUnresponsiveError as exc:
+        return str(exc)
+    return None
+
+
 async def serve(config: EngineConfig) -> None:
-    """Start the engine core, then serve HTTP until a shutdown signal."""
+    """Start the engine core, then serve HTTP until a shutdown signal.
+
+    Shutdown (SIGTERM / SIGINT): new connections are refused, requests in
+    flight may finish for `server.drain_timeout_s`, then the rest end with an
+    OpenAI-shaped 503 (a stream: an error chunk, then `data: [DONE]`); the
+    engine core stops and the process exits 0 (DrainingServer).
+
+    Engine-core death: every request in flight ends the same way (503 / an
+    error chunk and [DONE]) and /health answers 503. By default the API
+    process then exits non-zero (EngineDeadError, exit code 1) so a
+    supervisor restarts the whole server, as vLLM does; with
+    `server.keep_alive_on_engine_death` it stays up answering 503 until it
+    is stopped. Either way no process is left behind: the core is reaped,
+    and a core whose API process dies exits on its own (PR_SET_PDEATHSIG).
+    """
     import uvicorn
 
     from pagedllm.core.async_llm import AsyncLLM
+    from pagedllm.entrypoints.openai.draining_server import DrainingServer
 
     engine = await _start_engine(AsyncLLM, config)
+    server: DrainingServer | None = None
     try:
         app = build_app(engine, config)
         server_config = uvicorn.Config(
             app, host=config.server.host, port=config.server.port, log_level=_uvicorn_log_level(),
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
+        server = DrainingServer(
+            server_config, engine, drain_timeout_s=config.server.drain_timeout_s,
+            keep_alive_on_engine_death=config.server.keep_alive_on_engine_death,
+        )
         logger.info("serving %s on http://%s:%d (engine core pid %s)", engine.model_name, config.server.host,
                     config.server.port, engine.engine_pid)
-        await uvicorn.Server(server_config).serve()
+        await server.serve()
     finally:
         engine.shutdown()
+    if server is not None and server.engine_dead_error is not None:
+        raise EngineDeadError(f"{server.engine_dead_error}; the API server exited so that a supervisor can "
+                              "restart it (server.keep_alive_on_engine_death keeps it up instead)")
 
 
 async def _start_engine(async_llm_cls: Any, config: EngineConfig) -> AsyncLLM:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.errors import OpenAIServingError
+from pagedllm.entrypoints.openai.fast_tokenizer import decode_tokens, encode_text
 from pagedllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -22,6 +23,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     first_and_rest,
     merge_async_iterators,
+    request_body_size,
     run_until_disconnect,
     sse_lines,
 )
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from fastapi import Request
 
     from pagedllm.core.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
+    from pagedllm.core.sampling_params import SamplingParams
 
 # vLLM clamps -inf logprobs so the JSON stays finite.
 MIN_LOGPROB = -9999.0
@@ -41,19 +44,17 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_stream_options(request.stream, request.stream_options)
         if request.suffix is not None:
             raise OpenAIServingError(400, "suffix: not supported", "suffix")
-        prompts = self._tokenize_prompts(request)
-        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
-        params = request.sampling_params(
-            request.max_tokens, request.logprobs, prompt_logprobs or request.prompt_logprobs
-        )
-        for _, token_ids in prompts:
-            self.validate_prompt(token_ids, params, request)
+        try:
+            prompts, params = await self.pool.run(self._prepare, request)
+        finally:
+            self.pool.note_request_size(request_body_size(raw_request))
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        admission = self.engine.admit(len(prompts), params.n)  # all prompts x n at once, or a 400 / 503
         generators = [
             self.engine.generate(
                 token_ids, params, f"{request_id}-{index}", prompt_text=text, priority=request.priority,
-                cache_salt=request.cache_salt, output_kind=request.output_kind(),
+                cache_salt=request.cache_salt, output_kind=request.output_kind(), admission=admission,
             )
             for index, (text, token_ids) in enumerate(prompts)
         ]
@@ -68,6 +69,20 @@ class OpenAIServingCompletion(OpenAIServing):
             return Response(status_code=499)
         return JSONResponse(response.model_dump())
 
+    def _prepare(self, request: CompletionRequest) -> tuple[list[tuple[str | None, list[int]]], SamplingParams]:
+        """Tokenize, build the sampling parameters, validate every prompt.
+        Blocking (a long prompt, a grammar check): runs in the pool."""
+        prompts = self._tokenize_prompts(request)
+        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        params = request.sampling_params(
+            request.max_tokens, request.logprobs, prompt_logprobs or request.prompt_logprobs
+        )
+        for _, token_ids in prompts:
+            self.validate_prompt(token_ids, params, request)
+        if request.echo:  # the echoed text of token-id prompts, decoded here rather than on the loop
+            prompts = [(self._prompt_text(text, token_ids), token_ids) for text, token_ids in prompts]
+        return prompts, params
+
     def _tokenize_prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         prompt = request.prompt
         if isinstance(prompt, str):
@@ -79,13 +94,13 @@ class OpenAIServingCompletion(OpenAIServing):
         if not prompt_list:
             raise OpenAIServingError(400, "prompt: at least one prompt is required", "prompt")
         return [
-            (item, self.tokenizer.encode(item, add_special_tokens=request.add_special_tokens))
+            (item, encode_text(self.tokenizer, item, request.add_special_tokens, self.max_model_len - 1))
             if isinstance(item, str) else (None, list(item))
             for item in prompt_list
         ]
 
     def _prompt_text(self, text: str | None, token_ids: list[int]) -> str:
-        return text if text is not None else self.tokenizer.decode(token_ids)
+        return text if text is not None else decode_tokens(self.tokenizer, token_ids)
 
     async def _collect(
         self, request: CompletionRequest, request_id: str, prompts: list[tuple[str | None, list[int]]],
