@@ -2,8 +2,12 @@
 schema-valid and schema-invalid bodies, with the API key on and off.
 
 Every answer must be a documented status (never a 5xx), carry the documented
-content type, and match the documented response schema; with the key on,
-requests without it must be refused. A failure prints the request that
+content type, and match the documented response schema; schema-invalid
+requests must be refused; with the key on, requests without it must be
+refused. Not checked: that every schema-valid request succeeds (schemathesis'
+positive_data_acceptance) — a schema cannot say which model is served, the
+vocabulary's size or how much context a prompt leaves, so such a request is
+rightly a 400 or 404. A failure prints the request that
 caused it (schemathesis' reproduction: a curl command).
 
 PAGEDLLM_FUZZ_EXAMPLES scales the examples per route (default 200).
@@ -20,6 +24,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.generation.modes import GenerationMode
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from helpers.server import ServerProcess, start_server
 from helpers.tiny_models import cached_tiny_model
@@ -56,7 +61,10 @@ def fuzz_operation(operation: Any, mode: GenerationMode, server: ServerProcess) 
     )
     @given(case=operation.as_strategy(generation_mode=mode))
     def check(case: Any) -> None:
-        case.call_and_validate(base_url=server.base_url, headers=server.headers, timeout=60)
+        case.call_and_validate(
+            base_url=server.base_url, headers=server.headers, timeout=60,
+            excluded_checks=[positive_data_acceptance],
+        )
 
     check()
 
@@ -68,6 +76,9 @@ def test_every_route_answers_as_documented_and_never_5xx(fuzz_server: ServerProc
     operations = [result.ok() for result in schema.get_all_operations()]
     # The schema really lists the served routes (a fuzz run over nothing proves nothing).
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize", "/health"}
+    if mode is GenerationMode.NEGATIVE:
+        # A route without a body or parameters has no invalid input to send.
+        operations = [op for op in operations if op.body or op.query or op.headers or op.path_parameters]
     failures = []
     for operation in operations:
         try:

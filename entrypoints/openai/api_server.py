@@ -51,6 +51,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from pagedllm.entrypoints.openai.request_body import add_model_schemas, body_openapi, parse_body
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
@@ -79,6 +80,12 @@ HEALTH_HEAD_RESPONSES: dict[int | str, dict[str, Any]] = {
     503: {"description": "The engine core died or did not answer within server.health_timeout_s",
           "content": None},
 }
+
+# /tokenize takes exactly one of prompt and messages.
+TOKENIZE_ONE_OF = {"oneOf": [
+    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+    {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+]}
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)
@@ -284,20 +291,32 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
         # NOTE: root is the served name, never the model folder's path on this host.
         return ModelList(data=[ModelCard(id=model_name, root=model_name, max_model_len=engine.max_model_len)])
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_streaming_responses())
-    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    # NOTE: the bodies are parsed by parse_body (off the event loop when large),
+    # not by FastAPI; body_openapi documents them.
+    pool = completion.pool
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_streaming_responses(),
+              openapi_extra=body_openapi(CompletionRequest))
+    async def create_completion(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, CompletionRequest, pool)
         return await completion.create_completion(request, raw_request)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_streaming_responses())
-    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_streaming_responses(),
+              openapi_extra=body_openapi(ChatCompletionRequest))
+    async def create_chat_completion(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, ChatCompletionRequest, pool)
         return await chat.create_chat_completion(request, raw_request)
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
-    async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES,
+              openapi_extra=body_openapi(TokenizeRequest, TOKENIZE_ONE_OF))
+    async def tokenize(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, TokenizeRequest, pool)
         return await tokenization.tokenize(request, raw_request)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
-    async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES,
+              openapi_extra=body_openapi(DetokenizeRequest))
+    async def detokenize(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, DetokenizeRequest, pool)
         return await tokenization.detokenize(request, raw_request)
 
     # Added last = outermost: auth first, then the body limit, then routing.
@@ -314,8 +333,14 @@ def _open_paths(config: EngineConfig) -> frozenset[str]:
 
 def _streaming_responses() -> dict[int | str, dict[str, Any]]:
     """The error answers, and 200 as either JSON or (stream: true) server-sent events."""
-    events = {"text/event-stream": {"schema": {"type": "string", "description": "data: <chunk JSON> lines, "
-                                                "then data: [DONE]"}}}
+    # NOTE: in OpenAPI 3.1 the schema of an event stream describes one event.
+    event = {
+        "type": "object", "required": ["data"],
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+        "description": "One server-sent event: data is a chunk's JSON (or an error's, "
+                       '{"error": {...}}); the last event\'s data is [DONE].',
+    }
+    events = {"text/event-stream": {"schema": event}}
     return {**ERROR_RESPONSES, 200: {"content": events}}
 
 
@@ -329,6 +354,7 @@ def _openapi_schema(app: FastAPI, key_open_paths: frozenset[str] | None) -> dict
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {})
+        add_model_schemas(components, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
         for unused in ("HTTPValidationError", "ValidationError"):
             components.get("schemas", {}).pop(unused, None)
         if key_open_paths is not None:

@@ -212,6 +212,30 @@ class SamplingFields(OpenAIBaseModel):
         return RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
 
 
+# Token-id lists longer than this are checked by the loops below, not by
+# pydantic-core: its validation holds the GIL (about 0.3 us an item), so a
+# 4 MB body of ids would stall the event loop for 0.2 s even from a worker
+# thread, while a Python loop lets the interpreter switch threads every 5 ms.
+LARGE_LIST_ITEMS = 4096
+
+
+def _all_ints(values: list[Any]) -> bool:
+    return all(type(value) is int for value in values)
+
+
+def _large_token_id_prompt(value: Any) -> bool:
+    """A large, well-formed list of ids, or of non-empty id lists (what the
+    prompt's pydantic union accepts; ids are range-checked with the prompt)."""
+    if not isinstance(value, list) or not value:
+        return False
+    if type(value[0]) is int:
+        return len(value) > LARGE_LIST_ITEMS and _all_ints(value)
+    return (
+        sum(len(item) if isinstance(item, list) else 0 for item in value) > LARGE_LIST_ITEMS
+        and all(isinstance(item, list) and item and _all_ints(item) for item in value)
+    )
+
+
 class CompletionRequest(SamplingFields):
     # NOTE: non-empty at every level, so the OpenAPI schema admits only what is served.
     prompt: (
@@ -230,6 +254,11 @@ class CompletionRequest(SamplingFields):
     # vLLM extras
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _large_token_ids_in_python(cls, value: Any, handler: Any) -> Any:
+        return value if _large_token_id_prompt(value) else handler(value)
 
     def sampling_params(
         self,
@@ -282,8 +311,9 @@ class ChatCompletionRequest(SamplingFields, RefusedChatFields):
 
 class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
+    # Exactly one of prompt and messages (the route's schema says so too).
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     # With messages only; as in ChatCompletionRequest.
@@ -295,6 +325,14 @@ class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     # Checked against the vocabulary by the route; bounded here for the schema.
     tokens: list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
+
+    @field_validator("tokens", mode="wrap")
+    @classmethod
+    def _large_token_ids_in_python(cls, value: Any, handler: Any) -> Any:
+        if isinstance(value, list) and len(value) > LARGE_LIST_ITEMS and _all_ints(value):
+            if 0 <= min(value) and max(value) <= INT64_MAX:
+                return value
+        return handler(value)
 
 
 # -------------------------------------------------------------- responses

@@ -80,9 +80,12 @@ class OpenAIServing:
             uses_response_format = (
                 request is not None and request.response_format is not None and request.structured_outputs is None
             )
+            # Name the field the client sent.
             if uses_response_format and exc.field == "structured_outputs.json":
-                # Name the field the client sent.
                 raise InvalidRequestError("response_format.json_schema.schema", exc.value, exc.limit) from None
+            if exc.field in ("prompt", "prompt_token_ids") and request is not None:
+                client_field = "messages" if hasattr(request, "messages") else "prompt"
+                raise InvalidRequestError(client_field, exc.value, exc.limit) from None
             raise
 
     def check_chat_template_allowed(
