@@ -237,7 +237,8 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
         try:
             yield
         finally:
-            # NOTE: here, not after uvicorn returns: uvicorn re-raises SIGTERM on exit.
+            # NOTE: the engine stops with the app, whichever ASGI server runs it
+            # (serve() stops it again after DrainingServer returns: idempotent).
             engine.shutdown()
 
     # NOTE: no /docs or /redoc: FastAPI's pages load their scripts from a CDN
