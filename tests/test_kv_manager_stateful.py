@@ -37,13 +37,8 @@ from pagedllm.core.kv_cache.block_pool import BlockPool
 from pagedllm.core.request import Request
 
 from helpers.kv_reference import KVReference
-from helpers.stateful_budget import stateful_settings
+from helpers.stateful_budget import PREFIXES, SALTS, TAIL_TOKENS, stateful_settings
 
-# Shared prefixes and a two-token tail alphabet: hits, shared blocks and
-# same-tokens-different-salt clashes are all common.
-PREFIXES = ((), (7, 7, 7, 7), (7, 8, 7, 8, 7, 8), (9,) * 8)
-TAIL_TOKENS = (1, 2)
-SALTS = (None, "a", "b")
 PARAMS = SimpleNamespace(prompt_logprobs=None, structured_outputs=None)
 
 prompts = st.builds(

@@ -45,11 +45,8 @@ from pagedllm.core.scheduler_output import SchedulerOutput
 
 from helpers.kv_reference import KVReference
 from helpers.scheduler_utils import EOS, FakeRunner, make_scheduler
-from helpers.stateful_budget import stateful_settings
+from helpers.stateful_budget import PREFIXES, SALTS, TAIL_TOKENS, stateful_settings
 
-PREFIXES = ((), (7, 7, 7, 7), (7, 8, 7, 8, 7, 8), (9,) * 8)
-TAIL_TOKENS = (1, 2)
-SALTS = (None, "a", "b")
 MAX_TOKENS = 12
 # A drain that needs more steps than this is a livelock.
 MAX_DRAIN_STEPS = 2000

@@ -30,3 +30,11 @@ def stateful_settings(max_examples: int, stateful_step_count: int, **overrides: 
     }
     options.update(overrides)
     return settings(**options)  # type: ignore[arg-type]
+
+
+# Prompts of the state machines: shared prefixes and a two-token tail
+# alphabet, so hits, shared blocks and same-tokens-different-salt clashes are
+# all common.
+PREFIXES = ((), (7, 7, 7, 7), (7, 8, 7, 8, 7, 8), (9,) * 8)
+TAIL_TOKENS = (1, 2)
+SALTS = (None, "a", "b")
