@@ -243,3 +243,40 @@ def test_requests_beyond_max_pending_get_503_then_service_resumes(server: Server
             break
         time.sleep(0.05)
     assert response.status_code == 200, response.text
+
+
+# ------------------------------------------------------------ internal errors
+
+
+def test_an_unexpected_error_is_a_500_without_its_text_in_json_and_in_a_stream() -> None:
+    import asyncio
+
+    from pagedllm.entrypoints.openai.serving_engine import stream_error_chunk
+
+    secret = "/srv/models/secret-folder/model.safetensors"
+
+    class FailingEngine(SimpleNamespace):
+        failing = False
+
+        @property
+        def max_model_len(self) -> int:
+            if self.failing:
+                raise RuntimeError(f"cannot read {secret}")
+            return MAX_MODEL_LEN
+
+    engine = FailingEngine(**{k: v for k, v in vars(_stub_engine()).items() if k != "max_model_len"})
+    app = build_app(engine, EngineConfig.load())  # type: ignore[arg-type]
+    engine.failing = True  # /v1/models reads it per request
+
+    async def get_models() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.get("/v1/models")
+
+    response = asyncio.run(get_models())
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("InternalServerError", 500)
+    assert "error id" in error["message"] and secret not in response.text and "RuntimeError" not in response.text
+    chunk = stream_error_chunk(RuntimeError(f"cannot read {secret}"))
+    assert chunk.startswith("data: ") and "error id" in chunk and secret not in chunk

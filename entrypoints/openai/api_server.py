@@ -13,7 +13,6 @@ import hmac
 import inspect
 import logging
 import os
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -35,6 +34,7 @@ from pagedllm.entrypoints.openai.errors import (
     describe_validation_error,
     error_body,
     error_json,
+    internal_error_message,
 )
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -223,10 +223,7 @@ def _add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        # The client learns that it failed, not how: the trace goes to the log under an id.
-        error_id = uuid.uuid4().hex[:12]
-        logger.exception("unhandled error %s", error_id, exc_info=exc)
-        return _error_response(500, f"internal server error (error id {error_id}; the server log has the details)")
+        return _error_response(500, internal_error_message(exc, "in a request handler"))
 
 
 def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:

@@ -8,11 +8,15 @@ see the same shape with the HTTP status repeated in `code`.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import uuid
 from http import HTTPStatus
 from typing import Any
 
 from pagedllm.core.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 # HTTP status -> OpenAI error type, as the openai client names its exceptions.
 ERROR_TYPES: dict[int, str] = {
@@ -52,6 +56,15 @@ def printable(text: str) -> str:
 
 def error_json(status: int, message: str, param: str | None = None) -> bytes:
     return json.dumps(error_body(status, message, param)).encode()
+
+
+def internal_error_message(exc: BaseException, where: str) -> str:
+    """Log an unexpected exception under a fresh id and return the message a
+    client gets: that it failed and the id, never the exception's text
+    (it may hold paths, code or other clients' data)."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("unhandled error %s %s", error_id, where, exc_info=exc)
+    return f"internal server error (error id {error_id}; the server log has the details)"
 
 
 def invalid_request(exc: InvalidRequestError) -> OpenAIServingError:

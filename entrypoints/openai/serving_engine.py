@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pagedllm.core.config import ServerConfig
 from pagedllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from pagedllm.entrypoints.openai.chat_template import check_chat_template_kwargs, render_chat_template
-from pagedllm.entrypoints.openai.errors import OpenAIServingError, error_body
+from pagedllm.entrypoints.openai.errors import OpenAIServingError, error_body, internal_error_message
 from pagedllm.entrypoints.openai.fast_tokenizer import encode_text
 from pagedllm.entrypoints.openai.protocol import ChatMessage, SamplingFields
 from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool, shared_request_pool
@@ -221,8 +221,7 @@ def stream_error_chunk(exc: BaseException) -> str:
     elif isinstance(exc, (EngineDeadError, EngineOverloadedError)):
         body = error_body(503, str(exc) or type(exc).__name__)
     else:
-        logger.exception("error while streaming", exc_info=exc)
-        body = error_body(500, f"{type(exc).__name__}: {exc}")
+        body = error_body(500, internal_error_message(exc, "while streaming"))
     return f"data: {json.dumps(body)}\n\n"
 
 
