@@ -44,13 +44,17 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_stream_options(request.stream, request.stream_options)
         if request.suffix is not None:
             raise OpenAIServingError(400, "suffix: not supported", "suffix")
+        # All prompts x n at once, or a 400 / 503, before any prompt is tokenized.
+        # NOTE: the schema makes prompt non-empty; its first item says its form.
+        prompt = request.prompt
+        num_prompts = 1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt)
+        admission = self.engine.admit(num_prompts, request.n)
         try:
             prompts, params = await self.pool.run(self._prepare, request)
         finally:
             self.pool.note_request_size(request_body_size(raw_request))
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        admission = self.engine.admit(len(prompts), params.n)  # all prompts x n at once, or a 400 / 503
         generators = [
             self.engine.generate(
                 token_ids, params, f"{request_id}-{index}", prompt_text=text, priority=request.priority,
