@@ -17,9 +17,11 @@ without one (a caller that has none) it bounds the parse.
 
 The child is spawned lazily with `python -m` (no re-import of the user's
 `__main__`, unlike multiprocessing's spawn), reused, started again after a
-kill, closed at exit, and dies with its parent (PR_SET_PDEATHSIG). One child
-serves every thread: calls are serialized by a lock, and results are cached
-by spec so a repeated schema never reaches the child again.
+kill, closed at exit, and dies with its parent (PR_SET_PDEATHSIG). Each
+child takes one spec at a time; a second child starts only while the first
+is busy (DEFAULT_MAX_CHILDREN), so one client's costly spec does not hold up
+the others'. Results are cached by spec, shared by all children, so a
+repeated schema never reaches a child again.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import hashlib
 import logging
 import multiprocessing
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -54,6 +57,10 @@ WORKER_MODULE = "pagedllm.structured_output.validator_worker"
 # Start-up (imports) and `prepare` (tokenizer, vocab tables) are not the
 # spec's cost: they get their own, generous limit.
 WORKER_START_TIMEOUT_S = 300.0
+# Validation children at most: one client's costly spec then holds up only
+# its own child while the next one serves the others (each is ~300 MB with
+# torch imported, started only when every other is busy).
+DEFAULT_MAX_CHILDREN = 2
 # Validation results kept (passed or refused), least recently used dropped.
 RESULT_CACHE_SIZE = 1024
 # How long a timeout (or a crash) is remembered: long enough that a client
@@ -92,22 +99,32 @@ class _WorkerStartError(_WorkerGone):
 
 
 class GrammarValidator:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # one exchange with the child at a time
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._conn: Connection | None = None
-        self._ready = False
-        # Prepared (backend, vocab, config) keys of the current child; False =
-        # the child cannot import that backend (validated in-process instead).
-        self._prepared: dict[tuple[Any, ...], bool] = {}
+    """The validation children (at most `max_children`, each started on
+    demand) and the results they produced, shared by every thread.
+
+    NOTE: several children so that one client's costly spec (up to
+    compile_timeout_s) does not hold up everyone else's: a second child
+    starts only while the first is busy, and the most recently used idle
+    child serves next, so a quiet server keeps one warm process.
+    """
+
+    def __init__(self, max_children: int = DEFAULT_MAX_CHILDREN) -> None:
+        self._idle: queue.LifoQueue[_ValidatorChild] = queue.LifoQueue()
+        self._children = [_ValidatorChild() for _ in range(max(1, max_children))]
+        for child in reversed(self._children):
+            self._idle.put(child)
         # key -> (refusal or None, monotonic time it is forgotten)
         self._results: OrderedDict[tuple[Any, ...], tuple[_Refusal | None, float]] = OrderedDict()
         self._results_lock = threading.Lock()
-        self._closed = False
 
     @property
     def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
+        """The pid of the first child (the one a quiet server uses)."""
+        return self._children[0].pid
+
+    @property
+    def pids(self) -> list[int]:
+        return [child.pid for child in self._children if child.pid is not None]
 
     def validate(
         self,
@@ -128,8 +145,11 @@ class GrammarValidator:
             if hit:
                 self._results.move_to_end(key)
         if not hit:
-            with self._lock:
-                result = self._validate_locked(backend_cls, kind, spec, whitespace, config, vocab)
+            child = self._idle.get()
+            try:
+                result = child.validate(backend_cls, kind, spec, whitespace, config, vocab)
+            finally:
+                self._idle.put(child)
             forget_at = time.monotonic() + TRANSIENT_MEMORY_S if result and result.transient else float("inf")
             with self._results_lock:
                 self._results[key] = (result, forget_at)
@@ -138,6 +158,35 @@ class GrammarValidator:
                     self._results.popitem(last=False)
         if result is not None:
             raise InvalidRequestError(result.field, result.value, result.limit)
+
+    def close(self) -> None:
+        for child in self._children:
+            child.close()
+
+
+class _ValidatorChild:
+    """One child process and the exchange with it (one spec at a time)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._ready = False
+        # Prepared (backend, vocab, config) keys of the current child; False =
+        # the child cannot import that backend (validated in-process instead).
+        self._prepared: dict[tuple[Any, ...], bool] = {}
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def validate(
+        self, backend_cls: type[GrammarBackend], kind: StructuredOutputKind, spec: str, whitespace: WhitespaceOptions,
+        config: StructuredOutputConfig, vocab: GrammarVocab | None,
+    ) -> _Refusal | None:
+        with self._lock:
+            return self._validate_locked(backend_cls, kind, spec, whitespace, config, vocab)
 
     def _validate_locked(
         self, backend_cls: type[GrammarBackend], kind: StructuredOutputKind, spec: str, whitespace: WhitespaceOptions,

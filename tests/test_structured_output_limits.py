@@ -239,6 +239,37 @@ def test_the_child_dies_with_its_parent_and_on_close() -> None:
     assert pid is not None and not _alive(pid)
 
 
+def test_a_costly_spec_holds_up_only_its_own_child(vocab: GrammarVocab) -> None:
+    """One client's spec compiling to the time limit does not delay another's:
+    a second child serves while the first is busy."""
+    config = StructuredOutputConfig(compile_timeout_s=4.0)
+    validator = GrammarValidator(max_children=2)
+    whitespace = WhitespaceOptions(True, 4)
+    try:
+        validator.validate(XgrammarBackend, StructuredOutputKind.REGEX, "[0-9]{2}", whitespace, config, vocab)
+        slow_errors: list[InvalidRequestError] = []
+
+        def slow() -> None:
+            try:
+                validator.validate(XgrammarBackend, StructuredOutputKind.REGEX, SLOW_REGEX, whitespace, config, vocab)
+            except InvalidRequestError as exc:
+                slow_errors.append(exc)
+
+        thread = threading.Thread(target=slow)
+        thread.start()
+        time.sleep(0.5)  # the slow spec is in the first child by now
+        started = time.monotonic()
+        validator.validate(XgrammarBackend, StructuredOutputKind.REGEX, "[a-z]{3}", whitespace, config, vocab)
+        fast_elapsed = time.monotonic() - started
+        fast_done_while_slow_runs = thread.is_alive()
+        thread.join()
+        assert fast_done_while_slow_runs, f"the fast spec waited for the slow one ({fast_elapsed:.1f} s)"
+        assert len(slow_errors) == 1 and "compile_timeout_s = 4 s" in slow_errors[0].limit
+        assert len(validator.pids) == 2
+    finally:
+        validator.close()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
