@@ -306,6 +306,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         admission: Admission | None = None,
+        validated: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's RequestOutputs as the core produces them.
 
@@ -314,11 +315,14 @@ class AsyncLLM:
         client disconnect: GeneratorExit / CancelledError) the request is
         aborted in the core at once. With `admission` (from `admit()`) its
         sequences were counted already; without, they are counted here.
+        `validated`: the caller ran `validate_request` on these very params
+        and prompt (the HTTP handlers do, in the worker pool), so it is not
+        run again here, on the event loop; the engine core re-validates anyway.
         """
         self._check_accepting()
         await self.start()
         stream = self._add_request(
-            prompt, sampling_params, request_id, prompt_text, priority, cache_salt, output_kind, admission
+            prompt, sampling_params, request_id, prompt_text, priority, cache_salt, output_kind, admission, validated
         )
         finished = False
         try:
@@ -343,6 +347,7 @@ class AsyncLLM:
         cache_salt: str | None,
         output_kind: RequestOutputKind,
         admission: Admission | None = None,
+        validated: bool = False,
     ) -> _RequestStream:
         n = sampling_params.n
         if admission is None or not admission.take(n):
@@ -355,7 +360,8 @@ class AsyncLLM:
         if isinstance(prompt, str) and prompt_text is None:
             prompt_text = prompt
         prompt_token_ids = self.tokenize(prompt)
-        self.validate_request(prompt_token_ids, sampling_params)
+        if not validated:
+            self.validate_request(prompt_token_ids, sampling_params)
 
         arrival_time = time.time()
         engine_requests = self.output_processor.add_request(

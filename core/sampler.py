@@ -98,27 +98,16 @@ class SamplingMetadata:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
         temperature = floats([1.0 if g else p.temperature for p, g in zip(params, is_greedy_list)])
-        top_k = top_p = min_p = None
-        if any(p.top_k > 0 and p.top_k < vocab_size for p in params):
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
-                                 dtype=torch.long, device=device).clamp_(max=vocab_size)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = floats([p.top_p for p in params])
-        if any(p.min_p > 0.0 for p in params):
-            min_p = floats([p.min_p for p in params])
+        top_k, top_p, min_p = _truncation_tensors(params, vocab_size, device)
 
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
         no_penalties = all(
             p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
             for p in params
         )
-        output_token_counts = seen_token_mask = None
-        if not no_penalties:
-            output_token_counts = _token_counts(output_token_ids, vocab_size, device)
-            seen_token_mask = output_token_counts > 0
-            if any(p.repetition_penalty != 1.0 for p in params):
-                seen_token_mask |= _token_counts(prompt_token_ids, vocab_size, device) > 0
-
+        output_token_counts, seen_token_mask = (None, None) if no_penalties else _penalty_counts(
+            params, prompt_token_ids, output_token_ids, vocab_size, device
+        )
         return cls(
             temperature=temperature,
             is_greedy=torch.tensor(is_greedy_list, dtype=torch.bool, device=device),
@@ -140,6 +129,37 @@ class SamplingMetadata:
             default_generator=default_generator,
             logit_bias=_logit_bias(params, vocab_size, device),
         )
+
+
+def _truncation_tensors(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(top_k, top_p, min_p) per row; each None when no row uses it."""
+    top_k = top_p = min_p = None
+    if any(p.top_k > 0 and p.top_k < vocab_size for p in params):
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
+                             dtype=torch.long, device=device).clamp_(max=vocab_size)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    return top_k, top_p, min_p
+
+
+def _penalty_counts(
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output token counts [N, V], seen mask [N, V]: output tokens, and
+    prompt tokens too when a row has a repetition penalty)."""
+    output_token_counts = _token_counts(output_token_ids, vocab_size, device)
+    seen_token_mask = output_token_counts > 0
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen_token_mask |= _token_counts(prompt_token_ids, vocab_size, device) > 0
+    return output_token_counts, seen_token_mask
 
 
 def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:

@@ -95,7 +95,7 @@ class StructuredOutputsParams:
                 )
             return cls(**value)
         raise InvalidRequestError(
-            "structured_outputs", _short_repr(value), "must be a StructuredOutputsParams, a dict or None"
+            "structured_outputs", short_value(value, 200), "must be a StructuredOutputsParams, a dict or None"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,12 +132,12 @@ class StructuredOutputsParams:
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
-                raise InvalidRequestError(f"structured_outputs.{name}", _short_repr(value),
+                raise InvalidRequestError(f"structured_outputs.{name}", short_value(value, 200),
                                           "must be a non-empty string")
         if self.choice is not None and not (
             isinstance(self.choice, (list, tuple)) and self.choice and all(isinstance(c, str) for c in self.choice)
         ):
-            raise InvalidRequestError("structured_outputs.choice", _short_repr(self.choice),
+            raise InvalidRequestError("structured_outputs.choice", short_value(self.choice, 200),
                                       "must be a non-empty list of strings")
         if not isinstance(self.disable_any_whitespace, bool):
             raise InvalidRequestError("structured_outputs.disable_any_whitespace", self.disable_any_whitespace,
@@ -160,7 +160,7 @@ class StructuredOutputsParams:
                 # the spec is used) refuses it naming structured_output.max_schema_depth.
                 return
             except ValueError as exc:
-                raise InvalidRequestError(f"structured_outputs.{name}", _short_repr(value),
+                raise InvalidRequestError(f"structured_outputs.{name}", short_value(value, 200),
                                           f"not valid JSON: {exc}") from None
         allowed = (dict, bool) if name == "json" else (dict,)
         if not isinstance(value, allowed):
@@ -328,10 +328,6 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value > vocab_size:
                 raise InvalidRequestError(name, value, f"must be <= the vocabulary size ({vocab_size})")
-
-
-def _short_repr(value: Any, limit: int = 200) -> Any:
-    return short_value(value, limit)
 
 
 def _check_number(name: str, value: Any, ok: Callable[[float], bool], limit: str) -> None:

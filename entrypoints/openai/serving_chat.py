@@ -55,7 +55,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generator = self.engine.generate(
             token_ids, params, request_id, prompt_text=text, priority=request.priority,
-            cache_salt=request.cache_salt, output_kind=request.output_kind(),
+            cache_salt=request.cache_salt, output_kind=request.output_kind(), validated=True,
         )
         if request.stream:
             first, rest = await first_and_rest(generator)

@@ -59,6 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.engine.generate(
                 token_ids, params, f"{request_id}-{index}", prompt_text=text, priority=request.priority,
                 cache_salt=request.cache_salt, output_kind=request.output_kind(), admission=admission,
+                validated=True,
             )
             for index, (text, token_ids) in enumerate(prompts)
         ]
