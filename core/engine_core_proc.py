@@ -103,6 +103,10 @@ class EngineCoreProc:
         if block:
             while not self.input_socket.poll(IDLE_POLL_MS):
                 self._check_parent()
+                # A heartbeat: an idle core is heard from every IDLE_POLL_MS, so
+                # the API's /health answers without a round trip while the
+                # loop runs, and stops answering 200 when it does not.
+                self._send_outputs([], 0)
         else:
             self._maybe_check_parent()
         while not self.should_stop:
