@@ -8,13 +8,13 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
-    from pagedllm.core.llm import LLM
-    from pagedllm.core.outputs import CompletionOutput, RequestOutput
+    from pagedllm.engine.llm import LLM
+    from pagedllm.engine.outputs import CompletionOutput, RequestOutput
     from pagedllm.core.sampling_params import SamplingParams
 
 # Lazy so that `import pagedllm.plugins` (done by every plugin) stays cheap.
 _EXPORTS = {
-    "LLM": "pagedllm.core.llm",
+    "LLM": "pagedllm.engine.llm",
     "SamplingParams": "pagedllm.core.sampling_params",
     "EngineConfig": "pagedllm.core.config",
     "RequestOutput": "pagedllm.core.outputs",

@@ -92,7 +92,7 @@ class AttentionBackend(ABC):
     @classmethod
     def supports_graph_capture(cls, block_size: int) -> bool:
         """Whether a forward can be captured in a graph and replayed
-        (core/decode_graphs.py): it must read only the metadata's device
+        (worker/decode_graphs.py): it must read only the metadata's device
         tensors, and host values that stay fixed for a batch size."""
         return False
 

@@ -120,7 +120,7 @@ def main() -> None:
     from pagedllm.core.engine import EngineCore
     from pagedllm.core.request import Request
     from pagedllm.core.sampling_params import SamplingParams, StructuredOutputsParams
-    from pagedllm.core.tokenizer import load_tokenizer
+    from pagedllm.engine.tokenizer import load_tokenizer
     from pagedllm.structured_output.interface import StructuredOutputKind
     from pagedllm.structured_output.manager import StructuredOutputManager
     from pagedllm.structured_output.xgrammar_backend import XgrammarBackend

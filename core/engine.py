@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING
 
 from pagedllm.core.errors import ConfigError, InvalidRequestError
 from pagedllm.core.int_limits import short_value
-from pagedllm.core.compile import compile_outside_attention
-from pagedllm.core.decode_graphs import DecodeGraphRunner, default_graph_sizes
+from pagedllm.worker.compile import compile_outside_attention
+from pagedllm.worker.decode_graphs import DecodeGraphRunner, default_graph_sizes
 from pagedllm.core.kv_cache.manager import KVCacheManager
-from pagedllm.core.memory_profiler import profile_run
+from pagedllm.worker.memory_profiler import profile_run
 from pagedllm.kv_connectors.base import KVConnectorContext, model_fingerprint
-from pagedllm.core.model_runner import ModelRunner
+from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.stats import SchedulerStats
 from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
 from pagedllm.model_registry.tiny import resolve_model_path
 from pagedllm.attention_backends.selector import select_attention_backend
@@ -100,7 +101,7 @@ class EngineCore:
             enable_caching=config.cache.enable_prefix_caching,
             hash_algo=config.cache.prefix_caching_hash_algo,
         )
-        from pagedllm.core.tokenizer import config_eos_token_id
+        from pagedllm.engine.tokenizer import config_eos_token_id
 
         # The tokenizer loads only when the first structured-output request
         # needs a grammar backend (xgrammar's TokenizerInfo).

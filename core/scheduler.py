@@ -10,7 +10,6 @@ When the KV cache runs out, the scheduler preempts by recompute.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedllm.core.errors import ConfigError, InvalidRequestError, KVTransferError
@@ -24,27 +23,13 @@ from pagedllm.core.scheduler_output import (
     SchedulerOutput,
 )
 from pagedllm.kv_connectors.base import KVConnectorStats
-from pagedllm.spec_decode.metrics import SpecDecodingStats
+from pagedllm.core.stats import SchedulerStats, SpecDecodingStats
 
 if TYPE_CHECKING:
     from pagedllm.core.config import SchedulerConfig
     from pagedllm.core.kv_cache.manager import KVCacheManager
     from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.structured_output.manager import StructuredOutputManager
-
-
-@dataclass
-class SchedulerStats:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int  # cumulative
-    # Verified drafts since the last stats (interval delta); None without speculation.
-    spec_decoding_stats: SpecDecodingStats | None = None
-    # The KV connector's counters since the last stats; None without one.
-    kv_connector_stats: KVConnectorStats | None = None
 
 
 class Scheduler:

@@ -191,7 +191,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pagedllm.core.llm import LLM
+    from pagedllm.engine.llm import LLM
     from pagedllm.core.sampling_params import SamplingParams
 
     llm = LLM(model=args.model)

@@ -260,7 +260,7 @@ class StructuredOutputManager:
     def tokenizer(self) -> Any:
         # NOTE: called under self._lock (first backend build), on a compile thread.
         if isinstance(self._tokenizer, str):
-            from pagedllm.core.tokenizer import load_tokenizer
+            from pagedllm.engine.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self._tokenizer)
         return self._tokenizer

@@ -18,7 +18,7 @@ import pytest
 
 from helpers.tiny_models import cached_tiny_model
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.async_llm import AsyncLLM
+from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import (
     EngineDeadError,
@@ -27,7 +27,7 @@ from pagedllm.core.errors import (
     InvalidRequestError,
     ServerShuttingDownError,
 )
-from pagedllm.core.outputs import RequestOutput, RequestOutputKind
+from pagedllm.engine.outputs import RequestOutput, RequestOutputKind
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -430,7 +430,7 @@ async def test_shutdown_stops_the_core_process_and_fails_in_flight_requests() ->
     started = time.monotonic()
     llm.shutdown()
     # Within the grace the Shutdown message gets: no SIGTERM / SIGKILL fallback was needed.
-    from pagedllm.core.client import SHUTDOWN_GRACE_S
+    from pagedllm.engine.core_client import SHUTDOWN_GRACE_S
 
     assert time.monotonic() - started < SHUTDOWN_GRACE_S
     with pytest.raises(EngineDeadError):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.decode_graphs import default_graph_sizes
+from pagedllm.worker.decode_graphs import default_graph_sizes
 from pagedllm.platforms.cpu import CpuPlatform
 
 PROMPTS = ["def main():\n", "import os\n", "class Stack:\n    def push(self, item):\n"]
@@ -83,7 +83,7 @@ def test_graph_sizes_from_config_are_validated() -> None:
 
 
 def test_compile_outside_attention_keeps_outputs_and_leaves_attention_eager() -> None:
-    from pagedllm.core.compile import compile_outside_attention
+    from pagedllm.worker.compile import compile_outside_attention
 
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(model="tiny", dtype="float32", num_kv_blocks=16)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pagedllm.core.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.model_registry.tiny import get_tokenizer_dir
 
 REPLACEMENT_CHAR = "\ufffd"

@@ -17,14 +17,14 @@ import pytest
 
 from helpers.tiny_models import cached_tiny_model
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.client import SyncMPClient
+from pagedllm.engine.core_client import SyncMPClient
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import EngineDeadError, EngineStartupError, InvalidRequestError
 from pagedllm.core.outputs import EngineCoreEvent, EngineCoreOutput
 from pagedllm.core.request import Request
-from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.core.stats import SchedulerStats
 from pagedllm.core.scheduler_output import LogprobEntry
-from pagedllm.core.serial import (
+from pagedllm.engine.wire import (
     AddRequests,
     CoreInputDecoder,
     CoreInputEncoder,
@@ -243,7 +243,7 @@ def test_core_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import os, sys, time
-        from pagedllm.core.client import SyncMPClient
+        from pagedllm.engine.core_client import SyncMPClient
         from pagedllm.core.config import EngineConfig
         if __name__ == "__main__":
             config = EngineConfig.load(model={{"model": {_model_path()!r}, "dtype": "float32"}},

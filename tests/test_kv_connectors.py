@@ -289,7 +289,7 @@ def test_kv_transfer_config_from_a_file_and_from_flags(tmp_path: Path) -> None:
 
 
 def test_connector_counters_reach_prometheus(tmp_path: Path) -> None:
-    from pagedllm.core.metrics import StatLoggerManager
+    from pagedllm.engine.metrics import StatLoggerManager
 
     prompts = _prompts(2, 3 * BLOCK + 2, seed=8)
     producer = LLM(**COMMON, num_kv_blocks=64, kv_transfer_config=_storage(tmp_path, "producer"))

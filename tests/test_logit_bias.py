@@ -23,8 +23,8 @@ from helpers.server import ServerProcess, start_server
 from helpers.tiny_models import cached_tiny_model
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.request import Request
-from pagedllm.core.sampler import Sampler, SamplingMetadata
-from pagedllm.core.serial import (
+from pagedllm.worker.sampler import Sampler, SamplingMetadata
+from pagedllm.engine.wire import (
     AddRequests,
     CoreInputDecoder,
     CoreInputEncoder,

@@ -33,7 +33,7 @@ def test_cpu_budget_is_the_fixed_default() -> None:
 
 
 def test_profile_run_unbinds_its_throwaway_cache() -> None:
-    from pagedllm.core.memory_profiler import profile_run
+    from pagedllm.worker.memory_profiler import profile_run
 
     llm = LLM(model="tiny", num_kv_blocks=8)
     core = llm.engine_core.engine_core

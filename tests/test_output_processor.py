@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.core.output_processor import OutputProcessor
-from pagedllm.core.outputs import EngineCoreOutput, Logprob, RequestOutputKind
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.core.outputs import EngineCoreOutput
+from pagedllm.engine.outputs import Logprob, RequestOutputKind
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler_output import LogprobEntry
-from pagedllm.core.stop_strings import check_stop_strings
+from pagedllm.engine.stop_strings import check_stop_strings
 from pagedllm.model_registry.tiny import get_tokenizer_dir
 
 PROMPT_IDS = [10, 11, 12]

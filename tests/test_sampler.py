@@ -5,12 +5,7 @@ import math
 import pytest
 import torch
 
-from pagedllm.core.sampler import (
-    Sampler,
-    SamplingMetadata,
-    apply_penalties,
-    compute_prompt_logprobs,
-)
+from pagedllm.worker.sampler import Sampler, SamplingMetadata, apply_penalties, compute_prompt_logprobs
 from pagedllm.core.sampling_params import SamplingParams
 
 # Hand-built distribution over 8 tokens, deliberately not sorted by id.

@@ -19,7 +19,7 @@ from pagedllm.core.sampling_params import (
     SamplingParams,
     SamplingType,
 )
-from pagedllm.core.serial import (
+from pagedllm.engine.wire import (
     AddRequests,
     CoreInputDecoder,
     CoreInputEncoder,

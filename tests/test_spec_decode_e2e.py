@@ -276,7 +276,7 @@ def test_penalties_see_the_drafts_before_each_position() -> None:
 
 
 def test_spawned_engine_core_speculates_and_reports_counts() -> None:
-    from pagedllm.core.client import SyncMPClient
+    from pagedllm.engine.core_client import SyncMPClient
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.request import Request
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
-from pagedllm.core.metrics import StatLoggerManager
-from pagedllm.core.scheduler import SchedulerStats
-from pagedllm.spec_decode.metrics import SpecDecodingStats
+from pagedllm.engine.metrics import StatLoggerManager
+from pagedllm.core.stats import SchedulerStats
+from pagedllm.core.stats import SpecDecodingStats
 
 
 def _stats(spec: SpecDecodingStats | None) -> SchedulerStats:
@@ -59,7 +59,7 @@ def test_scheduler_stats_with_spec_stats_cross_the_wire() -> None:
 
 def test_per_request_counts_cross_the_wire() -> None:
     from pagedllm.core.outputs import EngineCoreOutput
-    from pagedllm.core.serial import EngineCoreOutputs, to_wire_output
+    from pagedllm.engine.wire import EngineCoreOutputs, to_wire_output
 
     output = EngineCoreOutput(request_id="r", new_token_ids=[1, 2, 3], spec_counts=(2, 6, 3))
     message = EngineCoreOutputs(outputs=[to_wire_output(output)], scheduler_stats=None, num_scheduled_tokens=4,

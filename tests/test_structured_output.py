@@ -20,12 +20,12 @@ from helpers.tiny_models import cached_tiny_model
 
 from pagedllm.core.config import EngineConfig, StructuredOutputConfig
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.core.llm import LLM
+from pagedllm.engine.llm import LLM
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.sampling_params import StructuredOutputsParams as SO
-from pagedllm.core.serial import sampling_params_from_dict, sampling_params_to_dict
-from pagedllm.core.tokenizer import load_tokenizer
+from pagedllm.engine.wire import sampling_params_from_dict, sampling_params_to_dict
+from pagedllm.engine.tokenizer import load_tokenizer
 from pagedllm.plugins import GRAMMAR_BACKEND, get_plugin_manager, hookimpl
 from pagedllm.structured_output.bitmask import allocate_token_bitmask, unpack_bitmask
 from pagedllm.structured_output.interface import GrammarBackend, StructuredOutputKind

@@ -15,7 +15,7 @@ from helpers.json_schemas import MAX_TOKENS, SCHEMAS
 from helpers.tiny_models import cached_tiny_model
 
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.core.llm import LLM
+from pagedllm.engine.llm import LLM
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.sampling_params import StructuredOutputsParams as SO

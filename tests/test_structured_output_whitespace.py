@@ -18,11 +18,11 @@ from helpers.tiny_models import cached_tiny_model
 
 from pagedllm.core.config import StructuredOutputConfig
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.core.llm import LLM
+from pagedllm.engine.llm import LLM
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.sampling_params import StructuredOutputsParams as SO
-from pagedllm.core.tokenizer import load_tokenizer
+from pagedllm.engine.tokenizer import load_tokenizer
 from pagedllm.entrypoints.openai.protocol import StructuredOutputsRequest
 from pagedllm.structured_output.interface import StructuredOutputKind
 from pagedllm.structured_output.manager import StructuredOutputManager

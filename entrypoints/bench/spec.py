@@ -126,7 +126,7 @@ def _run(llm: Any, prompts: list[list[int]], batch_size: int, output_len: int) -
 def _copy_stats(stats: Any) -> Any:
     if stats is None:
         return None
-    from pagedllm.spec_decode.metrics import SpecDecodingStats
+    from pagedllm.core.stats import SpecDecodingStats
 
     copy = SpecDecodingStats.new(stats.num_spec_tokens)
     copy.add(stats)
@@ -136,7 +136,7 @@ def _copy_stats(stats: Any) -> Any:
 def _diff_stats(after: Any, before: Any) -> Any:
     if after is None:
         return None
-    from pagedllm.spec_decode.metrics import SpecDecodingStats
+    from pagedllm.core.stats import SpecDecodingStats
 
     diff = SpecDecodingStats.new(after.num_spec_tokens)
     diff.num_drafts = after.num_drafts - before.num_drafts
@@ -152,7 +152,7 @@ def run_bench(args: argparse.Namespace) -> list[SpecRunResult]:
     from tqdm import tqdm
 
     from pagedllm import LLM
-    from pagedllm.core.tokenizer import load_tokenizer
+    from pagedllm.engine.tokenizer import load_tokenizer
 
     methods = [m for m in args.methods.split(",") if m]
     datasets = list(DATASETS) if args.dataset == "all" else args.dataset.split(",")

@@ -59,7 +59,7 @@ from pagedllm.entrypoints.openai.serving_tokenize import OpenAIServingTokenizati
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from pagedllm.core.async_llm import AsyncLLM
+    from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.core.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -404,7 +404,7 @@ async def serve(config: EngineConfig) -> None:
     """
     import uvicorn
 
-    from pagedllm.core.async_llm import AsyncLLM
+    from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.entrypoints.openai.draining_server import DrainingServer
 
     engine = await _start_engine(AsyncLLM, config)

@@ -41,7 +41,7 @@ from pagedllm.core.errors import EngineDeadError
 if TYPE_CHECKING:
     import socket
 
-    from pagedllm.core.async_llm import AsyncLLM
+    from pagedllm.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 

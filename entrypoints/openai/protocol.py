@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.core.outputs import RequestOutputKind
+from pagedllm.engine.outputs import RequestOutputKind
 from pagedllm.core.int_limits import INT64_MAX, INT64_MIN, short_value
 from pagedllm.core.sampling_params import (
     MAX_LOGIT_BIAS,

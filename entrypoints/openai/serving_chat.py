@@ -38,7 +38,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from pagedllm.core.outputs import Logprob, RequestOutput, SampleLogprobs
+    from pagedllm.engine.outputs import Logprob, RequestOutput, SampleLogprobs
     from pagedllm.core.sampling_params import SamplingParams
 
 

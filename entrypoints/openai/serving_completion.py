@@ -31,7 +31,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from pagedllm.core.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
+    from pagedllm.engine.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
     from pagedllm.core.sampling_params import SamplingParams
 
 # vLLM clamps -inf logprobs so the JSON stays finite.

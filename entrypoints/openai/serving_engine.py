@@ -25,7 +25,7 @@ from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool, shared_r
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from pagedllm.core.async_llm import AsyncLLM
+    from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

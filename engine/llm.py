@@ -7,18 +7,18 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.client import InprocClient
+from pagedllm.engine.core_client import InprocClient
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.int_limits import check_priority
-from pagedllm.core.output_processor import OutputProcessor
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.core.tokenizer import check_token_ids, eos_token_id, load_tokenizer
+from pagedllm.engine.tokenizer import check_token_ids, eos_token_id, load_tokenizer
 from pagedllm.structured_output.manager import GrammarVocab, validate_structured_outputs
 
 if TYPE_CHECKING:
-    from pagedllm.core.outputs import RequestOutput
+    from pagedllm.engine.outputs import RequestOutput
 
 # A prompt: text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}
 # with an optional "cache_salt".

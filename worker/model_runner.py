@@ -15,15 +15,15 @@ import numpy as np
 import torch
 
 from pagedllm.attention_backends.base import AttentionMetadata
-from pagedllm.core.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, gather_logprobs
+from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, gather_logprobs
 from pagedllm.core.scheduler_output import LogprobEntry, ModelRunnerOutput, SchedulerOutput
 from pagedllm.spec_decode.interface import DraftInputs, TargetStep
 from pagedllm.spec_decode.rejection_sampler import DraftLayout, rejection_sample
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
-    from pagedllm.core.decode_graphs import DecodeGraphRunner
-    from pagedllm.core.sampler import LogprobsTensors
+    from pagedllm.worker.decode_graphs import DecodeGraphRunner
+    from pagedllm.worker.sampler import LogprobsTensors
     from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.spec_decode.interface import Drafter

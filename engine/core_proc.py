@@ -5,9 +5,9 @@
 
 The API process (AsyncLLM, the HTTP server) tokenizes and detokenizes; this
 process only schedules and runs the model, so the two overlap. Messages are
-msgspec structs (core/serial.py), never pickles.
+msgspec structs (engine/wire.py), never pickles.
 
-Lifetime: spawned by `MPClient` (core/client.py) with the "spawn" context;
+Lifetime: spawned by `MPClient` (engine/core_client.py) with the "spawn" context;
 exits on a Shutdown message, on SIGTERM / SIGINT, and when its parent dies
 (PR_SET_PDEATHSIG plus a parent-pid check), so a killed server leaves no
 orphan. A crash in the loop is reported with an EngineDead message first.
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from pagedllm.core.errors import PagedLLMError
-from pagedllm.core.serial import (
+from pagedllm.engine.wire import (
     AbortRequests,
     AddRequests,
     CoreInputDecoder,
@@ -271,7 +271,7 @@ def _build_engine_core(config_json: str) -> EngineCore:
 
 
 def _ready_message(engine_core: EngineCore) -> Ready:
-    from pagedllm.core.tokenizer import config_eos_token_id
+    from pagedllm.engine.tokenizer import config_eos_token_id
 
     return Ready(
         pid=os.getpid(),

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagedllm.spec_decode.metrics import SpecDecodingStats
+from pagedllm.core.stats import SpecDecodingStats
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
-    from pagedllm.core.scheduler import SchedulerStats
-    from pagedllm.core.stats import IterationStats
+    from pagedllm.core.stats import SchedulerStats
+    from pagedllm.engine.stats import IterationStats
 
 logger = logging.getLogger("pagedllm.metrics")
 

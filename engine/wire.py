@@ -21,7 +21,7 @@ from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.outputs import EngineCoreEvent, EngineCoreOutput
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.core.stats import SchedulerStats
 from pagedllm.core.scheduler_output import LogprobEntry
 
 # ----------------------------------------------------------- API -> core

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
-from pagedllm.core.engine_core_proc import run_engine_core
+from pagedllm.engine.core_proc import run_engine_core
 from pagedllm.core.errors import EngineDeadError, EngineStartupError
-from pagedllm.core.scheduler import SchedulerStats
-from pagedllm.core.serial import (
+from pagedllm.core.stats import SchedulerStats
+from pagedllm.engine.wire import (
     AbortRequests,
     AddRequests,
     CoreInput,
@@ -152,7 +152,7 @@ class _CoreResources:
 class MPClient:
     """Runs EngineCore behind ZMQ: in a spawned process (the server) or, with
     `in_thread`, in a background thread of this process (fast tests); both
-    speak the same msgspec messages (core/serial.py).
+    speak the same msgspec messages (engine/wire.py).
 
     The constructor only starts the core; `wait_for_ready()` blocks until its
     Ready handshake (raising EngineStartupError on a startup failure, an early

@@ -20,11 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pagedllm.core.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.core.outputs import (
+from pagedllm.engine.outputs import (
     CompletionOutput,
-    EngineCoreOutput,
     Logprob,
     PromptLogprobs,
     RequestMetrics,
@@ -32,12 +31,13 @@ from pagedllm.core.outputs import (
     RequestOutputKind,
     SampleLogprobs,
 )
-from pagedllm.core.stop_strings import check_stop_strings, stop_buffer_length
+from pagedllm.core.outputs import EngineCoreOutput
+from pagedllm.engine.stop_strings import check_stop_strings, stop_buffer_length
 
 if TYPE_CHECKING:
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.core.scheduler_output import LogprobEntry
-    from pagedllm.core.stats import IterationStats
+    from pagedllm.engine.stats import IterationStats
 
 
 class ProcessedOutputs(NamedTuple):

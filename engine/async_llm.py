@@ -25,7 +25,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient
+from pagedllm.engine.core_client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient
 from pagedllm.core.engine import validate_prompt
 from pagedllm.core.int_limits import check_priority
 from pagedllm.core.errors import (
@@ -35,12 +35,12 @@ from pagedllm.core.errors import (
     InvalidRequestError,
     ServerShuttingDownError,
 )
-from pagedllm.core.metrics import StatLoggerManager
-from pagedllm.core.output_processor import OutputProcessor
-from pagedllm.core.outputs import CompletionOutput, RequestOutput, RequestOutputKind
-from pagedllm.core.serial import EngineCoreRequest, sampling_params_to_dict
-from pagedllm.core.stats import IterationStats
-from pagedllm.core.tokenizer import check_token_ids, load_tokenizer
+from pagedllm.engine.metrics import StatLoggerManager
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from pagedllm.engine.wire import EngineCoreRequest, sampling_params_to_dict
+from pagedllm.engine.stats import IterationStats
+from pagedllm.engine.tokenizer import check_token_ids, load_tokenizer
 from pagedllm.model_registry.tiny import MODEL_ALIASES, TARGET_MODEL_NAME, resolve_model_path
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.structured_output.manager import GrammarVocab, validate_structured_outputs
@@ -48,7 +48,7 @@ from pagedllm.structured_output.manager import GrammarVocab, validate_structured
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.sampling_params import SamplingParams
-    from pagedllm.core.serial import EngineCoreOutputs
+    from pagedllm.engine.wire import EngineCoreOutputs
 
 logger = logging.getLogger(__name__)
 
