@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test demo bench clean
+.PHONY: install serve test lint demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,16 @@ serve: $(STAMP)
 # The example plugins' own tests run too (each package's tests/ folder).
 test: $(STAMP)
 	$(PY) -m pytest --import-mode=importlib tests $(wildcard $(addsuffix /tests/test_*.py,$(EXAMPLE_PLUGINS))) -q
+
+# ruff over everything; mypy over the package (config in pyproject.toml). mypy must
+# see this root as the package `pagedllm`, which the package-dir layout cannot
+# name, so it runs from .cache/mypy-root where `pagedllm` links back here.
+MYPY_ROOT := .cache/mypy-root
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	mkdir -p $(MYPY_ROOT) && ln -sfn ../.. $(MYPY_ROOT)/pagedllm
+	cd $(MYPY_ROOT) && $(CURDIR)/$(VENV)/bin/mypy -p pagedllm --config-file $(CURDIR)/pyproject.toml \
+		--cache-dir $(CURDIR)/.cache/mypy --python-executable $(CURDIR)/$(PY)
 
 demo: $(STAMP)
 	$(VENV)/bin/pagedllm generate --prompt "def fibonacci(n):" --max-tokens 32
