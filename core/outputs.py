@@ -1,26 +1,32 @@
-"""The per-step message from the engine core to the output processor."""
+"""The per-step message from the engine core to the output processor.
+
+These are msgspec structs: the very objects the scheduler builds cross the
+wire to the API process (array-like and with defaults left out, so a
+decode step's output is a few bytes), and the in-process client hands them
+over untouched. There is no second, wire-only copy.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:
-    from pagedllm.core.scheduler_output import LogprobEntry
+import msgspec
+
+# NOTE: a run-time import (not TYPE_CHECKING): msgspec resolves the field
+# types when it first encodes or decodes.
+from pagedllm.core.scheduler_output import LogprobEntry
 
 FinishReason = Literal["stop", "length", "abort"]
 
 
-@dataclass(slots=True)
-class EngineCoreEvent:
+class EngineCoreEvent(msgspec.Struct, array_like=True):
     """A timestamped event in the engine core (queued, scheduled, preempted)."""
 
     type: str
     timestamp: float
 
 
-@dataclass(slots=True)
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """What the engine core reports about one request after a step.
 
     Emitted for a request that got new tokens, finished, or computed prompt

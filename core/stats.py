@@ -1,20 +1,21 @@
 """The engine core's statistics: what the scheduler reports after a step
 (one type from the core to every consumer: the wire, the stat loggers, the
-Prometheus exporter)."""
+Prometheus exporter). msgspec structs, so the same objects go on the wire."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
+
+# NOTE: run-time imports: msgspec resolves the field types on first use.
 from pagedllm.kv_connectors.base import KVConnectorStats
 
 
-@dataclass
-class SpecDecodingStats:
+class SpecDecodingStats(msgspec.Struct, array_like=True):
     num_spec_tokens: int  # k: the length of num_accepted_tokens_per_pos
     num_drafts: int = 0  # verification steps of requests that had drafts
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_accepted_tokens_per_pos: list[int] = []
 
     @classmethod
     def new(cls, num_spec_tokens: int) -> SpecDecodingStats:
@@ -62,8 +63,13 @@ class SpecDecodingStats:
         )
 
 
-@dataclass
-class SchedulerStats:
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The scheduler's figures after a step, as the core sends them with the
+    step's outputs (and with its idle heartbeat); the stat loggers and
+    Prometheus read exactly this. Queue lengths and KV usage are the state
+    now; prefix-cache counts, drafts and connector counts are deltas since
+    the previous stats."""
+
     num_running_reqs: int
     num_waiting_reqs: int
     kv_cache_usage: float

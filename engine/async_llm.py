@@ -26,8 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.core_client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient
-from pagedllm.core.engine import validate_prompt
-from pagedllm.core.int_limits import check_priority
 from pagedllm.core.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -35,19 +33,19 @@ from pagedllm.core.errors import (
     InvalidRequestError,
     ServerShuttingDownError,
 )
+from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.metrics import StatLoggerManager
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
-from pagedllm.engine.wire import EngineCoreRequest, sampling_params_to_dict
 from pagedllm.engine.stats import IterationStats
-from pagedllm.engine.tokenizer import check_token_ids, load_tokenizer
+from pagedllm.engine.tokenizer import load_tokenizer
 from pagedllm.model_registry.tiny import MODEL_ALIASES, TARGET_MODEL_NAME, resolve_model_path
 from pagedllm.plugins import get_plugin_manager
-from pagedllm.structured_output.manager import GrammarVocab, validate_structured_outputs
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.sampling_params import SamplingParams
+    from pagedllm.core.stats import SchedulerStats
     from pagedllm.engine.wire import EngineCoreOutputs
 
 logger = logging.getLogger(__name__)
@@ -134,11 +132,10 @@ class AsyncLLM:
             self.engine_core.shutdown()
             raise
         self.ready = ready
+        self.input_processor = InputProcessor(self.tokenizer, ready, config.structured_output)
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
-        self.eos_token_id: int | None = (
-            ready.eos_token_id if ready.eos_token_id is not None else self.tokenizer.eos_token_id
-        )
+        self.eos_token_id = self.input_processor.eos_token_id
         self.model_name = config.server.served_model_name or (
             served_name_of(config.model.model)
         )
@@ -247,11 +244,6 @@ class AsyncLLM:
 
     # --------------------------------------------------------------- requests
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        return check_token_ids(prompt)
-
     def admit(self, num_prompts: int, n: int) -> Admission:
         """Admit one request of `num_prompts` prompts x `n` samples as a whole,
         before any of its prompts reaches the engine; pass the result to each
@@ -282,19 +274,6 @@ class AsyncLLM:
             raise ServerShuttingDownError(self._refusal)
         self.engine_core.check_alive()
 
-    def validate_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> int:
-        """The checks `generate()` runs before anything reaches the core
-        (InvalidRequestError naming field and limit); returns the effective
-        max_tokens. Callers may run it first to answer 400 before streaming."""
-        validate_prompt(prompt_token_ids, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
-        max_tokens = sampling_params.validate_against(self.max_model_len, len(prompt_token_ids), self.vocab_size)
-        if sampling_params.structured_outputs is not None:
-            # A bad schema or grammar is a 400 here, never a compile failure in the core.
-            # With the vocab, the validator compiles exactly what the core will, under the time limit.
-            validate_structured_outputs(sampling_params.structured_outputs, self.config.structured_output,
-                                        GrammarVocab.of(self.tokenizer, self.vocab_size, self.eos_token_id))
-        return max_tokens
-
     async def generate(
         self,
         prompt: str | list[int],
@@ -315,7 +294,7 @@ class AsyncLLM:
         client disconnect: GeneratorExit / CancelledError) the request is
         aborted in the core at once. With `admission` (from `admit()`) its
         sequences were counted already; without, they are counted here.
-        `validated`: the caller ran `validate_request` on these very params
+        `validated`: the caller ran `input_processor.validate` on these very params
         and prompt (the HTTP handlers do, in the worker pool), so it is not
         run again here, on the event loop; the engine core re-validates anyway.
         """
@@ -354,36 +333,15 @@ class AsyncLLM:
             self._check_pending_limit(n, 1, n)
         if request_id in self._streams:
             raise InvalidRequestError("request_id", request_id, "a request with this id is still running")
-        check_priority(priority)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError("cache_salt", cache_salt, "must be a string or None")
-        if isinstance(prompt, str) and prompt_text is None:
-            prompt_text = prompt
-        prompt_token_ids = self.tokenize(prompt)
-        if not validated:
-            self.validate_request(prompt_token_ids, sampling_params)
-
-        arrival_time = time.time()
-        engine_requests = self.output_processor.add_request(
-            request_id, prompt_text, prompt_token_ids, sampling_params, arrival_time, output_kind
+        request = self.input_processor.process(
+            request_id, prompt, sampling_params, prompt_text=prompt_text, priority=priority,
+            cache_salt=cache_salt, validated=validated,
         )
-        stream = _RequestStream(request_id, prompt_text, prompt_token_ids, sampling_params.n)
+        self.output_processor.add_request(request, output_kind)
+        stream = _RequestStream(request_id, request.prompt, request.prompt_token_ids, sampling_params.n)
         self._streams[request_id] = stream
         try:
-            self.engine_core.add_engine_requests(
-                [
-                    EngineCoreRequest(
-                        request_id=engine_request_id,
-                        prompt_token_ids=prompt_token_ids,
-                        sampling_params=sampling_params_to_dict(engine_params),
-                        eos_token_id=self.eos_token_id,
-                        arrival_time=arrival_time,
-                        priority=priority,
-                        cache_salt=cache_salt,
-                    )
-                    for engine_request_id, engine_params in engine_requests
-                ]
-            )
+            self.engine_core.add_requests(request.engine_requests())
         except BaseException:
             self._streams.pop(request_id, None)
             self.output_processor.abort_requests([request_id])
@@ -430,16 +388,14 @@ class AsyncLLM:
 
     # -------------------------------------------------------------- utilities
 
-    async def get_stats(self) -> dict[str, Any]:
-        """The core's queue and KV figures now (num_running_reqs,
-        num_waiting_reqs, num_unfinished_reqs, kv_cache_usage, num_free_blocks,
-        num_kv_blocks, num_preemptions) plus this side's num_pending_requests
-        and num_pending_sequences."""
+    async def get_stats(self) -> SchedulerStats | None:
+        """The core's SchedulerStats now: the core sends them the way it does
+        after a step (so the stat logger counts them too), then answers.
+        None only if the core never sent any. This side's figures are
+        `num_unfinished_requests` and `num_pending_sequences`."""
         await self.start()
-        stats = dict(await self.engine_core.call_utility_async("get_stats"))
-        stats["num_pending_requests"] = len(self._streams)
-        stats["num_pending_sequences"] = self.num_pending_sequences
-        return stats
+        await self.engine_core.call_utility_async("flush_stats")
+        return self.engine_core.scheduler_stats
 
     async def reset_prefix_cache(self) -> bool:
         await self.start()
@@ -467,7 +423,7 @@ class AsyncLLM:
             self._fail_all(dead)
 
     async def _process_engine_outputs(self, message: EngineCoreOutputs) -> None:
-        outputs = message.engine_core_outputs()
+        outputs = message.outputs
         now = time.time()
         iteration_stats = IterationStats(iteration_timestamp=now) if outputs else None
         for start in range(0, len(outputs), OUTPUT_PROC_CHUNK_SIZE):

@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
-from pagedllm.engine.core_proc import run_engine_core
+from pagedllm.engine.core_proc import ready_message, run_engine_core
 from pagedllm.core.errors import EngineDeadError, EngineStartupError
-from pagedllm.core.stats import SchedulerStats
 from pagedllm.engine.wire import (
     AbortRequests,
     AddRequests,
@@ -38,19 +37,25 @@ from pagedllm.engine.wire import (
     StartupFailed,
     UtilityRequest,
     UtilityResult,
-    to_engine_core_request,
+    from_engine_core_request,
 )
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.engine import EngineCore
     from pagedllm.core.outputs import EngineCoreOutput
-    from pagedllm.core.request import Request
+    from pagedllm.core.stats import SchedulerStats
 
 
 class EngineCoreClient(ABC):
+    """A blocking front end's view of one engine core, wherever it runs."""
+
+    # The core's figures (max_model_len, vocab size, EOS, model path, ...):
+    # all a front end may know about the core besides its outputs.
+    ready: Ready
+
     @abstractmethod
-    def add_request(self, request: Request) -> None: ...
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None: ...
 
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...
@@ -60,10 +65,17 @@ class EngineCoreClient(ABC):
         """Outputs of the next engine step (empty when the core is idle)."""
 
     @abstractmethod
-    def get_stats(self) -> SchedulerStats: ...
+    def get_stats(self) -> SchedulerStats | None:
+        """The core's SchedulerStats now (its prefix-cache counts cover the
+        time since the previous stats); None if the core sent none."""
 
     @abstractmethod
     def reset_prefix_cache(self) -> bool: ...
+
+    def drain(self) -> None:
+        """Let the core finish what it still holds once every output is in
+        (a KV connector's save in flight); a core in its own process steps
+        on its own, so only the in-process client has work here."""
 
     def shutdown(self) -> None:
         """Release the core (no-op in-process)."""
@@ -76,9 +88,11 @@ class InprocClient(EngineCoreClient):
         from pagedllm.core.engine import EngineCore
 
         self.engine_core: EngineCore = EngineCore(config)
+        self.ready = ready_message(self.engine_core)
 
-    def add_request(self, request: Request) -> None:
-        self.engine_core.add_request(request)
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        for request in requests:
+            self.engine_core.add_request(from_engine_core_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -89,7 +103,7 @@ class InprocClient(EngineCoreClient):
             return []
         return self.engine_core.step()
 
-    def get_stats(self) -> SchedulerStats:
+    def get_stats(self) -> SchedulerStats | None:
         return self.engine_core.make_stats()
 
     def reset_prefix_cache(self) -> bool:
@@ -164,6 +178,8 @@ class MPClient:
         self.output_decoder = CoreOutputDecoder()
         self.dead_error: EngineDeadError | None = None
         self.ready: Ready | None = None
+        # The stats of the last EngineCoreOutputs read (None before the first).
+        self.scheduler_stats: SchedulerStats | None = None
         # time.monotonic() of the last message read from the core: proof of life for /health.
         self.last_heard_at = 0.0
         resources = self.resources = _CoreResources()
@@ -273,7 +289,7 @@ class MPClient:
             self.check_alive()
             raise EngineDeadError(f"cannot reach the engine core: {exc}") from exc
 
-    def add_engine_requests(self, requests: list[EngineCoreRequest]) -> None:
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self._send(AddRequests(requests))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -296,20 +312,17 @@ class SyncMPClient(MPClient, EngineCoreClient):
     def __init__(self, config: EngineConfig, *, in_thread: bool = False,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
         super().__init__(config, in_thread=in_thread)
-        self.wait_for_ready(startup_timeout_s)
+        self.ready = self.wait_for_ready(startup_timeout_s)
         self._pending_outputs: collections.deque[EngineCoreOutputs] = collections.deque()
         self._call_ids = itertools.count()
 
-    def add_request(self, request: Request) -> None:
-        self.add_engine_requests([to_engine_core_request(request)])
-
     def get_output(self) -> list[EngineCoreOutput]:
         if self._pending_outputs:
-            return self._pending_outputs.popleft().engine_core_outputs()
+            return self._pending_outputs.popleft().outputs
         while True:
             message = self._recv()
             if isinstance(message, EngineCoreOutputs):
-                return message.engine_core_outputs()
+                return message.outputs
 
     def _recv(self) -> CoreOutput:
         while not self.output_socket.poll(int(LIVENESS_POLL_S * 1000)):
@@ -317,6 +330,8 @@ class SyncMPClient(MPClient, EngineCoreClient):
         message = self.output_decoder.decode(self.output_socket.recv())
         if isinstance(message, EngineDead):
             self._handle_dead(message)
+        if isinstance(message, EngineCoreOutputs) and message.scheduler_stats is not None:
+            self.scheduler_stats = message.scheduler_stats
         return message
 
     def call_utility(self, name: str, *args: Any) -> Any:
@@ -331,17 +346,10 @@ class SyncMPClient(MPClient, EngineCoreClient):
             if isinstance(message, EngineCoreOutputs):
                 self._pending_outputs.append(message)
 
-    def get_stats(self) -> SchedulerStats:
-        stats = self.call_utility("get_stats")
-        # Prefix-cache counts are interval deltas the core reports with each step.
-        return SchedulerStats(
-            num_running_reqs=stats["num_running_reqs"],
-            num_waiting_reqs=stats["num_waiting_reqs"],
-            kv_cache_usage=stats["kv_cache_usage"],
-            prefix_cache_queries=0,
-            prefix_cache_hits=0,
-            num_preemptions=stats["num_preemptions"],
-        )
+    def get_stats(self) -> SchedulerStats | None:
+        # The core sends fresh stats (read by _recv) before it answers.
+        self.call_utility("flush_stats")
+        return self.scheduler_stats
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.call_utility("reset_prefix_cache"))
@@ -387,6 +395,8 @@ class AsyncMPClient(MPClient):
                 message = self.output_decoder.decode(await sock.recv())
                 self.last_heard_at = time.monotonic()
                 if isinstance(message, EngineCoreOutputs):
+                    if message.scheduler_stats is not None:
+                        self.scheduler_stats = message.scheduler_stats
                     return message
                 if isinstance(message, UtilityResult):
                     self._resolve_utility(message)

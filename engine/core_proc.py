@@ -34,7 +34,6 @@ from pagedllm.engine.wire import (
     CoreInputDecoder,
     CoreOutputEncoder,
     EngineCoreOutputs,
-    EngineCoreOutputWire,
     EngineDead,
     Ready,
     Shutdown,
@@ -42,12 +41,11 @@ from pagedllm.engine.wire import (
     UtilityRequest,
     UtilityResult,
     from_engine_core_request,
-    to_wire_output,
 )
+from pagedllm.core.outputs import EngineCoreOutput
 
 if TYPE_CHECKING:
     from pagedllm.core.engine import EngineCore
-    from pagedllm.core.outputs import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +62,7 @@ class EngineCoreProc:
     """Runs an EngineCore against a pair of ZMQ sockets."""
 
     # NOTE: the only names a UtilityRequest may call; never getattr() a client's string.
-    UTILITIES = frozenset({"get_stats", "reset_prefix_cache", "ping"})
+    UTILITIES = frozenset({"flush_stats", "reset_prefix_cache", "ping"})
 
     def __init__(
         self,
@@ -135,9 +133,7 @@ class EngineCoreProc:
             # The API validates first, so this is a client bug or a race;
             # it ends the one request, never the loop.
             logger.warning("request %s rejected by the engine core: %s", wire_request.request_id, exc)
-            rejected = EngineCoreOutputWire(
-                wire_request.request_id, [], None, None, "abort", None, 0, None, None
-            )
+            rejected = EngineCoreOutput(wire_request.request_id, [], finish_reason="abort")
             self._send(EngineCoreOutputs([rejected], None, 0, time.time()))
 
     def _call_utility(self, message: UtilityRequest) -> UtilityResult:
@@ -152,7 +148,7 @@ class EngineCoreProc:
     def _send_outputs(self, outputs: list[EngineCoreOutput], num_scheduled_tokens: int) -> None:
         self.stats_dirty = False
         message = EngineCoreOutputs(
-            outputs=[to_wire_output(output) for output in outputs],
+            outputs=outputs,
             scheduler_stats=self.engine_core.make_stats(),
             num_scheduled_tokens=num_scheduled_tokens,
             timestamp=time.time(),
@@ -164,20 +160,11 @@ class EngineCoreProc:
 
     # ------------------------------------------------------------- utilities
 
-    def utility_get_stats(self) -> dict[str, Any]:
-        # NOTE: not make_stats(): that takes the prefix-cache interval counts
-        # the metrics pipeline is owed.
-        scheduler = self.engine_core.scheduler
-        kv_cache_manager = self.engine_core.kv_cache_manager
-        return {
-            "num_running_reqs": len(scheduler.running),
-            "num_waiting_reqs": len(scheduler.waiting),
-            "num_unfinished_reqs": scheduler.get_num_unfinished_requests(),
-            "kv_cache_usage": kv_cache_manager.usage,
-            "num_free_blocks": kv_cache_manager.num_free_blocks,
-            "num_kv_blocks": kv_cache_manager.num_blocks,
-            "num_preemptions": scheduler.num_preemptions,
-        }
+    def utility_flush_stats(self) -> None:
+        # The stats go out the one way they always do (an EngineCoreOutputs,
+        # read before this answer: same socket, in order), so the interval
+        # counts reach the metrics pipeline as well as the caller.
+        self._send_outputs([], 0)
 
     def utility_reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
@@ -238,7 +225,7 @@ def run_engine_core(
             output_linger_ms = LAST_WORD_LINGER_MS
             exit_code = 1
             return
-        output_socket.send(encoder.encode(_ready_message(engine_core)))
+        output_socket.send(encoder.encode(ready_message(engine_core)))
         proc = EngineCoreProc(engine_core, input_socket, output_socket, parent_pid)
         try:
             proc.run_busy_loop()
@@ -270,7 +257,8 @@ def _build_engine_core(config_json: str) -> EngineCore:
     return EngineCore(config)
 
 
-def _ready_message(engine_core: EngineCore) -> Ready:
+def ready_message(engine_core: EngineCore) -> Ready:
+    """The core's figures a client needs (the in-process client builds the same)."""
     from pagedllm.engine.tokenizer import config_eos_token_id
 
     return Ready(

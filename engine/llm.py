@@ -3,46 +3,45 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.engine.core_client import InprocClient
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.core.int_limits import check_priority
-from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.engine.tokenizer import check_token_ids, eos_token_id, load_tokenizer
-from pagedllm.structured_output.manager import GrammarVocab, validate_structured_outputs
+from pagedllm.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
+    from pagedllm.core.stats import SchedulerStats
     from pagedllm.engine.outputs import RequestOutput
 
-# A prompt: text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}
-# with an optional "cache_salt".
-PromptType = str | list[int] | dict[str, Any]
 ChatMessages = list[dict[str, Any]]
 
 
 class LLM:
-    """Generate offline with an in-process engine core.
+    """Generate offline over an engine core: in this process by default, in
+    its own process with `multiprocess=True` (the server's client, ZMQ).
 
     Accepts vLLM's flat keyword names (`block_size`, `max_num_seqs`,
     `enable_prefix_caching`, ...), a `config_file` (YAML or TOML), and the
     `PAGEDLLM_` environment; arguments win over env, env over the file.
     """
 
-    def __init__(self, model: str | None = None, *, config_file: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, config_file: str | None = None, multiprocess: bool = False, **kwargs: Any
+    ) -> None:
         if model is not None:  # not given: the config file's (or env's) model, else the default one
             kwargs["model"] = model
         self.config = EngineConfig.from_flat(config_file=config_file, **kwargs)
-        self.engine_core = InprocClient(self.config)
-        core = self.engine_core.engine_core
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer or str(core.model_path))
-        self.eos_token_id = eos_token_id(core.hf_config, self.tokenizer)
-        self.max_model_len = core.max_model_len
+        self.engine_core: EngineCoreClient = SyncMPClient(self.config) if multiprocess else InprocClient(self.config)
+        ready = self.engine_core.ready
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer or ready.model_path)
+        self.input_processor = InputProcessor(self.tokenizer, ready, self.config.structured_output)
+        self.eos_token_id = self.input_processor.eos_token_id
+        self.max_model_len = ready.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 
@@ -100,8 +99,12 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
-    def get_stats(self) -> Any:
+    def get_stats(self) -> SchedulerStats | None:
         return self.engine_core.get_stats()
+
+    def shutdown(self) -> None:
+        """Stop a multiprocess core now (it also stops when the LLM is collected)."""
+        self.engine_core.shutdown()
 
     # ------------------------------------------------------------ internals
 
@@ -120,48 +123,15 @@ class LLM:
         return params_list
 
     def _add_request(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
-        check_priority(priority)
-        text, token_ids, cache_salt = self._tokenize(prompt)
-        core = self.engine_core.engine_core
-        core.validate_prompt(token_ids)
-        params.validate_against(self.max_model_len, len(token_ids), core.vocab_size)
-        if params.structured_outputs is not None:
-            validate_structured_outputs(params.structured_outputs, self.config.structured_output,
-                                        GrammarVocab.of(self.tokenizer, core.vocab_size, self.eos_token_id))
         request_id = str(next(self._request_counter))
-        arrival_time = time.time()
-        engine_requests = self.output_processor.add_request(request_id, text, token_ids, params, arrival_time)
-        for engine_request_id, engine_params in engine_requests:
-            self.engine_core.add_request(
-                Request(
-                    engine_request_id,
-                    token_ids,
-                    engine_params,
-                    eos_token_id=self.eos_token_id,
-                    arrival_time=arrival_time,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                )
-            )
+        request = self.input_processor.process(request_id, prompt, params, priority=priority)
+        self.output_processor.add_request(request)
+        try:
+            self.engine_core.add_requests(request.engine_requests())
+        except BaseException:
+            self._abort([request_id])
+            raise
         return request_id
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt), None
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
-            if unknown:
-                raise InvalidRequestError(
-                    "prompt", sorted(unknown), "allowed keys: prompt, prompt_token_ids, cache_salt"
-                )
-            text = prompt.get("prompt")
-            token_ids = prompt.get("prompt_token_ids")
-            if token_ids is None:
-                if not isinstance(text, str):
-                    raise InvalidRequestError("prompt", prompt, "needs a 'prompt' string or 'prompt_token_ids'")
-                token_ids = self.tokenizer.encode(text)
-            return text, check_token_ids(token_ids), prompt.get("cache_salt")
-        return None, check_token_ids(prompt), None
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

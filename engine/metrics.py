@@ -416,13 +416,10 @@ class StatLoggerManager:
         generation_throughput = self.interval_generation_tokens / elapsed if elapsed > 0 else 0.0
         queries, hits = self.interval_prefix_cache_queries, self.interval_prefix_cache_hits
         hit_rate = hits / queries if queries else 0.0
-        stats = self.last_scheduler_stats
         line = (
             f"Avg prompt throughput: {prompt_throughput:.1f} tokens/s, "
             f"Avg generation throughput: {generation_throughput:.1f} tokens/s, "
-            f"Running: {stats.num_running_reqs if stats else 0} reqs, "
-            f"Waiting: {stats.num_waiting_reqs if stats else 0} reqs, "
-            f"KV cache usage: {(stats.kv_cache_usage if stats else 0.0) * 100:.1f}%, "
+            f"{_describe_queues(self.last_scheduler_stats)}, "
             f"Prefix cache hit rate: {hit_rate * 100:.1f}%"
         )
         if self.interval_external_queries:
@@ -451,3 +448,13 @@ class StatLoggerManager:
     def render(self) -> bytes:
         """The Prometheus text exposition of this engine's metrics."""
         return generate_latest(self.registry)
+
+
+def _describe_queues(stats: SchedulerStats | None) -> str:
+    # No stats from the core yet: say so rather than print zeros it never reported.
+    if stats is None:
+        return "Running: n/a, Waiting: n/a, KV cache usage: n/a"
+    return (
+        f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
+        f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%"
+    )

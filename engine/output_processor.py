@@ -1,13 +1,13 @@
 """Turns the engine core's per-step EngineCoreOutputs into RequestOutputs:
 incremental detokenization, stop strings, logprobs, n > 1 fan-in, metrics.
 
-Driving it (what the LLM engine does):
+Driving it (what LLM does):
 
-    engine_requests = processor.add_request(request_id, prompt, prompt_token_ids, params)
-    for child_id, child_params in engine_requests:      # n > 1 fans out
-        engine_core.add_request(Request(child_id, prompt_token_ids, child_params, ...))
+    request = input_processor.process(request_id, prompt, params)   # n > 1 fans out
+    processor.add_request(request)
+    client.add_requests(request.engine_requests())
     while processor.has_unfinished_requests():
-        processed = processor.process_outputs(engine_core.step())
+        processed = processor.process_outputs(client.get_output())
         engine_core.abort_requests(processed.reqs_to_abort)   # stopped by a stop string
         yield from processed.request_outputs
 """
@@ -15,7 +15,6 @@ Driving it (what the LLM engine does):
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -37,6 +36,7 @@ from pagedllm.engine.stop_strings import check_stop_strings, stop_buffer_length
 if TYPE_CHECKING:
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.core.scheduler_output import LogprobEntry
+    from pagedllm.engine.input_processor import ProcessedRequest
     from pagedllm.engine.stats import IterationStats
 
 
@@ -129,8 +129,8 @@ class RequestState:
 
 
 class ParentRequest:
-    """A request with `n > 1`: fans out into n engine requests ("{i}_{id}",
-    as vLLM) and fans their outputs back into one RequestOutput."""
+    """A request with `n > 1`: fans its samples' outputs (engine requests
+    "{i}_{id}", see engine/input_processor.py) back into one RequestOutput."""
 
     def __init__(self, request_id: str, params: SamplingParams, output_kind: RequestOutputKind) -> None:
         self.request_id = request_id
@@ -140,22 +140,6 @@ class ParentRequest:
         self.child_states: list[RequestState] = []
         self.completions: list[CompletionOutput | None] = [None] * self.n
         self.num_finished = 0
-
-    @staticmethod
-    def child_request_id(index: int, request_id: str) -> str:
-        return f"{index}_{request_id}"
-
-    def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
-        """The engine request id and params (n=1; seed+index when seeded, so
-        seeded siblings differ but stay reproducible) of child `index`."""
-        child_id = self.child_request_id(index, self.request_id)
-        if hasattr(self.params, "for_child"):
-            return child_id, self.params.for_child(index)
-        seed = getattr(self.params, "seed", None)
-        changes: dict[str, Any] = {"n": 1}
-        if seed is not None:
-            changes["seed"] = seed + index
-        return child_id, _replace_params(self.params, changes)
 
     @property
     def finished(self) -> bool:
@@ -195,15 +179,6 @@ class ParentRequest:
         )
 
 
-def _replace_params(params: Any, changes: dict[str, Any]) -> Any:
-    if dataclasses.is_dataclass(params) and not isinstance(params, type):
-        return dataclasses.replace(params, **changes)
-    clone = copy.copy(params)
-    for key, value in changes.items():
-        setattr(clone, key, value)
-    return clone
-
-
 class OutputProcessor:
     """Output side of the engine (runs in the front-end process in vLLM)."""
 
@@ -221,52 +196,32 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        output_kind: RequestOutputKind | None = None,
-    ) -> list[tuple[str, SamplingParams]]:
-        """Track a request; return the (engine request id, params) pairs the
-        engine core must run: one for n == 1, n children ("{i}_{id}") else."""
-        if request_id in self.request_states or request_id in self.parent_requests:
-            raise InvalidRequestError("request_id", request_id, "a request with this id is already running")
+    def add_request(self, request: ProcessedRequest, output_kind: RequestOutputKind | None = None) -> None:
+        """Track a request and its samples (the input processor fanned n > 1 out)."""
+        sample_ids = [sample_id for sample_id, _ in request.samples]
+        for request_id in {request.request_id, *sample_ids}:
+            if request_id in self.request_states or request_id in self.parent_requests:
+                raise InvalidRequestError("request_id", request_id, "a request with this id is already running")
         if output_kind is None:
-            output_kind = RequestOutputKind(getattr(params, "output_kind", RequestOutputKind.FINAL_ONLY))
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        n = getattr(params, "n", 1)
-        if n == 1:
-            self._add_state(request_id, request_id, 0, prompt, prompt_token_ids, params, arrival_time, output_kind)
-            return [(request_id, params)]
-        parent = ParentRequest(request_id, params, output_kind)
-        engine_requests = []
-        for index in range(n):
-            child_id, child_params = parent.get_child_info(index)
-            if child_id in self.request_states:
-                raise InvalidRequestError("request_id", child_id, "a request with this id is already running")
-            state = self._add_state(
-                child_id, request_id, index, prompt, prompt_token_ids, child_params, arrival_time, output_kind
-            )
-            state.parent = parent
-            parent.child_states.append(state)
-            engine_requests.append((child_id, child_params))
-        self.parent_requests[request_id] = parent
-        return engine_requests
+            output_kind = RequestOutputKind(getattr(request.params, "output_kind", RequestOutputKind.FINAL_ONLY))
+        parent = ParentRequest(request.request_id, request.params, output_kind) if request.params.n > 1 else None
+        for index, (sample_id, sample_params) in enumerate(request.samples):
+            state = self._add_state(request, index, sample_id, sample_params, output_kind)
+            if parent is not None:
+                state.parent = parent
+                parent.child_states.append(state)
+        if parent is not None:
+            self.parent_requests[request.request_id] = parent
 
     def _add_state(
         self,
-        request_id: str,
-        external_request_id: str,
+        request: ProcessedRequest,
         index: int,
-        prompt: str | None,
-        prompt_token_ids: list[int],
+        request_id: str,
         params: SamplingParams,
-        arrival_time: float,
         output_kind: RequestOutputKind,
     ) -> RequestState:
+        prompt_token_ids = request.prompt_token_ids
         detokenizer = None
         if getattr(params, "detokenize", True) and self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
@@ -278,9 +233,9 @@ class OutputProcessor:
         want_logprobs = getattr(params, "logprobs", None) is not None
         state = RequestState(
             request_id=request_id,
-            external_request_id=external_request_id,
+            external_request_id=request.request_id,
             index=index,
-            prompt=prompt,
+            prompt=request.prompt,
             prompt_token_ids=list(prompt_token_ids),
             output_kind=output_kind,
             detokenizer=detokenizer,
@@ -288,7 +243,7 @@ class OutputProcessor:
             stop=normalize_stop(getattr(params, "stop", None)) if detokenizer else [],
             include_stop_str_in_output=getattr(params, "include_stop_str_in_output", False),
             min_tokens=getattr(params, "min_tokens", 0) or 0,
-            metrics=RequestMetrics(arrival_time=arrival_time),
+            metrics=RequestMetrics(arrival_time=request.arrival_time),
             logprobs=[] if want_logprobs else None,
             cumulative_logprob=0.0 if want_logprobs else None,
             prompt_logprobs=[] if getattr(params, "prompt_logprobs", None) is not None else None,

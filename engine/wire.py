@@ -8,27 +8,32 @@ pickled, so a crafted request cannot run code in the engine core.
 API -> core: AddRequests, AbortRequests, UtilityRequest, Shutdown.
 Core -> API: Ready (handshake), StartupFailed, EngineCoreOutputs (after every
 step), UtilityResult, EngineDead (the busy loop crashed).
+
+The core's own types travel as they are: EngineCoreOutput (core/outputs.py)
+and SchedulerStats (core/stats.py) are msgspec structs, never copied into
+wire twins.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 import msgspec
 
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.core.outputs import EngineCoreEvent, EngineCoreOutput
+from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.stats import SchedulerStats
-from pagedllm.core.scheduler_output import LogprobEntry
 
 # ----------------------------------------------------------- API -> core
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True):
-    """One engine request (one sample: n > 1 fans out before this)."""
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One engine request (one sample: n > 1 fans out before this), as every
+    client takes it (engine/input_processor.py builds it); the core turns it
+    into its Request with `from_engine_core_request`."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -83,48 +88,15 @@ class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
     message: str
 
 
-class EngineCoreOutputWire(msgspec.Struct, array_like=True):
-    """EngineCoreOutput on the wire (its dataclass names LogprobEntry only
-    under TYPE_CHECKING, which msgspec cannot resolve)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[LogprobEntry] | None
-    new_prompt_logprobs: list[LogprobEntry | None] | None
-    finish_reason: Literal["stop", "length", "abort"] | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
-    first_scheduled_time: float | None
-    events: list[EngineCoreEvent] | None
-    spec_counts: tuple[int, int, int] | None = None
-
-
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
     """One engine step's outputs (empty when only stats changed, e.g. after
-    an abort while idle)."""
+    an abort while idle, or the idle heartbeat)."""
 
-    outputs: list[EngineCoreOutputWire]
+    outputs: list[EngineCoreOutput]
     scheduler_stats: SchedulerStats | None
     # Tokens the step computed (0: no step ran).
     num_scheduled_tokens: int
     timestamp: float
-
-    def engine_core_outputs(self) -> list[EngineCoreOutput]:
-        return [
-            EngineCoreOutput(
-                request_id=o.request_id,
-                new_token_ids=o.new_token_ids,
-                new_logprobs=o.new_logprobs,
-                new_prompt_logprobs=o.new_prompt_logprobs,
-                finish_reason=o.finish_reason,
-                stop_reason=o.stop_reason,
-                num_cached_tokens=o.num_cached_tokens,
-                first_scheduled_time=o.first_scheduled_time,
-                events=o.events,
-                spec_counts=o.spec_counts,
-            )
-            for o in self.outputs
-        ]
 
 
 class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True):
@@ -198,19 +170,8 @@ def sampling_params_from_dict(data: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**data)
 
 
-def to_engine_core_request(request: Request) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id=request.request_id,
-        prompt_token_ids=request.prompt_token_ids,
-        sampling_params=sampling_params_to_dict(request.sampling_params),
-        eos_token_id=request.eos_token_id,
-        arrival_time=request.arrival_time,
-        priority=request.priority,
-        cache_salt=request.cache_salt,
-    )
-
-
 def from_engine_core_request(wire: EngineCoreRequest) -> Request:
+    """The scheduler's Request for a client's request, its params re-validated."""
     return Request(
         wire.request_id,
         wire.prompt_token_ids,
@@ -221,17 +182,3 @@ def from_engine_core_request(wire: EngineCoreRequest) -> Request:
         cache_salt=wire.cache_salt,
     )
 
-
-def to_wire_output(output: EngineCoreOutput) -> EngineCoreOutputWire:
-    return EngineCoreOutputWire(
-        request_id=output.request_id,
-        new_token_ids=output.new_token_ids,
-        new_logprobs=output.new_logprobs,
-        new_prompt_logprobs=output.new_prompt_logprobs,
-        finish_reason=output.finish_reason,
-        stop_reason=output.stop_reason,
-        num_cached_tokens=output.num_cached_tokens,
-        first_scheduled_time=output.first_scheduled_time,
-        events=output.events,
-        spec_counts=output.spec_counts,
-    )

@@ -20,6 +20,7 @@ from helpers.tiny_models import cached_tiny_model
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.core.config import EngineConfig
+from pagedllm.core.stats import SchedulerStats
 from pagedllm.core.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -83,13 +84,19 @@ async def _collect(llm: AsyncLLM, prompt: str | list[int], params: SamplingParam
     return [output async for output in llm.generate(prompt, params, request_id, **kwargs)]
 
 
-async def _wait_until_idle(llm: AsyncLLM, timeout_s: float = 5.0) -> dict[str, Any]:
+def _queues(stats: SchedulerStats | None) -> tuple[int, int, float] | None:
+    """(running, waiting, KV cache usage); IDLE when every block is free."""
+    return None if stats is None else (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
+
+
+IDLE = (0, 0, 0.0)
+
+
+async def _wait_until_idle(llm: AsyncLLM, timeout_s: float = 5.0) -> SchedulerStats | None:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = await llm.get_stats()
-        if stats["num_unfinished_reqs"] == 0 and stats["num_free_blocks"] == stats["num_kv_blocks"]:
-            return stats
-        if time.monotonic() > deadline:
+        if _queues(stats) == IDLE or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.01)
 
@@ -133,7 +140,7 @@ async def test_token_id_prompt_with_n_2_fans_out_and_back(
     assert [c.index for c in got] == [0, 1]
     assert [c.token_ids for c in got] == [c.token_ids for c in sorted(expected.outputs, key=lambda c: c.index)]
     stats = await _wait_until_idle(engine, timeout_s=1.0)
-    assert (stats["num_unfinished_reqs"], stats["num_free_blocks"]) == (0, NUM_KV_BLOCKS)
+    assert _queues(stats) == IDLE
 
 
 async def test_consumer_that_stops_early_aborts_and_frees_every_block(engine: AsyncLLM) -> None:
@@ -147,8 +154,7 @@ async def test_consumer_that_stops_early_aborts_and_frees_every_block(engine: As
     await generator.aclose()  # what Starlette's cancellation amounts to
     assert engine.num_unfinished_requests == 0
     stats = await _wait_until_idle(engine, timeout_s=1.0)
-    assert stats["num_unfinished_reqs"] == 0
-    assert stats["num_free_blocks"] == NUM_KV_BLOCKS
+    assert _queues(stats) == IDLE
 
 
 async def test_cancelled_consumer_task_aborts_its_request(engine: AsyncLLM) -> None:
@@ -165,7 +171,7 @@ async def test_cancelled_consumer_task_aborts_its_request(engine: AsyncLLM) -> N
     with pytest.raises(asyncio.CancelledError):
         await task
     stats = await _wait_until_idle(engine, timeout_s=1.0)
-    assert (stats["num_unfinished_reqs"], stats["num_free_blocks"]) == (0, NUM_KV_BLOCKS)
+    assert _queues(stats) == IDLE
 
 
 async def test_explicit_abort_ends_the_stream_with_finish_reason_abort(engine: AsyncLLM) -> None:
@@ -177,7 +183,7 @@ async def test_explicit_abort_ends_the_stream_with_finish_reason_abort(engine: A
             await engine.abort("aborted")
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
     stats = await _wait_until_idle(engine, timeout_s=1.0)
-    assert (stats["num_unfinished_reqs"], stats["num_free_blocks"]) == (0, NUM_KV_BLOCKS)
+    assert _queues(stats) == IDLE
 
 
 async def test_stop_string_ends_the_request_here_and_in_the_core(
@@ -192,7 +198,7 @@ async def test_stop_string_ends_the_request_here_and_in_the_core(
     assert completion.text == full_text[: full_text.index(stop)]
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
     stats = await _wait_until_idle(engine, timeout_s=1.0)
-    assert (stats["num_unfinished_reqs"], stats["num_free_blocks"]) == (0, NUM_KV_BLOCKS)
+    assert _queues(stats) == IDLE
 
 
 @pytest.mark.parametrize(
@@ -212,7 +218,7 @@ async def test_invalid_request_is_rejected_before_it_reaches_the_core(
         await _collect(engine, prompt, params, "invalid")
     assert excinfo.value.field == field
     assert engine.num_unfinished_requests == 0
-    assert (await engine.get_stats())["num_unfinished_reqs"] == 0
+    assert _queues(await engine.get_stats())[:2] == (0, 0)
 
 
 async def test_reset_prefix_cache_and_health_of_a_live_engine(engine: AsyncLLM) -> None:
@@ -330,7 +336,7 @@ async def test_end_all_requests_fails_those_in_flight_and_refuses_new_ones() -> 
             llm.admit(1, 1)
         assert _finish_counts(llm)["abort"] == 1
         stats = await _wait_until_idle(llm, timeout_s=2.0)  # the core let go of it too
-        assert (stats["num_unfinished_reqs"], stats["num_free_blocks"]) == (0, NUM_KV_BLOCKS)
+        assert _queues(stats) == IDLE
     finally:
         llm.shutdown()
 

@@ -21,9 +21,9 @@ from pagedllm.engine.core_client import SyncMPClient
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import EngineDeadError, EngineStartupError, InvalidRequestError
 from pagedllm.core.outputs import EngineCoreEvent, EngineCoreOutput
-from pagedllm.core.request import Request
 from pagedllm.core.stats import SchedulerStats
 from pagedllm.core.scheduler_output import LogprobEntry
+from pagedllm.engine.input_processor import make_request
 from pagedllm.engine.wire import (
     AddRequests,
     CoreInputDecoder,
@@ -36,8 +36,6 @@ from pagedllm.engine.wire import (
     from_engine_core_request,
     sampling_params_from_dict,
     sampling_params_to_dict,
-    to_engine_core_request,
-    to_wire_output,
 )
 
 NUM_KV_BLOCKS = 64
@@ -82,18 +80,18 @@ def test_engine_core_outputs_survive_the_wire_exactly() -> None:
         events=[EngineCoreEvent("scheduled", 123.5)],
     )
     stats = SchedulerStats(2, 1, 0.25, 10, 4, 3)
-    message = EngineCoreOutputs([to_wire_output(output)], stats, 37, 200.0)
+    message = EngineCoreOutputs([output], stats, 37, 200.0)
     decoded = CoreOutputDecoder().decode(CoreOutputEncoder().encode(message))
     assert isinstance(decoded, EngineCoreOutputs)
-    assert decoded.engine_core_outputs() == [output]
-    assert isinstance(decoded.engine_core_outputs()[0].new_logprobs[0], LogprobEntry)
+    assert decoded.outputs == [output]
+    assert isinstance(decoded.outputs[0].new_logprobs[0], LogprobEntry)
     assert (decoded.scheduler_stats, decoded.num_scheduled_tokens, decoded.timestamp) == (stats, 37, 200.0)
 
 
 def test_request_is_rebuilt_with_its_sampling_params_in_the_core() -> None:
     params = SamplingParams(temperature=0.5, top_k=7, seed=3, stop=["x"], stop_token_ids=[2], max_tokens=9)
-    request = Request("r1", [1, 2, 3], params, eos_token_id=2, arrival_time=5.0, priority=-1, cache_salt="s")
-    data = CoreInputEncoder().encode(AddRequests([to_engine_core_request(request)]))
+    request = make_request("r1", None, [1, 2, 3], params, 5.0, priority=-1, cache_salt="s", eos_token_id=2)
+    data = CoreInputEncoder().encode(AddRequests(request.engine_requests()))
     message = CoreInputDecoder().decode(data)
     assert isinstance(message, AddRequests)
     rebuilt = from_engine_core_request(message.requests[0])
@@ -124,8 +122,8 @@ def test_wire_never_carries_pickles() -> None:
     assert b"\x80\x04" not in data  # no pickle protocol header
     with pytest.raises(Exception):
         CoreInputDecoder().decode(b"\x80\x04\x95" + data)
-    utility = CoreInputDecoder().decode(CoreInputEncoder().encode(UtilityRequest(1, "get_stats")))
-    assert utility == UtilityRequest(1, "get_stats", [])
+    utility = CoreInputDecoder().decode(CoreInputEncoder().encode(UtilityRequest(1, "flush_stats")))
+    assert utility == UtilityRequest(1, "flush_stats", [])
 
 
 # -------------------------------------------------------- spawned core
@@ -143,7 +141,7 @@ def _run(client: SyncMPClient | LLM, params: SamplingParams) -> list[list[int]]:
         outputs = client.generate([{"prompt_token_ids": ids} for ids in PROMPT_TOKEN_IDS], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outputs]
     for i, ids in enumerate(PROMPT_TOKEN_IDS):
-        client.add_request(Request(f"req-{i}", ids, params, eos_token_id=None))
+        client.add_requests(make_request(f"req-{i}", None, ids, params).engine_requests())
     tokens: dict[str, list[int]] = {f"req-{i}": [] for i in range(len(PROMPT_TOKEN_IDS))}
     finished: set[str] = set()
     while len(finished) < len(tokens):
@@ -159,7 +157,36 @@ def test_spawned_core_matches_the_in_process_engine(client: SyncMPClient) -> Non
     expected = _run(LLM(model=_model_path(), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS), params)
     assert _run(client, params) == expected
     stats = client.get_stats()
+    assert stats is not None
     assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_llm_over_the_multiprocess_client_matches_the_in_process_llm() -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    # Seeded n > 1: the children's seeds (seed + index) must not depend on the client.
+    seeded = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPT_TOKEN_IDS]
+    results = []
+    for multiprocess in (False, True):
+        llm = LLM(model=_model_path(), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, multiprocess=multiprocess)
+        try:
+            assert isinstance(llm.engine_core, SyncMPClient) == multiprocess
+            greedy_out = llm.generate(prompts, greedy, use_tqdm=False)
+            seeded_out = llm.generate(prompts[:1], seeded, use_tqdm=False)
+            results.append((
+                [o.outputs[0].token_ids for o in greedy_out],
+                [c.token_ids for c in seeded_out[0].outputs],
+                llm.max_model_len, llm.eos_token_id,
+            ))
+            with pytest.raises(InvalidRequestError) as excinfo:
+                llm.generate([[1, 10**6]], greedy, use_tqdm=False)
+            assert excinfo.value.field == "prompt_token_ids"
+        finally:
+            llm.shutdown()
+    in_process, multiprocess_result = results
+    assert multiprocess_result == in_process
+    assert len(in_process[0]) == 3 and all(len(ids) == 10 for ids in in_process[0])
+    assert in_process[1][0] != in_process[1][1]  # the two seeded samples differ
 
 
 def test_ready_handshake_reports_the_core(client: SyncMPClient) -> None:
@@ -178,13 +205,16 @@ def test_ready_handshake_reports_the_core(client: SyncMPClient) -> None:
 
 def test_abort_in_the_core_frees_blocks_at_once(client: SyncMPClient) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    client.add_request(Request("long", [1, 2, 3, 4], params, eos_token_id=None))
+    client.add_requests(make_request("long", None, [1, 2, 3, 4], params).engine_requests())
     while not client.get_output():
         pass
-    assert client.call_utility("get_stats")["num_running_reqs"] == 1
+    running = client.get_stats()
+    assert running is not None and (running.num_running_reqs, running.num_waiting_reqs) == (1, 0)
+    assert running.kv_cache_usage > 0.0  # its blocks (how many depends on how far it ran)
     client.abort_requests(["long"])
-    stats = client.call_utility("get_stats")  # handled after the abort: same input queue, in order
-    assert (stats["num_unfinished_reqs"], stats["num_free_blocks"]) == (0, NUM_KV_BLOCKS)
+    stats = client.get_stats()  # flushed after the abort: same input queue, in order
+    assert stats is not None
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 0, 0.0)
 
 
 def test_ping_utility_answers_from_the_busy_loop(client: SyncMPClient) -> None:
@@ -199,7 +229,7 @@ def test_unknown_utility_is_refused_and_the_loop_goes_on(client: SyncMPClient) -
 
 def test_rejected_request_finishes_as_abort_without_killing_the_core(client: SyncMPClient) -> None:
     # Bypasses the API's validation: an empty prompt reaches the core.
-    client.add_engine_requests([EngineCoreRequest("bad", [], sampling_params_to_dict(SamplingParams()), None, 0.0)])
+    client.add_requests([EngineCoreRequest("bad", [], sampling_params_to_dict(SamplingParams()), None, 0.0)])
     # Earlier tests may leave outputs in flight (a step that ran before an abort).
     outputs = []
     while not any(o.request_id == "bad" for o in outputs):

@@ -22,15 +22,14 @@ import torch
 from helpers.server import ServerProcess, start_server
 from helpers.tiny_models import cached_tiny_model
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.request import Request
 from pagedllm.worker.sampler import Sampler, SamplingMetadata
 from pagedllm.engine.wire import (
     AddRequests,
     CoreInputDecoder,
     CoreInputEncoder,
     from_engine_core_request,
-    to_engine_core_request,
 )
+from pagedllm.engine.input_processor import make_request
 
 VOCAB_SIZE = 32
 
@@ -135,8 +134,8 @@ def test_bias_ids_past_the_logits_never_index_past_them() -> None:
 
 def test_logit_bias_crosses_the_engine_wire_with_int_keys() -> None:
     params = SamplingParams(temperature=0.0, logit_bias={3: 1.5, 8191: -100, 0: 100.0})
-    request = Request("r", [1, 2, 3], params, eos_token_id=2, arrival_time=1.0)
-    wire = CoreInputDecoder().decode(CoreInputEncoder().encode(AddRequests([to_engine_core_request(request)])))
+    request = make_request("r", None, [1, 2, 3], params, 1.0, eos_token_id=2)
+    wire = CoreInputDecoder().decode(CoreInputEncoder().encode(AddRequests(request.engine_requests())))
     assert isinstance(wire, AddRequests)
     rebuilt = from_engine_core_request(wire.requests[0]).sampling_params
     assert rebuilt.logit_bias == {3: 1.5, 8191: -100.0, 0: 100.0}

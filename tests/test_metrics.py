@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.core.config import EngineConfig
 from pagedllm.engine.metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, StatLoggerManager, build_1_2_5_buckets
+from pagedllm.engine.input_processor import make_request
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.sampling_params import SamplingParams
@@ -25,6 +26,13 @@ from pagedllm.engine.stats import FinishedRequestStats, IterationStats
 MODEL = "tiny-model"
 LABEL = {"model_name": MODEL}
 DASHBOARD = Path(__file__).resolve().parents[1] / "examples" / "grafana" / "pagedllm-dashboard.json"
+
+
+def add(processor, request_id, prompt, prompt_token_ids, params, arrival_time=None, output_kind=None):
+    """Track a request as a front end does: fanned out by the input processor."""
+    request = make_request(request_id, prompt, prompt_token_ids, params, arrival_time)
+    processor.add_request(request, output_kind)
+    return request
 
 GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cache_config_info"]
 COUNTERS = [
@@ -223,7 +231,7 @@ def step(processor, outputs, now) -> IterationStats:
 def test_output_processor_fills_iteration_stats_for_a_scripted_request():
     processor = OutputProcessor(None)
     params = SamplingParams(max_tokens=3, detokenize=False)
-    processor.add_request("a", None, [1, 2, 3, 4], params, arrival_time=100.0)
+    add(processor, "a", None, [1, 2, 3, 4], params, arrival_time=100.0)
 
     first = step(processor, [out("a", [7], 100.5)], now=101.0)
     assert (first.num_prompt_tokens, first.num_generation_tokens) == (4, 1)
@@ -248,7 +256,7 @@ def test_output_processor_fills_iteration_stats_for_a_scripted_request():
 
 def test_output_processor_counts_each_sample_of_n_and_n_once_when_all_finish():
     processor = OutputProcessor(None)
-    processor.add_request("p", None, [1, 2, 3], SamplingParams(n=2, max_tokens=4, detokenize=False),
+    add(processor, "p", None, [1, 2, 3], SamplingParams(n=2, max_tokens=4, detokenize=False),
                           arrival_time=10.0)  # fmt: skip
     # Both samples' first tokens in one step; sample 1 got two tokens at once.
     first = step(processor, [out("0_p", [5], 10.25), out("1_p", [6, 7], 10.5)], now=11.0)
@@ -272,8 +280,8 @@ def test_output_processor_counts_each_sample_of_n_and_n_once_when_all_finish():
 
 def test_output_processor_stats_skip_token_free_chunks_and_aborted_requests():
     processor = OutputProcessor(None)
-    processor.add_request("a", None, [1, 2], SamplingParams(detokenize=False), arrival_time=0.0)
-    processor.add_request("b", None, [1, 2], SamplingParams(detokenize=False), arrival_time=0.0)
+    add(processor, "a", None, [1, 2], SamplingParams(detokenize=False), arrival_time=0.0)
+    add(processor, "b", None, [1, 2], SamplingParams(detokenize=False), arrival_time=0.0)
     processor.abort_requests(["b"])
     stats = step(processor, [out("a", [], 0.5), out("b", [3], 0.5)], now=1.0)
     assert stats == IterationStats(iteration_timestamp=1.0)
@@ -289,9 +297,9 @@ def test_output_processor_stats_skip_token_free_chunks_and_aborted_requests():
 
 def test_abort_here_counts_each_unfinished_sample_once_with_its_phases():
     processor = OutputProcessor(None)
-    processor.add_request("p", None, [1, 2, 3], SamplingParams(n=3, max_tokens=4, detokenize=False),
+    add(processor, "p", None, [1, 2, 3], SamplingParams(n=3, max_tokens=4, detokenize=False),
                           arrival_time=10.0)  # fmt: skip
-    processor.add_request("q", None, [1], SamplingParams(max_tokens=4, detokenize=False), arrival_time=10.0)
+    add(processor, "q", None, [1], SamplingParams(max_tokens=4, detokenize=False), arrival_time=10.0)
     # Sample 0 finishes normally, sample 1 has a token, sample 2 none yet.
     step(processor, [out("0_p", [5], 10.25, "length"), out("1_p", [6], 10.5)], now=11.0)
     stats = IterationStats()
@@ -308,7 +316,7 @@ def test_abort_here_counts_each_unfinished_sample_once_with_its_phases():
 
 def test_abort_after_the_request_finished_counts_nothing():
     processor = OutputProcessor(None)
-    processor.add_request("a", None, [1], SamplingParams(max_tokens=4, detokenize=False), arrival_time=0.0)
+    add(processor, "a", None, [1], SamplingParams(max_tokens=4, detokenize=False), arrival_time=0.0)
     step(processor, [out("a", [4], 0.5, "stop")], now=1.0)
     stats = IterationStats()
     assert processor.abort_requests(["a"], stats) == [] and stats.finished_requests == []
@@ -322,7 +330,7 @@ def test_stop_string_finish_is_recorded_as_stop():
     tokenizer = AutoTokenizer.from_pretrained(get_tokenizer_dir())
     processor = OutputProcessor(tokenizer)
     ids = tokenizer.encode("ab. cd")
-    processor.add_request("s", None, [1, 2], SamplingParams(stop=["."], max_tokens=len(ids) + 5), arrival_time=0.0)
+    add(processor, "s", None, [1, 2], SamplingParams(stop=["."], max_tokens=len(ids) + 5), arrival_time=0.0)
     stats = IterationStats()
     for index, token_id in enumerate(ids):
         stats = step(processor, [out("s", [token_id], 0.0)], now=1.0 + index)
@@ -334,7 +342,7 @@ def test_stop_string_finish_is_recorded_as_stop():
 
 def test_output_processor_without_iteration_stats_is_unchanged():
     processor = OutputProcessor(None)
-    processor.add_request("a", None, [1], SamplingParams(max_tokens=1, detokenize=False), arrival_time=0.0)
+    add(processor, "a", None, [1], SamplingParams(max_tokens=1, detokenize=False), arrival_time=0.0)
     processed = processor.process_outputs([out("a", [4], 0.5, "length")], now=1.0)
     (output,) = processed.request_outputs
     assert output.outputs[0].token_ids == [4] and output.metrics.finished_time == 1.0
@@ -343,7 +351,7 @@ def test_output_processor_without_iteration_stats_is_unchanged():
 def test_processor_stats_reach_the_exposition():
     processor = OutputProcessor(None)
     manager = StatLoggerManager(MODEL)
-    processor.add_request("a", None, [1, 2, 3], SamplingParams(max_tokens=2, detokenize=False), arrival_time=0.0)
+    add(processor, "a", None, [1, 2, 3], SamplingParams(max_tokens=2, detokenize=False), arrival_time=0.0)
     manager.record(scheduler_stats(running=1), step(processor, [out("a", [4], 0.25)], now=0.5), 3)
     manager.record(scheduler_stats(), step(processor, [out("a", [5], 0.25, "length")], now=0.75), 1)
     samples = scrape(manager)
@@ -393,6 +401,11 @@ def test_idle_log_line_drops_to_debug_and_interval_zero_never_logs(caplog):
     manager.last_log_time = 0.0
     assert manager.maybe_log(now=1.0) is True
     assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+    # No stats from the core yet: the line says so instead of inventing zeros.
+    assert caplog.records[0].getMessage() == (
+        "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, "
+        "Running: n/a, Waiting: n/a, KV cache usage: n/a, Prefix cache hit rate: 0.0%"
+    )
 
     silent = StatLoggerManager(MODEL, EngineConfig(server={"log_stats_interval_s": 0.0}))
     silent.record(None, IterationStats(num_generation_tokens=5))

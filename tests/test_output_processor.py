@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.core.errors import InvalidRequestError
+from pagedllm.engine.input_processor import make_request
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.outputs import Logprob, RequestOutputKind
@@ -14,6 +15,13 @@ from pagedllm.engine.stop_strings import check_stop_strings
 from pagedllm.model_registry.tiny import get_tokenizer_dir
 
 PROMPT_IDS = [10, 11, 12]
+
+
+def add(processor, request_id, prompt, prompt_token_ids, params, arrival_time=None, output_kind=None):
+    """Track a request as a front end does: fanned out by the input processor."""
+    request = make_request(request_id, prompt, prompt_token_ids, params, arrival_time)
+    processor.add_request(request, output_kind)
+    return request
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +55,7 @@ def run_tokens(processor, request_id, token_ids, *, finish_reason="length", stop
 def test_final_only_output_has_text_tokens_and_metrics(tokenizer):
     processor = OutputProcessor(tokenizer)
     ids = tokenizer.encode("Hello, world! ✓")
-    processor.add_request("r", "prompt", PROMPT_IDS, SamplingParams(max_tokens=len(ids)), arrival_time=50.0)
+    add(processor, "r", "prompt", PROMPT_IDS, SamplingParams(max_tokens=len(ids)), arrival_time=50.0)
     outputs, aborted = run_tokens(processor, "r", ids)
     assert aborted == []
     (output,) = outputs  # FINAL_ONLY: one output, at the end
@@ -72,7 +80,7 @@ def test_stop_string_across_tokens_truncates_and_aborts(tokenizer, include, expe
     ids = [tokenizer.convert_tokens_to_ids(ch) for ch in "abc STOP def"]
     ids[3] = tokenizer.encode(" ")[0]
     params = SamplingParams(max_tokens=50, stop=["xyz", "STOP"], include_stop_str_in_output=include)
-    processor.add_request("r", None, PROMPT_IDS, params)
+    add(processor, "r", None, PROMPT_IDS, params)
     outputs, aborted = run_tokens(processor, "r", ids)
     assert aborted == ["r"]
     (completion,) = outputs[-1].outputs
@@ -95,7 +103,7 @@ def test_streamed_deltas_never_show_a_partial_stop_string(tokenizer):
     text = "one two STOP three"
     ids = [tokenizer.convert_tokens_to_ids(ch) if ch != " " else tokenizer.encode(" ")[0] for ch in text]
     params = SamplingParams(max_tokens=50, stop=["STOP"])
-    processor.add_request("r", None, PROMPT_IDS, params, output_kind=RequestOutputKind.DELTA)
+    add(processor, "r", None, PROMPT_IDS, params, output_kind=RequestOutputKind.DELTA)
     outputs, aborted = run_tokens(processor, "r", ids)
     deltas = [output.outputs[0].text for output in outputs]
     assert "".join(deltas) == "one two "
@@ -110,7 +118,7 @@ def test_streamed_deltas_never_show_a_partial_stop_string(tokenizer):
 def test_cumulative_outputs_repeat_everything_so_far(tokenizer):
     processor = OutputProcessor(tokenizer)
     ids = tokenizer.encode("a b c")
-    processor.add_request("r", None, PROMPT_IDS, SamplingParams(max_tokens=9), output_kind=RequestOutputKind.CUMULATIVE)
+    add(processor, "r", None, PROMPT_IDS, SamplingParams(max_tokens=9), output_kind=RequestOutputKind.CUMULATIVE)
     outputs, _ = run_tokens(processor, "r", ids)
     assert [o.outputs[0].token_ids for o in outputs] == [ids[: i + 1] for i in range(len(ids))]
     assert [o.outputs[0].text for o in outputs] == [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
@@ -120,7 +128,7 @@ def test_stop_token_text_is_not_in_the_output(tokenizer):
     processor = OutputProcessor(tokenizer)
     ids = tokenizer.encode("yes.")
     stop_id = ids[-1]
-    processor.add_request("r", None, PROMPT_IDS, SamplingParams(stop_token_ids=[stop_id]))
+    add(processor, "r", None, PROMPT_IDS, SamplingParams(stop_token_ids=[stop_id]))
     outputs, aborted = run_tokens(processor, "r", ids, finish_reason="stop", stop_reason=stop_id)
     assert aborted == []  # the engine core already finished it
     completion = outputs[-1].outputs[0]
@@ -132,7 +140,7 @@ def test_stop_token_text_is_not_in_the_output(tokenizer):
 def test_eos_finish_with_special_token_skipped(tokenizer):
     processor = OutputProcessor(tokenizer)
     ids = [*tokenizer.encode("done"), tokenizer.eos_token_id]
-    processor.add_request("r", None, PROMPT_IDS, SamplingParams(include_stop_str_in_output=True))
+    add(processor, "r", None, PROMPT_IDS, SamplingParams(include_stop_str_in_output=True))
     outputs, _ = run_tokens(processor, "r", ids, finish_reason="stop", stop_reason=None)
     completion = outputs[-1].outputs[0]
     assert completion.text == "done"
@@ -142,7 +150,7 @@ def test_eos_finish_with_special_token_skipped(tokenizer):
 def test_stop_strings_wait_for_min_tokens(tokenizer):
     processor = OutputProcessor(tokenizer)
     ids = [tokenizer.convert_tokens_to_ids(ch) for ch in "x.y.z"]
-    processor.add_request("r", None, PROMPT_IDS, SamplingParams(stop=["."], min_tokens=3, max_tokens=5))
+    add(processor, "r", None, PROMPT_IDS, SamplingParams(stop=["."], min_tokens=3, max_tokens=5))
     outputs, aborted = run_tokens(processor, "r", ids)
     assert aborted == ["r"]
     assert outputs[-1].outputs[0].text == "x.y"
@@ -151,7 +159,7 @@ def test_stop_strings_wait_for_min_tokens(tokenizer):
 def test_logprobs_become_dicts_with_ranks_and_decoded_tokens(tokenizer):
     processor = OutputProcessor(tokenizer)
     a, b, c = (tokenizer.convert_tokens_to_ids(ch) for ch in "abc")
-    processor.add_request("r", None, [a, b, c], SamplingParams(max_tokens=2, logprobs=2, prompt_logprobs=1))
+    add(processor, "r", None, [a, b, c], SamplingParams(max_tokens=2, logprobs=2, prompt_logprobs=1))
     step1 = EngineCoreOutput(
         "r",
         [],
@@ -183,8 +191,11 @@ def test_logprobs_become_dicts_with_ranks_and_decoded_tokens(tokenizer):
 def test_n_samples_fan_out_and_come_back_as_one_output(tokenizer):
     processor = OutputProcessor(tokenizer)
     params = SamplingParams(n=2, seed=7, max_tokens=2)
-    engine_requests = processor.add_request("r", "p", PROMPT_IDS, params, arrival_time=1.0)
-    assert [(rid, p.n, p.seed) for rid, p in engine_requests] == [("0_r", 1, 7), ("1_r", 1, 8)]
+    request = add(processor, "r", "p", PROMPT_IDS, params, arrival_time=1.0)
+    assert [(rid, p.n, p.seed) for rid, p in request.samples] == [("0_r", 1, 7), ("1_r", 1, 8)]
+    assert [(r.request_id, r.sampling_params["n"], r.sampling_params["seed"]) for r in request.engine_requests()] == [
+        ("0_r", 1, 7), ("1_r", 1, 8)
+    ]
     x, y = tokenizer.encode("x")[0], tokenizer.encode("y")[0]
 
     def step(request_id, token_id, finished, cached, now):
@@ -208,8 +219,8 @@ def test_n_samples_fan_out_and_come_back_as_one_output(tokenizer):
 
 def test_abort_parent_aborts_every_sample_and_ignores_late_outputs(tokenizer):
     processor = OutputProcessor(tokenizer)
-    processor.add_request("r", None, PROMPT_IDS, SamplingParams(n=3))
-    processor.add_request("s", None, PROMPT_IDS, SamplingParams())
+    add(processor, "r", None, PROMPT_IDS, SamplingParams(n=3))
+    add(processor, "s", None, PROMPT_IDS, SamplingParams())
     assert processor.abort_requests(["r", "unknown"]) == ["0_r", "1_r", "2_r"]
     assert processor.process_outputs([EngineCoreOutput("1_r", [5], finish_reason="length")]).request_outputs == []
     assert processor.abort_requests(["s"]) == ["s"]
@@ -218,22 +229,22 @@ def test_abort_parent_aborts_every_sample_and_ignores_late_outputs(tokenizer):
 
 def test_duplicate_request_id_is_rejected(tokenizer):
     processor = OutputProcessor(tokenizer)
-    processor.add_request("r", None, PROMPT_IDS, SamplingParams())
+    add(processor, "r", None, PROMPT_IDS, SamplingParams())
     with pytest.raises(InvalidRequestError) as excinfo:
-        processor.add_request("r", None, PROMPT_IDS, SamplingParams())
+        add(processor, "r", None, PROMPT_IDS, SamplingParams())
     assert excinfo.value.field == "request_id"
 
 
 def test_detokenize_false_gives_token_ids_only(tokenizer):
     processor = OutputProcessor(tokenizer)
-    processor.add_request("r", None, PROMPT_IDS, SamplingParams(detokenize=False, max_tokens=2))
+    add(processor, "r", None, PROMPT_IDS, SamplingParams(detokenize=False, max_tokens=2))
     outputs, _ = run_tokens(processor, "r", [40, 41])
     assert (outputs[-1].outputs[0].text, outputs[-1].outputs[0].token_ids) == ("", [40, 41])
 
 
 def test_num_cached_tokens_reported(tokenizer):
     processor = OutputProcessor(tokenizer)
-    processor.add_request("r", None, PROMPT_IDS, SamplingParams(max_tokens=1))
+    add(processor, "r", None, PROMPT_IDS, SamplingParams(max_tokens=1))
     engine_output = EngineCoreOutput("r", [40], finish_reason="length", num_cached_tokens=48)
     (output,) = processor.process_outputs([engine_output]).request_outputs
     assert output.num_cached_tokens == 48

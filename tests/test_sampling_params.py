@@ -6,7 +6,6 @@ import pytest
 
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.int_limits import INT64_MAX, INT64_MIN, check_priority, short_value
-from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
@@ -24,8 +23,8 @@ from pagedllm.engine.wire import (
     CoreInputDecoder,
     CoreInputEncoder,
     from_engine_core_request,
-    to_engine_core_request,
 )
+from pagedllm.engine.input_processor import make_request
 
 VOCAB_SIZE = 16  # below MAX_LOGPROBS, so logprobs can exceed it
 
@@ -256,10 +255,10 @@ def test_extreme_but_valid_values_cross_the_engine_wire() -> None:
                             stop_token_ids=[INT64_MAX], logit_bias={INT64_MAX: -100.0, 0: 100.0})
     encoder, decoder = CoreInputEncoder(), CoreInputDecoder()
     for priority in (INT64_MAX, INT64_MIN):
-        request = Request("r", [1, 2], params.for_child(1), eos_token_id=2, arrival_time=1.0, priority=priority)
-        message = decoder.decode(encoder.encode(AddRequests([to_engine_core_request(request)])))
+        request = make_request("r", None, [1, 2], params.for_child(1), 1.0, priority=priority, eos_token_id=2)
+        message = decoder.decode(encoder.encode(AddRequests(request.engine_requests())))
         assert isinstance(message, AddRequests)
         rebuilt = from_engine_core_request(message.requests[0])
         assert rebuilt.priority == priority
-        assert rebuilt.sampling_params == request.sampling_params
+        assert rebuilt.sampling_params == request.params
         assert rebuilt.sampling_params.seed == INT64_MIN  # INT64_MAX + 1 wrapped

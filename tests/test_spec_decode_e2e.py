@@ -278,7 +278,7 @@ def test_penalties_see_the_drafts_before_each_position() -> None:
 def test_spawned_engine_core_speculates_and_reports_counts() -> None:
     from pagedllm.engine.core_client import SyncMPClient
     from pagedllm.core.config import EngineConfig
-    from pagedllm.core.request import Request
+    from pagedllm.engine.input_processor import make_request
 
     prompts = _prompts(4, seed=31)
     params = _greedy()
@@ -289,7 +289,7 @@ def test_spawned_engine_core_speculates_and_reports_counts() -> None:
     client = SyncMPClient(config)
     try:
         for i, ids in enumerate(prompts):
-            client.add_request(Request(f"req-{i}", ids, params, eos_token_id=None))
+            client.add_requests(make_request(f"req-{i}", None, ids, params).engine_requests())
         tokens: dict[str, list[int]] = {f"req-{i}": [] for i in range(len(prompts))}
         counts: dict[str, Any] = {}
         finished: set[str] = set()

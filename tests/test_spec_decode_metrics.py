@@ -59,10 +59,9 @@ def test_scheduler_stats_with_spec_stats_cross_the_wire() -> None:
 
 def test_per_request_counts_cross_the_wire() -> None:
     from pagedllm.core.outputs import EngineCoreOutput
-    from pagedllm.engine.wire import EngineCoreOutputs, to_wire_output
+    from pagedllm.engine.wire import EngineCoreOutputs
 
     output = EngineCoreOutput(request_id="r", new_token_ids=[1, 2, 3], spec_counts=(2, 6, 3))
-    message = EngineCoreOutputs(outputs=[to_wire_output(output)], scheduler_stats=None, num_scheduled_tokens=4,
-                                timestamp=0.0)
+    message = EngineCoreOutputs(outputs=[output], scheduler_stats=None, num_scheduled_tokens=4, timestamp=0.0)
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=EngineCoreOutputs)
-    assert tuple(decoded.engine_core_outputs()[0].spec_counts) == (2, 6, 3)
+    assert decoded.outputs == [output] and decoded.outputs[0].spec_counts == (2, 6, 3)

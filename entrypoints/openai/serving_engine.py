@@ -75,7 +75,7 @@ class OpenAIServing:
         400 before any of its prompts is scheduled (a schema that does not
         compile included)."""
         try:
-            self.engine.validate_request(prompt_token_ids, params)
+            self.engine.input_processor.validate(prompt_token_ids, params)
         except InvalidRequestError as exc:
             uses_response_format = (
                 request is not None and request.response_format is not None and request.structured_outputs is None

@@ -1,0 +1,163 @@
+"""The front ends' one way in (vLLM's InputProcessor): `LLM` and `AsyncLLM`
+both turn a prompt and its SamplingParams into engine requests here.
+
+    processor = InputProcessor(tokenizer, client.ready, config.structured_output)
+    request = processor.process("req-0", "Hello", SamplingParams(n=2))
+    output_processor.add_request(request)
+    client.add_requests(request.engine_requests())   # "0_req-0", "1_req-0"
+
+`process` checks the priority and cache salt, tokenizes, validates the prompt
+and the params against the core's READY figures (max_model_len, vocab size,
+and the structured-output spec, which it compiles under the time limit),
+then fans `n > 1` out into child requests. Every check raises
+InvalidRequestError naming the field, whichever front end called.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.engine import validate_prompt
+from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.int_limits import check_priority
+from pagedllm.engine.tokenizer import check_token_ids
+from pagedllm.engine.wire import EngineCoreRequest, sampling_params_to_dict
+from pagedllm.structured_output.manager import GrammarVocab, validate_structured_outputs
+
+if TYPE_CHECKING:
+    from pagedllm.core.config import StructuredOutputConfig
+    from pagedllm.core.sampling_params import SamplingParams
+    from pagedllm.engine.wire import Ready
+
+# A prompt: text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}
+# with an optional "cache_salt".
+PromptType = str | list[int] | dict[str, Any]
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
+
+def child_request_id(index: int, request_id: str) -> str:
+    """Sample `index` of an `n > 1` request runs as "{index}_{request_id}" (vLLM)."""
+    return f"{index}_{request_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedRequest:
+    """A validated request and the engine requests it fans out into."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    # (engine request id, params) per sample: the request itself when n == 1,
+    # else n children (n=1; seed + index when seeded, see SamplingParams.for_child).
+    samples: list[tuple[str, SamplingParams]]
+    priority: int = 0
+    cache_salt: str | None = None
+    eos_token_id: int | None = None
+
+    def engine_requests(self) -> list[EngineCoreRequest]:
+        return [
+            EngineCoreRequest(
+                request_id=sample_id,
+                prompt_token_ids=self.prompt_token_ids,
+                sampling_params=sampling_params_to_dict(sample_params),
+                eos_token_id=self.eos_token_id,
+                arrival_time=self.arrival_time,
+                priority=self.priority,
+                cache_salt=self.cache_salt,
+            )
+            for sample_id, sample_params in self.samples
+        ]
+
+
+def make_request(
+    request_id: str,
+    prompt: str | None,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    arrival_time: float | None = None,
+    *,
+    priority: int = 0,
+    cache_salt: str | None = None,
+    eos_token_id: int | None = None,
+) -> ProcessedRequest:
+    """Fan a request out into its samples; no checks (`InputProcessor.process` runs them first)."""
+    if params.n == 1:
+        samples = [(request_id, params)]
+    else:
+        samples = [(child_request_id(index, request_id), params.for_child(index)) for index in range(params.n)]
+    return ProcessedRequest(
+        request_id, prompt, list(prompt_token_ids), params, time.time() if arrival_time is None else arrival_time,
+        samples, priority, cache_salt, eos_token_id,
+    )
+
+
+class InputProcessor:
+    """Validation and request building against one engine core's figures."""
+
+    def __init__(self, tokenizer: Any, ready: Ready, structured_output: StructuredOutputConfig) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        # config.json's EOS, else the tokenizer's.
+        self.eos_token_id: int | None = (
+            ready.eos_token_id if ready.eos_token_id is not None else tokenizer.eos_token_id
+        )
+        self.structured_output = structured_output
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        """(text, token ids, the dict form's cache_salt) of a prompt."""
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt)), None
+        if not isinstance(prompt, dict):
+            return None, check_token_ids(prompt), None
+        unknown = set(prompt) - PROMPT_KEYS
+        if unknown:
+            raise InvalidRequestError("prompt", sorted(unknown), "allowed keys: prompt, prompt_token_ids, cache_salt")
+        text = prompt.get("prompt")
+        token_ids = prompt.get("prompt_token_ids")
+        if token_ids is None:
+            if not isinstance(text, str):
+                raise InvalidRequestError("prompt", prompt, "needs a 'prompt' string or 'prompt_token_ids'")
+            token_ids = self.tokenizer.encode(text)
+        return text, check_token_ids(token_ids), prompt.get("cache_salt")
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """The checks before anything reaches the core; returns the effective
+        max_tokens. Blocking (a structured-output spec compiles under its time
+        limit): the server runs it off the event loop, then passes `validated`."""
+        validate_prompt(prompt_token_ids, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        max_tokens = params.validate_against(self.max_model_len, len(prompt_token_ids), self.vocab_size)
+        if params.structured_outputs is not None:
+            # A bad schema or grammar is a 400 here, never a compile failure in the core.
+            vocab = GrammarVocab.of(self.tokenizer, self.vocab_size, self.eos_token_id)
+            validate_structured_outputs(params.structured_outputs, self.structured_output, vocab)
+        return max_tokens
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        prompt_text: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        validated: bool = False,
+    ) -> ProcessedRequest:
+        """Check, tokenize, validate (unless the caller just ran `validate` on
+        these very token ids and params) and fan out one request."""
+        check_priority(priority)
+        text, prompt_token_ids, prompt_salt = self.tokenize(prompt)
+        cache_salt = prompt_salt if cache_salt is None else cache_salt
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt", cache_salt, "must be a string or None")
+        if not validated:
+            self.validate(prompt_token_ids, params)
+        return make_request(
+            request_id, text if prompt_text is None else prompt_text, prompt_token_ids, params,
+            priority=priority, cache_salt=cache_salt, eos_token_id=self.eos_token_id,
+        )
