@@ -9,8 +9,11 @@ When the KV cache runs out, the scheduler preempts by recompute.
 
 from __future__ import annotations
 
+import enum
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 from pagedllm.core.errors import ConfigError, InvalidRequestError, KVTransferError
 from pagedllm.core.outputs import EngineCoreOutput
@@ -22,14 +25,68 @@ from pagedllm.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagedllm.kv_connectors.base import KVConnectorStats
 from pagedllm.core.stats import SchedulerStats, SpecDecodingStats
+from pagedllm.kv_connectors.base import KVConnectorStats
 
 if TYPE_CHECKING:
     from pagedllm.core.config import SchedulerConfig
+    from pagedllm.core.grammar import GrammarManager
+    from pagedllm.core.kv_cache.block_pool import KVCacheBlock
     from pagedllm.core.kv_cache.manager import KVCacheManager
+    from pagedllm.core.scheduler_output import LogprobEntry
     from pagedllm.kv_connectors.base import KVConnectorBase
-    from pagedllm.structured_output.manager import StructuredOutputManager
+
+
+class AdmitDecision(enum.Enum):
+    """What admission decides for the request at the head of the waiting queue."""
+
+    # Scheduled this step; its blocks are allocated.
+    ADMIT = "admit"
+    # Stays waiting but steps aside this step (its grammar still compiles, its
+    # KV connector is still loading): the requests behind it are tried.
+    DEFER_NOT_READY = "defer_not_ready"
+    # Stays at the head (too few free blocks, or its whole prompt exceeds the
+    # token budget without chunked prefill): the requests behind it wait too.
+    DEFER_NO_ROOM = "defer_no_room"
+    # Can never run (its grammar failed to compile, its KV load failed): it is
+    # finished with the error.
+    FAIL = "fail"
+
+
+class Admission(NamedTuple):
+    decision: AdmitDecision
+    num_new_tokens: int = 0
+    # Prefix-cache and connector hits included.
+    num_computed_tokens: int = 0
+    # Of those, the tokens the KV connector loads.
+    num_external_tokens: int = 0
+    error: str = ""
+
+
+@dataclass(slots=True)
+class _ScheduledBatch:
+    """What one schedule() call has decided so far, and the token budget left."""
+
+    token_budget: int
+    now: float
+    # Insertion order is the batch order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: dict[str, CachedRequestData] = field(default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    def add(self, request_id: str, num_new_tokens: int) -> None:
+        self.num_scheduled_tokens[request_id] = num_new_tokens
+        self.token_budget -= num_new_tokens
+
+    def remove(self, request_id: str) -> None:
+        """A request preempted after it was scheduled gives its tokens back."""
+        num_tokens = self.num_scheduled_tokens.pop(request_id, None)
+        if num_tokens is not None:
+            self.token_budget += num_tokens
+            self.cached_reqs.pop(request_id, None)
+            self.spec_tokens.pop(request_id, None)
 
 
 class Scheduler:
@@ -38,7 +95,7 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
-        structured_output_manager: StructuredOutputManager | None = None,
+        structured_output_manager: GrammarManager | None = None,
         num_spec_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         kv_connector: KVConnectorBase | None = None,
@@ -135,168 +192,173 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.free_finished_transfers()
-        token_budget = self.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: dict[str, CachedRequestData] = {}
-        spec_tokens: dict[str, list[int]] = {}
-        preempted: set[str] = set()
-        now = time.time()
+        batch = _ScheduledBatch(self.max_num_batched_tokens, now=time.time())
+        self._schedule_running(batch)
+        # Waiting requests get a turn unless this step already had to preempt.
+        if not batch.preempted_req_ids:
+            self._schedule_waiting(batch)
+        scheduler_output = self._make_scheduler_output(batch)
+        self._update_after_schedule(batch.num_scheduled_tokens)
+        return scheduler_output
 
-        # 1. Running requests, in order (decode-first).
+    def _schedule_running(self, batch: _ScheduledBatch) -> None:
+        """Phase 1: running requests in order (decode first): the next decode
+        token with its drafts, or the next prompt chunk; preempt by recompute
+        when the free blocks run out."""
         # NOTE: this loop runs for every running request every step; the
         # common decode case must stay cheap (see benchmarks/scheduler_overhead.py).
         kv_cache_manager = self.kv_cache_manager
+        num_lookahead_tokens = self.num_lookahead_tokens
         for request in list(self.running):
-            if token_budget == 0:
+            if batch.token_budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_computed_tokens = request.num_computed_tokens
             num_new_tokens = self._cap_new_tokens(
-                request.num_tokens_with_spec - num_computed_tokens, token_budget, num_computed_tokens
+                request.num_tokens_with_spec - num_computed_tokens, batch.token_budget, num_computed_tokens
             )
             if num_new_tokens == 0:
                 continue
             while True:
                 new_blocks = kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+                    request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
                 )
-                if new_blocks is not None:
+                if new_blocks is not None or self._preempt_for_blocks(batch) is request:
                     break
-                victim = self._select_victim()
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim.request_id in num_scheduled_tokens:
-                    # Already scheduled this step: give its tokens back.
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    cached_reqs.pop(victim.request_id, None)
-                    spec_tokens.pop(victim.request_id, None)
-                if victim is request:
-                    break
-            if request.status != RequestStatus.RUNNING:
-                continue
+            if new_blocks is None:
+                continue  # it was the victim itself
             request_id = request.request_id
-            num_scheduled_tokens[request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-            cached_reqs[request_id] = CachedRequestData(
+            batch.add(request_id, num_new_tokens)
+            batch.cached_reqs[request_id] = CachedRequestData(
                 request_id, [block.block_id for block in new_blocks] if new_blocks else [], num_computed_tokens
             )
             if request.spec_token_ids:
                 num_spec = num_new_tokens + num_computed_tokens - request.num_tokens
                 if num_spec > 0:
-                    spec_tokens[request_id] = request.spec_token_ids[:num_spec]
+                    batch.spec_tokens[request_id] = request.spec_token_ids[:num_spec]
 
-        # 2. Waiting requests, unless this step already had to preempt.
-        # Requests whose grammar still compiles step aside for this step.
-        waiting_for_fsm: list[Request] = []
-        if not preempted:
-            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
-                request = self.waiting.peek()
-                if request.status == RequestStatus.WAITING_FOR_FSM:
-                    so_request = request.structured_output_request
-                    if so_request is None or not so_request.is_ready():
-                        waiting_for_fsm.append(self.waiting.pop())
-                        continue
-                    if so_request.error is not None:
-                        self.waiting.pop()
-                        self._finish_failed_request(request, so_request.error)
-                        continue
-                    request.status = RequestStatus.WAITING
-                computed_blocks, num_computed_tokens = [], request.num_computed_tokens
-                num_external_tokens = 0
-                if num_computed_tokens == 0:
-                    computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
-                    if self.kv_connector is not None:
-                        try:
-                            num_external_tokens = self._external_matched_tokens(request, num_computed_tokens)
-                        except KVTransferError as exc:
-                            self.waiting.pop()
-                            self._finish_failed_request(request, str(exc))
-                            continue
-                        if num_external_tokens is None:  # the connector says: not yet
-                            waiting_for_fsm.append(self.waiting.pop())
-                            continue
-                num_new_tokens = request.num_tokens - num_computed_tokens - num_external_tokens
-                if not self.enable_chunked_prefill and num_new_tokens > token_budget:
-                    break
-                num_new_tokens = self._cap_new_tokens(
-                    num_new_tokens, token_budget, num_computed_tokens + num_external_tokens
-                )
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request,
-                    num_new_tokens,
-                    num_computed_tokens + num_external_tokens,
-                    computed_blocks,
-                    self.num_lookahead_tokens,
-                )
-                if new_blocks is None:
-                    break  # head-of-line: later arrivals wait behind it
-                self.waiting.pop()
-                resumed = request.status == RequestStatus.PREEMPTED
-                request.status = RequestStatus.RUNNING
-                if self.kv_connector is not None:
-                    self.kv_connector.update_state_after_alloc(
-                        request, self.kv_cache_manager.get_block_ids(request.request_id), num_external_tokens
-                    )
-                num_computed_tokens += num_external_tokens
-                request.num_computed_tokens = num_computed_tokens
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_computed_tokens
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = now
-                self.running.append(request)
-                block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-                if resumed:
-                    cached_reqs[request.request_id] = CachedRequestData(
-                        req_id=request.request_id,
-                        new_block_ids=block_ids,
-                        num_computed_tokens=num_computed_tokens,
-                        resumed_from_preemption=True,
-                    )
-                else:
-                    new_reqs.append(
-                        NewRequestData(
-                            req_id=request.request_id,
-                            prompt_token_ids=request.prompt_token_ids,
-                            sampling_params=request.sampling_params,
-                            block_ids=block_ids,
-                            num_computed_tokens=num_computed_tokens,
-                            eos_token_id=request.eos_token_id,
-                        )
-                    )
-                num_scheduled_tokens[request.request_id] = num_new_tokens
-                token_budget -= num_new_tokens
-        for request in reversed(waiting_for_fsm):
+    def _preempt_for_blocks(self, batch: _ScheduledBatch) -> Request:
+        """Preempt the policy's victim so others get its blocks; returns it."""
+        victim = self._select_victim()
+        self._preempt(victim)
+        batch.preempted_req_ids.add(victim.request_id)
+        batch.remove(victim.request_id)
+        return victim
+
+    def _schedule_waiting(self, batch: _ScheduledBatch) -> None:
+        """Phase 2: admit waiting requests in policy order while the token
+        budget and the seats (max_num_seqs) last."""
+        # Requests not ready yet step aside for this step only.
+        not_ready: list[Request] = []
+        while self.waiting and batch.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            admission = self._try_admit(request, batch.token_budget)
+            decision = admission.decision
+            if decision is AdmitDecision.DEFER_NO_ROOM:
+                break  # head-of-line: later arrivals wait behind it
+            self.waiting.pop()
+            if decision is AdmitDecision.ADMIT:
+                self._admit(request, admission, batch)
+            elif decision is AdmitDecision.DEFER_NOT_READY:
+                not_ready.append(request)
+            else:
+                self._finish_failed_request(request, admission.error)
+        for request in reversed(not_ready):
             self.waiting.prepend(request)
 
-        # Requests that sample this step and follow a grammar get bitmask rows.
-        structured_output_request_ids = []
-        if self.structured_output_manager is not None:
-            for request_id, num_new_tokens in num_scheduled_tokens.items():
-                request = self.requests[request_id]
-                if (
-                    request.structured_output_request is not None
-                    and request.num_computed_tokens + num_new_tokens >= request.num_tokens
-                ):
-                    structured_output_request_ids.append(request_id)
+    def _try_admit(self, request: Request, token_budget: int) -> Admission:
+        """Decide for the request at the head of the waiting queue. On ADMIT
+        its blocks are allocated; nothing else about it has changed yet."""
+        if request.status == RequestStatus.WAITING_FOR_FSM:
+            so_request = request.structured_output_request
+            if so_request is None or not so_request.is_ready():
+                return Admission(AdmitDecision.DEFER_NOT_READY)
+            if so_request.error is not None:
+                return Admission(AdmitDecision.FAIL, error=so_request.error)
+            request.status = RequestStatus.WAITING
+        computed_blocks: list[KVCacheBlock] = []
+        num_computed_tokens = request.num_computed_tokens
+        num_external_tokens = 0
+        if num_computed_tokens == 0:
+            computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            if self.kv_connector is not None:
+                try:
+                    num_external = self._external_matched_tokens(request, num_computed_tokens)
+                except KVTransferError as exc:
+                    return Admission(AdmitDecision.FAIL, error=str(exc))
+                if num_external is None:  # the connector says: not yet
+                    return Admission(AdmitDecision.DEFER_NOT_READY)
+                num_external_tokens = num_external
+        num_new_tokens = request.num_tokens - num_computed_tokens - num_external_tokens
+        if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+            return Admission(AdmitDecision.DEFER_NO_ROOM)
+        num_computed_tokens += num_external_tokens
+        num_new_tokens = self._cap_new_tokens(num_new_tokens, token_budget, num_computed_tokens)
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_new_tokens, num_computed_tokens, computed_blocks, self.num_lookahead_tokens
+        )
+        if new_blocks is None:
+            return Admission(AdmitDecision.DEFER_NO_ROOM)
+        return Admission(AdmitDecision.ADMIT, num_new_tokens, num_computed_tokens, num_external_tokens)
 
+    def _admit(self, request: Request, admission: Admission, batch: _ScheduledBatch) -> None:
+        """The admitted request joins the running ones, scheduled this step."""
+        request_id = request.request_id
+        resumed = request.status == RequestStatus.PREEMPTED
+        request.status = RequestStatus.RUNNING
+        if self.kv_connector is not None:
+            self.kv_connector.update_state_after_alloc(
+                request, self.kv_cache_manager.get_block_ids(request_id), admission.num_external_tokens
+            )
+        num_computed_tokens = admission.num_computed_tokens
+        request.num_computed_tokens = num_computed_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = batch.now
+        self.running.append(request)
+        block_ids = self.kv_cache_manager.get_block_ids(request_id)
+        if resumed:
+            batch.cached_reqs[request_id] = CachedRequestData(
+                req_id=request_id,
+                new_block_ids=block_ids,
+                num_computed_tokens=num_computed_tokens,
+                resumed_from_preemption=True,
+            )
+        else:
+            batch.new_reqs.append(
+                NewRequestData(
+                    req_id=request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    block_ids=block_ids,
+                    num_computed_tokens=num_computed_tokens,
+                    eos_token_id=request.eos_token_id,
+                )
+            )
+        batch.add(request_id, admission.num_new_tokens)
+
+    def _make_scheduler_output(self, batch: _ScheduledBatch) -> SchedulerOutput:
+        """Phase 3: what the runner needs for this step."""
+        num_scheduled_tokens = batch.num_scheduled_tokens
+        structured_output_request_ids = self._structured_output_request_ids(num_scheduled_tokens)
         scheduler_output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=list(cached_reqs.values()),
+            scheduled_new_reqs=batch.new_reqs,
+            scheduled_cached_reqs=list(batch.cached_reqs.values()),
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
-            scheduled_spec_decode_tokens=spec_tokens,
+            scheduled_spec_decode_tokens=batch.spec_tokens,
             structured_output_request_ids=structured_output_request_ids,
             grammar_bitmask=(
                 self.structured_output_manager.grammar_bitmask(
-                    self.requests, structured_output_request_ids, spec_tokens
+                    self.requests, structured_output_request_ids, batch.spec_tokens
                 )
                 if structured_output_request_ids and self.structured_output_manager is not None
                 else None
             ),
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted,
+            preempted_req_ids=batch.preempted_req_ids,
         )
         if self.kv_connector is not None:
             if self.kv_connector.wants_eviction_events:
@@ -305,6 +367,22 @@ class Scheduler:
             # where each request's new tokens start.
             scheduler_output.kv_connector_metadata = self.kv_connector.build_connector_meta(scheduler_output)
         self.finished_req_ids = set()
+        return scheduler_output
+
+    def _structured_output_request_ids(self, num_scheduled_tokens: dict[str, int]) -> list[str]:
+        """Requests that sample this step and follow a grammar: they get bitmask rows."""
+        structured_output_request_ids: list[str] = []
+        if self.structured_output_manager is not None:
+            for request_id, num_new_tokens in num_scheduled_tokens.items():
+                request = self.requests[request_id]
+                if (
+                    request.structured_output_request is not None
+                    and request.num_computed_tokens + num_new_tokens >= request.num_tokens
+                ):
+                    structured_output_request_ids.append(request_id)
+        return structured_output_request_ids
+
+    def _update_after_schedule(self, num_scheduled_tokens: dict[str, int]) -> None:
         # The tokens are as good as computed: the runner executes this output
         # before the next schedule() (NOTE: rejected drafts are subtracted in
         # update_from_output).
@@ -315,7 +393,6 @@ class Scheduler:
                     num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens
                 )
             request.num_computed_tokens += num_new_tokens
-        return scheduler_output
 
     def _external_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """Tokens the connector loads past the local hit (None: ask again later)."""
@@ -385,31 +462,8 @@ class Scheduler:
                 continue  # finished (aborted) while the step ran
             sampled = sampled_token_ids.get(request_id, ())
             if spec_tokens and sampled and request_id in spec_tokens:
-                # Drafts past the accepted prefix were not computed for real.
-                num_draft_tokens = len(spec_tokens[request_id])
-                request.num_computed_tokens -= num_draft_tokens + 1 - len(sampled)
-                request.spec_num_drafts += 1
-                request.spec_num_draft_tokens += num_draft_tokens
-                request.spec_num_accepted_tokens += len(sampled) - 1
-                if self.spec_decoding_stats is not None and self.total_spec_decoding_stats is not None:
-                    self.spec_decoding_stats.observe_draft(num_draft_tokens, len(sampled) - 1)
-                    self.total_spec_decoding_stats.observe_draft(num_draft_tokens, len(sampled) - 1)
-            num_new_tokens = 0
-            stopped = False
-            for token_id in sampled:
-                request.append_output_token_ids(token_id)
-                num_new_tokens += 1
-                if self._check_stop(request):
-                    stopped = True
-                    break
-            so_request = request.structured_output_request
-            if num_new_tokens and so_request is not None and so_request.grammar is not None:
-                grammar = so_request.grammar
-                grammar.accept_tokens(request_id, sampled[:num_new_tokens])
-                if not stopped and grammar.is_terminated():
-                    # e.g. ignore_eos: the grammar has ended, so has the request.
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    stopped = True
+                self._account_drafts(request, len(spec_tokens[request_id]), len(sampled))
+            num_new_tokens, stopped = self._append_sampled_tokens(request, sampled)
             if sampled:
                 # The drafts the next step verifies (none while prefilling).
                 request.spec_token_ids = [] if stopped else self._usable_drafts(request, runner_output)
@@ -420,23 +474,63 @@ class Scheduler:
                 self._free_request(request)
             if num_new_tokens or stopped or prompt_logprobs:
                 outputs.append(
-                    EngineCoreOutput(
-                        request_id=request_id,
-                        new_token_ids=list(sampled[:num_new_tokens]),
-                        new_logprobs=logprobs[:num_new_tokens] if logprobs is not None else None,
-                        new_prompt_logprobs=prompt_logprobs,
-                        finish_reason=request.get_finished_reason() if stopped else None,
-                        stop_reason=request.stop_reason,
-                        num_cached_tokens=request.num_cached_tokens,
-                        first_scheduled_time=request.first_scheduled_time,
-                        spec_counts=(
-                            (request.spec_num_drafts, request.spec_num_draft_tokens, request.spec_num_accepted_tokens)
-                            if self.num_spec_tokens
-                            else None
-                        ),
-                    )
+                    self._make_output(request, sampled[:num_new_tokens], logprobs, prompt_logprobs, stopped)
                 )
         return outputs
+
+    def _account_drafts(self, request: Request, num_draft_tokens: int, num_sampled: int) -> None:
+        # Drafts past the accepted prefix were not computed for real.
+        request.num_computed_tokens -= num_draft_tokens + 1 - num_sampled
+        request.spec_num_drafts += 1
+        request.spec_num_draft_tokens += num_draft_tokens
+        request.spec_num_accepted_tokens += num_sampled - 1
+        if self.spec_decoding_stats is not None and self.total_spec_decoding_stats is not None:
+            self.spec_decoding_stats.observe_draft(num_draft_tokens, num_sampled - 1)
+            self.total_spec_decoding_stats.observe_draft(num_draft_tokens, num_sampled - 1)
+
+    def _append_sampled_tokens(self, request: Request, sampled: Sequence[int]) -> tuple[int, bool]:
+        """Append tokens until one stops the request: (tokens appended, stopped)."""
+        num_new_tokens = 0
+        stopped = False
+        for token_id in sampled:
+            request.append_output_token_ids(token_id)
+            num_new_tokens += 1
+            if self._check_stop(request):
+                stopped = True
+                break
+        so_request = request.structured_output_request
+        if num_new_tokens and so_request is not None and so_request.grammar is not None:
+            grammar = so_request.grammar
+            grammar.accept_tokens(request.request_id, sampled[:num_new_tokens])
+            if not stopped and grammar.is_terminated():
+                # e.g. ignore_eos: the grammar has ended, so has the request.
+                request.status = RequestStatus.FINISHED_STOPPED
+                stopped = True
+        return num_new_tokens, stopped
+
+    def _make_output(
+        self,
+        request: Request,
+        new_token_ids: Sequence[int],
+        logprobs: list[LogprobEntry] | None,
+        prompt_logprobs: list[LogprobEntry | None] | None,
+        stopped: bool,
+    ) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=list(new_token_ids),
+            new_logprobs=logprobs[: len(new_token_ids)] if logprobs is not None else None,
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=request.get_finished_reason() if stopped else None,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            first_scheduled_time=request.first_scheduled_time,
+            spec_counts=(
+                (request.spec_num_drafts, request.spec_num_draft_tokens, request.spec_num_accepted_tokens)
+                if self.num_spec_tokens
+                else None
+            ),
+        )
 
     def _usable_drafts(self, request: Request, runner_output: ModelRunnerOutput) -> list[int]:
         drafts = runner_output.spec_token_ids.get(request.request_id)
