@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from pagedllm.core.kv_cache.hashing import BlockHash
     from pagedllm.core.sampling_params import SamplingParams
-    from pagedllm.structured_output.manager import StructuredOutputRequest
+    from pagedllm.structured_output.interface import Grammar
+
+# A full block's chained hash (core/kv_cache/hashing.py computes it); a request
+# keeps those of its tokens, the block pool maps them to cached blocks.
+BlockHash = bytes
+
+
+class StructuredOutputRequest(Protocol):
+    """A request's grammar as the scheduler sees it: compiling, ready
+    (`grammar`) or failed (`error`). The grammar manager (core/grammar.py)
+    sets it; structured_output.manager implements it."""
+
+    grammar: Grammar | None
+    error: str | None
+
+    def is_ready(self) -> bool:
+        """True once the grammar compiled or failed."""
+        ...
 
 
 class RequestStatus(enum.IntEnum):

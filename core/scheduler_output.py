@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     import torch
 
     from pagedllm.core.sampling_params import SamplingParams
-    from pagedllm.kv_connectors.base import KVConnectorMetadata
 
 
 @dataclass
@@ -39,6 +38,13 @@ class CachedRequestData:
     num_computed_tokens: int
     # Back after recompute preemption: its block table starts over.
     resumed_from_preemption: bool = False
+
+
+@dataclass
+class KVConnectorMetadata:
+    """What a KV connector's scheduler side hands its worker side for one
+    step (blocks to load, save, spill); each connector subclasses it. It rides
+    on SchedulerOutput, hence lives here (kv_connectors.base re-exports it)."""
 
 
 @dataclass

@@ -85,10 +85,11 @@ class InprocClient(EngineCoreClient):
     """Runs EngineCore in the caller's thread: one step per get_output()."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from pagedllm.core.engine import EngineCore
+        from pagedllm.engine.builder import build_engine
 
-        self.engine_core: EngineCore = EngineCore(config)
-        self.ready = ready_message(self.engine_core)
+        parts = build_engine(config)
+        self.engine_core: EngineCore = parts.engine_core
+        self.ready = ready_message(parts)
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         for request in requests:
@@ -101,7 +102,9 @@ class InprocClient(EngineCoreClient):
     def get_output(self) -> list[EngineCoreOutput]:
         if not self.engine_core.has_unfinished_requests():
             return []
-        return self.engine_core.step()
+        outputs = self.engine_core.step()
+        self.engine_core.wait_for_work()  # only grammars compiling: no spinning
+        return outputs
 
     def get_stats(self) -> SchedulerStats | None:
         return self.engine_core.make_stats()
@@ -114,6 +117,7 @@ class InprocClient(EngineCoreClient):
         whose blocks a KV connector still reads (a save in flight)."""
         while self.engine_core.has_unfinished_requests():
             self.engine_core.step()
+            self.engine_core.wait_for_work()
 
 
 # ------------------------------------------------------------ multi-process

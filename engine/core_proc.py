@@ -46,6 +46,7 @@ from pagedllm.core.outputs import EngineCoreOutput
 
 if TYPE_CHECKING:
     from pagedllm.core.engine import EngineCore
+    from pagedllm.engine.builder import EngineParts
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class EngineCoreProc:
             if engine_core.has_unfinished_requests():
                 outputs = engine_core.step()
                 self._send_outputs(outputs, engine_core.num_scheduled_tokens)
+                engine_core.wait_for_work()
             elif self.stats_dirty:
                 self._send_outputs([], 0)
 
@@ -218,15 +220,15 @@ def run_engine_core(
     output_linger_ms = 0
     try:
         try:
-            engine_core = _build_engine_core(config_json)
+            parts = _build_engine(config_json)
         except Exception as exc:  # noqa: BLE001 - sent back to the parent as StartupFailed
             logger.exception("engine core failed to start")
             output_socket.send(encoder.encode(StartupFailed(type(exc).__name__, str(exc))))
             output_linger_ms = LAST_WORD_LINGER_MS
             exit_code = 1
             return
-        output_socket.send(encoder.encode(ready_message(engine_core)))
-        proc = EngineCoreProc(engine_core, input_socket, output_socket, parent_pid)
+        output_socket.send(encoder.encode(ready_message(parts)))
+        proc = EngineCoreProc(parts.engine_core, input_socket, output_socket, parent_pid)
         try:
             proc.run_busy_loop()
         except SystemExit:
@@ -248,28 +250,28 @@ def run_engine_core(
             sys.exit(exit_code)
 
 
-def _build_engine_core(config_json: str) -> EngineCore:
+def _build_engine(config_json: str) -> EngineParts:
     from pagedllm.core.config import EngineConfig
-    from pagedllm.core.engine import EngineCore
+    from pagedllm.engine.builder import build_engine
 
     # Every field is given, so PAGEDLLM_ env cannot change what the parent decided.
-    config = EngineConfig(**json.loads(config_json))
-    return EngineCore(config)
+    return build_engine(EngineConfig(**json.loads(config_json)))
 
 
-def ready_message(engine_core: EngineCore) -> Ready:
+def ready_message(parts: EngineParts) -> Ready:
     """The core's figures a client needs (the in-process client builds the same)."""
     from pagedllm.engine.tokenizer import config_eos_token_id
 
+    engine_core = parts.engine_core
     return Ready(
         pid=os.getpid(),
-        model_path=str(engine_core.model_path),
+        model_path=parts.model.path,
         max_model_len=engine_core.max_model_len,
         vocab_size=engine_core.vocab_size,
-        num_kv_blocks=engine_core.kv_cache_manager.num_blocks,
-        block_size=engine_core.kv_cache_manager.block_size,
-        eos_token_id=config_eos_token_id(engine_core.hf_config),
-        attention_backend=engine_core.attn_selection.name,
+        num_kv_blocks=parts.num_blocks,
+        block_size=engine_core.config.cache.block_size,
+        eos_token_id=config_eos_token_id(parts.model.hf_config),
+        attention_backend=parts.attn_selection.name,
     )
 
 

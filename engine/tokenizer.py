@@ -10,10 +10,10 @@ from pagedllm.core.errors import InvalidRequestError
 
 
 def load_tokenizer(path: str) -> Any:
-    """`path` is a folder, a hub id or a shipped model's alias (`tiny`)."""
+    """`path` is a folder, a hub id or a name a model source knows (`tiny`)."""
     from transformers import AutoTokenizer
 
-    from pagedllm.model_registry.tiny import resolve_model_path
+    from pagedllm.engine.model_source import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path(path))
 

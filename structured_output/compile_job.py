@@ -15,11 +15,21 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from pagedllm.structured_output.interface import Grammar
-    from pagedllm.structured_output.manager import GrammarKey
+    from pagedllm.structured_output.interface import Grammar, StructuredOutputKind
+
+
+class GrammarKey(NamedTuple):
+    """What a compile depends on: requests with equal keys share one job."""
+
+    backend: str
+    kind: StructuredOutputKind
+    spec: str
+    any_whitespace: bool
+    # The longest JSON whitespace run; None = unbounded (see whitespace.py).
+    max_whitespace: int | None = None
 
 
 class CompileJob:

@@ -28,11 +28,11 @@ import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import InvalidRequestError, PagedLLMError
 from pagedllm.structured_output.bitmask import allocate_token_bitmask
-from pagedllm.structured_output.compile_job import CompileJob, CompilePool
+from pagedllm.structured_output.compile_job import CompileJob, CompilePool, GrammarKey
 from pagedllm.structured_output.interface import Grammar, GrammarBackend, StructuredOutputKind
 from pagedllm.structured_output.limits import check_spec_limits, summary
 from pagedllm.structured_output.validator import GrammarVocab, get_validator
@@ -48,18 +48,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class GrammarKey(NamedTuple):
-    backend: str
-    kind: StructuredOutputKind
-    spec: str
-    any_whitespace: bool
-    # The longest JSON whitespace run; None = unbounded (see whitespace.py).
-    max_whitespace: int | None = None
-
-
 @dataclass
 class StructuredOutputRequest:
-    """A request's grammar: compiling (job), ready (grammar) or failed (error)."""
+    """A request's grammar: compiling (job), ready (grammar) or failed (error);
+    what the scheduler reads of it is core.request.StructuredOutputRequest."""
 
     key: GrammarKey
     job: CompileJob | None
@@ -109,17 +101,14 @@ class CacheStats:
 
 def backend_class(name: str) -> type[GrammarBackend]:
     """The registered GrammarBackend class `name` (InvalidRequestError if none)."""
-    from pagedllm.plugins import GRAMMAR_BACKEND, get_plugin_manager
+    from pagedllm.plugins import get_plugin_manager
 
-    registry = get_plugin_manager().registry(GRAMMAR_BACKEND)
+    registry = get_plugin_manager().grammar_backends
     if name not in registry:
         raise InvalidRequestError(
             "structured_outputs.backend", name, "registered grammar backends: " + ", ".join(sorted(registry.names()))
         )
-    backend_cls = registry.load(name)
-    if not (isinstance(backend_cls, type) and issubclass(backend_cls, GrammarBackend)):
-        raise PagedLLMError(f"grammar backend {name!r} is not a GrammarBackend subclass: {backend_cls!r}")
-    return backend_cls
+    return registry.load(name)  # the registry checks the GrammarBackend base
 
 
 def validate_structured_outputs(

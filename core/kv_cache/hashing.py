@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.request import BlockHash
 
 if TYPE_CHECKING:
     from pagedllm.core.request import Request
 
-BlockHash = bytes
 HashFn = Callable[[bytes], bytes]
 
 # NOTE: the root of every chain. Changing it invalidates every stored hash.

@@ -12,6 +12,9 @@ Both were trained by `pagedllm.model_registry.tiny.train` on the Python
 standard library sources (see each folder's README.md) and live under
 `weights/` as package data: nothing is trained or downloaded at run time.
 
+The engine finds them through the built-in model source `tiny`
+(`ShippedModelSource`, plugins/builtin.py), never by importing this package.
+
 `get_benchmark_model_dir()` builds, once, into `$PAGEDLLM_CACHE_DIR` (default
 `~/.cache/pagedllm`) the random-weight Llama the throughput benchmark uses;
 its cache folder name carries a version: bump it whenever what it contains
@@ -23,6 +26,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pagedllm.model_registry.interface import ModelSource
 from pagedllm.model_registry.tiny.cache import build_once, get_cache_root
 
 TARGET_MODEL_NAME = "pagedllm-tiny"
@@ -46,6 +50,7 @@ __all__ = [
     "EAGLE_MODEL_NAME",
     "MODEL_ALIASES",
     "TARGET_MODEL_NAME",
+    "ShippedModelSource",
     "get_benchmark_model_dir",
     "get_cache_root",
     "get_default_model_dir",
@@ -96,3 +101,10 @@ def resolve_model_path(name_or_path: str | os.PathLike[str] | None) -> str:
     if isinstance(name_or_path, str) and name_or_path in MODEL_ALIASES:
         return str(get_tiny_model_dir(name_or_path))
     return os.fspath(name_or_path)
+
+
+class ShippedModelSource(ModelSource):
+    """The model source `tiny`: every alias in MODEL_ALIASES is its shipped folder."""
+
+    def resolve(self, name: str) -> str | None:
+        return str(get_tiny_model_dir(name)) if name in MODEL_ALIASES else None

@@ -74,20 +74,3 @@ def load_split(split: str, *, for_metric: bool = False, root: Path | None = None
         if text:
             files.append(SourceFile(rel_path, text))
     return files
-
-
-def token_stream(split: str, tokenizer_dir: Path, *, for_metric: bool = False) -> list[int]:
-    """The split's files as one token list, each file preceded by BOS.
-
-    Special-token strings inside the sources stay text (`source_encoder`).
-    """
-    from pagedllm.model_registry.tiny.tokenizer import BOS_TOKEN, source_encoder
-
-    tokenizer = source_encoder(tokenizer_dir)
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    texts = [source.text for source in load_split(split, for_metric=for_metric)]
-    ids: list[int] = []
-    for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
-        ids.append(bos_id)
-        ids.extend(encoding.ids)
-    return ids

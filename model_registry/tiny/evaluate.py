@@ -47,8 +47,7 @@ def validation_windows(tokenizer_dir: Path, window: int = EVAL_WINDOW) -> tuple[
     pieces; the tail is one shorter piece, so every token is covered."""
     import torch
 
-    from pagedllm.model_registry.tiny.corpus import token_stream
-    from pagedllm.model_registry.tiny.tokenizer import special_token_ids
+    from pagedllm.model_registry.tiny.tokenizer import special_token_ids, token_stream
 
     stream = torch.tensor(token_stream("validation", tokenizer_dir, for_metric=True), dtype=torch.long)
     bos_id = special_token_ids(tokenizer_dir)[BOS_TOKEN]

@@ -103,6 +103,23 @@ def source_encoder(tokenizer_dir: Path) -> Tokenizer:
     return tokenizer
 
 
+def token_stream(split: str, tokenizer_dir: Path, *, for_metric: bool = False) -> list[int]:
+    """The split's files as one token list, each file preceded by BOS.
+
+    Special-token strings inside the sources stay text (`source_encoder`).
+    """
+    from pagedllm.model_registry.tiny.corpus import load_split
+
+    tokenizer = source_encoder(tokenizer_dir)
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    texts = [source.text for source in load_split(split, for_metric=for_metric)]
+    ids: list[int] = []
+    for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
+        ids.append(bos_id)
+        ids.extend(encoding.ids)
+    return ids
+
+
 def special_token_ids(tokenizer_dir: Path) -> dict[str, int]:
     """Special token -> id, read from a saved tokenizer.json."""
     data = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))

@@ -148,9 +148,8 @@ def train(
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pagedllm.model_registry.tiny.corpus import token_stream
     from pagedllm.model_registry.tiny.evaluate import perplexity, validation_windows
-    from pagedllm.model_registry.tiny.tokenizer import special_token_ids
+    from pagedllm.model_registry.tiny.tokenizer import special_token_ids, token_stream
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
