@@ -1,9 +1,12 @@
 """The AttentionBackend interface.
 
-A backend is a class with static facts (KV cache shape) and an impl class
-that attention layers instantiate. What the selector needs to choose a
-backend without importing it lives in its registration metadata
-(see plugins/builtin.py), not here.
+A backend is a class with static facts (its KV cache layout) and an impl
+class that attention layers instantiate. The KV cache layout has one owner,
+`KVCacheLayout`: the cache's shape and where each block lives in it, so
+allocation and KV connectors ask the layout instead of assuming one.
+
+What the selector needs to choose a backend without importing it lives in
+its registration metadata (see plugins/builtin.py), not here.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
+
+from pagedllm.core.errors import AttentionBackendError
 
 if TYPE_CHECKING:
     import torch
@@ -74,15 +79,109 @@ class AttentionImpl(ABC):
         """
 
 
+class KVCacheLayout:
+    """Where one layer's paged KV cache tensor keeps each block.
+
+    This class is the standard layout, ``[2, num_blocks, block_size,
+    num_kv_heads, head_size]``: keys then values, each block-major. A backend
+    that stores its cache otherwise subclasses it, overrides the three
+    methods, and returns an instance from `AttentionBackend.get_kv_cache_layout`.
+
+    NOTE: whatever the layout, a block leaves and enters the cache in one
+    form, ``[2, block_size, num_kv_heads, head_size]`` (K then V), so KV
+    connectors move blocks between engines whose backends lay out their
+    caches differently, and stored blocks stay readable.
+    """
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def gather_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """A copy of blocks `block_ids` (int64, on the cache's device) of
+        one layer's cache: [n, 2, block_size, num_kv_heads, head_size]."""
+        return kv_cache.index_select(1, block_ids).transpose(0, 1)
+
+    def scatter_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Write `blocks` [n, 2, block_size, num_kv_heads, head_size] (on the
+        cache's device, in its dtype) into blocks `block_ids` of one layer's cache."""
+        kv_cache.index_copy_(1, block_ids, blocks.transpose(0, 1))
+
+    def ensure_blocks_movable(self) -> None:
+        """Raise AttentionBackendError if blocks of this layout cannot be
+        gathered or scattered; connectors call it at start-up so the error
+        comes before the first request does."""
+
+
+# The standard layout; a stateless singleton.
+STANDARD_KV_CACHE_LAYOUT = KVCacheLayout()
+
+
+class UndeclaredKVCacheLayout(KVCacheLayout):
+    """The layout of a plugin API 1.0 backend whose own `get_kv_cache_shape`
+    is not the standard shape and which declares no layout: its caches are
+    allocated as that shape, but where a block lives is unknown, so moving
+    blocks (what a KV connector does) is an AttentionBackendError."""
+
+    def __init__(self, backend: type[AttentionBackend]) -> None:
+        self.backend = backend
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return tuple(self.backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size))
+
+    def gather_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        raise self._not_movable()
+
+    def scatter_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        raise self._not_movable()
+
+    def ensure_blocks_movable(self) -> None:
+        raise self._not_movable()
+
+    def _not_movable(self) -> AttentionBackendError:
+        reason = (
+            "its get_kv_cache_shape() is not the standard [2, num_blocks, block_size, num_kv_heads, head_size] "
+            "and it declares no get_kv_cache_layout(), so a KV connector cannot move its blocks"
+        )
+        return AttentionBackendError(getattr(self.backend, "name", self.backend.__qualname__), [reason])
+
+
+# Sizes to tell a 1.0 backend's shape from the standard one: all distinct
+# (and distinct from 2), so any reordering of the dimensions shows; common
+# enough (block 16, head 64) that a backend validating its sizes accepts them.
+_LAYOUT_PROBE_SIZES = (3, 16, 4, 64)  # num_blocks, block_size, num_kv_heads, head_size
+
+
 class AttentionBackend(ABC):
     name: ClassVar[str]
 
-    @staticmethod
-    @abstractmethod
+    @classmethod
+    def get_kv_cache_layout(cls) -> KVCacheLayout:
+        """How this backend's KV cache holds its blocks (plugin API 1.2).
+
+        A backend with its own layout overrides this with a `KVCacheLayout`
+        subclass and inherits `get_kv_cache_shape`. The default, for backends
+        written for 1.0: a backend that does not override
+        `get_kv_cache_shape` has the standard layout; one that does has the
+        standard layout if its shape (for distinct probe sizes) is the
+        standard shape, and otherwise an `UndeclaredKVCacheLayout`: it runs
+        as before, and only a KV connector refuses it, at start-up.
+        """
+        shape_owner = next(klass for klass in cls.__mro__ if "get_kv_cache_shape" in vars(klass))
+        if shape_owner is AttentionBackend:
+            return STANDARD_KV_CACHE_LAYOUT
+        probe = _LAYOUT_PROBE_SIZES
+        if tuple(cls.get_kv_cache_shape(*probe)) == STANDARD_KV_CACHE_LAYOUT.kv_cache_shape(*probe):
+            return STANDARD_KV_CACHE_LAYOUT
+        return UndeclaredKVCacheLayout(cls)
+
+    @classmethod
     def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        """Shape of one layer's KV cache tensor."""
+        """Shape of one layer's KV cache tensor: the layout's. (1.0 backends
+        override it, as a staticmethod; see `get_kv_cache_layout`.)"""
+        return cls.get_kv_cache_layout().kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     @abstractmethod

@@ -107,14 +107,9 @@ class FlashAttentionImpl(AttentionImpl):
 
 
 class FlashAttentionBackend(AttentionBackend):
+    # The standard KV cache layout suits flash_attn: kv_cache[0] is its
+    # paged layout [num_blocks, page_size, Hkv, D].
     name = "flash_attn"
-
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        # kv_cache[0] is flash_attn's paged layout [num_blocks, page_size, Hkv, D].
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

@@ -36,6 +36,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from pagedllm.attention_backends.base import STANDARD_KV_CACHE_LAYOUT, KVCacheLayout
+
 if TYPE_CHECKING:
     import torch
 
@@ -80,6 +82,9 @@ class KVConnectorContext:
     head_size: int
     dtype: torch.dtype
     device: torch.device
+    # The attention backend's: connectors read and write blocks through it
+    # (kv_connectors/block_io.py), never assuming the cache's shape.
+    kv_cache_layout: KVCacheLayout = STANDARD_KV_CACHE_LAYOUT
 
 
 @dataclass
@@ -178,7 +183,7 @@ class KVConnectorBase(ABC):
     # --------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """The engine's per-layer caches, [2, num_blocks, block_size, Hkv, D] each."""
+        """The engine's per-layer caches, each laid out as `context.kv_cache_layout`."""
         self.kv_caches = kv_caches
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:

@@ -1,29 +1,42 @@
 """Copying whole blocks (every layer's K and V) out of and into the paged cache.
 
 A block travels as one tensor [num_layers, 2, block_size, Hkv, D]; a batch
-of n blocks as [n, num_layers, 2, block_size, Hkv, D].
+of n blocks as [n, num_layers, 2, block_size, Hkv, D]. That form is the same
+whatever the attention backend's cache layout: each layer's blocks are read
+and written through the `KVCacheLayout` (the standard one unless given), so
+a block saved by one engine loads into another whose backend lays its cache
+out differently.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedllm.attention_backends.base import STANDARD_KV_CACHE_LAYOUT, KVCacheLayout
 
-def gather_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+
+def gather_blocks(
+    kv_caches: list[torch.Tensor], block_ids: list[int], layout: KVCacheLayout = STANDARD_KV_CACHE_LAYOUT
+) -> torch.Tensor:
     """CPU copy of `block_ids`' K/V in every layer: [n, L, 2, block_size, Hkv, D]."""
-    device = kv_caches[0].device
-    index = torch.tensor(block_ids, dtype=torch.long, device=device)
-    stacked = torch.stack([cache.index_select(1, index) for cache in kv_caches])  # [L, 2, n, ...]
-    return stacked.permute(2, 0, 1, 3, 4, 5).to("cpu").contiguous()
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
+    # Stacked on the cache's device, so one contiguous copy crosses to the CPU.
+    stacked = torch.stack([layout.gather_blocks(cache, index) for cache in kv_caches], dim=1)
+    return stacked.to("cpu")
 
 
-def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], blocks: torch.Tensor) -> None:
+def scatter_blocks(
+    kv_caches: list[torch.Tensor],
+    block_ids: list[int],
+    blocks: torch.Tensor,
+    layout: KVCacheLayout = STANDARD_KV_CACHE_LAYOUT,
+) -> None:
     """Write `blocks` [n, L, 2, block_size, Hkv, D] into `block_ids` of every layer."""
     device = kv_caches[0].device
     index = torch.tensor(block_ids, dtype=torch.long, device=device)
     data = blocks.to(device=device, dtype=kv_caches[0].dtype)
     for layer, cache in enumerate(kv_caches):
-        cache.index_copy_(1, index, data[:, layer].transpose(0, 1))
+        layout.scatter_blocks(cache, index, data[:, layer])
 
 
 def block_shape(num_layers: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

@@ -80,6 +80,7 @@ class CpuOffloadConnector(KVConnectorBase):
 
     def __init__(self, config: KVTransferConfig, context: KVConnectorContext) -> None:
         super().__init__(config, context)
+        context.kv_cache_layout.ensure_blocks_movable()
         capacity = config.extra.get("cpu_bytes", DEFAULT_CPU_BYTES)
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ConfigError("kv_transfer.extra.cpu_bytes", capacity, "a positive number of bytes")
@@ -140,13 +141,14 @@ class CpuOffloadConnector(KVConnectorBase):
         assert isinstance(metadata, CpuOffloadMetadata)
         spills = [(block_id, block_hash) for block_id, block_hash in metadata.spills if block_hash not in self.store]
         if spills:
-            blocks = gather_blocks(self.kv_caches, [block_id for block_id, _ in spills])
-            for (_, block_hash), block in zip(spills, blocks):
+            blocks = gather_blocks(self.kv_caches, [block_id for block_id, _ in spills], self.context.kv_cache_layout)
+            for (_, block_hash), block in zip(spills, blocks, strict=True):
                 self.store.put(block_hash, block.clone())
                 self.stats.count("tier_bytes_saved", TIER, block.numel() * block.element_size())
         if metadata.loads:
             blocks = torch.stack([block for _, block in metadata.loads])
-            scatter_blocks(self.kv_caches, [block_id for block_id, _ in metadata.loads], blocks)
+            block_ids = [block_id for block_id, _ in metadata.loads]
+            scatter_blocks(self.kv_caches, block_ids, blocks, self.context.kv_cache_layout)
             self.stats.count("tier_bytes_loaded", TIER, blocks.numel() * blocks.element_size())
 
     def describe(self) -> dict[str, object]:

@@ -111,6 +111,7 @@ def _metadata(data: bytes) -> dict[str, str]:
 class SharedStorageConnector(KVConnectorBase):
     def __init__(self, config: KVTransferConfig, context: KVConnectorContext) -> None:
         super().__init__(config, context)
+        context.kv_cache_layout.ensure_blocks_movable()
         path = config.extra.get("path")
         if not path:
             raise ConfigError("kv_transfer.extra.path", path, "a directory every producer and consumer can reach")
@@ -210,14 +211,15 @@ class SharedStorageConnector(KVConnectorBase):
         self._metadata = metadata
         if metadata.loads:
             block_ids = [block_id for block_id, _ in metadata.loads]
-            scatter_blocks(self.kv_caches, block_ids, torch.stack([block for _, block in metadata.loads]))
+            blocks = torch.stack([block for _, block in metadata.loads])
+            scatter_blocks(self.kv_caches, block_ids, blocks, self.context.kv_cache_layout)
 
     def wait_for_save(self) -> None:
         saves, self._metadata = self._metadata.saves, SharedStorageMetadata()
         if not saves:
             return
-        blocks = gather_blocks(self.kv_caches, [block_id for block_id, _ in saves])
-        for (_, block_hash), block in zip(saves, blocks):
+        blocks = gather_blocks(self.kv_caches, [block_id for block_id, _ in saves], self.context.kv_cache_layout)
+        for (_, block_hash), block in zip(saves, blocks, strict=True):
             written = write_block(self.block_path(block_hash), block)
             self.stats.count("tier_bytes_saved", TIER, written)
 

@@ -23,7 +23,10 @@ from packaging.version import Version
 # Semantic version of the plugin API (hookspecs, the register() contract, the
 # base classes plugins subclass). Bump rules: docs/plugins.md "Compatibility".
 # 1.1: grammar backends whose validate/compile name `max_whitespace` get it.
-API_VERSION = "1.1.0"
+# 1.2: `KVCacheLayout` and `AttentionBackend.get_kv_cache_layout` (the default
+#      `get_kv_cache_shape` follows it); `KVConnectorContext.kv_cache_layout`
+#      and block_io's `layout` argument.
+API_VERSION = "1.2.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

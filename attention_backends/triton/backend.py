@@ -74,12 +74,6 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TritonAttentionImpl
 
