@@ -13,8 +13,7 @@ from pagedllm.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
 
 if TYPE_CHECKING:
-    from pagedllm.core.kv_cache.hashing import BlockHash
-    from pagedllm.core.request import Request
+    from pagedllm.core.request import BlockHash, Request
 
 DEBUG_ENV_VAR = "PAGEDLLM_DEBUG_KV"
 
@@ -159,25 +158,21 @@ class KVCacheManager:
             )
         # NOTE: this runs for every scheduled request every step; keep the
         # decode path (no hit, usually no new block) free of needless work.
-        block_size = self.block_size
         request_id = request.request_id
         req_blocks = self.req_to_blocks.get(request_id)
         num_existing_blocks = 0 if req_blocks is None else len(req_blocks)
         num_evictable_hit_blocks = 0
         if new_computed_blocks:
-            if num_existing_blocks:
-                raise ValueError(f"prefix-hit blocks given to {request_id!r}, which already has a block table")
-            new_computed_blocks = list(new_computed_blocks)
-            # A hit on a freed cached block takes it out of the free queue, so
-            # it cannot also serve as a new block.
-            num_evictable_hit_blocks = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+            new_computed_blocks, num_evictable_hit_blocks = self._check_hit_blocks(
+                request_id, num_existing_blocks, new_computed_blocks
+            )
         else:
             new_computed_blocks = ()
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         num_blocks_to_allocate = (
-            -(-num_tokens_need_slot // block_size) - num_existing_blocks - len(new_computed_blocks)
+            -(-num_tokens_need_slot // self.block_size) - num_existing_blocks - len(new_computed_blocks)
         )
         if num_blocks_to_allocate > self.block_pool.free_block_queue.num_free_blocks - num_evictable_hit_blocks:
             return None
@@ -193,25 +188,41 @@ class KVCacheManager:
             req_blocks.extend(new_blocks)
         else:
             new_blocks = []
-
         if self.enable_caching:
-            # NOTE: caching at allocation, before the K/V exist, is safe: the
-            # attention backend writes a step's new K/V before reading, so a
-            # request hitting these blocks in this same step reads them computed.
-            # This is what lets n > 1 siblings share their prompt blocks.
-            block_hashes = request.block_hashes
-            if request.num_tokens // block_size > len(block_hashes):
-                self.request_block_hasher(request)
-            num_full_blocks = min((num_computed_tokens + num_new_tokens) // block_size, len(block_hashes))
-            num_cached_blocks = self.num_cached_block.get(request_id, len(new_computed_blocks))
-            if num_full_blocks > num_cached_blocks:
-                self.block_pool.cache_full_blocks(request, req_blocks, num_cached_blocks, num_full_blocks)
-                num_cached_blocks = num_full_blocks
-            self.num_cached_block[request_id] = num_cached_blocks
-
+            self._cache_full_blocks(request, req_blocks, num_computed_tokens + num_new_tokens, len(new_computed_blocks))
         if self.debug_checks:
             self.check_invariants()
         return new_blocks
+
+    def _check_hit_blocks(
+        self, request_id: str, num_existing_blocks: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> tuple[list[KVCacheBlock], int]:
+        """Prefix-hit blocks as a list, and how many of them are in the free queue."""
+        if num_existing_blocks:
+            raise ValueError(f"prefix-hit blocks given to {request_id!r}, which already has a block table")
+        # A hit on a freed cached block takes it out of the free queue, so it
+        # cannot also serve as a new block.
+        num_evictable_hit_blocks = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        return list(new_computed_blocks), num_evictable_hit_blocks
+
+    def _cache_full_blocks(
+        self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int, num_hit_blocks: int
+    ) -> None:
+        """Register the blocks that the first `num_tokens` tokens fill in the prefix cache."""
+        # NOTE: caching at allocation, before the K/V exist, is safe: the
+        # attention backend writes a step's new K/V before reading, so a
+        # request hitting these blocks in this same step reads them computed.
+        # This is what lets n > 1 siblings share their prompt blocks.
+        block_hashes = request.block_hashes
+        if request.num_tokens // self.block_size > len(block_hashes):
+            self.request_block_hasher(request)
+        num_full_blocks = min(num_tokens // self.block_size, len(block_hashes))
+        request_id = request.request_id
+        num_cached_blocks = self.num_cached_block.get(request_id, num_hit_blocks)
+        if num_full_blocks > num_cached_blocks:
+            self.block_pool.cache_full_blocks(request, req_blocks, num_cached_blocks, num_full_blocks)
+            num_cached_blocks = num_full_blocks
+        self.num_cached_block[request_id] = num_cached_blocks
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (finished, aborted or preempted).
@@ -294,6 +305,13 @@ class KVCacheManager:
         each table covers the request's computed tokens, and that every cached
         block in a table holds exactly the request's tokens at that position.
         """
+        self._check_ref_counts()
+        self._check_cache_map()
+        if live_requests is not None:
+            self._check_live_requests(live_requests)
+
+    def _check_ref_counts(self) -> None:
+        """Each block's ref_cnt counts the tables holding it; free means ref_cnt 0."""
         pool = self.block_pool
         expected_refs = [0] * self.num_blocks
         for request_id, req_blocks in self.req_to_blocks.items():
@@ -334,6 +352,9 @@ class KVCacheManager:
                 f"free ({len(free_blocks)}) + used ({num_used}) != total ({self.num_blocks})"
             )
 
+    def _check_cache_map(self) -> None:
+        """The hash -> block map and the blocks' own hashes agree."""
+        pool = self.block_pool
         for block_hash, block in pool.cached_block_hash_to_block.items():
             if block.block_hash != block_hash:
                 raise KVCacheInvariantError(
@@ -344,8 +365,9 @@ class KVCacheManager:
             if block.block_hash is not None and pool.cached_block_hash_to_block.get(block.block_hash) is not block:
                 raise KVCacheInvariantError(f"block {block.block_id} has a hash but is not registered under it")
 
-        if live_requests is None:
-            return
+    def _check_live_requests(self, live_requests: Iterable[Request]) -> None:
+        """Only live requests hold tables, each covering its computed tokens
+        and caching only its own block hashes."""
         live = {request.request_id: request for request in live_requests}
         for request_id in self.req_to_blocks:
             if request_id not in live:
