@@ -6,7 +6,8 @@ class that attention layers instantiate. The KV cache layout has one owner,
 allocation and KV connectors ask the layout instead of assuming one.
 
 What the selector needs to choose a backend without importing it lives in
-its registration metadata (see plugins/builtin.py), not here.
+its registration metadata (`AttentionCapabilities`, built from the
+``register`` keywords), not in the class.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from pagedllm.core.errors import AttentionBackendError
+from pagedllm.plugins.metadata import capability, count, counts, dtype_names, flag, names, parsed
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +43,27 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T]; block_id * block_size + offset; -1 = skip
     query_start_loc_cpu: torch.Tensor  # int32 [B + 1]
     seq_lens_cpu: torch.Tensor  # int32 [B]
+
+
+@dataclass(frozen=True)
+class AttentionCapabilities:
+    """What a backend supports, declared at registration so that the selector
+    (attention_backends/selector.py) can choose without importing the backend.
+
+    Built from ``register(name, target, **capabilities)``; an unknown key or a
+    wrong-typed value is an error at ``register``. None = no restriction.
+    """
+
+    device_types: tuple[str, ...] | None = parsed(names)  # "cpu", "cuda", ...
+    min_capability: tuple[int, int] | None = parsed(capability)  # (major, minor)
+    max_capability: tuple[int, int] | None = parsed(capability)
+    dtypes: tuple[str, ...] | None = parsed(dtype_names)  # "float16", ...
+    head_sizes: tuple[int, ...] | None = parsed(counts)  # an explicit list ...
+    head_size_multiple: int | None = parsed(count)  # ... or a multiple
+    max_head_size: int | None = parsed(count)  # and a maximum
+    block_size_multiple: int | None = parsed(count)
+    requires: tuple[str, ...] = parsed(names, ())  # import names that must be installed
+    supports_sliding_window: bool = parsed(flag, False)
 
 
 class AttentionImpl(ABC):

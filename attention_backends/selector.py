@@ -18,7 +18,7 @@ from pagedllm.platforms.interface import dtype_name
 if TYPE_CHECKING:
     import torch
 
-    from pagedllm.attention_backends.base import AttentionBackend
+    from pagedllm.attention_backends.base import AttentionBackend, AttentionCapabilities
     from pagedllm.platforms.interface import Platform
     from pagedllm.plugins.manager import PluginManager
     from pagedllm.plugins.registry import Registration, Registry
@@ -27,18 +27,17 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class BackendSelection:
     name: str
-    registration: Registration
+    registration: Registration[AttentionCapabilities]
     # backend name -> why it cannot run here (every backend that was checked and failed)
     rejected: dict[str, list[str]] = field(default_factory=dict)
-    _registry: Registry | None = field(default=None, repr=False, compare=False)
+    _registry: Registry[AttentionBackend, AttentionCapabilities] | None = field(default=None, repr=False, compare=False)
 
     @property
     def backend_cls(self) -> type[AttentionBackend]:
         """The chosen backend class, imported on first access."""
         if self._registry is None:
             raise PluginError(f"attention backend {self.name!r} has no registry to load from")
-        backend_cls: type[AttentionBackend] = self._registry.load(self.name)
-        return backend_cls
+        return self._registry.load(self.name)
 
 
 def _is_importable(package: str) -> bool:
@@ -48,13 +47,13 @@ def _is_importable(package: str) -> bool:
         return False
 
 
-def _fmt_capability(capability: tuple[int, int] | Any) -> str:
+def _fmt_capability(capability: tuple[int, int]) -> str:
     major, minor = capability
     return f"{major}.{minor}"
 
 
 def check_backend(
-    registration: Registration,
+    registration: Registration[AttentionCapabilities],
     platform: Platform,
     *,
     head_size: int,
@@ -63,52 +62,42 @@ def check_backend(
     sliding_window: int | None = None,
 ) -> list[str]:
     """Every reason the backend cannot run this configuration here ([] = it can)."""
-    meta = registration.metadata
-    reasons: list[str] = []
-
-    device_types = meta.get("device_types")
-    if device_types is not None and platform.device_type not in device_types:
-        reasons.append(f"device type {platform.device_type!r} is not supported (needs {', '.join(device_types)})")
-    else:
-        capability = platform.get_device_capability()
-        min_capability = meta.get("min_capability")
-        max_capability = meta.get("max_capability")
-        if capability is not None and min_capability is not None and tuple(capability) < tuple(min_capability):
-            reasons.append(
-                f"compute capability {_fmt_capability(capability)} < {_fmt_capability(min_capability)} required"
-            )
-        if capability is not None and max_capability is not None and tuple(capability) > tuple(max_capability):
-            reasons.append(
-                f"compute capability {_fmt_capability(capability)} > {_fmt_capability(max_capability)} supported"
-            )
-
+    caps = registration.info
+    reasons = _device_reasons(caps, platform)
     name_of_dtype = dtype_name(dtype)
-    dtypes = meta.get("dtypes")
-    if dtypes is not None and name_of_dtype not in [d if isinstance(d, str) else dtype_name(d) for d in dtypes]:
-        reasons.append(f"dtype {name_of_dtype} is not supported (supports {', '.join(map(str, dtypes))})")
+    if caps.dtypes is not None and name_of_dtype not in caps.dtypes:
+        reasons.append(f"dtype {name_of_dtype} is not supported (supports {', '.join(caps.dtypes)})")
     if dtype not in platform.supported_dtypes():
         reasons.append(f"dtype {name_of_dtype} is not supported by {platform.describe()}")
 
-    head_sizes = meta.get("head_sizes")
-    if head_sizes is not None and head_size not in head_sizes:
-        reasons.append(f"head size {head_size} is not supported (supports {', '.join(map(str, head_sizes))})")
-    head_size_multiple = meta.get("head_size_multiple")
-    if head_size_multiple is not None and head_size % head_size_multiple != 0:
-        reasons.append(f"head size {head_size} is not a multiple of {head_size_multiple}")
-    max_head_size = meta.get("max_head_size")
-    if max_head_size is not None and head_size > max_head_size:
-        reasons.append(f"head size {head_size} > {max_head_size} maximum")
-
-    block_size_multiple = meta.get("block_size_multiple")
-    if block_size_multiple is not None and block_size % block_size_multiple != 0:
-        reasons.append(f"block size {block_size} is not a multiple of {block_size_multiple}")
-
-    if sliding_window is not None and not meta.get("supports_sliding_window", False):
+    if caps.head_sizes is not None and head_size not in caps.head_sizes:
+        reasons.append(f"head size {head_size} is not supported (supports {', '.join(map(str, caps.head_sizes))})")
+    if caps.head_size_multiple is not None and head_size % caps.head_size_multiple != 0:
+        reasons.append(f"head size {head_size} is not a multiple of {caps.head_size_multiple}")
+    if caps.max_head_size is not None and head_size > caps.max_head_size:
+        reasons.append(f"head size {head_size} > {caps.max_head_size} maximum")
+    if caps.block_size_multiple is not None and block_size % caps.block_size_multiple != 0:
+        reasons.append(f"block size {block_size} is not a multiple of {caps.block_size_multiple}")
+    if sliding_window is not None and not caps.supports_sliding_window:
         reasons.append(f"sliding window ({sliding_window}) is not supported")
-
-    for package in meta.get("requires", ()):
+    for package in caps.requires:
         if not _is_importable(package):
             reasons.append(f"package {package!r} is not installed")
+    return reasons
+
+
+def _device_reasons(caps: AttentionCapabilities, platform: Platform) -> list[str]:
+    if caps.device_types is not None and platform.device_type not in caps.device_types:
+        return [f"device type {platform.device_type!r} is not supported (needs {', '.join(caps.device_types)})"]
+    capability = platform.get_device_capability()
+    if capability is None:
+        return []
+    reasons = []
+    have = _fmt_capability(capability)
+    if caps.min_capability is not None and tuple(capability) < caps.min_capability:
+        reasons.append(f"compute capability {have} < {_fmt_capability(caps.min_capability)} required")
+    if caps.max_capability is not None and tuple(capability) > caps.max_capability:
+        reasons.append(f"compute capability {have} > {_fmt_capability(caps.max_capability)} supported")
     return reasons
 
 
@@ -127,7 +116,7 @@ def select_attention_backend(
     (``pagedllm env`` reports without importing any backend)."""
     from pagedllm.plugins import get_plugin_manager
 
-    registry = (plugin_manager or get_plugin_manager()).registry("attention_backend")
+    registry = (plugin_manager or get_plugin_manager()).attention_backends
     checks: dict[str, Any] = dict(
         head_size=head_size, dtype=dtype, block_size=block_size, sliding_window=sliding_window
     )
@@ -140,7 +129,7 @@ def select_attention_backend(
         selection = BackendSelection(requested, registration, {}, registry)
     else:
         rejected: dict[str, list[str]] = {}
-        chosen: Registration | None = None
+        chosen: Registration[AttentionCapabilities] | None = None
         for name in platform.get_attention_backend_priority():
             if name not in registry:
                 rejected[name] = ["not registered by any plugin"]

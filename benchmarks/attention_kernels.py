@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         device, shape, cases = torch.device("cuda"), Shape(), GPU_CASES
         dtype, iters, warmup = getattr(torch, args.dtype or "float16"), args.iters or 20, 3
-    registry = get_plugin_manager().registry("attention_backend")
+    registry = get_plugin_manager().attention_backends
     names = available_backends(device)
     backends = {name: registry.load(name) for name in names}
     print(f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) "

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import PagedLLMError
 from pagedllm.entrypoints.bench.serve import add_bench_parser
@@ -17,7 +19,6 @@ if TYPE_CHECKING:
     import torch
 
     from pagedllm.core.config import EngineConfig
-
     from pagedllm.platforms.interface import Platform
 
 
@@ -135,7 +136,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     dtype = _env_dtype(platform, args.dtype)
     checks: dict[str, Any] = dict(head_size=args.head_size, dtype=dtype, block_size=args.block_size)
     selection = select_attention_backend(platform, args.attention_backend, load=False, **checks)
-    registry = get_plugin_manager().registry("attention_backend")
+    registry = get_plugin_manager().attention_backends
     capability = platform.get_device_capability()
     payload = {
         "platform": platform.name,
@@ -191,8 +192,8 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pagedllm.engine.llm import LLM
     from pagedllm.core.sampling_params import SamplingParams
+    from pagedllm.engine.llm import LLM
 
     llm = LLM(model=args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -228,10 +229,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if "PAGEDLLM_LOG_LEVEL" not in os.environ:
         # The periodic stats line and the startup banner are INFO.
         logging.getLogger("pagedllm").setLevel(logging.INFO)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
         run_server(config)
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled
-        pass
     return 0
 
 
@@ -256,10 +255,8 @@ def add_serve_parser(sub: Any) -> None:
 def cmd_disagg_proxy(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.disagg_proxy import run_proxy
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         run_proxy(args.prefill, args.decode, args.host, args.port)
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

@@ -88,7 +88,7 @@ def iterate_safetensors(model_path: str | Path) -> Iterator[tuple[str, torch.Ten
         raise ModelLoadError(path, detail=f"neither {SAFETENSORS_SINGLE} nor {SAFETENSORS_INDEX} found")
     for file_name in files:
         with safe_open(str(path / file_name), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, f.get_tensor(name)
 
 

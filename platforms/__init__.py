@@ -26,14 +26,8 @@ AUTO_PLATFORM_ORDER: tuple[str, ...] = ("cuda", "cpu")
 def load_platform_cls(name: str, plugin_manager: PluginManager | None = None) -> type[Platform]:
     from pagedllm.plugins import get_plugin_manager
 
-    registry = (plugin_manager or get_plugin_manager()).registry("platform")
-    platform_cls = registry.load(name)  # UnknownComponentError lists the known names
-    if not (isinstance(platform_cls, type) and issubclass(platform_cls, Platform)):
-        raise PluginError(
-            f"platform {name!r} from {registry.get(name).source} is {platform_cls!r}, "
-            "not a Platform subclass"
-        )
-    return platform_cls
+    # UnknownComponentError lists the known names; the registry checks the Platform base.
+    return (plugin_manager or get_plugin_manager()).platforms.load(name)
 
 
 def available_out_of_tree_platforms(plugin_manager: PluginManager | None = None) -> list[tuple[str, str]]:
@@ -46,7 +40,7 @@ def available_out_of_tree_platforms(plugin_manager: PluginManager | None = None)
     from pagedllm.plugins import get_plugin_manager
     from pagedllm.plugins.registry import BUILTIN_SOURCE
 
-    registry = (plugin_manager or get_plugin_manager()).registry("platform")
+    registry = (plugin_manager or get_plugin_manager()).platforms
     available = []
     for registration in registry.registrations():
         if registration.source == BUILTIN_SOURCE:
@@ -102,7 +96,7 @@ def resolve_platform(name: str = "auto", plugin_manager: PluginManager | None = 
 def _available(plugin_manager: PluginManager | None) -> str:
     from pagedllm.plugins import get_plugin_manager
 
-    registry = (plugin_manager or get_plugin_manager()).registry("platform")
+    registry = (plugin_manager or get_plugin_manager()).platforms
     names = []
     for name in registry.names():
         try:

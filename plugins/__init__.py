@@ -12,12 +12,17 @@ and declares the plugin API range it supports in that module::
 
 ``API_VERSION`` is this pagedllm's plugin API (semver); see plugins/compat.py
 and docs/plugins.md ("Compatibility").
+
+Each plugin kind is a :class:`PluginKind` (a str enum: the 1.0 string
+literals still work); ``get_plugin_manager().models``,
+``.attention_backends``, ... are its typed registries.
 """
 
 from __future__ import annotations
 
 from pagedllm.plugins.compat import API_VERSION, API_VERSION_ATTR, ApiCompatibility, check_api_compatibility
 from pagedllm.plugins.hookspecs import PROJECT_NAME, RegisterFn, hookimpl, hookspec
+from pagedllm.plugins.kinds import KIND_SPECS, KindSpec, PluginKind
 from pagedllm.plugins.manager import (
     ENTRY_POINT_GROUP,
     KIND_HOOKS,
@@ -26,29 +31,35 @@ from pagedllm.plugins.manager import (
     PluginManager,
     get_plugin_manager,
 )
+from pagedllm.plugins.metadata import MetadataError
 from pagedllm.plugins.registry import Registration, Registry
 
-PLATFORM = "platform"
-ATTENTION_BACKEND = "attention_backend"
-MODEL = "model"
-DRAFTER = "drafter"
-GRAMMAR_BACKEND = "grammar_backend"
-KV_CONNECTOR = "kv_connector"
+# The 1.0 names of the kinds, kept as aliases of the enum members.
+PLATFORM = PluginKind.PLATFORM
+ATTENTION_BACKEND = PluginKind.ATTENTION_BACKEND
+MODEL = PluginKind.MODEL
+DRAFTER = PluginKind.DRAFTER
+GRAMMAR_BACKEND = PluginKind.GRAMMAR_BACKEND
+KV_CONNECTOR = PluginKind.KV_CONNECTOR
 
 __all__ = [
     "API_VERSION",
     "API_VERSION_ATTR",
-    "ApiCompatibility",
     "ATTENTION_BACKEND",
     "DRAFTER",
     "ENTRY_POINT_GROUP",
     "GRAMMAR_BACKEND",
     "KINDS",
     "KIND_HOOKS",
+    "KIND_SPECS",
     "KV_CONNECTOR",
     "MODEL",
     "PLATFORM",
     "PROJECT_NAME",
+    "ApiCompatibility",
+    "KindSpec",
+    "MetadataError",
+    "PluginKind",
     "PluginLoadError",
     "PluginManager",
     "RegisterFn",

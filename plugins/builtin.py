@@ -92,3 +92,9 @@ def register_kv_connectors(register: RegisterFn) -> None:
     register("shared_storage", "pagedllm.kv_connectors.shared_storage:SharedStorageConnector",
              roles=["producer", "consumer", "both"])
     register("cpu_offload", "pagedllm.kv_connectors.cpu_offload:CpuOffloadConnector", roles=["both"])
+
+
+@hookimpl
+def register_model_sources(register: RegisterFn) -> None:
+    # The shipped models (pagedllm-tiny and its draft and EAGLE heads) by alias.
+    register("tiny", "pagedllm.model_registry.tiny:ShippedModelSource")

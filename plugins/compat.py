@@ -25,7 +25,10 @@ from packaging.version import Version
 # 1.1: grammar backends whose validate/compile name `max_whitespace` get it.
 # 1.2: `KVCacheLayout` and `AttentionBackend.get_kv_cache_layout` (the default
 #      `get_kv_cache_shape` follows it); `KVConnectorContext.kv_cache_layout`
-#      and block_io's `layout` argument.
+#      and block_io's `layout` argument. Typed kinds: `PluginKind`, the typed
+#      registries (`pm.models`, ...), `AttentionCapabilities` and the other
+#      kinds' metadata types (unknown keys are refused at register), the
+#      `ModelForCausalLM` interface (1.0 duck-typed models still load).
 API_VERSION = "1.2.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"

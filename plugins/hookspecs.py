@@ -42,7 +42,8 @@ docs/plugins.md documents every hook below with an example.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Union
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
 
@@ -54,7 +55,7 @@ PROJECT_NAME = "pagedllm"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
-Target = Union[str, Callable[[], Any]]
+Target = str | Callable[[], Any]
 
 
 class RegisterFn(Protocol):
@@ -168,6 +169,26 @@ def register_kv_connectors(register: RegisterFn) -> None:
 
     Called lazily when the KV-connector registry is first needed (engine
     start with a connector configured). No built-in connector yet.
+    """
+
+
+@hookspec
+def register_model_sources(register: RegisterFn) -> None:
+    """Register model sources (kind ``model_source``, plugin API 1.2): names
+    that stand for a model folder, so ``model: <name>`` (and
+    ``speculative.model``, ``model.tokenizer``) may say the name.
+
+    :param register: call ``register(name, "pkg.mod:SourceCls")``; the class
+        subclasses :class:`pagedllm.model_registry.interface.ModelSource` and
+        its ``resolve(name)`` returns the folder, or None for a name it does
+        not know. ``name`` labels the source in ``pagedllm plugins list``.
+    :return: nothing; the return value is ignored.
+
+    Called lazily when a model name is first resolved (engine start, the
+    tokenizer). Sources are asked in registration order (builtin first: its
+    source ``tiny`` knows ``tiny``, ``tiny-draft``, ``tiny-eagle`` and the
+    default model); the first answer wins, and a name no source knows is used
+    as a folder or hub id.
     """
 
 

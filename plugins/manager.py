@@ -11,15 +11,34 @@ import importlib.metadata
 import logging
 import os
 import threading
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from pagedllm.core.errors import PluginError
 from pagedllm.plugins import builtin, hookspecs
 from pagedllm.plugins.compat import API_VERSION, ApiCompatibility, check_api_compatibility
-from pagedllm.plugins.registry import BUILTIN_SOURCE, Registration, Registry
+from pagedllm.plugins.kinds import KIND_SPECS, KindSpec, PluginKind, kind_spec
+from pagedllm.plugins.metadata import MetadataError, build_info
+from pagedllm.plugins.registry import BUILTIN_SOURCE, Registration, Registry, import_target
+
+if TYPE_CHECKING:
+    from pagedllm.attention_backends.base import AttentionBackend, AttentionCapabilities
+    from pagedllm.kv_connectors.base import KVConnectorBase
+    from pagedllm.model_registry.interface import ModelForCausalLM, ModelSource
+    from pagedllm.platforms.interface import Platform
+    from pagedllm.plugins.metadata import (
+        DrafterInfo,
+        GrammarBackendInfo,
+        KVConnectorInfo,
+        ModelInfo,
+        ModelSourceInfo,
+        PlatformInfo,
+    )
+    from pagedllm.spec_decode.interface import Drafter
+    from pagedllm.structured_output.interface import GrammarBackend
 
 logger = logging.getLogger("pagedllm.plugins")
 
@@ -27,16 +46,9 @@ ENTRY_POINT_GROUP = "pagedllm.plugins"
 BUILTIN_PLUGIN_NAME = "builtin"
 TRACE_ENV = "PAGEDLLM_TRACE_PLUGINS"
 
-# kind -> the hook that fills it
-KIND_HOOKS: dict[str, str] = {
-    "platform": "register_platforms",
-    "attention_backend": "register_attention_backends",
-    "model": "register_models",
-    "drafter": "register_drafters",
-    "grammar_backend": "register_grammar_backends",
-    "kv_connector": "register_kv_connectors",
-}
-KINDS: tuple[str, ...] = tuple(KIND_HOOKS)
+# kind -> the hook that fills it (plugins/kinds.py has the whole spec)
+KIND_HOOKS: dict[str, str] = {kind: spec.hook for kind, spec in KIND_SPECS.items()}
+KINDS: tuple[PluginKind, ...] = tuple(KIND_SPECS)
 
 
 @dataclass(frozen=True)
@@ -90,7 +102,9 @@ class PluginManager:
         self._entry_point_plugins: set[str] = set()
         self._load_errors: dict[str, PluginLoadError] = {}
         self._load_args: tuple[frozenset[str] | None, frozenset[str], bool] | None = None
-        self._registries: dict[str, Registry] = {}
+        self._registries: dict[PluginKind, Registry[Any, Any]] = {}
+        # kind -> registrations left out for invalid metadata, found when the kind is collected
+        self._registration_errors: dict[PluginKind, list[PluginLoadError]] = {}
         if os.environ.get(TRACE_ENV, "") not in ("", "0"):
             self.enable_tracing()
         self._register(builtin, BUILTIN_PLUGIN_NAME, BUILTIN_SOURCE)
@@ -149,6 +163,9 @@ class PluginManager:
                     f"plugin {err.plugin!r} ({err.distribution}) failed to load: {err.error}"
                     " (plugins.strict is set)"
                 )
+            if strict:
+                for kind in KINDS:  # a registration with invalid metadata raises here
+                    self.registry(kind)
 
     def _entry_points(self) -> list[importlib.metadata.EntryPoint]:
         """Entry points of our group, de-duplicated (a distribution can be found twice on sys.path)."""
@@ -251,22 +268,53 @@ class PluginManager:
 
     # ---- registries ----------------------------------------------------
 
-    def registry(self, kind: str) -> Registry:
-        """The registry of one kind, collected from the hooks on first use."""
-        if kind not in KIND_HOOKS:
+    def registry(self, kind: str) -> Registry[Any, Any]:
+        """The registry of one kind (a PluginKind or its string value),
+        collected from the hooks on first use. The typed properties below
+        (``models``, ``attention_backends``, ...) say what each one holds."""
+        spec = kind_spec(kind)
+        if spec is None:
             raise PluginError(f"unknown plugin kind {kind!r}; kinds: {', '.join(KINDS)}")
         with self._lock:
             self._ensure_loaded()
-            registry = self._registries.get(kind)
+            registry = self._registries.get(spec.kind)
             if registry is None:
-                registry = self._collect(kind)
-                self._registries[kind] = registry
+                registry = self._collect(spec)
+                self._registries[spec.kind] = registry
             return registry
 
-    def _collect(self, kind: str) -> Registry:
-        registry = Registry(kind)
-        hook_name = KIND_HOOKS[kind]
-        caller = getattr(self.pm.hook, hook_name)
+    @property
+    def platforms(self) -> Registry[Platform, PlatformInfo]:
+        return self.registry(PluginKind.PLATFORM)
+
+    @property
+    def attention_backends(self) -> Registry[AttentionBackend, AttentionCapabilities]:
+        return self.registry(PluginKind.ATTENTION_BACKEND)
+
+    @property
+    def models(self) -> Registry[ModelForCausalLM, ModelInfo]:
+        return self.registry(PluginKind.MODEL)
+
+    @property
+    def drafters(self) -> Registry[Drafter, DrafterInfo]:
+        return self.registry(PluginKind.DRAFTER)
+
+    @property
+    def grammar_backends(self) -> Registry[GrammarBackend, GrammarBackendInfo]:
+        return self.registry(PluginKind.GRAMMAR_BACKEND)
+
+    @property
+    def kv_connectors(self) -> Registry[KVConnectorBase, KVConnectorInfo]:
+        return self.registry(PluginKind.KV_CONNECTOR)
+
+    @property
+    def model_sources(self) -> Registry[ModelSource, ModelSourceInfo]:
+        return self.registry(PluginKind.MODEL_SOURCE)
+
+    def _collect(self, spec: KindSpec) -> Registry[Any, Any]:
+        registry: Registry[Any, Any] = Registry(spec.kind, spec.interface)
+        self._registration_errors[spec.kind] = []
+        caller = getattr(self.pm.hook, spec.hook)
         plugins = []
         for impl in caller.get_hookimpls():  # registration order: builtin first
             if impl.plugin not in plugins:
@@ -274,17 +322,16 @@ class PluginManager:
         for plugin in plugins:
             plugin_name = self.pm.get_name(plugin)
             assert plugin_name is not None
-            source = self._sources.get(plugin_name, plugin_name)
             # One call per plugin so that each registration knows its source;
             # subset_hook_caller keeps the call inside pluggy (and its tracing).
-            only_this = self.pm.subset_hook_caller(
-                hook_name, [p for p in plugins if p is not plugin]
-            )
-            only_this(register=self._make_register(kind, source, registry))
+            only_this = self.pm.subset_hook_caller(spec.hook, [p for p in plugins if p is not plugin])
+            only_this(register=self._make_register(spec, plugin_name, registry))
         return registry
 
-    @staticmethod
-    def _make_register(kind: str, source: str, registry: Registry) -> hookspecs.RegisterFn:
+    def _make_register(self, spec: KindSpec, plugin_name: str, registry: Registry[Any, Any]) -> hookspecs.RegisterFn:
+        kind, source = spec.kind, self._sources.get(plugin_name, plugin_name)
+        info_cls = import_target(spec.info)
+
         def register(name: str, target: hookspecs.Target, /, **metadata: Any) -> None:
             if not isinstance(name, str) or not name:
                 raise PluginError(f"{source} registered a {kind} with an invalid name {name!r}")
@@ -293,12 +340,27 @@ class PluginManager:
                     f"{source} registered {kind} {name!r} with target {target!r}; "
                     "expected 'package.module:Attr' or a callable"
                 )
-            registry.add(Registration(kind, name, target, source, dict(metadata)))
+            try:
+                info = build_info(info_cls, metadata)
+            except MetadataError as exc:
+                self._reject_registration(kind, plugin_name, source, f"{source} registered {kind} {name!r}: {exc}")
+                return
+            registry.add(Registration(kind, name, target, source, dict(metadata), info=info))
 
         return register
 
+    def _reject_registration(self, kind: PluginKind, plugin_name: str, source: str, message: str) -> None:
+        """A registration with invalid metadata: left out and reported like a
+        plugin that failed to load (an error in strict mode), so it never
+        takes down the plugin's other registrations or any other plugin."""
+        if self._load_args is not None and self._load_args[2]:
+            raise PluginError(f"{message} (plugins.strict is set)")
+        logger.error("skipped a registration of plugin %r: %s", plugin_name, message)
+        self._registration_errors[kind].append(PluginLoadError(plugin_name, source, f"PluginError: {message}"))
+
     def _invalidate(self) -> None:
         self._registries = {}
+        self._registration_errors = {}
 
     # ---- introspection -------------------------------------------------
 
@@ -310,8 +372,14 @@ class PluginManager:
 
     @property
     def load_errors(self) -> list[PluginLoadError]:
-        self._ensure_loaded()
-        return list(self._load_errors.values())
+        """Entry points that failed to load, then registrations left out for
+        invalid metadata (every kind is collected to find those)."""
+        with self._lock:
+            self._ensure_loaded()
+            for kind in KINDS:
+                self.registry(kind)
+            rejected = [error for kind in KINDS for error in self._registration_errors.get(kind, [])]
+            return [*self._load_errors.values(), *rejected]
 
     def plugins(self) -> list[PluginInfo]:
         self._ensure_loaded()
@@ -343,7 +411,7 @@ class PluginManager:
         if not logger.isEnabledFor(logging.INFO):
             logger.setLevel(logging.INFO)
 
-        def before(hook_name: str, hook_impls: Sequence[pluggy.HookImpl], kwargs: dict[str, Any]) -> None:
+        def before(hook_name: str, hook_impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any]) -> None:
             logger.info(
                 "hook %s(%s) -> %s",
                 hook_name,
@@ -355,7 +423,7 @@ class PluginManager:
             outcome: pluggy.Result[Any],
             hook_name: str,
             hook_impls: Sequence[pluggy.HookImpl],
-            kwargs: dict[str, Any],
+            kwargs: Mapping[str, Any],
         ) -> None:
             exc = outcome.exception
             logger.info("hook %s returned %s", hook_name, f"error {exc!r}" if exc else repr(outcome.get_result()))

@@ -1,26 +1,36 @@
-"""A small typed registry per plugin kind: name -> lazy target."""
+"""A small typed registry per plugin kind: name -> lazy target.
+
+``Registry[T, InfoT]`` loads subclasses of ``T`` (the kind's interface,
+checked once per target) and holds each registration's metadata as an
+``InfoT`` (built and checked when ``register`` was called).
+"""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Generic, TypeVar, cast
 
 from pagedllm.core.errors import PluginError, UnknownComponentError
 from pagedllm.plugins.hookspecs import Target
 
 BUILTIN_SOURCE = "builtin"
 
+T = TypeVar("T")
+InfoT = TypeVar("InfoT")
+
 
 @dataclass(frozen=True)
-class Registration:
+class Registration(Generic[InfoT]):
     """One ``register(name, target, **metadata)`` call, and who made it."""
 
     kind: str
     name: str
     target: Target
     source: str  # "builtin", "<distribution> <version>", or the pm.register name
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)  # the keywords as given (API 1.0)
+    info: InfoT = field(kw_only=True)  # the same keywords as the kind's typed value
 
     @property
     def target_str(self) -> str:
@@ -40,15 +50,20 @@ def import_target(target: str) -> Any:
     return obj
 
 
-class Registry:
-    """Registrations of one kind, filled by the plugin manager from the hooks."""
+class Registry(Generic[T, InfoT]):
+    """Registrations of one kind, filled by the plugin manager from the hooks.
 
-    def __init__(self, kind: str) -> None:
+    ``interface``: ``"module:Class"`` that every loaded target must subclass
+    (None: no check).
+    """
+
+    def __init__(self, kind: str, interface: str | None = None) -> None:
         self.kind = kind
-        self._registrations: dict[str, Registration] = {}
-        self._loaded: dict[str, Any] = {}
+        self.interface = interface
+        self._registrations: dict[str, Registration[InfoT]] = {}
+        self._loaded: dict[str, type[T]] = {}
 
-    def add(self, registration: Registration) -> None:
+    def add(self, registration: Registration[InfoT]) -> None:
         existing = self._registrations.get(registration.name)
         if existing is not None:
             raise PluginError(
@@ -57,16 +72,18 @@ class Registry:
             )
         self._registrations[registration.name] = registration
 
-    def get(self, name: str) -> Registration:
+    def get(self, name: str) -> Registration[InfoT]:
         try:
             return self._registrations[name]
         except KeyError:
             raise UnknownComponentError(self.kind, name, self.names()) from None
 
-    def load(self, name: str) -> Any:
-        """The registered object: imported (or built by its factory) once, then cached.
+    def load(self, name: str) -> type[T]:
+        """The registered class: imported (or built by its factory) once,
+        checked against the kind's interface, then cached.
 
-        A class target is returned as is; any other callable is a factory.
+        A class target is returned as is; any other callable is a factory
+        that returns the class.
         """
         if name in self._loaded:
             return self._loaded[name]
@@ -84,13 +101,22 @@ class Registry:
                 f"cannot load {self.kind} {name!r} from {registration.target_str} "
                 f"(registered by {registration.source}): {type(exc).__name__}: {exc}"
             ) from exc
-        self._loaded[name] = obj
-        return obj
+        checked = self._check_interface(registration, obj)
+        self._loaded[name] = checked
+        return checked
+
+    def _check_interface(self, registration: Registration[InfoT], obj: Any) -> type[T]:
+        if self.interface is None or (isinstance(obj, type) and issubclass(obj, import_target(self.interface))):
+            return cast("type[T]", obj)
+        raise PluginError(
+            f"{self.kind} {registration.name!r} from {registration.target_str} "
+            f"(registered by {registration.source}) is {obj!r}, not a subclass of {self.interface}"
+        )
 
     def names(self) -> list[str]:
         return list(self._registrations)
 
-    def registrations(self) -> list[Registration]:
+    def registrations(self) -> list[Registration[InfoT]]:
         return list(self._registrations.values())
 
     def __contains__(self, name: object) -> bool:

@@ -8,15 +8,24 @@ import logging
 import re
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
+import torch
+from pagedllm_test_plugin.backend import TestEchoBackend
+from torch import nn
 
+from pagedllm.attention_backends.base import AttentionCapabilities
 from pagedllm.core.errors import PluginError, UnknownComponentError
+from pagedllm.model_registry.interface import ModelForCausalLM
 from pagedllm.plugins import (
     API_VERSION,
+    ATTENTION_BACKEND,
+    KIND_HOOKS,
     KINDS,
+    PluginKind,
     PluginLoadError,
     PluginManager,
     RegisterFn,
@@ -25,9 +34,26 @@ from pagedllm.plugins import (
     hookimpl,
     hookspecs,
 )
+from pagedllm.plugins.metadata import DrafterInfo, KVConnectorInfo, PlatformInfo, build_info
 
 TEST_DIST = "pagedllm-test-plugin"
 TEST_DIST_SOURCE = f"{TEST_DIST} {importlib.metadata.version(TEST_DIST)}"
+
+
+class DuckTypedModel(nn.Module):
+    """A plugin API 1.0 model: the four methods, no ModelForCausalLM base."""
+
+    def forward(self, input_ids: Any, positions: Any, attn_metadata: Any) -> Any:
+        return input_ids
+
+    def compute_logits(self, hidden_states: Any) -> Any:
+        return hidden_states
+
+    def load_weights(self, weights: Any) -> set[str]:
+        return set()
+
+    def get_attention_layers(self) -> list[Any]:
+        return []
 
 
 class FixturePlugin:
@@ -39,7 +65,7 @@ class FixturePlugin:
 
     def _model_factory(self) -> type:
         self.factory_calls += 1
-        return type("FixtureForCausalLM", (), {})
+        return type("FixtureForCausalLM", (DuckTypedModel,), {})
 
     @hookimpl
     def register_attention_backends(self, register: RegisterFn) -> None:
@@ -60,7 +86,7 @@ class FixturePlugin:
 
     @hookimpl
     def register_drafters(self, register: RegisterFn) -> None:
-        register("fixture_ngram", "pagedllm_fixture_drafter:NgramDrafter", needs_target_hidden_states=False)
+        register("fixture_ngram", "pagedllm_fixture_drafter:NgramDrafter", needs_model=False)
 
     @hookimpl
     def register_grammar_backends(self, register: RegisterFn) -> None:
@@ -68,7 +94,7 @@ class FixturePlugin:
 
     @hookimpl
     def register_kv_connectors(self, register: RegisterFn) -> None:
-        register("fixture_storage", "pagedllm_fixture_kv:SharedStorageConnector", role="both")
+        register("fixture_storage", "pagedllm_fixture_kv:SharedStorageConnector", roles=["both"])
 
     @hookimpl
     def on_engine_start(self, config: Any) -> None:
@@ -127,8 +153,6 @@ def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
 def test_registered_plugin_adds_backend_and_model_found_by_the_registries(
     fixture_plugin: FixturePlugin,
 ) -> None:
-    from pagedllm_test_plugin.backend import TestEchoBackend
-
     pm = get_plugin_manager()
     backends = pm.registry("attention_backend")
     assert "fixture_echo" in backends
@@ -138,6 +162,7 @@ def test_registered_plugin_adds_backend_and_model_found_by_the_registries(
         "pagedllm_test_plugin.backend:TestEchoBackend",
         "fixture-plugin",
         {"device_types": ["cpu"], "dtypes": ["float32"]},
+        info=AttentionCapabilities(device_types=("cpu",), dtypes=("float32",)),
     )
     assert backends.load("fixture_echo") is TestEchoBackend
 
@@ -167,9 +192,11 @@ def test_unregister_removes_the_plugin_components() -> None:
 
 def test_registration_does_not_import_the_target(fixture_plugin: FixturePlugin) -> None:
     drafters = get_plugin_manager().registry("drafter")
-    assert drafters.get("fixture_ngram").metadata == {"needs_target_hidden_states": False}
+    assert drafters.get("fixture_ngram").metadata == {"needs_model": False}
+    assert drafters.get("fixture_ngram").info == DrafterInfo(needs_model=False)
     assert "pagedllm_fixture_drafter" not in sys.modules
-    with pytest.raises(PluginError, match=r"drafter 'fixture_ngram'.*registered by fixture-plugin.*ModuleNotFoundError"):
+    expected = r"drafter 'fixture_ngram'.*registered by fixture-plugin.*ModuleNotFoundError"
+    with pytest.raises(PluginError, match=expected):
         drafters.load("fixture_ngram")
 
 
@@ -247,7 +274,8 @@ def test_registration_with_a_malformed_target_is_an_error() -> None:
     pm = get_plugin_manager()
     pm.register(BadTargetPlugin(), name="bad-target")
     try:
-        with pytest.raises(PluginError, match=r"bad-target registered model 'BadForCausalLM' with target 'no_colon_here'"):
+        expected = r"bad-target registered model 'BadForCausalLM' with target 'no_colon_here'"
+        with pytest.raises(PluginError, match=expected):
             pm.registry("model")
     finally:
         pm.unregister(name="bad-target")
@@ -389,16 +417,10 @@ def _hookspec_functions() -> dict[str, Any]:
 
 def test_hookspecs_cover_every_kind_and_none_is_firstresult() -> None:
     specs = _hookspec_functions()
-    assert set(specs) == {
-        "register_platforms",
-        "register_attention_backends",
-        "register_models",
-        "register_drafters",
-        "register_grammar_backends",
-        "register_kv_connectors",
-        "on_engine_start",
-    }
-    assert len(KINDS) == 6
+    # One register_* hook per kind, plus the lifecycle hook.
+    assert set(specs) == {KIND_HOOKS[kind] for kind in KINDS} | {"on_engine_start"}
+    assert {"register_platforms", "register_attention_backends", "register_models", "register_drafters",
+            "register_grammar_backends", "register_kv_connectors"} <= set(specs)
     for fn in specs.values():
         assert fn.pagedllm_spec["firstresult"] is False
 
@@ -424,3 +446,179 @@ def test_every_hookspec_is_exercised_by_a_test(hook_name: str) -> None:
 
 def test_api_version_is_semver() -> None:
     assert re.fullmatch(r"\d+\.\d+\.\d+", API_VERSION)
+
+
+# ---- typed kinds ----------------------------------------------------------
+
+
+def test_kinds_are_str_enum_members_with_typed_registries() -> None:
+    pm = get_plugin_manager()
+    assert PluginKind.MODEL == "model" and f"{PluginKind.ATTENTION_BACKEND}" == "attention_backend"
+    assert ATTENTION_BACKEND is PluginKind.ATTENTION_BACKEND  # the 1.0 constant names remain
+    assert pm.registry("model") is pm.registry(PluginKind.MODEL) is pm.models
+    assert pm.registry("attention_backend") is pm.attention_backends
+    assert pm.registry("platform") is pm.platforms
+    assert pm.registry("drafter") is pm.drafters
+    assert pm.registry("grammar_backend") is pm.grammar_backends
+    assert pm.registry("kv_connector") is pm.kv_connectors
+    with pytest.raises(PluginError, match=r"unknown plugin kind 'widget'; kinds: platform, attention_backend, model"):
+        pm.registry("widget")
+
+
+def test_builtin_metadata_becomes_typed_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    pm = PluginManager()  # the builtins registered under this environment
+    assert pm.attention_backends.get("triton").info == AttentionCapabilities(
+        device_types=("cuda",),
+        min_capability=(7, 0),
+        dtypes=("float32", "float16", "bfloat16"),
+        head_sizes=(64, 80, 96, 128, 256),
+        block_size_multiple=16,
+        requires=("triton",),
+        supports_sliding_window=True,
+    )
+    assert pm.attention_backends.get("flash_attn").info.head_size_multiple == 8
+    assert pm.drafters.get("eagle").info == DrafterInfo(needs_model=True)
+    assert pm.kv_connectors.get("cpu_offload").info == KVConnectorInfo(roles=("both",))
+    assert pm.grammar_backends.get("xgrammar").info.requires == ("xgrammar",)
+    assert pm.platforms.get("cuda").info == PlatformInfo(device_type="cuda")
+    # torch dtypes are read as their names
+    assert build_info(AttentionCapabilities, {"dtypes": [torch.float16, "bfloat16"]}).dtypes == ("float16", "bfloat16")
+
+
+class MisspeltCapabilityPlugin:
+    @hookimpl
+    def register_attention_backends(self, register: RegisterFn) -> None:
+        register("typo_backend", "pagedllm_test_plugin.backend:TestEchoBackend", min_capabilty=(8, 0))
+        register("str_backend", "pagedllm_test_plugin.backend:TestEchoBackend", device_types="cuda")
+        register("good_backend", "pagedllm_test_plugin.backend:TestEchoBackend", device_types=["cpu"])
+
+    @hookimpl
+    def register_drafters(self, register: RegisterFn) -> None:
+        register("typo_drafter", "nowhere:Drafter", needs_target_hidden_states=False)
+
+    @hookimpl
+    def register_models(self, register: RegisterFn) -> None:
+        register("KeyedForCausalLM", "nowhere:Model", dtypes=["float16"])
+
+
+ACCEPTED_CAPABILITIES = (
+    "device_types, min_capability, max_capability, dtypes, head_sizes, head_size_multiple, "
+    "max_head_size, block_size_multiple, requires, supports_sliding_window"
+)
+
+
+def test_misspelt_or_wrong_typed_metadata_is_a_load_error_naming_plugin_and_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pm = get_plugin_manager()
+    pm.register(MisspeltCapabilityPlugin(), name="typo-plugin")
+    try:
+        with caplog.at_level(logging.ERROR, logger="pagedllm.plugins"):
+            backends = pm.attention_backends
+        # The bad registrations are left out; the plugin's good one and every other plugin stay.
+        assert "good_backend" in backends and "torch_native" in backends and "test_echo" in backends
+        assert "typo_backend" not in backends and "str_backend" not in backends
+        assert "skipped a registration of plugin 'typo-plugin'" in caplog.text
+        errors = [e for e in pm.load_errors if e.plugin == "typo-plugin"]
+        assert errors == [
+            PluginLoadError(
+                "typo-plugin",
+                "typo-plugin",
+                "PluginError: typo-plugin registered attention_backend 'typo_backend': unknown metadata key "
+                f"'min_capabilty' (did you mean 'min_capability'?); accepted keys: {ACCEPTED_CAPABILITIES}",
+            ),
+            PluginLoadError(
+                "typo-plugin",
+                "typo-plugin",
+                "PluginError: typo-plugin registered attention_backend 'str_backend': metadata "
+                "device_types='cuda' is invalid: expected a list of strings, got str",
+            ),
+            PluginLoadError(
+                "typo-plugin",
+                "typo-plugin",
+                "PluginError: typo-plugin registered model 'KeyedForCausalLM': unknown metadata key "
+                "'dtypes'; accepted keys: none",
+            ),
+            PluginLoadError(
+                "typo-plugin",
+                "typo-plugin",
+                "PluginError: typo-plugin registered drafter 'typo_drafter': unknown metadata key "
+                "'needs_target_hidden_states'; accepted keys: needs_model",
+            ),
+        ]
+    finally:
+        pm.unregister(name="typo-plugin")
+    assert not [e for e in pm.load_errors if e.plugin == "typo-plugin"]
+
+
+def test_misspelt_metadata_is_raised_in_strict_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    pm = PluginManager()
+    pm.load(strict=True)
+    pm.register(MisspeltCapabilityPlugin(), name="typo-plugin")
+    with pytest.raises(PluginError) as info:
+        pm.registry("attention_backend")
+    assert str(info.value) == (
+        "typo-plugin registered attention_backend 'typo_backend': unknown metadata key 'min_capabilty' "
+        f"(did you mean 'min_capability'?); accepted keys: {ACCEPTED_CAPABILITIES} (plugins.strict is set)"
+    )
+
+
+class WrongBasePlugin:
+    @hookimpl
+    def register_attention_backends(self, register: RegisterFn) -> None:
+        register("platform_as_backend", "pagedllm.platforms.cpu:CpuPlatform")
+        register("instance_factory", lambda: TestEchoBackend())
+
+    @hookimpl
+    def register_models(self, register: RegisterFn) -> None:
+        register("HalfForCausalLM", HalfModel)
+        register("DuckForCausalLM", DuckTypedModel)
+
+
+class HalfModel(nn.Module):
+    """Only forward: not a model for either API version."""
+
+    def forward(self, input_ids: Any) -> Any:
+        return input_ids
+
+
+def test_loaded_target_must_subclass_the_kind_interface() -> None:
+    pm = get_plugin_manager()
+    pm.register(WrongBasePlugin(), name="wrong-base")
+    try:
+        with pytest.raises(PluginError) as info:
+            pm.attention_backends.load("platform_as_backend")
+        assert str(info.value) == (
+            "attention_backend 'platform_as_backend' from pagedllm.platforms.cpu:CpuPlatform (registered by "
+            "wrong-base) is <class 'pagedllm.platforms.cpu.CpuPlatform'>, not a subclass of "
+            "pagedllm.attention_backends.base:AttentionBackend"
+        )
+        # A factory returns the class, not an instance.
+        with pytest.raises(PluginError, match=r"'instance_factory' .* is <pagedllm_test_plugin\.backend\.TestEcho"):
+            pm.attention_backends.load("instance_factory")
+        with pytest.raises(PluginError, match=r"is <class '.*HalfModel'>, not a subclass of "
+                                              r"pagedllm\.model_registry\.interface:ModelForCausalLM"):
+            pm.models.load("HalfForCausalLM")
+        # A plugin API 1.0 model (no ModelForCausalLM base, the four methods) still loads.
+        assert pm.models.load("DuckForCausalLM") is DuckTypedModel
+    finally:
+        pm.unregister(name="wrong-base")
+
+
+def test_builtin_models_implement_the_model_interface_and_duck_typed_models_pass() -> None:
+    from pagedllm.model_registry.models.llama import LlamaForCausalLM
+
+    pm = get_plugin_manager()
+    for name in ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]:
+        model_cls = pm.models.load(name)
+        assert ModelForCausalLM in model_cls.__mro__, name  # explicitly, not by duck typing
+    required = {"forward", "compute_logits", "load_weights", "get_attention_layers"}
+    assert ModelForCausalLM.__abstractmethods__ == required
+    assert LlamaForCausalLM.packed_modules_mapping["k_proj"] == ("qkv_proj", 1)
+    assert ModelForCausalLM.packed_modules_mapping == {}  # the optional mapping's default
+    assert issubclass(DuckTypedModel, ModelForCausalLM) and ModelForCausalLM not in DuckTypedModel.__mro__
+    assert not issubclass(HalfModel, ModelForCausalLM)
+    assert not issubclass(type("NotAModule", (), dict(vars(DuckTypedModel))), ModelForCausalLM)

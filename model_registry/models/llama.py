@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from pagedllm.model_registry.interface import ModelForCausalLM
 from pagedllm.model_registry.layers.activation import SiluAndMul
 from pagedllm.model_registry.layers.attention import Attention
 from pagedllm.model_registry.layers.linear import MergedLinear
@@ -134,7 +135,7 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(ModelForCausalLM):
     flags: ClassVar[LlamaFlags] = LlamaFlags()
     # checkpoint module name -> (our stacked module, shard index)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {

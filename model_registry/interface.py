@@ -1,0 +1,88 @@
+"""The model interface: what the engine asks of a registered architecture.
+
+A model is registered for a Hugging Face architecture name
+(``register("LlamaForCausalLM", "pkg.mod:Cls")``) and built as
+``Cls(hf_config, attn_backend, dtype=dtype)`` inside a ``torch.device``
+context, then filled with ``load_weights``. Its attention layers
+(``model_registry/layers/attention.py``) hold the paged KV cache.
+
+Plugin API 1.0 models were duck-typed: an ``nn.Module`` with the four
+methods below. They still are models: ``issubclass`` accepts any
+``nn.Module`` subclass that defines them (as ``collections.abc`` does for
+its one-method interfaces), so the registry's interface check passes for
+them. New models subclass :class:`ModelForCausalLM` and get the defaults
+of the optional parts.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, ABCMeta, abstractmethod
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, ClassVar, cast
+
+from torch import nn
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.attention_backends.base import AttentionMetadata
+    from pagedllm.model_registry.layers.attention import Attention
+
+_REQUIRED = ("forward", "compute_logits", "load_weights", "get_attention_layers")
+
+
+class ModelForCausalLM(nn.Module, metaclass=ABCMeta):
+    """A decoder-only language model over the paged KV cache (vLLM's
+    ``VllmModelForTextGeneration``)."""
+
+    # Optional weight-name mapping, read by the strict loader
+    # (model_registry/loader.py): checkpoint module name -> (the module that
+    # stacks it here, shard index), e.g. {"q_proj": ("qkv_proj", 0)}.
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {}
+
+    @abstractmethod
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] (the flattened batch) -> hidden states [T, hidden]."""
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden states [N, hidden] -> float32 logits [N, vocab]."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint (name, tensor) pairs in; return the parameter names filled."""
+
+    @abstractmethod
+    def get_attention_layers(self) -> list[Attention]:
+        """Every attention layer, in layer order: one KV cache tensor each."""
+
+    def is_ignored_weight(self, name: str) -> bool:
+        """Checkpoint entries that are neither loaded nor unexpected (e.g. a
+        saved rotary table, or the copy of a tied lm_head)."""
+        return False
+
+    @classmethod
+    def __subclasshook__(cls, candidate: type) -> bool:
+        if cls is ModelForCausalLM and issubclass(candidate, nn.Module) and all(
+            any(name in vars(k) for k in candidate.__mro__ if k is not nn.Module) for name in _REQUIRED
+        ):
+            return True  # a duck-typed (plugin API 1.0) model
+        return cast(bool, NotImplemented)  # ABCMeta's usual check decides
+
+
+class ModelSource(ABC):
+    """Names that stand for a model folder (kind ``model_source``, plugin API
+    1.2): ``model: tiny`` is the shipped model because the built-in source
+    knows the name. Registered with ``register_model_sources``; the engine asks
+    each source in registration order and the first answer wins; a name that
+    no source knows is a folder or a hub id. Built with no arguments."""
+
+    @abstractmethod
+    def resolve(self, name: str) -> str | None:
+        """The folder (or hub id) ``name`` stands for; None when this source
+        does not know the name."""
+
+
+__all__ = ["ModelForCausalLM", "ModelSource"]

@@ -1,0 +1,180 @@
+"""Registration metadata as typed values.
+
+``register(name, target, **metadata)`` keeps its free keyword form (plugin API
+1.0), but each kind turns the keywords into one frozen dataclass when
+``register`` is called: an unknown or misspelt key, or a value of the wrong
+type, is a :class:`MetadataError` there, instead of a limit that silently
+never applies. A field says how its value is read with :func:`parsed`; the
+attention backend's :class:`~pagedllm.attention_backends.base.AttentionCapabilities`
+is built the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+InfoT = TypeVar("InfoT", bound="DataclassInstance")
+Parser = Callable[[object], object]
+
+_PARSE = "pagedllm_parse"
+
+
+class MetadataError(ValueError):
+    """A ``register`` keyword that the kind does not accept, or a wrong value.
+
+    The plugin manager wraps it in a PluginError that names the plugin.
+    """
+
+
+def parsed(parse: Parser, default: object = None) -> Any:
+    """A dataclass field whose ``register`` value goes through ``parse``.
+
+    Returns ``Any`` like :func:`dataclasses.field`, so the field's annotation
+    stays the declared type.
+    """
+    return dataclasses.field(default=default, metadata={_PARSE: parse})
+
+
+def build_info(info_cls: type[InfoT], metadata: Mapping[str, object]) -> InfoT:
+    """``info_cls(**metadata)`` with every key known and every value parsed."""
+    fields = {f.name: f for f in dataclasses.fields(info_cls)}
+    values: dict[str, object] = {}
+    for key, value in metadata.items():
+        field = fields.get(key)
+        if field is None:
+            accepted = ", ".join(fields) or "none"
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise MetadataError(f"unknown metadata key {key!r}{hint}; accepted keys: {accepted}")
+        parse: Parser | None = field.metadata.get(_PARSE)
+        try:
+            values[key] = value if value is None or parse is None else parse(value)
+        except (TypeError, ValueError) as exc:
+            raise MetadataError(f"metadata {key}={value!r} is invalid: {exc}") from None
+    return info_cls(**values)
+
+
+# ---- parsers: each takes the value as given, returns it normalised ----------
+
+
+def flag(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected True or False, got {type(value).__name__}")
+    return value
+
+
+def count(value: object) -> int:
+    """A positive int (a size, a multiple)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError("expected a positive int")
+    return value
+
+
+def names(value: object) -> tuple[str, ...]:
+    """A list (or tuple) of strings; one bare string is refused, since
+    ``"cuda"`` would otherwise read as the names "c", "u", "d", "a"."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise TypeError(f"expected a list of strings, got {type(value).__name__}")
+    if not all(isinstance(item, str) for item in value):
+        raise TypeError("expected a list of strings")
+    return tuple(value)
+
+
+def counts(value: object) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise TypeError(f"expected a list of positive ints, got {type(value).__name__}")
+    return tuple(count(item) for item in value)
+
+
+def capability(value: object) -> tuple[int, int]:
+    """A compute capability ``(major, minor)``."""
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    ):
+        raise TypeError("expected (major, minor), two ints")
+    return (value[0], value[1])
+
+
+def dtype_names(value: object) -> tuple[str, ...]:
+    """Dtype names ("float16"); a ``torch.dtype`` is read as its name."""
+    if isinstance(value, (list, tuple, set, frozenset)):
+        value = [str(d).removeprefix("torch.") if type(d).__qualname__ == "dtype" else d for d in value]
+    return names(value)
+
+
+def name(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise TypeError("expected a non-empty string")
+    return value
+
+
+# ---- the metadata of the kinds other than attention backends ----------------
+
+
+@dataclass(frozen=True)
+class PlatformInfo:
+    """``register_platforms`` metadata."""
+
+    device_type: str | None = parsed(name)  # "cpu", "cuda", ...: informational
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """``register_models`` takes no metadata: a model's facts are in its config."""
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    """``register_drafters`` metadata."""
+
+    needs_model: bool | None = parsed(flag)  # whether speculative.model is required
+
+
+@dataclass(frozen=True)
+class GrammarBackendInfo:
+    """``register_grammar_backends`` metadata (informational)."""
+
+    kinds: tuple[str, ...] | None = parsed(names)  # spec kinds it compiles
+    requires: tuple[str, ...] = parsed(names, ())  # import names of the packages it needs
+
+
+@dataclass(frozen=True)
+class KVConnectorInfo:
+    """``register_kv_connectors`` metadata."""
+
+    # kv_transfer.role values it supports; None = every role.
+    roles: tuple[str, ...] | None = parsed(names)
+
+
+@dataclass(frozen=True)
+class ModelSourceInfo:
+    """``register_model_sources`` metadata: none (the source answers for itself)."""
+
+
+__all__ = [
+    "DrafterInfo",
+    "GrammarBackendInfo",
+    "KVConnectorInfo",
+    "MetadataError",
+    "ModelInfo",
+    "ModelSourceInfo",
+    "PlatformInfo",
+    "build_info",
+    "capability",
+    "count",
+    "counts",
+    "dtype_names",
+    "flag",
+    "name",
+    "names",
+    "parsed",
+]
