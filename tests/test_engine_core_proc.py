@@ -305,7 +305,7 @@ def test_crash_in_the_busy_loop_is_reported_as_engine_dead(monkeypatch: pytest.M
     monkeypatch.setattr(EngineCore, "step", broken_step)
     client = SyncMPClient(_config(), in_thread=True)  # a thread shares the monkeypatch
     try:
-        client.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=2), eos_token_id=None))
+        client.add_requests(make_request("r", None, [1, 2, 3], SamplingParams(max_tokens=2)).engine_requests())
         with pytest.raises(EngineDeadError, match="kernel exploded"):
             client.get_output()
         with pytest.raises(EngineDeadError):
