@@ -20,19 +20,23 @@ from helpers.tiny_models import cached_tiny_model
 
 from pagedllm.core.config import EngineConfig, StructuredOutputConfig
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.engine.llm import LLM
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.sampling_params import StructuredOutputsParams as SO
-from pagedllm.engine.wire import sampling_params_from_dict, sampling_params_to_dict
+from pagedllm.engine.llm import LLM
 from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.engine.wire import sampling_params_from_dict, sampling_params_to_dict
 from pagedllm.plugins import GRAMMAR_BACKEND, get_plugin_manager, hookimpl
 from pagedllm.structured_output.bitmask import allocate_token_bitmask, unpack_bitmask
 from pagedllm.structured_output.interface import GrammarBackend, StructuredOutputKind
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
 
-guidance = pytest.importorskip("pagedllm_example_grammar.backend", reason="pip install -e examples/plugins/pagedllm-example-grammar")
+
+def _guidance() -> Any:
+    """The out-of-tree backend: only the tests that use it skip when its package is absent."""
+    return pytest.importorskip("pagedllm_example_grammar.backend",
+                               reason="pip install -e examples/plugins/pagedllm-example-grammar")
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +100,7 @@ def test_config_section_defaults_and_env(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def _backend(name: str, tokenizer: Any) -> GrammarBackend:
-    cls = XgrammarBackend if name == "xgrammar" else guidance.GuidanceBackend
+    cls = XgrammarBackend if name == "xgrammar" else _guidance().GuidanceBackend
     return cls(tokenizer, len(tokenizer), tokenizer.eos_token_id, StructuredOutputConfig())
 
 
@@ -266,6 +270,7 @@ def test_a_compiling_grammar_does_not_stall_the_batch(model_dir: Path, gated_bac
 
 
 def test_guidance_backend_selected_by_config_and_per_request(model_dir: Path) -> None:
+    _guidance()
     schema = SCHEMAS["array_of_objects"]
     llm = LLM(str(model_dir), num_kv_blocks=128, max_model_len=512,
               structured_outputs_config={"backend": "guidance"})
@@ -291,7 +296,7 @@ def test_guidance_backend_selected_by_config_and_per_request(model_dir: Path) ->
     with pytest.raises(InvalidRequestError, match="does not support structural_tag"):
         llm_default.generate("x", SamplingParams(structured_outputs=SO(
             structural_tag={"type": "structural_tag"}, backend="guidance")), use_tqdm=False)
-    with pytest.raises(InvalidRequestError, match="registered grammar backends: .*guidance.*xgrammar"):
+    with pytest.raises(InvalidRequestError, match=r"registered grammar backends: .*guidance.*xgrammar"):
         llm_default.generate("x", SamplingParams(structured_outputs=SO(regex="a", backend="nope")), use_tqdm=False)
 
 

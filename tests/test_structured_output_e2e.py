@@ -8,17 +8,19 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
+from helpers.json_prefix import is_json_prefix
 from helpers.json_schemas import MAX_TOKENS, SCHEMAS
 from helpers.tiny_models import cached_tiny_model
 
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.engine.llm import LLM
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.sampling_params import StructuredOutputsParams as SO
+from pagedllm.engine.llm import LLM
 
 PROMPTS = ["Give me JSON:", "hello", "The answer is", "x y z"]
 SQL_GRAMMAR = r"""
@@ -63,7 +65,7 @@ def test_json_schemas_always_validate_greedy_and_seeded(llm: LLM) -> None:
             prompts.append(PROMPTS[index % len(PROMPTS)])
             params.append(_params(SO(json=schema, disable_any_whitespace=True), seed=seed))
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    for (name, seed), output in zip(names, outputs):
+    for (name, seed), output in zip(names, outputs, strict=True):
         completion = output.outputs[0]
         assert completion.finish_reason == "stop", (name, seed, completion.text)
         value = json.loads(completion.text)
@@ -75,15 +77,14 @@ def test_any_whitespace_json_is_valid(llm: LLM) -> None:
     # Free whitespace makes the language infinite: give it a closer look but a budget.
     outputs = llm.generate(PROMPTS[:2], [_params(SO(json=json.dumps(schema)))] * 2, use_tqdm=False)
     for output in outputs:
-        if output.outputs[0].finish_reason == "stop":
-            jsonschema.validate(json.loads(output.outputs[0].text), schema)
+        _assert_object_or_cut_object_prefix(output.outputs[0], schema)
 
 
 def test_regex_outputs_fully_match(llm: LLM) -> None:
     patterns = [r"[A-Z]{2}-[0-9]{3}", r"(yes|no), because [a-z]{1,8}\.", r"\d{1,3}(\.\d{1,3}){3}", r"[a-f0-9]{8}"]
     params = [_params(SO(regex=p), seed=seed) for p in patterns for seed in (None, 7)]
     outputs = llm.generate([PROMPTS[0]] * len(params), params, use_tqdm=False)
-    for param, output in zip(params, outputs):
+    for param, output in zip(params, outputs, strict=True):
         pattern = param.structured_outputs.regex
         assert re.fullmatch(pattern, output.outputs[0].text), (pattern, output.outputs[0].text)
         assert output.outputs[0].finish_reason == "stop"
@@ -111,8 +112,30 @@ def test_json_object_is_a_json_object(llm: LLM) -> None:
     outputs = llm.generate(PROMPTS[:2], [_params(SO(json_object=True, disable_any_whitespace=True), seed=3)] * 2,
                            use_tqdm=False)
     for output in outputs:
-        if output.outputs[0].finish_reason == "stop":
-            assert isinstance(json.loads(output.outputs[0].text), dict)
+        _assert_object_or_cut_object_prefix(output.outputs[0], None)
+
+
+def _assert_object_or_cut_object_prefix(completion: Any, schema: dict[str, Any] | None) -> None:
+    """An unbounded language may run out of tokens: then the text is still the
+    start of a JSON object and used the whole budget; otherwise it is a whole one."""
+    text = completion.text
+    assert completion.finish_reason in ("stop", "length"), completion.finish_reason
+    if completion.finish_reason == "length":
+        assert len(completion.token_ids) == MAX_TOKENS
+        assert text.lstrip().startswith("{") and is_json_prefix(text), text
+        return
+    value = json.loads(text)
+    assert isinstance(value, dict), text
+    if schema is not None:
+        jsonschema.validate(value, schema)
+
+
+def test_json_prefix_checker_accepts_prefixes_and_rejects_the_rest() -> None:
+    # The check above must be able to fail.
+    for prefix in ('{"a": [1, tr', '{"a": "x\\u00', ' {"a": -1.5e', '{"a": {}, "b"'):
+        assert is_json_prefix(prefix), prefix
+    for not_prefix in ('{"a"}', '{"a": 01', '[1,]', '{"a": 1}}', '{"a": "\\x'):
+        assert not is_json_prefix(not_prefix), not_prefix
 
 
 def test_unconstrained_requests_are_token_identical_in_a_mixed_batch(llm: LLM) -> None:
@@ -133,7 +156,7 @@ def test_invalid_schema_is_refused_before_scheduling(llm: LLM) -> None:
         llm.generate("x", _params(SO(json={"type": "frobnicate"})), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="'not' at #/properties/a"):
         llm.generate("x", _params(SO(json={"type": "object", "properties": {"a": {"not": {}}}})), use_tqdm=False)
-    with pytest.raises(InvalidRequestError, match="structured_outputs.grammar.*undefined_rule"):
+    with pytest.raises(InvalidRequestError, match=r"structured_outputs\.grammar.*undefined_rule"):
         llm.generate("x", _params(SO(grammar="root ::= undefined_rule")), use_tqdm=False)
     assert llm.generate("x", _params(SO(choice=["ok"])), use_tqdm=False)[0].outputs[0].text == "ok"
 
