@@ -33,13 +33,13 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.model_registry.layers.rotary import RotaryEmbedding, get_rope_parameters
 from pagedllm.model_registry.loader import ModelLoadError, default_weight_loader, iterate_safetensors
 from pagedllm.model_registry.models.llama import LlamaDecoderLayer, LlamaFlags, LlamaForCausalLM
-from pagedllm.spec_decode.draft_model import ModelDrafter, _load_draft_hf_config
-from pagedllm.spec_decode.interface import DrafterContext, DraftInputs, DraftOutput
-from pagedllm.spec_decode.utils import bind_kv_caches, build_attn_metadata
+from pagedllm.spec_decode.model_drafter import DraftStart, ModelDrafter, load_draft_hf_config
+from pagedllm.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend, AttentionMetadata
     from pagedllm.core.config import SpeculativeConfig
+    from pagedllm.spec_decode.interface import DrafterContext, DraftInputs, TargetStep
 
 # Checkpoint entries that belong to the target (the head shares them).
 _SHARED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
@@ -109,7 +109,7 @@ class EagleDrafter(ModelDrafter):
 
     def __init__(self, config: SpeculativeConfig, context: DrafterContext) -> None:
         super().__init__(config, context)
-        path, hf_config = _load_draft_hf_config(config, self.method)
+        path, hf_config = load_draft_hf_config(config, self.method)
         target = context.target_model
         embed = getattr(getattr(target, "model", None), "embed_tokens", None)
         if embed is None or not hasattr(target, "compute_logits"):
@@ -127,67 +127,36 @@ class EagleDrafter(ModelDrafter):
             self.head = EagleHead(hf_config, context.attn_backend, dtype=context.dtype)
         self.head.load_checkpoint(iterate_safetensors(path), path)
         self.head.eval()
-        self.kv_caches = bind_kv_caches(self.head, context)
+        self.kv_caches = self._allocate_kv_caches(self.head)
 
-    @torch.inference_mode()
-    def propose(self, inputs: DraftInputs) -> DraftOutput:
-        step = inputs.target_step
-        if step is None:
-            raise ValueError("the eagle drafter needs the target step")
+    def _catch_up(self, inputs: DraftInputs, step: TargetStep) -> DraftStart | None:
         device = self.context.device
-        block_size = self.context.block_size
         num_batch = len(step.req_ids)
-
-        # 1. Catch up over the target's kept rows, each with the token after it.
+        # The target's kept rows, each with the token after it.
         query_lens = np.diff(step.query_start_loc) - step.num_rejected
         kept = np.concatenate(
             [np.arange(step.query_start_loc[b], step.query_start_loc[b] + query_lens[b]) for b in range(num_batch)]
         ).astype(np.int64)
         kept_t = torch.from_numpy(kept).to(device)
-        out_start = np.zeros(num_batch + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=out_start[1:])
-        last_rows = out_start[1:] - 1  # [B] last kept row of each request, in the catch-up batch
+        last_rows = np.cumsum(query_lens) - 1  # [B] last kept row of each request, in the catch-up batch
         # Shift by one: row i reads the token of row i + 1; each request's last
         # row reads its next token.
         next_ids = torch.empty(len(kept), dtype=torch.long, device=device)
         next_ids[:-1] = step.input_ids[kept_t[1:]]
         next_ids[torch.from_numpy(last_rows).to(device)] = torch.from_numpy(step.next_token_ids).to(device)
-        positions = step.positions[kept]
-        attn_metadata = build_attn_metadata(
-            self.context.attn_backend, block_size, positions, query_lens, step.block_table, device
-        )
-        features = self.head(
-            self.embed_tokens(next_ids), step.hidden_states[kept_t], torch.from_numpy(positions).to(device),
-            attn_metadata,
-        )
+        batch = InputBatch.from_positions(step.positions[kept], query_lens, step.block_table, self.context.block_size)
+        features = self.head(self.embed_tokens(next_ids), step.hidden_states[kept_t], *self._to_device(batch))
         sampling_rows = inputs.batch_rows
         if not sampling_rows:
-            return DraftOutput([])
+            return None
+        # Draft j sits at position (last kept position) + 1 + j; the head reads it one position earlier.
+        feature = features[torch.from_numpy(last_rows[sampling_rows]).to(device)]
+        last_positions = batch.positions[last_rows[sampling_rows]]
+        return DraftStart(self.target.compute_logits(feature), feature, last_positions + 2, last_positions + 1)
 
-        # 2. Draft: draft j sits at position (last kept position) + 1 + j.
-        sampling = self._draft_sampling(inputs)
-        last = torch.from_numpy(last_rows[sampling_rows]).to(device)
-        feature = features[last]
-        last_positions = positions[last_rows[sampling_rows]]
-        num_drafts = self._num_drafts(last_positions + 2)
-        block_table = step.block_table[sampling_rows]
-        logits = self.target.compute_logits(feature)
-        draft_tokens: list[torch.Tensor] = []
-        draft_probs: list[torch.Tensor | None] = []
-        max_drafts = int(num_drafts.max()) if len(num_drafts) else 0
-        for j in range(max_drafts):
-            tokens, probs = self._sample_drafts(logits, sampling, j)
-            draft_tokens.append(tokens)
-            draft_probs.append(probs)
-            if j + 1 == max_drafts:
-                break
-            feed_positions = np.minimum(last_positions + 1 + j, self.context.max_model_len - 1)
-            attn_metadata = build_attn_metadata(
-                self.context.attn_backend, block_size, feed_positions,
-                np.ones(len(sampling_rows), dtype=np.int64), block_table, device,
-            )
-            feature = self.head(
-                self.embed_tokens(tokens), feature, torch.from_numpy(feed_positions).to(device), attn_metadata
-            )
-            logits = self.target.compute_logits(feature)
-        return self._to_output(draft_tokens, draft_probs, num_drafts)
+    def _draft_step(
+        self, tokens: torch.Tensor, hidden_states: torch.Tensor | None, batch: InputBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert hidden_states is not None  # NOTE: _catch_up always starts from the head's features
+        feature = self.head(self.embed_tokens(tokens), hidden_states, *self._to_device(batch))
+        return self.target.compute_logits(feature), feature

@@ -75,48 +75,67 @@ def rejection_sample(
     num_requests = len(layout.num_draft_tokens)
     device = target_logits.device
     max_k = layout.max_num_drafts
-    row_request, row_position = layout.row_request, layout.row_position
-    num_drafts = layout.num_draft_tokens
     # [B, K + 1]: drafts padded with 0 (the bonus column never compares).
     drafts = torch.zeros((num_requests, max_k + 1), dtype=torch.long, device=device)
     if max_k:
         drafts[:, :max_k] = draft_token_ids[:, :max_k].clamp(min=0)
-    row_draft = drafts[row_request, row_position]  # [R]
-    is_draft_row = row_position < num_drafts[row_request]  # [R]
+    row_draft = drafts[layout.row_request, layout.row_position]  # [R]
+    is_draft_row = layout.row_position < layout.num_draft_tokens[layout.row_request]  # [R]
 
     # Greedy: the target's argmax at every row is both verdict and recovery.
     target_argmax = target_logits.argmax(dim=-1)
-    row_greedy = is_greedy[row_request]
+    row_greedy = is_greedy[layout.row_request]
     accepted = row_draft == target_argmax
     recovered = target_argmax
-
     if target_probs is not None and not bool(row_greedy.all()):
         uniform, exponential = _random_draws(layout, target_probs.shape, generators, default_generator, device)
-        p_draft = target_probs.gather(1, row_draft.unsqueeze(1)).squeeze(1)
-        if draft_probs is None:
-            q_draft = torch.ones_like(p_draft)
-            residual = target_probs.scatter(1, row_draft.unsqueeze(1), 0.0)
-        else:
-            q_draft = draft_probs.gather(1, row_draft.unsqueeze(1)).squeeze(1)
-            residual = (target_probs - draft_probs).clamp_(min=0.0)
-        random_accepted = uniform * q_draft <= p_draft  # u <= p / q without dividing by 0
-        # Bonus rows sample p itself; a residual with no mass (p <= q
-        # everywhere, so a rejection had probability 0) falls back to p.
-        use_p = ~is_draft_row | (residual.sum(dim=-1) <= 0)
-        residual = torch.where(use_p.unsqueeze(1), target_probs, residual)
-        random_recovered = residual.div_(exponential).argmax(dim=-1)
+        random_accepted, random_recovered = _random_verdicts(
+            target_probs, draft_probs, row_draft, is_draft_row, uniform, exponential
+        )
         accepted = torch.where(row_greedy, accepted, random_accepted)
         recovered = torch.where(row_greedy, recovered, random_recovered)
+    return _emitted_tokens(layout, drafts, accepted & is_draft_row, recovered)
 
-    accepted &= is_draft_row
-    # Leading accepted drafts of each request: a_i.
-    accepted_grid = torch.zeros((num_requests, max_k + 1), dtype=torch.long, device=device)
+
+def _random_verdicts(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    row_draft: torch.Tensor,
+    is_draft_row: torch.Tensor,
+    uniform: torch.Tensor,
+    exponential: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (accept the draft: u <= p / q, the token emitted if not)."""
+    p_draft = target_probs.gather(1, row_draft.unsqueeze(1)).squeeze(1)
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+        residual = target_probs.scatter(1, row_draft.unsqueeze(1), 0.0)
+    else:
+        q_draft = draft_probs.gather(1, row_draft.unsqueeze(1)).squeeze(1)
+        residual = (target_probs - draft_probs).clamp_(min=0.0)
+    accepted = uniform * q_draft <= p_draft  # u <= p / q without dividing by 0
+    # Bonus rows sample p itself; a residual with no mass (p <= q
+    # everywhere, so a rejection had probability 0) falls back to p.
+    use_p = ~is_draft_row | (residual.sum(dim=-1) <= 0)
+    residual = torch.where(use_p.unsqueeze(1), target_probs, residual)
+    return accepted, residual.div_(exponential).argmax(dim=-1)
+
+
+def _emitted_tokens(
+    layout: DraftLayout, drafts: torch.Tensor, accepted: torch.Tensor, recovered: torch.Tensor
+) -> torch.Tensor:
+    """[B, K + 1]: each request's leading accepted drafts (a_i of them), then
+    the recovered (or bonus) token of row a_i, then placeholders."""
+    num_requests, width = drafts.shape
+    device = drafts.device
+    row_request, row_position = layout.row_request, layout.row_position
+    accepted_grid = torch.zeros((num_requests, width), dtype=torch.long, device=device)
     accepted_grid[row_request, row_position] = accepted.long()
     num_accepted = accepted_grid.cumprod(dim=1).sum(dim=1)  # [B]
-    recovered_grid = torch.zeros((num_requests, max_k + 1), dtype=torch.long, device=device)
+    recovered_grid = torch.zeros((num_requests, width), dtype=torch.long, device=device)
     recovered_grid[row_request, row_position] = recovered
 
-    columns = torch.arange(max_k + 1, device=device).unsqueeze(0)
+    columns = torch.arange(width, device=device).unsqueeze(0)
     a = num_accepted.unsqueeze(1)
     placeholder = torch.full_like(drafts, PLACEHOLDER_TOKEN_ID)
     return torch.where(columns < a, drafts, torch.where(columns == a, recovered_grid, placeholder))

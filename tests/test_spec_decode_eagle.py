@@ -16,7 +16,7 @@ from pagedllm.attention_backends.torch_native import TorchNativeBackend
 from pagedllm.model_registry.loader import ModelLoadError, iterate_safetensors, load_hf_config
 from pagedllm.spec_decode.eagle import EagleHead
 from pagedllm.spec_decode.train_eagle import TrainableEagleHead, save_random_eagle_head
-from pagedllm.spec_decode.utils import build_attn_metadata
+from pagedllm.worker.input_batch import InputBatch
 
 # The names of a real EAGLE-1 checkpoint (yuhuili/EAGLE-LLaMA3-Instruct-8B
 # layout; vLLM's llama_eagle.py loads the same): no input_layernorm, no norm.
@@ -84,8 +84,6 @@ def test_paged_head_matches_the_training_head(head_dir: Path) -> None:
     want = reference(embeds, hidden)[0]
     positions = np.arange(seq)
     block_table = np.array([[5, 2, 7]], dtype=np.int32)
-    metadata = build_attn_metadata(
-        TorchNativeBackend, block_size, positions, np.array([seq]), block_table, torch.device("cpu")
-    )
-    got = paged(embeds[0], hidden[0], torch.from_numpy(positions), metadata)
+    batch = InputBatch.from_positions(positions, np.array([seq]), block_table, block_size)
+    got = paged(embeds[0], hidden[0], *batch.to_device(TorchNativeBackend, block_size, torch.device("cpu")))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

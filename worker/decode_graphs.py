@@ -26,6 +26,7 @@ from pagedllm.attention_backends.base import AttentionMetadata
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
     from pagedllm.platforms.interface import Platform
+    from pagedllm.worker.input_batch import InputBatch
 
 
 def default_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -95,24 +96,25 @@ class DecodeGraphRunner:
             replay, output, pool = self.platform.capture_graph(run, pool)
             self.graphs[size] = (replay, output)
 
-    def can_run(self, metadata: AttentionMetadata) -> bool:
+    def can_run(self, batch: InputBatch) -> bool:
+        """A uniform decode batch (one token per request) of a captured size."""
         return (
-            metadata.max_query_len == 1
-            and metadata.num_actual_tokens == metadata.num_reqs
-            and metadata.num_reqs <= self.sizes[-1]
-            and metadata.block_table.shape[1] <= self.max_blocks_per_req
+            batch.num_tokens == batch.num_reqs
+            and batch.num_reqs <= self.sizes[-1]
+            and batch.block_table.shape[1] <= self.max_blocks_per_req
         )
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, batch: InputBatch) -> torch.Tensor:
         """Hidden states [n, hidden] of a uniform decode step of n requests."""
-        n = metadata.num_reqs
+        n = batch.num_reqs
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        width = metadata.block_table.shape[1]
+        width = batch.block_table.shape[1]
+        # The step's host arrays go straight into the persistent buffers.
         self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(metadata.slot_mapping[:n])
-        self.seq_lens[:n].copy_(metadata.seq_lens[:n])
-        self.block_table[:n, :width].copy_(metadata.block_table)
+        self.positions[:n].copy_(torch.from_numpy(batch.positions))
+        self.slot_mapping[:n].copy_(torch.from_numpy(batch.slot_mapping))
+        self.seq_lens[:n].copy_(torch.from_numpy(batch.seq_lens))
+        self.block_table[:n, :width].copy_(torch.from_numpy(batch.block_table))
         self.block_table[:n, width:].zero_()
         # Padding rows: one-token requests that write nothing.
         self.input_ids[n:size].zero_()

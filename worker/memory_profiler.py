@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from pagedllm.attention_backends.base import AttentionMetadata
+from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.kv_cache import allocate_kv_caches, unbind_kv_caches
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
@@ -34,32 +36,18 @@ def profile_run(
     """Prefill `num_tokens` tokens of one request, then compute logits for
     `num_logit_rows` rows (the sampler's largest batch)."""
     num_blocks = -(-num_tokens // block_size)
-    shape = attn_backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-    layers = model.get_attention_layers()
-    for layer in layers:
-        layer.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+    allocate_kv_caches(
+        model, attn_backend, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
+        head_size=head_size, dtype=dtype, device=device,
+    )
     try:
-        query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32)
-        seq_lens = torch.tensor([num_tokens], dtype=torch.int32)
-        common = AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            num_reqs=1,
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
-            query_start_loc=query_start_loc.to(device),
-            seq_lens=seq_lens.to(device),
-            block_table=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
-            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
+        batch = InputBatch.from_computed(
+            np.zeros(1, dtype=np.int64), np.array([num_tokens], dtype=np.int64),
+            np.arange(num_blocks, dtype=np.int32)[None, :], block_size,
         )
-        hidden_states = model(
-            torch.zeros(num_tokens, dtype=torch.long, device=device),
-            torch.arange(num_tokens, device=device),
-            attn_backend.build_metadata(common, block_size),
-        )
+        positions, attn_metadata = batch.to_device(attn_backend, block_size, device)
+        hidden_states = model(torch.zeros(num_tokens, dtype=torch.long, device=device), positions, attn_metadata)
         rows = torch.arange(min(num_logit_rows, num_tokens), device=device)
         model.compute_logits(hidden_states[rows]).float().softmax(dim=-1)
     finally:
-        for layer in layers:
-            layer.kv_cache = None
+        unbind_kv_caches(model)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.sampling_params import SamplingParams, SamplingType
+from pagedllm.core.scheduler_output import LogprobEntry
 from pagedllm.structured_output.bitmask import apply_token_bitmask_inplace
 
 # Exponential draws are clamped here so probs / q is never 0/0 (NaN would win argmax).
@@ -30,6 +31,21 @@ class LogprobsTensors(NamedTuple):
 
     def tolists(self) -> tuple[list[list[int]], list[list[float]], list[int]]:
         return (self.logprob_token_ids.tolist(), self.logprobs.tolist(), self.selected_token_ranks.tolist())
+
+
+class SampledTokens(NamedTuple):
+    """What a step emits per sampling request (one token, or accepted drafts
+    plus one), with one logprobs entry per token when the batch asked (the
+    batch's largest top-n: trim per request)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[LogprobEntry]] | None
+
+
+def to_logprob_entries(tensors: LogprobsTensors) -> list[LogprobEntry]:
+    """One entry per row of `tensors`."""
+    token_ids, logprobs, ranks = tensors.tolists()
+    return [LogprobEntry(t, l, r) for t, l, r in zip(token_ids, logprobs, ranks)]
 
 
 @dataclass

@@ -1,0 +1,212 @@
+"""The skeleton shared by the drafters that run a model over the target's tokens
+(draft_model.py, eagle.py).
+
+Such a drafter has its own paged KV cache with the target's geometry and is
+addressed by the target's block tables, so prefix-cache hits, preemption and
+freed blocks need no bookkeeping of its own: every position the target
+computes, the drafter computes too, in the same step.
+
+Each step (`propose`):
+1. catch up (`_catch_up`, per drafter): run the model over the target's kept
+   rows of this step; its logits at each sampling request's end give draft 1;
+2. k - 1 single-token steps (`_draft_step`, per drafter) feed draft j for
+   draft j + 1.
+Greedy requests draft the argmax (q one-hot); random requests sample from the
+draft distribution at their temperature and report it as q (a seeded
+request from its own generator: see `DraftSampling`).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+from pagedllm.core.errors import ConfigError
+from pagedllm.spec_decode.interface import Drafter, DrafterContext, DraftInputs, DraftOutput, TargetStep
+from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.kv_cache import allocate_kv_caches
+
+if TYPE_CHECKING:
+    from pagedllm.attention_backends.base import AttentionMetadata
+    from pagedllm.core.config import SpeculativeConfig
+
+
+def load_draft_hf_config(config: SpeculativeConfig, method: str) -> tuple[str, Any]:
+    """(folder, Hugging Face config) of `speculative.model`."""
+    from pagedllm.model_registry.loader import load_hf_config
+
+    if config.model is None:
+        raise ConfigError(
+            "speculative.model", None, f"a model folder or shipped alias (e.g. tiny-draft) for method {method!r}"
+        )
+    # The builder resolved a model source's name (tiny-draft) to its folder.
+    return config.model, load_hf_config(config.model)
+
+
+@dataclass
+class DraftSampling:
+    """How each request of a propose call draws its drafts."""
+
+    temperatures: torch.Tensor  # [N] float32 (1.0 on greedy rows)
+    is_greedy: torch.Tensor  # [N] bool
+    all_greedy: bool
+    # A seeded random request's (seed, number of known tokens): its drafts
+    # come from a generator seeded by these and the draft's index alone, so
+    # they do not depend on the batch it runs in, nor on preemption.
+    seeds: list[tuple[int, int] | None]
+
+
+@dataclass
+class DraftStart:
+    """Where drafting starts for the sampling requests, after the catch-up."""
+
+    logits: torch.Tensor  # [N, V] the distribution of draft 1
+    # What `_draft_step` feeds back besides the token (EAGLE's features); None for a plain model.
+    hidden_states: torch.Tensor | None
+    next_positions: np.ndarray  # [N] the position of draft 1 in the target's sequence
+    feed_positions: np.ndarray  # [N] the drafter's position when it is fed draft 1
+
+
+def draft_seed(seed: int, num_tokens: int, draft_index: int) -> int:
+    """The generator seed of draft `draft_index` of a seeded request that
+    knows `num_tokens` tokens (a 64-bit mix; distinct for nearby inputs)."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + (num_tokens + draft_index) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    return (mixed ^ (mixed >> 31)) % (1 << 63)
+
+
+def _kv_bytes_per_block(hf_config: Any, num_layers: int, block_size: int, dtype: torch.dtype) -> int:
+    num_heads = hf_config.num_attention_heads
+    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    return 2 * num_layers * block_size * num_kv_heads * head_size * dtype.itemsize
+
+
+class ModelDrafter(Drafter):
+    needs_lookahead_slots: ClassVar[bool] = True
+    # The speculative.method name, for errors about speculative.model.
+    method: ClassVar[str]
+
+    @classmethod
+    def kv_cache_bytes_per_block(cls, config: SpeculativeConfig, block_size: int, dtype: torch.dtype) -> int:
+        _, hf_config = load_draft_hf_config(config, cls.method)
+        return _kv_bytes_per_block(hf_config, hf_config.num_hidden_layers, block_size, dtype)
+
+    def __init__(self, config: SpeculativeConfig, context: DrafterContext) -> None:
+        super().__init__(config, context)
+        # Unseeded random requests draw their drafts from this.
+        self.generator = torch.Generator(device=context.device)
+        self.generator.manual_seed(0)
+
+    @abstractmethod
+    def _catch_up(self, inputs: DraftInputs, step: TargetStep) -> DraftStart | None:
+        """Mirror the target's kept rows of this step into the drafter's KV
+        cache; None when no request sampled (nothing to draft)."""
+
+    @abstractmethod
+    def _draft_step(
+        self, tokens: torch.Tensor, hidden_states: torch.Tensor | None, batch: InputBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed one draft per request: (logits of the next draft, what the next step feeds back)."""
+
+    def _allocate_kv_caches(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        """The drafter's own KV cache, with the target's block geometry: the
+        same block ids address both."""
+        layer = model.get_attention_layers()[0]  # type: ignore[operator]
+        context = self.context
+        return allocate_kv_caches(
+            model, context.attn_backend, num_blocks=context.num_blocks, block_size=context.block_size,
+            num_kv_heads=layer.num_kv_heads, head_size=layer.head_size, dtype=context.dtype, device=context.device,
+        )
+
+    def _to_device(self, batch: InputBatch) -> tuple[torch.Tensor, AttentionMetadata]:
+        return batch.to_device(self.context.attn_backend, self.context.block_size, self.context.device)
+
+    @torch.inference_mode()
+    def propose(self, inputs: DraftInputs) -> DraftOutput:
+        if inputs.target_step is None:
+            raise ValueError(f"the {self.method} drafter needs the target step")
+        start = self._catch_up(inputs, inputs.target_step)
+        if start is None:
+            return DraftOutput([])
+        sampling = self._draft_sampling(inputs)
+        num_drafts = self._num_drafts(start.next_positions)
+        max_drafts = int(num_drafts.max()) if len(num_drafts) else 0
+        block_table = inputs.target_step.block_table[inputs.batch_rows]
+        single_rows = np.ones(len(inputs.batch_rows), dtype=np.int64)
+        logits, hidden_states = start.logits, start.hidden_states
+        draft_tokens: list[torch.Tensor] = []
+        draft_probs: list[torch.Tensor | None] = []
+        for j in range(max_drafts):
+            tokens, probs = self._sample_drafts(logits, sampling, j)
+            draft_tokens.append(tokens)
+            draft_probs.append(probs)
+            if j + 1 == max_drafts:
+                break
+            # Feed draft j + 1 (clamped where a request stops early; its extra drafts are cut by num_drafts).
+            feed_positions = np.minimum(start.feed_positions + j, self.context.max_model_len - 1)
+            batch = InputBatch.from_positions(feed_positions, single_rows, block_table, self.context.block_size)
+            logits, hidden_states = self._draft_step(tokens, hidden_states, batch)
+        return self._to_output(draft_tokens, draft_probs, num_drafts)
+
+    def _sample_drafts(
+        self, logits: torch.Tensor, sampling: DraftSampling, draft_index: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [N] and, when some row is random, q [N, V] (one-hot on greedy rows)."""
+        logits = logits.float()
+        greedy_tokens = logits.argmax(dim=-1)
+        if sampling.all_greedy:
+            return greedy_tokens, None
+        probs = (logits / sampling.temperatures.unsqueeze(1)).softmax(dim=-1)
+        exponential = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seed in enumerate(sampling.seeds):
+            if seed is not None:
+                generator = torch.Generator(device=probs.device).manual_seed(draft_seed(*seed, draft_index))
+                exponential[row].exponential_(generator=generator)
+        sampled = probs.div(exponential.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+        is_greedy = sampling.is_greedy
+        tokens = torch.where(is_greedy, greedy_tokens, sampled)
+        one_hot = torch.zeros_like(probs).scatter_(1, tokens.unsqueeze(1), 1.0)
+        return tokens, torch.where(is_greedy.unsqueeze(1), one_hot, probs)
+
+    def _num_drafts(self, next_positions: np.ndarray) -> np.ndarray:
+        """Drafts per request: k, fewer near max_model_len (draft j sits at
+        position next_position + j - 1, which must stay below it)."""
+        room = self.context.max_model_len - next_positions
+        return np.clip(room, 0, self.num_speculative_tokens)
+
+    def _draft_sampling(self, inputs: DraftInputs) -> DraftSampling:
+        device = self.context.device
+        is_greedy = [p.temperature < 1e-5 for p in inputs.sampling_params]
+        temperatures = [1.0 if g else p.temperature for p, g in zip(inputs.sampling_params, is_greedy)]
+        seeds = [
+            None if greedy or params.seed is None else (params.seed, len(tokens))
+            for params, greedy, tokens in zip(inputs.sampling_params, is_greedy, inputs.token_ids)
+        ]
+        return DraftSampling(
+            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
+            is_greedy=torch.tensor(is_greedy, dtype=torch.bool, device=device),
+            all_greedy=all(is_greedy),
+            seeds=seeds,
+        )
+
+    @staticmethod
+    def _to_output(
+        draft_tokens: list[torch.Tensor], draft_probs: list[torch.Tensor | None], num_drafts: np.ndarray
+    ) -> DraftOutput:
+        """Per-step tensors [N] (all requests drafted at step j) -> per request lists."""
+        num_requests = len(num_drafts)
+        if not draft_tokens:
+            return DraftOutput([[] for _ in range(num_requests)])
+        tokens = torch.stack(draft_tokens, dim=1).tolist()  # [N, k]
+        out_tokens = [tokens[i][: int(num_drafts[i])] for i in range(num_requests)]
+        if all(p is None for p in draft_probs):
+            return DraftOutput(out_tokens)
+        vocab_size = next(p for p in draft_probs if p is not None).shape[-1]
+        stacked = torch.stack(
+            [p if p is not None else torch.zeros(num_requests, vocab_size) for p in draft_probs], dim=1
+        )  # [N, k, V]
+        return DraftOutput(out_tokens, [stacked[i, : int(num_drafts[i])] for i in range(num_requests)])

@@ -1,0 +1,142 @@
+"""One flattened forward batch, described once on the host.
+
+Every forward over the paged KV cache -- the target's step, a model drafter's
+catch-up and draft steps, the profile run, a replayed decode graph -- is the
+same kind of batch: B requests, request r owning the rows
+``query_start_loc[r]:query_start_loc[r + 1]`` at consecutive positions that end
+at its context length ``seq_lens[r]``, each row writing its KV at
+``slot_mapping`` through the request's block table. `InputBatch` holds those
+numpy arrays and is the one place that turns them into device tensors and
+`AttentionMetadata`.
+
+`CachedRequestState` is the runner's copy of one request across steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedllm.attention_backends.base import AttentionMetadata
+
+if TYPE_CHECKING:
+    from pagedllm.attention_backends.base import AttentionBackend
+    from pagedllm.core.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """The runner's copy of a request; it appends the tokens it samples."""
+
+    req_id: str
+    num_prompt_tokens: int
+    token_ids: list[int]  # prompt + output
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    # The drafter's q for the drafts it last proposed ([n, V]); None: one-hot.
+    draft_probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class InputBatch:
+    query_start_loc: np.ndarray  # [B + 1] int64
+    seq_lens: np.ndarray  # [B] int64: context length after this forward
+    positions: np.ndarray  # [T] int64
+    block_table: np.ndarray  # [B, max_num_blocks] int32
+    slot_mapping: np.ndarray  # [T] int64: block_id * block_size + offset
+
+    @classmethod
+    def from_positions(
+        cls, positions: np.ndarray, query_lens: np.ndarray, block_table: np.ndarray, block_size: int
+    ) -> InputBatch:
+        """Request r has query_lens[r] >= 1 rows, in order, at consecutive
+        positions ending at its context length."""
+        num_reqs = len(query_lens)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        req_index = np.repeat(np.arange(num_reqs), query_lens)
+        slot_mapping = (
+            block_table[req_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        )
+        return cls(
+            query_start_loc=query_start_loc,
+            seq_lens=positions[query_start_loc[1:] - 1] + 1,
+            positions=positions,
+            block_table=np.ascontiguousarray(block_table),
+            slot_mapping=slot_mapping,
+        )
+
+    @classmethod
+    def from_computed(
+        cls,
+        num_computed_tokens: np.ndarray,
+        num_scheduled_tokens: np.ndarray,
+        block_table: np.ndarray,
+        block_size: int,
+    ) -> InputBatch:
+        """Request r computes num_scheduled_tokens[r] tokens after its first
+        num_computed_tokens[r] (the scheduler's view of a step)."""
+        num_reqs = len(num_scheduled_tokens)
+        req_index = np.repeat(np.arange(num_reqs), num_scheduled_tokens)
+        first_row = np.cumsum(num_scheduled_tokens) - num_scheduled_tokens
+        # positions[t] = num_computed[r] + (t - first row of r) for token t of request r
+        positions = num_computed_tokens[req_index] + np.arange(len(req_index)) - first_row[req_index]
+        return cls.from_positions(positions.astype(np.int64), num_scheduled_tokens, block_table, block_size)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def query_lens(self) -> np.ndarray:  # [B] int64
+        return np.diff(self.query_start_loc)
+
+    @property
+    def num_computed_tokens(self) -> np.ndarray:  # [B] int64: context before this forward
+        return self.seq_lens - self.query_lens
+
+    def attn_metadata(self, device: torch.device) -> AttentionMetadata:
+        """The backend-independent metadata, device tensors on `device`."""
+        query_start_loc_cpu = torch.from_numpy(self.query_start_loc.astype(np.int32))
+        seq_lens_cpu = torch.from_numpy(self.seq_lens.astype(np.int32))
+        return AttentionMetadata(
+            num_actual_tokens=self.num_tokens,
+            num_reqs=self.num_reqs,
+            max_query_len=int(self.query_lens.max()),
+            max_seq_len=int(self.seq_lens.max()),
+            query_start_loc=query_start_loc_cpu.to(device),
+            seq_lens=seq_lens_cpu.to(device),
+            block_table=torch.from_numpy(self.block_table).to(device),
+            slot_mapping=torch.from_numpy(self.slot_mapping).to(device),
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+
+    def to_device(
+        self, attn_backend: type[AttentionBackend], block_size: int, device: torch.device
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """(positions [T] long, the backend's metadata): what a model's forward
+        takes besides its input ids."""
+        positions = torch.from_numpy(self.positions).to(device)
+        # Backend-specific per-batch work, once for all layers.
+        return positions, attn_backend.build_metadata(self.attn_metadata(device), block_size)
+
+
+def block_table_from_ids(block_ids: Sequence[Sequence[int]]) -> np.ndarray:
+    """[B, longest] int32 block table, each request's ids then zeros."""
+    block_table = np.zeros((len(block_ids), max(len(ids) for ids in block_ids)), dtype=np.int32)
+    for row, ids in enumerate(block_ids):
+        block_table[row, : len(ids)] = ids
+    return block_table
