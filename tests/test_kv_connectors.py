@@ -178,7 +178,7 @@ def test_a_bad_stored_block_fails_only_its_request_under_fail(tmp_path: Path, ho
 def test_a_missing_directory_setting_is_a_config_error() -> None:
     from pagedllm.core.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="kv_transfer.extra.path"):
+    with pytest.raises(ConfigError, match=r"kv_transfer\.extra\.path"):
         LLM(**COMMON, num_kv_blocks=16, kv_transfer_config={"connector": "shared_storage"})
 
 
@@ -187,7 +187,7 @@ def test_unknown_connector_and_unsupported_role_are_config_errors(tmp_path: Path
 
     with pytest.raises(UnknownComponentError, match="shared_storage"):
         LLM(**COMMON, num_kv_blocks=16, kv_transfer_config={"connector": "nope"})
-    with pytest.raises(ConfigError, match="kv_transfer.role"):
+    with pytest.raises(ConfigError, match=r"kv_transfer\.role"):
         LLM(**COMMON, num_kv_blocks=16, kv_transfer_config={"connector": "cpu_offload", "role": "producer"})
 
 
@@ -275,10 +275,13 @@ def test_kv_transfer_config_from_a_file_and_from_flags(tmp_path: Path) -> None:
     from pagedllm.entrypoints.config_flags import engine_config_overrides
 
     config_file = tmp_path / "engine.yaml"
-    config_file.write_text(f"kv_transfer:\n  connector: shared_storage\n  role: consumer\n  extra:\n    path: {tmp_path}\n")
+    config_file.write_text(
+        f"kv_transfer:\n  connector: shared_storage\n  role: consumer\n  extra:\n    path: {tmp_path}\n"
+    )
     config = EngineConfig.from_flat(config_file=str(config_file))
     assert (config.kv_transfer.connector, config.kv_transfer.role) == ("shared_storage", "consumer")
-    assert config.kv_transfer.extra == {"path": str(tmp_path)} and config.kv_transfer.load_failure_policy == "recompute"
+    assert config.kv_transfer.extra == {"path": str(tmp_path)}
+    assert config.kv_transfer.load_failure_policy == "recompute"
     args = build_parser().parse_args(
         ["serve", "--kv-connector", "cpu_offload", "--kv-connector-extra-config", '{"cpu_bytes": 1024}',
          "--load-failure-policy", "fail"]
@@ -288,7 +291,7 @@ def test_kv_transfer_config_from_a_file_and_from_flags(tmp_path: Path) -> None:
                                         "load_failure_policy": "fail"}
     from pagedllm.core.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="kv_transfer.load_failure_policy"):
+    with pytest.raises(ConfigError, match=r"kv_transfer\.load_failure_policy"):
         EngineConfig.from_flat(kv_transfer_config={"connector": "x", "load_failure_policy": "retry"})
 
 
