@@ -71,31 +71,27 @@ def cmd_plugins_list(args: argparse.Namespace) -> int:
                 "api": f"{API_VERSION} (core)" if is_builtin else pm.api_compatibility(plugin.name).label,
             }
         )
-    payload = {
-        "api_version": API_VERSION,
-        "plugins": plugins,
-        "components": components,
-        "load_errors": [
-            {"plugin": e.plugin, "distribution": e.distribution, "error": e.error, "api_range": e.api_range}
-            for e in pm.load_errors
-        ],
-    }
+    load_errors = [
+        {"plugin": e.plugin, "distribution": e.distribution, "error": e.error, "api_range": e.api_range}
+        for e in pm.load_errors
+    ]
+    payload = {"api_version": API_VERSION, "plugins": plugins, "components": components, "load_errors": load_errors}
     if args.json:
         _print_json(payload)
         return 0
     print(f"pagedllm plugin API {API_VERSION}")
     print("plugins:")
     print(f"  {'NAME':<28} {'SOURCE':<36} API")
-    for plugin in plugins:
-        print(f"  {plugin['name']:<28} {plugin['source']:<36} {plugin['api']}")
+    for row in plugins:
+        print(f"  {row['name']:<28} {row['source']:<36} {row['api']}")
     for kind, regs in components.items():
         print(f"{kind}:")
         if not regs:
             print("  (none)")
         for reg in regs:
             print(f"  {reg['name']:<28} {reg['source']:<36} {reg['target']}")
-    print("load errors:" if payload["load_errors"] else "load errors: none")
-    for err in payload["load_errors"]:
+    print("load errors:" if load_errors else "load errors: none")
+    for err in load_errors:
         print(f"  {err['plugin']} ({err['distribution']}): {err['error']}")
     return 0
 

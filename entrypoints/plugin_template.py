@@ -197,9 +197,11 @@ def register_models(register: RegisterFn) -> None:
 
 MODEL_IMPL = '''\
 """__CAMEL__ForCausalLM. Starts as pagedllm's built-in Llama under a new
-architecture name: change the modules (see pagedllm/model_registry/models/llama.py
-for the contract: ``__init__(hf_config, attn_backend, dtype)``, ``forward``,
-``compute_logits``, ``load_weights``, ``get_attention_layers``)."""
+architecture name: change the modules. The contract is
+pagedllm.model_registry.interface.ModelForCausalLM (built as
+``__init__(hf_config, attn_backend, dtype)``; ``forward``, ``compute_logits``,
+``load_weights``, ``get_attention_layers``); Llama implements it, see
+pagedllm/model_registry/models/llama.py."""
 
 from __future__ import annotations
 
@@ -273,7 +275,7 @@ def test_greedy_tokens_equal_transformers(tmp_path: Path) -> None:
 
     path = save_checkpoint(tmp_path)
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=32)
-    assert type(llm.engine_core.engine_core.model_runner.model) is __CAMEL__ForCausalLM
+    assert type(llm.engine_core.engine_core.model_executor.model) is __CAMEL__ForCausalLM
     prompt = "def main():"
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     output = llm.generate([prompt], params, use_tqdm=False)[0]

@@ -23,10 +23,22 @@ hook receives a ``register`` function and calls it once per component::
   unique within its kind across every plugin, a collision is an error.
 - ``target``: ``"package.module:Attr"`` (imported lazily, on first use) or a
   callable. A class is used as is; any other callable is a zero-argument
-  factory called once, on first use, whose result is cached.
-- ``metadata``: facts the core needs *before* importing the target, e.g. an
-  attention backend's capabilities (see plugins/builtin.py for the keys the
-  selector reads).
+  factory called once, on first use, that returns the class. Either way the
+  class must subclass the kind's interface (named in each hook below); that
+  is checked once, on first load, and a PluginError names the plugin, the
+  target and the interface.
+- ``metadata``: facts the engine needs *before* importing the target. Each
+  kind accepts a fixed set of keywords, built into a frozen dataclass when
+  ``register`` is called (``Registration.info``; ``Registration.metadata``
+  keeps the keywords as given). An unknown or misspelt key, or a value of the
+  wrong type, leaves that one registration out and is reported like a plugin
+  that failed to load (``pagedllm plugins list``, the log; an error with
+  ``plugins.strict``).
+
+Each kind is a :class:`pagedllm.plugins.kinds.PluginKind`; its registry is
+``get_plugin_manager().registry(kind)``, or typed: ``.platforms``,
+``.attention_backends``, ``.models``, ``.drafters``, ``.grammar_backends``,
+``.kv_connectors``.
 
 None of these hooks is ``firstresult``: every plugin gets called, and the
 return value is ignored.
@@ -68,14 +80,16 @@ class RegisterFn(Protocol):
 def register_platforms(register: RegisterFn) -> None:
     """Register device platforms (kind ``platform``).
 
-    :param register: call ``register(name, "pkg.mod:PlatformCls", **metadata)``
+    :param register: call ``register(name, "pkg.mod:PlatformCls", device_type=...)``
         once per platform; the target must be a subclass of
-        :class:`pagedllm.platforms.interface.Platform`.
+        :class:`pagedllm.platforms.interface.Platform`, built with no
+        arguments. Metadata (:class:`pagedllm.plugins.metadata.PlatformInfo`):
+        ``device_type`` ("cpu", "cuda", ...), informational.
     :return: nothing; the return value is ignored.
 
     Called lazily the first time the platform registry is needed (engine
-    start-up, ``pagedllm env``, ``pagedllm plugins list``), and again after
-    plugins are registered or unregistered. ``device.platform="name"`` selects
+    build in engine/builder.py, ``pagedllm env``, ``pagedllm plugins list``),
+    and again after plugins are registered or unregistered. ``device.platform="name"`` selects
     a platform. ``"auto"`` asks every plugin platform's ``is_available()``:
     exactly one available plugin platform wins over the built-ins, two is a
     ConfigError naming both; with none, cuda when available, else cpu. So an
@@ -91,18 +105,22 @@ def register_attention_backends(register: RegisterFn) -> None:
     :param register: call ``register(name, "pkg.mod:BackendCls", **metadata)``;
         the target must be a subclass of
         :class:`pagedllm.attention_backends.base.AttentionBackend`. The
-        metadata is what the selector checks *without importing the backend*:
-        ``device_types`` (list of "cpu"/"cuda"), ``min_capability`` /
-        ``max_capability`` (``(major, minor)``), ``dtypes`` (names such as
-        "float16"), ``head_sizes`` (explicit list) or ``head_size_multiple``
-        plus ``max_head_size``, ``block_size_multiple``, ``requires`` (import
-        names of packages that must be installed), ``supports_sliding_window``.
-        A missing key means "no restriction", except
-        ``supports_sliding_window`` which defaults to False.
+        metadata builds an
+        :class:`~pagedllm.attention_backends.base.AttentionCapabilities`, what
+        the selector (attention_backends/selector.py) checks *without
+        importing the backend*: ``device_types`` (list of "cpu"/"cuda"),
+        ``min_capability`` / ``max_capability`` (``(major, minor)``),
+        ``dtypes`` (names such as "float16"), ``head_sizes`` (explicit list)
+        or ``head_size_multiple`` plus ``max_head_size``,
+        ``block_size_multiple``, ``requires`` (import names of packages that
+        must be installed), ``supports_sliding_window``. A missing key means
+        "no restriction", except ``supports_sliding_window`` which defaults to
+        False; any other key is refused.
     :return: nothing; the return value is ignored.
 
     Called lazily when the attention-backend registry is first needed
-    (backend selection at engine start, ``pagedllm env``).
+    (backend selection when the engine is built, ``pagedllm env``,
+    ``pagedllm plugins list``).
     """
 
 
@@ -112,13 +130,20 @@ def register_models(register: RegisterFn) -> None:
 
     :param register: call ``register(architecture, "pkg.mod:ModelCls")`` where
         ``architecture`` is the name found in a Hugging Face ``config.json``
-        ``architectures`` list (e.g. ``"LlamaForCausalLM"``). The class is
-        built as ``ModelCls(hf_config, attn_backend, dtype)`` and implements
-        ``forward``, ``compute_logits``, ``load_weights`` and
-        ``get_attention_layers``.
+        ``architectures`` list (e.g. ``"LlamaForCausalLM"``), or that
+        ``model.architecture`` names. No metadata keywords. The class
+        implements :class:`pagedllm.model_registry.interface.ModelForCausalLM`
+        (``forward``, ``compute_logits``, ``load_weights``,
+        ``get_attention_layers``; optionally ``packed_modules_mapping`` and
+        ``is_ignored_weight``), by subclassing it or, as plugin API 1.0
+        models do, by being an ``nn.Module`` that defines the four methods.
+        It is built as ``ModelCls(hf_config, attn_backend, dtype=dtype)``
+        on the target device (model_registry/loader.py ``load_model``).
     :return: nothing; the return value is ignored.
 
-    Called lazily when the model registry is first needed (model loading).
+    Called lazily when the model registry is first needed: building the
+    engine (the target model) and the ``draft_model`` drafter (its draft
+    model).
     """
 
 
@@ -130,12 +155,14 @@ def register_drafters(register: RegisterFn) -> None:
         ``method`` is what ``speculative.method`` selects (e.g. ``"ngram"``).
         The target must be a subclass of
         :class:`pagedllm.spec_decode.interface.Drafter`, built as
-        ``DrafterCls(speculative_config, drafter_context)``. Informational
-        metadata: ``needs_model`` (whether ``speculative.model`` is required).
+        ``DrafterCls(speculative_config, drafter_context)`` (the config's
+        ``model`` resolved to a folder). Metadata
+        (:class:`pagedllm.plugins.metadata.DrafterInfo`): ``needs_model``
+        (bool, whether ``speculative.model`` is required), informational.
     :return: nothing; the return value is ignored.
 
-    Called lazily when the drafter registry is first needed (engine start
-    with ``speculative.method`` set). Built-ins: ``ngram``, ``draft_model``,
+    Called lazily when the drafter registry is first needed (building an
+    engine with ``speculative.method`` set, ``pagedllm plugins list``). Built-ins: ``ngram``, ``draft_model``,
     ``eagle``.
     """
 
@@ -148,14 +175,18 @@ def register_grammar_backends(register: RegisterFn) -> None:
         the target must be a subclass of
         :class:`pagedllm.structured_output.interface.GrammarBackend`.
         ``name`` is what ``structured_output.backend`` (engine default) or a
-        request's ``structured_outputs.backend`` selects. Informational
-        metadata: ``kinds`` (spec kinds it compiles), ``requires`` (import
-        names of the packages it needs).
+        request's ``structured_outputs.backend`` selects; built as
+        ``GrammarBackendCls(tokenizer, vocab_size, eos_token_id, config)``.
+        Metadata (:class:`pagedllm.plugins.metadata.GrammarBackendInfo`),
+        informational: ``kinds`` (spec kinds it compiles; the class's
+        ``supported_kinds`` is what is checked), ``requires`` (import names
+        of the packages it needs).
     :return: nothing; the return value is ignored.
 
     Called lazily when the grammar-backend registry is first needed: the first
     request with structured output, in the API process (validation before
-    scheduling) and in the engine core (compilation). Built-in: ``xgrammar``.
+    scheduling, structured_output/manager.py) and in the engine core
+    (compilation). Built-in: ``xgrammar``.
     """
 
 
@@ -163,12 +194,18 @@ def register_grammar_backends(register: RegisterFn) -> None:
 def register_kv_connectors(register: RegisterFn) -> None:
     """Register KV-cache transfer connectors (kind ``kv_connector``).
 
-    :param register: call ``register(name, "pkg.mod:ConnectorCls", **metadata)``;
-        ``name`` is what ``kv_transfer.connector`` selects.
+    :param register: call ``register(name, "pkg.mod:ConnectorCls", roles=[...])``;
+        ``name`` is what ``kv_transfer.connector`` selects. The target must
+        be a subclass of :class:`pagedllm.kv_connectors.base.KVConnectorBase`,
+        built as ``ConnectorCls(kv_transfer_config, kv_connector_context)``.
+        Metadata (:class:`pagedllm.plugins.metadata.KVConnectorInfo`):
+        ``roles``, the ``kv_transfer.role`` values it supports (another role
+        is a ConfigError when the engine is built); absent = every role.
     :return: nothing; the return value is ignored.
 
-    Called lazily when the KV-connector registry is first needed (engine
-    start with a connector configured). No built-in connector yet.
+    Called lazily when the KV-connector registry is first needed (building an
+    engine with ``kv_transfer.connector`` set, ``pagedllm plugins list``).
+    Built-ins: ``shared_storage``, ``cpu_offload``.
     """
 
 
@@ -200,7 +237,8 @@ def on_engine_start(config: EngineConfig) -> None:
         (read it; do not mutate it).
     :return: nothing; the return value is ignored.
 
-    Called once per ``EngineCore``, in the process that runs it, after the
-    model, KV cache and scheduler exist and before the first step. Use it for
+    Called once per ``EngineCore``, in the process that runs it, by
+    engine/builder.py once the model, KV cache and scheduler exist and
+    before the first step. Use it for
     logging, metrics exporters or warm-up; an exception here aborts start-up.
     """

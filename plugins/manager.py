@@ -340,8 +340,11 @@ class PluginManager:
                     f"{source} registered {kind} {name!r} with target {target!r}; "
                     "expected 'package.module:Attr' or a callable"
                 )
+            def warn(message: str) -> None:
+                logger.warning("%s registered %s %r: %s", source, kind, name, message)
+
             try:
-                info = build_info(info_cls, metadata)
+                info = build_info(info_cls, metadata, warn)
             except MetadataError as exc:
                 self._reject_registration(kind, plugin_name, source, f"{source} registered {kind} {name!r}: {exc}")
                 return

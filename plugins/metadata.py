@@ -24,6 +24,7 @@ InfoT = TypeVar("InfoT", bound="DataclassInstance")
 Parser = Callable[[object], object]
 
 _PARSE = "pagedllm_parse"
+_FREE_FORM = "pagedllm_free_form"
 
 
 class MetadataError(ValueError):
@@ -42,22 +43,41 @@ def parsed(parse: Parser, default: object = None) -> Any:
     return dataclasses.field(default=default, metadata={_PARSE: parse})
 
 
-def build_info(info_cls: type[InfoT], metadata: Mapping[str, object]) -> InfoT:
-    """``info_cls(**metadata)`` with every key known and every value parsed."""
-    fields = {f.name: f for f in dataclasses.fields(info_cls)}
+def free_form() -> Any:
+    """The field that keeps the keys a kind does not read, for a kind whose
+    metadata plugin API 1.0 documented as free-form: those keys are a warning
+    (``build_info``'s ``warn``), not an error."""
+    return dataclasses.field(default_factory=dict, metadata={_FREE_FORM: True})
+
+
+def build_info(
+    info_cls: type[InfoT], metadata: Mapping[str, object], warn: Callable[[str], None] | None = None
+) -> InfoT:
+    """``info_cls(**metadata)`` with every value parsed and every key known
+    (or, for a free-form kind, kept aside and passed to ``warn``)."""
+    fields = {f.name: f for f in dataclasses.fields(info_cls) if not f.metadata.get(_FREE_FORM)}
+    free_form_field = next((f.name for f in dataclasses.fields(info_cls) if f.metadata.get(_FREE_FORM)), None)
     values: dict[str, object] = {}
+    extra: dict[str, object] = {}
     for key, value in metadata.items():
         field = fields.get(key)
         if field is None:
-            accepted = ", ".join(fields) or "none"
             close = difflib.get_close_matches(key, list(fields), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise MetadataError(f"unknown metadata key {key!r}{hint}; accepted keys: {accepted}")
+            message = f"unknown metadata key {key!r}{hint}; accepted keys: {', '.join(fields) or 'none'}"
+            if free_form_field is None:
+                raise MetadataError(message)
+            if warn is not None:
+                warn(f"{message}; kept as free-form metadata (plugin API 1.0)")
+            extra[key] = value
+            continue
         parse: Parser | None = field.metadata.get(_PARSE)
         try:
             values[key] = value if value is None or parse is None else parse(value)
         except (TypeError, ValueError) as exc:
             raise MetadataError(f"metadata {key}={value!r} is invalid: {exc}") from None
+    if free_form_field is not None:
+        values[free_form_field] = extra
     return info_cls(**values)
 
 
@@ -137,6 +157,9 @@ class DrafterInfo:
     """``register_drafters`` metadata."""
 
     needs_model: bool | None = parsed(flag)  # whether speculative.model is required
+    # Plugin API 1.0 documented drafter metadata as free-form: other keys stay
+    # here, with a warning that names them.
+    extra: Mapping[str, object] = free_form()
 
 
 @dataclass(frozen=True)
@@ -174,6 +197,7 @@ __all__ = [
     "counts",
     "dtype_names",
     "flag",
+    "free_form",
     "name",
     "names",
     "parsed",

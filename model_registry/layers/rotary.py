@@ -58,6 +58,9 @@ def compute_inv_freq(rotary_dim: int, rope_parameters: dict[str, Any]) -> torch.
 
 
 class RotaryEmbedding(nn.Module):
+    cos_cache: torch.Tensor  # buffers, declared for the type checker
+    sin_cache: torch.Tensor
+
     def __init__(self, head_size: int, max_position: int, rope_parameters: dict[str, Any]) -> None:
         super().__init__()
         inv_freq = compute_inv_freq(head_size, rope_parameters)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -121,7 +121,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(hf_config, flags, i, attn_backend) for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
-        head_dim = self.layers[0].self_attn.head_dim if self.layers else 1
+        head_dim = cast(LlamaDecoderLayer, self.layers[0]).self_attn.head_dim if self.layers else 1
         # One cos/sin table for all layers: a forward looks its positions up once.
         self.rotary_emb = RotaryEmbedding(head_dim, hf_config.max_position_embeddings, get_rope_parameters(hf_config))
 
@@ -165,7 +165,7 @@ class LlamaForCausalLM(ModelForCausalLM):
         return self.lm_head(hidden_states).float()
 
     def get_attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.model.layers]
 
     def is_ignored_weight(self, name: str) -> bool:
         """Checkpoint entries that are neither loaded nor unexpected."""

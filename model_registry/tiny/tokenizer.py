@@ -112,6 +112,8 @@ def token_stream(split: str, tokenizer_dir: Path, *, for_metric: bool = False) -
 
     tokenizer = source_encoder(tokenizer_dir)
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    if bos_id is None:
+        raise ValueError(f"{tokenizer_dir} has no {BOS_TOKEN} token")
     texts = [source.text for source in load_split(split, for_metric=for_metric)]
     ids: list[int] = []
     for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):

@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.model_registry.tiny.tokenizer import (
     BOS_TOKEN,
@@ -34,6 +34,9 @@ from pagedllm.model_registry.tiny.tokenizer import (
     PAD_TOKEN,
     VOCAB_SIZE,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -180,7 +183,8 @@ def train(
     model.eval()
     untrained = perplexity(model, val_windows, bos_id)
     untrained_nll, num_val_tokens = untrained.loss, untrained.num_tokens
-    log(f"[{which}] {'start' if init_from else 'untrained'}: val loss {untrained_nll:.4f} ppl {math.exp(untrained_nll):.1f}")
+    label = "start" if init_from else "untrained"
+    log(f"[{which}] {label}: val loss {untrained_nll:.4f} ppl {math.exp(untrained_nll):.1f}")
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
