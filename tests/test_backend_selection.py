@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -136,14 +137,18 @@ def test_requested_unknown_backend_lists_registered_names(monkeypatch: pytest.Mo
 def test_bf16_on_turing_rejects_triton_through_the_platform(monkeypatch: pytest.MonkeyPatch) -> None:
     simulate_device(monkeypatch, (7, 5))
     with pytest.raises(AttentionBackendError) as info:
-        select_attention_backend(CudaPlatform(), "triton", head_size=128, dtype=torch.bfloat16, block_size=16, load=False)
+        select_attention_backend(
+            CudaPlatform(), "triton", head_size=128, dtype=torch.bfloat16, block_size=16, load=False
+        )
     assert info.value.reasons == ["dtype bfloat16 is not supported by cuda (compute capability 7.5)"]
 
 
-@pytest.mark.parametrize(("head_size", "triton_ok", "flash_ok"), [(64, True, True), (72, False, True), (48, False, True)])
+@pytest.mark.parametrize(
+    ("head_size", "triton_ok", "flash_ok"), [(64, True, True), (72, False, True), (48, False, True)]
+)
 def test_head_size_rules(monkeypatch: pytest.MonkeyPatch, head_size: int, triton_ok: bool, flash_ok: bool) -> None:
     simulate_device(monkeypatch, (8, 0), installed=("triton", "flash_attn"))
-    registry = get_plugin_manager().registry("attention_backend")
+    registry = get_plugin_manager().attention_backends
     checks: dict[str, Any] = dict(head_size=head_size, dtype=torch.float16, block_size=32)
     assert (check_backend(registry.get("triton"), CudaPlatform(), **checks) == []) is triton_ok
     assert (check_backend(registry.get("flash_attn"), CudaPlatform(), **checks) == []) is flash_ok
@@ -156,6 +161,8 @@ class NoWindowBackendPlugin:
     @hookimpl
     def register_attention_backends(self, register: RegisterFn) -> None:
         register("no_window", "pagedllm_test_plugin.backend:TestEchoBackend", device_types=["cpu"])
+        # torch dtypes are accepted and read as names, as under plugin API 1.0
+        register("fp16_only", "pagedllm_test_plugin.backend:TestEchoBackend", dtypes=[torch.float16])
 
 
 @pytest.fixture
@@ -176,11 +183,23 @@ def test_sliding_window_needs_declared_support(monkeypatch: pytest.MonkeyPatch, 
     assert select_attention_backend(platform, "auto", load=False, **checks).name == "torch_native"
 
 
+def test_selector_reads_the_typed_capabilities(monkeypatch: pytest.MonkeyPatch, no_window_plugin: None) -> None:
+    simulate_device(monkeypatch, None)
+    registration = get_plugin_manager().attention_backends.get("fp16_only")
+    assert registration.info.dtypes == ("float16",)
+    checks: dict[str, Any] = dict(head_size=16, block_size=16)
+    assert check_backend(registration, resolve_platform(), dtype=torch.float32, **checks) == [
+        "dtype float32 is not supported (supports float16)"
+    ]
+    assert check_backend(registration, resolve_platform(), dtype=torch.float16, **checks) == []
+
+
 def test_plugin_backend_is_selected_by_name_and_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm_test_plugin.backend import TestEchoBackend
 
     simulate_device(monkeypatch, None)
-    selection = select_attention_backend(resolve_platform(), "test_echo", head_size=16, dtype=torch.float32, block_size=16)
+    checks: dict[str, Any] = dict(head_size=16, dtype=torch.float32, block_size=16)
+    selection = select_attention_backend(resolve_platform(), "test_echo", **checks)
     assert selection.backend_cls is TestEchoBackend
     assert selection.registration.source.startswith("pagedllm-test-plugin ")
 
@@ -215,7 +234,9 @@ def test_only_the_chosen_backend_is_imported(monkeypatch: pytest.MonkeyPatch) ->
 def test_auto_with_nothing_usable_reports_each_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     simulate_device(monkeypatch, None)
     with pytest.raises(AttentionBackendError) as info:
-        select_attention_backend(resolve_platform(), "auto", head_size=16, dtype=torch.float64, block_size=16, load=False)
+        select_attention_backend(
+            resolve_platform(), "auto", head_size=16, dtype=torch.float64, block_size=16, load=False
+        )
     assert info.value.name == "auto"
     assert info.value.reasons == [
         "torch_native: dtype float64 is not supported (supports float32, float16, bfloat16); "

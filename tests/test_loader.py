@@ -136,9 +136,9 @@ def test_architecture_from_config_or_override(tmp_path: Path) -> None:
 
 
 def test_folder_without_config_or_weights(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="config.json"):
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
         load_hf_config(tmp_path)
-    with pytest.raises(ModelLoadError, match="model.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
         list(iterate_safetensors(tmp_path))
 
 

@@ -18,6 +18,7 @@ from helpers.tiny_models import cached_tiny_model
 
 from pagedllm.attention_backends.base import AttentionMetadata
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
+from pagedllm.model_registry.interface import ModelForCausalLM
 from pagedllm.model_registry.layers.rotary import compute_inv_freq, get_rope_parameters
 from pagedllm.model_registry.loader import load_hf_config, load_model
 from pagedllm.model_registry.models.llama import LlamaForCausalLM
@@ -228,3 +229,17 @@ def test_head_dim_from_config_when_present() -> None:
     assert math.isfinite(float(runner.logits[0][0].sum()))
     expected = hf_model(path)(torch.tensor([runner.tokens[0][:5]])).logits[0]
     torch.testing.assert_close(torch.stack([runner.logits[0][p] for p in range(5)]), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_built_in_models_implement_the_model_interface() -> None:
+    path = cached_tiny_model("llama", tie_word_embeddings=True)
+    model = load_model(path, model_cls=LlamaForCausalLM, attn_backend=TorchNativeBackend, dtype=torch.float32,
+                       device="cpu")
+    assert isinstance(model, ModelForCausalLM)
+    for model_cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):
+        assert ModelForCausalLM in model_cls.__mro__ and not model_cls.__abstractmethods__
+    # The optional weight mapping: Llama's override, the interface's default.
+    assert model.is_ignored_weight("lm_head.weight") is True  # tied: the saved copy is redundant
+    assert ModelForCausalLM.is_ignored_weight(model, "lm_head.weight") is False
+    with pytest.raises(TypeError, match="abstract"):
+        ModelForCausalLM()  # type: ignore[abstract]

@@ -34,6 +34,9 @@ def test_api_version_is_semver_and_the_attribute_is_named() -> None:
 
     assert len(Version(API_VERSION).release) == 3
     assert API_VERSION_ATTR == "PAGEDLLM_API_VERSION"
+    # Typed kinds (PluginKind, typed registries, AttentionCapabilities,
+    # ModelForCausalLM) are additions: a minor version, still 1.x.
+    assert Version(API_VERSION).major == 1 and Version(API_VERSION) >= Version("1.2")
 
 
 @pytest.mark.parametrize(
@@ -61,7 +64,9 @@ def test_undeclared_is_compatible_and_labelled() -> None:
     assert (result.declared, result.compatible, result.label) == (None, True, "undeclared")
 
 
-@pytest.mark.parametrize(("declared", "reason"), [("one point oh", "not a valid specifier"), (1.0, "not a version specifier string")])
+@pytest.mark.parametrize(
+    ("declared", "reason"), [("one point oh", "not a valid specifier"), (1.0, "not a version specifier string")]
+)
 def test_malformed_declaration_is_incompatible(declared: object, reason: str) -> None:
     result = check_api_compatibility(SimpleNamespace(PAGEDLLM_API_VERSION=declared))
     assert not result.compatible
@@ -136,7 +141,8 @@ def test_incompatible_plugin_is_skipped_and_reported(incompatible_site: Path, ca
     with caplog.at_level("ERROR", logger="pagedllm.plugins"):
         pm.load()
     [error] = [e for e in pm.load_errors if e.plugin == "future"]
-    assert (error.distribution, error.error, error.api_range) == ("future-plugin 3.0.0", EXPECTED_ERROR, INCOMPATIBLE_RANGE)
+    expected = ("future-plugin 3.0.0", EXPECTED_ERROR, INCOMPATIBLE_RANGE)
+    assert (error.distribution, error.error, error.api_range) == expected
     assert "skipped plugin 'future' from future-plugin 3.0.0" in caplog.text
     assert "future" not in [p.name for p in pm.plugins()]
     assert "future_connector" not in pm.registry("kv_connector")

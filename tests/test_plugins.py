@@ -622,4 +622,7 @@ def test_builtin_models_implement_the_model_interface_and_duck_typed_models_pass
     assert ModelForCausalLM.packed_modules_mapping == {}  # the optional mapping's default
     assert issubclass(DuckTypedModel, ModelForCausalLM) and ModelForCausalLM not in DuckTypedModel.__mro__
     assert not issubclass(HalfModel, ModelForCausalLM)
+    # The installed example package is a real 1.0 model of this kind, unchanged.
+    gpt2 = pm.models.load("GPT2LMHeadModel")
+    assert issubclass(gpt2, ModelForCausalLM) and ModelForCausalLM not in gpt2.__mro__
     assert not issubclass(type("NotAModule", (), dict(vars(DuckTypedModel))), ModelForCausalLM)

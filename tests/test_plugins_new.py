@@ -6,8 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -64,7 +64,8 @@ def installed_packages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
         packages[kind] = parent / _dist_name(kind)
     # NOTE: no build isolation: setuptools comes from this venv, so the test
     # needs no package index.
-    install = [*PIP, "install", "-q", "--no-build-isolation", *(arg for p in packages.values() for arg in ("-e", str(p)))]
+    editables = [arg for p in packages.values() for arg in ("-e", str(p))]
+    install = [*PIP, "install", "-q", "--no-build-isolation", *editables]
     try:
         subprocess.run(install, check=True, capture_output=True, text=True, timeout=240)
         yield packages
