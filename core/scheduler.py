@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from pagedllm.core.grammar import GrammarManager
     from pagedllm.core.kv_cache.block_pool import KVCacheBlock
     from pagedllm.core.kv_cache.manager import KVCacheManager
-    from pagedllm.core.scheduler_output import LogprobEntry
     from pagedllm.kv_connectors.base import KVConnectorBase
 
 
@@ -229,7 +228,8 @@ class Scheduler:
             if new_blocks is None:
                 continue  # it was the victim itself
             request_id = request.request_id
-            batch.add(request_id, num_new_tokens)
+            batch.num_scheduled_tokens[request_id] = num_new_tokens
+            batch.token_budget -= num_new_tokens
             batch.cached_reqs[request_id] = CachedRequestData(
                 request_id, [block.block_id for block in new_blocks] if new_blocks else [], num_computed_tokens
             )
@@ -474,7 +474,21 @@ class Scheduler:
                 self._free_request(request)
             if num_new_tokens or stopped or prompt_logprobs:
                 outputs.append(
-                    self._make_output(request, sampled[:num_new_tokens], logprobs, prompt_logprobs, stopped)
+                    EngineCoreOutput(
+                        request_id=request_id,
+                        new_token_ids=list(sampled[:num_new_tokens]),
+                        new_logprobs=logprobs[:num_new_tokens] if logprobs is not None else None,
+                        new_prompt_logprobs=prompt_logprobs,
+                        finish_reason=request.get_finished_reason() if stopped else None,
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=request.num_cached_tokens,
+                        first_scheduled_time=request.first_scheduled_time,
+                        spec_counts=(
+                            (request.spec_num_drafts, request.spec_num_draft_tokens, request.spec_num_accepted_tokens)
+                            if self.num_spec_tokens
+                            else None
+                        ),
+                    )
                 )
         return outputs
 
@@ -508,30 +522,6 @@ class Scheduler:
                 stopped = True
         return num_new_tokens, stopped
 
-    def _make_output(
-        self,
-        request: Request,
-        new_token_ids: Sequence[int],
-        logprobs: list[LogprobEntry] | None,
-        prompt_logprobs: list[LogprobEntry | None] | None,
-        stopped: bool,
-    ) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=list(new_token_ids),
-            new_logprobs=logprobs[: len(new_token_ids)] if logprobs is not None else None,
-            new_prompt_logprobs=prompt_logprobs,
-            finish_reason=request.get_finished_reason() if stopped else None,
-            stop_reason=request.stop_reason,
-            num_cached_tokens=request.num_cached_tokens,
-            first_scheduled_time=request.first_scheduled_time,
-            spec_counts=(
-                (request.spec_num_drafts, request.spec_num_draft_tokens, request.spec_num_accepted_tokens)
-                if self.num_spec_tokens
-                else None
-            ),
-        )
-
     def _usable_drafts(self, request: Request, runner_output: ModelRunnerOutput) -> list[int]:
         drafts = runner_output.spec_token_ids.get(request.request_id)
         if not drafts:
@@ -549,12 +539,11 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params
         max_tokens = params.max_tokens
-        if request.num_tokens >= self.max_model_len or (
-            max_tokens is not None and request.num_output_tokens >= max_tokens
-        ):
+        num_output_tokens = request.num_output_tokens
+        if request.num_tokens >= self.max_model_len or (max_tokens is not None and num_output_tokens >= max_tokens):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
-        if request.num_output_tokens < params.min_tokens:
+        if num_output_tokens < params.min_tokens:
             return False
         last_token_id = request.output_token_ids[-1]
         if not params.ignore_eos and last_token_id == request.eos_token_id:
