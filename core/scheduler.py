@@ -53,7 +53,7 @@ class AdmitDecision(enum.Enum):
 
 
 class Admission(NamedTuple):
-    """Admission's answer for one waiting request (counts only on ADMIT)."""
+    """Admission's answer for one waiting request: counts on ADMIT, error on FAIL."""
 
     decision: AdmitDecision
     num_new_tokens: int = 0
