@@ -18,6 +18,7 @@ from pagedllm.entrypoints.bench.spec import add_spec_parser
 if TYPE_CHECKING:
     import torch
 
+    from pagedllm.attention_backends.selector import BackendSelection
     from pagedllm.core.config import EngineConfig
     from pagedllm.platforms.interface import Platform
 
@@ -134,16 +135,15 @@ def cmd_env(args: argparse.Namespace) -> int:
     selection = select_attention_backend(platform, args.attention_backend, load=False, **checks)
     registry = get_plugin_manager().attention_backends
     capability = platform.get_device_capability()
+    # every registered backend's verdict here, not only those "auto" reached
+    backends = {name: check_backend(registry.get(name), platform, **checks) for name in registry.names()}
     payload = {
         "platform": platform.name,
         "device": platform.get_device_name(),
         "device_capability": list(capability) if capability is not None else None,
         "attention_backend": selection.name,
         "rejected": selection.rejected,
-        # every registered backend's verdict here, not only those "auto" reached
-        "backends": {
-            name: check_backend(registry.get(name), platform, **checks) for name in registry.names()
-        },
+        "backends": backends,
         "dtype": dtype_name(dtype),
         "head_size": args.head_size,
         "block_size": args.block_size,
@@ -166,9 +166,14 @@ def cmd_env(args: argparse.Namespace) -> int:
     print("rejected:" if selection.rejected else f"{'rejected:':<20}none")
     for name, reasons in selection.rejected.items():
         print(f"  {name}: {'; '.join(reasons)}")
-    # Backends "auto" never reached (after the chosen one, or not in the
-    # platform's priority list): still say why each could or could not run.
-    others = {name: reasons for name, reasons in payload["backends"].items()
+    _print_other_backends(platform, selection, backends)
+    return 0
+
+
+def _print_other_backends(platform: Platform, selection: BackendSelection, backends: dict[str, list[str]]) -> None:
+    """Backends "auto" never reached (after the chosen one, or not in the
+    platform's priority list): still say why each could or could not run."""
+    others = {name: reasons for name, reasons in backends.items()
               if name != selection.name and name not in selection.rejected}
     if others:
         print("other backends:")
@@ -181,7 +186,6 @@ def cmd_env(args: argparse.Namespace) -> int:
         else:
             verdict = f"usable here when selected by name (not in {platform.name}'s priority list)"
         print(f"  {name}: {verdict}")
-    return 0
 
 
 # ---- generate ----------------------------------------------------------
