@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from pagedllm.core.outputs import FinishReason
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.structured_output.interface import Grammar
 
@@ -43,11 +44,11 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def get_finished_reason(status: RequestStatus) -> str | None:
+    def get_finished_reason(status: RequestStatus) -> FinishReason | None:
         return _FINISHED_REASONS.get(status)
 
 
-_FINISHED_REASONS = {
+_FINISHED_REASONS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -138,7 +139,7 @@ class Request:
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 
-    def get_finished_reason(self) -> str | None:
+    def get_finished_reason(self) -> FinishReason | None:
         return RequestStatus.get_finished_reason(self.status)
 
     def __lt__(self, other: Request) -> bool:

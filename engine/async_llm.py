@@ -18,6 +18,7 @@ or `llm = await AsyncLLM.create(config)`. The output task starts on the first
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import weakref
@@ -25,7 +26,6 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.engine.core_client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient
 from pagedllm.core.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -33,13 +33,14 @@ from pagedllm.core.errors import (
     InvalidRequestError,
     ServerShuttingDownError,
 )
+from pagedllm.engine.core_client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.metrics import StatLoggerManager
+from pagedllm.engine.model_source import resolve_model_path
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from pagedllm.engine.stats import IterationStats
 from pagedllm.engine.tokenizer import load_tokenizer
-from pagedllm.model_registry.tiny import MODEL_ALIASES, TARGET_MODEL_NAME, resolve_model_path
 from pagedllm.plugins import get_plugin_manager
 
 if TYPE_CHECKING:
@@ -50,17 +51,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The embedded default model's name in /v1/models.
-DEFAULT_MODEL_NAME = TARGET_MODEL_NAME
-
-
 def served_name_of(model: str | None) -> str:
-    """/v1/models' name for a model path: a shipped model's full name for the
-    default and its aliases (`tiny` serves as `pagedllm-tiny`), else the
-    folder's name."""
-    if model is None:
-        return DEFAULT_MODEL_NAME
-    return MODEL_ALIASES.get(model) or Path(model).name
+    """/v1/models' name for a model: the name of the folder it resolves to
+    (the default and `tiny` serve as `pagedllm-tiny`)."""
+    return Path(resolve_model_path(model)).name
 
 
 # Outputs processed between yields to the event loop (vLLM's
@@ -94,7 +88,7 @@ class Admission:
     when the request's handler lets go of this object (AsyncLLM holds it
     weakly): there is no release call to forget."""
 
-    __slots__ = ("num_reserved", "__weakref__")
+    __slots__ = ("__weakref__", "num_reserved")
 
     def __init__(self, num_sequences: int) -> None:
         self.num_reserved = num_sequences
@@ -371,10 +365,8 @@ class AsyncLLM:
         return engine_request_ids
 
     def _abort_in_core(self, engine_request_ids: list[str]) -> None:
-        try:
+        with contextlib.suppress(EngineDeadError):  # dead: nothing left to free
             self.engine_core.abort_requests(engine_request_ids)
-        except EngineDeadError:
-            pass  # nothing left to free
 
     def end_all_requests(self, reason: str = "the server is shutting down") -> int:
         """Shutdown's last step: end every unfinished request with

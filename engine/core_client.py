@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -20,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
-from pagedllm.engine.core_proc import ready_message, run_engine_core
 from pagedllm.core.errors import EngineDeadError, EngineStartupError
+from pagedllm.engine.core_proc import ready_message, run_engine_core
 from pagedllm.engine.wire import (
     AbortRequests,
     AddRequests,
@@ -72,12 +73,12 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def reset_prefix_cache(self) -> bool: ...
 
-    def drain(self) -> None:
+    def drain(self) -> None:  # noqa: B027 - a hook: only the in-process client has work
         """Let the core finish what it still holds once every output is in
         (a KV connector's save in flight); a core in its own process steps
         on its own, so only the in-process client has work here."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - a hook: nothing to release in-process
         """Release the core (no-op in-process)."""
 
 
@@ -144,10 +145,8 @@ class _CoreResources:
 
     def shutdown(self) -> None:
         if self.input_socket is not None:
-            try:
+            with contextlib.suppress(zmq.ZMQError):  # no core to tell
                 self.input_socket.send(CoreInputEncoder().encode(Shutdown()), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
         if self.process is not None and self.process.pid is not None:  # started
             self.process.join(SHUTDOWN_GRACE_S)
             if self.process.is_alive():
@@ -177,11 +176,13 @@ class MPClient:
     exit or the timeout), so the caller can load the tokenizer meanwhile.
     """
 
+    # The core's handshake, set by wait_for_ready().
+    ready: Ready
+
     def __init__(self, config: EngineConfig, *, in_thread: bool = False) -> None:
         self.input_encoder = CoreInputEncoder()
         self.output_decoder = CoreOutputDecoder()
         self.dead_error: EngineDeadError | None = None
-        self.ready: Ready | None = None
         # The stats of the last EngineCoreOutputs read (None before the first).
         self.scheduler_stats: SchedulerStats | None = None
         # time.monotonic() of the last message read from the core: proof of life for /health.

@@ -62,7 +62,7 @@ class LLM:
             raise InvalidRequestError("priority", len(priority), f"one value per prompt ({len(prompt_list)})")
         request_ids = []
         try:
-            for index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            for index, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
                 request_ids.append(self._add_request(prompt, params, priority[index] if priority else 0))
         except Exception:
             self._abort(request_ids)
@@ -167,7 +167,7 @@ class LLM:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompt_list = list(prompts)
+    prompt_list: list[Any] = list(prompts)
     if prompt_list and isinstance(prompt_list[0], int):
         return [prompt_list]  # one prompt given as token ids
     return prompt_list

@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.outputs import EngineCoreOutput
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -30,7 +31,6 @@ from pagedllm.engine.outputs import (
     RequestOutputKind,
     SampleLogprobs,
 )
-from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.stop_strings import check_stop_strings, stop_buffer_length
 
 if TYPE_CHECKING:
@@ -424,7 +424,7 @@ class OutputProcessor:
     def _to_logprob_dict(self, entry: LogprobEntry) -> dict[int, Logprob]:
         # Index 0 is the chosen token with its own rank; then top-k ranked 1..k.
         logprobs: dict[int, Logprob] = {}
-        for position, (token_id, logprob) in enumerate(zip(entry.token_ids, entry.logprobs)):
+        for position, (token_id, logprob) in enumerate(zip(entry.token_ids, entry.logprobs, strict=True)):
             if position > 0 and token_id in logprobs:
                 continue  # the chosen token is also in the top-k
             rank = entry.rank if position == 0 else position

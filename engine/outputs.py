@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pagedllm.core.outputs import FinishReason
 
+
 @dataclass(slots=True)
 class Logprob:
     """Log probability of one token; `rank` is 1-based in the vocabulary."""

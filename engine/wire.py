@@ -17,7 +17,7 @@ wire twins.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -64,7 +64,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-CoreInput = Union[AddRequests, AbortRequests, UtilityRequest, Shutdown]
+CoreInput = AddRequests | AbortRequests | UtilityRequest | Shutdown
 
 # ----------------------------------------------------------- core -> API
 
@@ -112,7 +112,7 @@ class EngineDead(msgspec.Struct, tag="dead", array_like=True):
     error: str
 
 
-CoreOutput = Union[Ready, StartupFailed, EngineCoreOutputs, UtilityResult, EngineDead]
+CoreOutput = Ready | StartupFailed | EngineCoreOutputs | UtilityResult | EngineDead
 
 
 # ------------------------------------------------------------- codecs
@@ -130,7 +130,7 @@ class CoreInputDecoder:
     def __init__(self) -> None:
         self._decoder = msgspec.msgpack.Decoder(CoreInput)
 
-    def decode(self, data: bytes) -> CoreInput:
+    def decode(self, data: bytes | memoryview) -> CoreInput:
         return self._decoder.decode(data)
 
 

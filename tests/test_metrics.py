@@ -15,12 +15,12 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.core.config import EngineConfig
-from pagedllm.engine.metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, StatLoggerManager, build_1_2_5_buckets
-from pagedllm.engine.input_processor import make_request
-from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.stats import SchedulerStats
+from pagedllm.engine.input_processor import make_request
+from pagedllm.engine.metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, StatLoggerManager, build_1_2_5_buckets
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stats import FinishedRequestStats, IterationStats
 
 MODEL = "tiny-model"
@@ -148,7 +148,7 @@ def test_iteration_stats_feed_token_counters_and_latency_histograms():
                      inference=1.0, decode=0.875, tpot=0.4375),
             finished("length", e2e=3.0, prompt=3, generated=1, max_tokens=None, queued=2.0, prefill=0.5,
                      inference=0.5, decode=0.0, tpot=None),
-        ],  # fmt: skip
+        ],
         n_params=[1, 2],
     )
     manager.record(None, step1, num_scheduled_tokens=9)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.engine.input_processor import make_request
-from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.core.outputs import EngineCoreOutput
-from pagedllm.engine.outputs import Logprob, RequestOutputKind
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler_output import LogprobEntry
+from pagedllm.engine.input_processor import make_request
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.outputs import Logprob, RequestOutputKind
 from pagedllm.engine.stop_strings import check_stop_strings
 from pagedllm.model_registry.tiny import get_tokenizer_dir
 
@@ -105,6 +105,7 @@ def test_streamed_deltas_never_show_a_partial_stop_string(tokenizer):
     params = SamplingParams(max_tokens=50, stop=["STOP"])
     add(processor, "r", None, PROMPT_IDS, params, output_kind=RequestOutputKind.DELTA)
     outputs, aborted = run_tokens(processor, "r", ids)
+    assert aborted == ["r"]  # finished here by the stop string: the core must stop it
     deltas = [output.outputs[0].text for output in outputs]
     assert "".join(deltas) == "one two "
     assert all("S" not in delta for delta in deltas)
@@ -171,7 +172,9 @@ def test_logprobs_become_dicts_with_ranks_and_decoded_tokens(tokenizer):
         new_logprobs=[LogprobEntry([c, c, a], [-0.25, -0.25, -2.0], 1)],
         new_prompt_logprobs=[LogprobEntry([c], [-3.0], 7)],
     )
-    step3 = EngineCoreOutput("r", [a], new_logprobs=[LogprobEntry([a, c, b], [-1.0, -0.5, -0.75], 3)], finish_reason="length")
+    step3 = EngineCoreOutput(
+        "r", [a], new_logprobs=[LogprobEntry([a, c, b], [-1.0, -0.5, -0.75], 3)], finish_reason="length"
+    )
     outputs = [o for step in (step1, step2, step3) for o in processor.process_outputs([step]).request_outputs]
     (output,) = outputs
     assert output.prompt_logprobs == [

@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 import torch
-
 from helpers.server import ServerProcess, start_server
 from helpers.tiny_models import cached_tiny_model
+
 from pagedllm import LLM, SamplingParams, __version__
 
 MODEL_NAME = "tiny-llama"
@@ -54,7 +54,7 @@ def stream_completion(client: openai.OpenAI, **kwargs: Any) -> list[Any]:
 def test_greedy_streamed_equals_non_streamed_equals_offline(client: openai.OpenAI, offline: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=12)
     expected = offline.generate(PROMPTS, params, use_tqdm=False)
-    for prompt, reference in zip(PROMPTS, expected):
+    for prompt, reference in zip(PROMPTS, expected, strict=True):
         response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0)
         chunks = stream_completion(client, prompt=prompt, max_tokens=12, temperature=0)
         streamed = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
@@ -259,10 +259,11 @@ def test_chat_n2_and_logprobs(client: openai.OpenAI) -> None:
 def test_chat_stops_at_end_of_turn_token() -> None:
     # The reply ends at <|im_end|> (id 4 in the embedded tokenizer): the server
     # adds it to the request's stop_token_ids, keeping the client's own.
+    from transformers import AutoTokenizer
+
     from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
     from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
     from pagedllm.model_registry.tiny import get_tokenizer_dir
-    from transformers import AutoTokenizer
 
     class Engine:
         tokenizer = AutoTokenizer.from_pretrained(str(get_tokenizer_dir()))

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from pagedllm.core.stats import SchedulerStats, SpecDecodingStats
 from pagedllm.engine.metrics import StatLoggerManager
-from pagedllm.core.stats import SchedulerStats
-from pagedllm.core.stats import SpecDecodingStats
 
 
 def _stats(spec: SpecDecodingStats | None) -> SchedulerStats:

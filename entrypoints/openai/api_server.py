@@ -13,7 +13,7 @@ import hmac
 import inspect
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -59,8 +59,8 @@ from pagedllm.entrypoints.openai.serving_tokenize import OpenAIServingTokenizati
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.core.config import EngineConfig
+    from pagedllm.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class BodySizeLimitMiddleware:
 
 
 def _error_response(
-    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 

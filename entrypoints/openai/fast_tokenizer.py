@@ -25,7 +25,7 @@ def encode_text(
     backend = getattr(tokenizer, "backend_tokenizer", None)
     encode_fast = getattr(backend, "encode_batch_fast", None)
     if (
-        encode_fast is None or getattr(tokenizer, "split_special_tokens", False)
+        backend is None or encode_fast is None or getattr(tokenizer, "split_special_tokens", False)
         or backend.truncation is not None or backend.padding is not None
     ):
         token_ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

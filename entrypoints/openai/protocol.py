@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.engine.outputs import RequestOutputKind
 from pagedllm.core.int_limits import INT64_MAX, INT64_MIN, short_value
 from pagedllm.core.sampling_params import (
     MAX_LOGIT_BIAS,
@@ -26,6 +25,7 @@ from pagedllm.core.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from pagedllm.engine.outputs import RequestOutputKind
 from pagedllm.entrypoints.openai.surrogates import find_unpaired_surrogate
 from pagedllm.entrypoints.openai.unsupported import RefusedChatFields, RefusedMessageFields, check_content_parts
 
@@ -164,7 +164,8 @@ class SamplingFields(OpenAIBaseModel):
         for token_id in extra_stop_token_ids or []:
             if token_id not in stop_token_ids:
                 stop_token_ids.append(token_id)
-        optional = {
+        # Left out when unset, so SamplingParams' own defaults apply.
+        optional: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -329,9 +330,11 @@ class DetokenizeRequest(OpenAIBaseModel):
     @field_validator("tokens", mode="wrap")
     @classmethod
     def _large_token_ids_in_python(cls, value: Any, handler: Any) -> Any:
-        if isinstance(value, list) and len(value) > LARGE_LIST_ITEMS and _all_ints(value):
-            if 0 <= min(value) and max(value) <= INT64_MAX:
-                return value
+        if (
+            isinstance(value, list) and len(value) > LARGE_LIST_ITEMS and _all_ints(value)
+            and min(value) >= 0 and max(value) <= INT64_MAX
+        ):
+            return value
         return handler(value)
 
 

@@ -17,6 +17,7 @@ finished (a cancelled request cannot start more work than there are threads).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable
@@ -120,10 +121,8 @@ def shared_request_pool(engine: Any, num_threads: int) -> RequestWorkerPool:
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
     # The loop may be gone when a thread finishes after shutdown.
-    try:
+    with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(callback)
-    except RuntimeError:
-        pass
 
 
 def _log_trim_failure(future: Future[bool]) -> None:

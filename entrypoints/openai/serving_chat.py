@@ -38,8 +38,8 @@ from pagedllm.entrypoints.openai.serving_engine import (
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from pagedllm.engine.outputs import Logprob, RequestOutput, SampleLogprobs
     from pagedllm.core.sampling_params import SamplingParams
+    from pagedllm.engine.outputs import Logprob, RequestOutput, SampleLogprobs
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -181,7 +181,7 @@ class OpenAIServingChat(OpenAIServing):
             return None
         num_top = request.top_logprobs or 0
         content = []
-        for token_id, entry in zip(token_ids, logprobs):
+        for token_id, entry in zip(token_ids, logprobs, strict=False):
             chosen = entry[token_id]
             ranked = sorted(entry.items(), key=lambda item: item[1].logprob, reverse=True)[:num_top]
             content.append(ChatCompletionLogprob(

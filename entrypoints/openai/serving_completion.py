@@ -31,8 +31,8 @@ from pagedllm.entrypoints.openai.serving_engine import (
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from pagedllm.engine.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
     from pagedllm.core.sampling_params import SamplingParams
+    from pagedllm.engine.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
 
 # vLLM clamps -inf logprobs so the JSON stays finite.
 MIN_LOGPROB = -9999.0
@@ -213,10 +213,11 @@ class OpenAIServingCompletion(OpenAIServing):
         all_ids = list(prompt_token_ids) + list(token_ids)
         prompt_entries: list[Any] = list(prompt_logprobs or [None] * len(prompt_token_ids))
         prompt_entries += [None] * (len(prompt_token_ids) - len(prompt_entries))
-        entries = prompt_entries[: len(prompt_token_ids)] + list(logprobs or [None] * len(token_ids))
+        sample_entries: list[Any] = list(logprobs) if logprobs else [None] * len(token_ids)
+        entries = prompt_entries[: len(prompt_token_ids)] + sample_entries
         result = CompletionLogProbs()
         offset = initial_text_offset
-        for token_id, entry in zip(all_ids, entries):
+        for token_id, entry in zip(all_ids, entries, strict=False):
             if entry is None or token_id not in entry:
                 token = self.tokenizer.decode([token_id])
                 result.token_logprobs.append(None)

@@ -25,8 +25,8 @@ from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool, shared_r
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.core.sampling_params import SamplingParams
+    from pagedllm.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
