@@ -340,7 +340,8 @@ class PluginManager:
                     f"{source} registered {kind} {name!r} with target {target!r}; "
                     "expected 'package.module:Attr' or a callable"
                 )
-            def warn(message: str) -> None:
+
+            def warn(message: str) -> None:  # an unknown key of a free-form kind
                 logger.warning("%s registered %s %r: %s", source, kind, name, message)
 
             try:

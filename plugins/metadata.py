@@ -71,9 +71,11 @@ def build_info(
                 warn(f"{message}; kept as free-form metadata (plugin API 1.0)")
             extra[key] = value
             continue
+        if value is None:  # None is "not given": the field's default
+            continue
         parse: Parser | None = field.metadata.get(_PARSE)
         try:
-            values[key] = value if value is None or parse is None else parse(value)
+            values[key] = value if parse is None else parse(value)
         except (TypeError, ValueError) as exc:
             raise MetadataError(f"metadata {key}={value!r} is invalid: {exc}") from None
     if free_form_field is not None:

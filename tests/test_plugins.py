@@ -483,6 +483,8 @@ def test_builtin_metadata_becomes_typed_values(monkeypatch: pytest.MonkeyPatch) 
     assert pm.kv_connectors.get("cpu_offload").info == KVConnectorInfo(roles=("both",))
     assert pm.grammar_backends.get("xgrammar").info.requires == ("xgrammar",)
     assert pm.platforms.get("cuda").info == PlatformInfo(device_type="cuda")
+    # None is "not given" (a default, not None where the default is a value)
+    assert build_info(AttentionCapabilities, {"requires": None, "max_head_size": None}) == AttentionCapabilities()
     # torch dtypes are read as their names
     assert build_info(AttentionCapabilities, {"dtypes": [torch.float16, "bfloat16"]}).dtypes == ("float16", "bfloat16")
 
