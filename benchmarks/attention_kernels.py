@@ -78,7 +78,8 @@ def make_inputs(case: Case, shape: Shape, dtype: torch.dtype, device: torch.devi
     value = torch.randn(num_tokens, shape.num_kv_heads, shape.head_size, generator=gen)
     positions = torch.arange(case.seq_len - case.query_len, case.seq_len).repeat(case.batch)
     reqs = torch.arange(case.batch).repeat_interleave(case.query_len)
-    slot_mapping = block_table[reqs, positions // shape.block_size].long() * shape.block_size + positions % shape.block_size
+    block_numbers = block_table[reqs, positions // shape.block_size].long()
+    slot_mapping = block_numbers * shape.block_size + positions % shape.block_size
     query_start_loc = torch.arange(case.batch + 1, dtype=torch.int32) * case.query_len
     seq_lens = torch.full((case.batch,), case.seq_len, dtype=torch.int32)
     metadata = AttentionMetadata(

@@ -252,7 +252,7 @@ async def send(client: httpx.AsyncClient, request: SoakRequest, timeout_s: float
     try:
         # NOTE: httpx timeouts bound each read, not the whole stream; this bounds the request.
         return await asyncio.wait_for(sender(client, request, start), timeout_s)
-    except (asyncio.TimeoutError, httpx.TimeoutException):
+    except (TimeoutError, httpx.TimeoutException):
         return Outcome(error="timeout", detail=f"{request.path} {request.tags}")
     except httpx.TransportError as exc:
         return Outcome(error=f"transport:{type(exc).__name__}", detail=str(exc)[:200])
@@ -394,8 +394,9 @@ def summarize_round(round_index: int, result: RoundResult, state: RoundState, be
     if errors:
         error_text += " (" + ", ".join(f"{kind}: {count}" for kind, count in sorted(errors.items())) + ")"
     row = (f"| {round_index} | {len(outcomes)} | {error_text} | {aborted} ({aborted_seqs}) | "
-           f"{state.aborts - before.aborts:.0f} | {percentile(latencies, 0.5):.2f} | {percentile(latencies, 0.99):.2f} | "
-           f"{running:.0f}/{waiting:.0f} | {kv_usage:.3f} | {_mb(state.rss[0])} | {_growth(state.rss[0], before.rss[0])} | "
+           f"{state.aborts - before.aborts:.0f} | {percentile(latencies, 0.5):.2f} | "
+           f"{percentile(latencies, 0.99):.2f} | {running:.0f}/{waiting:.0f} | {kv_usage:.3f} | "
+           f"{_mb(state.rss[0])} | {_growth(state.rss[0], before.rss[0])} | "
            f"{_mb(state.rss[1])} | {_growth(state.rss[1], before.rss[1])} | {result.wall_s:.1f} |")
     failures = []
     if errors:
@@ -404,7 +405,7 @@ def summarize_round(round_index: int, result: RoundResult, state: RoundState, be
         failures.append(f"round {round_index}: not idle {args.idle_timeout_s} s after the last request "
                         f"(running {running}, waiting {waiting}, KV usage {kv_usage})")
     if round_index > 1:  # round 1 is warm-up: allocator pools, grammar caches, lazy imports
-        for name, now, then in zip(("API", "engine"), state.rss, before.rss):
+        for name, now, then in zip(("API", "engine"), state.rss, before.rss, strict=True):
             if now is not None and then is not None and now - then > args.max_rss_growth_mb:
                 failures.append(f"round {round_index}: {name} RSS grew {now - then:.1f} MB "
                                 f"(> {args.max_rss_growth_mb} MB)")

@@ -34,7 +34,9 @@ def make_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int, 
     return [[rng.randrange(8, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_prompts)]
 
 
-def time_pagedllm(model_path: str, prompts: list[list[int]], num_new_tokens: int, reps: int) -> tuple[list[float], list]:
+def time_pagedllm(
+    model_path: str, prompts: list[list[int]], num_new_tokens: int, reps: int
+) -> tuple[list[float], list]:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(model=model_path, dtype="float32", max_num_seqs=256, max_num_batched_tokens=4096)
@@ -172,11 +174,11 @@ def main() -> None:
         seconds = statistics.median(results[engine]["times"])
         print(f"{label:<26}{seconds:>10.3f}{num_tokens / seconds:>12.1f}{base / seconds:>8.2f}")
     ours, theirs = results["pagedllm"]["tokens"], results["hf"]["tokens"]
-    same = sum(a == b for a, b in zip(ours, theirs))
+    same = sum(a == b for a, b in zip(ours, theirs, strict=True))
     print(f"identical greedy outputs (pagedllm vs HF): {same}/{len(ours)} "
           "(padding changes HF's float rounding, so a near-tie may differ)")
     if "vllm" in results:
-        same = sum(a == b for a, b in zip(ours, results["vllm"]["tokens"]))
+        same = sum(a == b for a, b in zip(ours, results["vllm"]["tokens"], strict=True))
         print(f"identical greedy outputs (pagedllm vs vLLM): {same}/{len(ours)}")
 
 

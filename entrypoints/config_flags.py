@@ -60,7 +60,8 @@ def add_engine_config_flags(parser: argparse.ArgumentParser, skip: frozenset[tup
         for key, field in model.model_fields.items():
             if (section, key) in skip:
                 continue
-            _add_field_flag(group, [_flag(names[(section, key)])], f"{_DEST_PREFIX}{section}__{key}", field, f"{section}.{key}")
+            dest = f"{_DEST_PREFIX}{section}__{key}"
+            _add_field_flag(group, [_flag(names[(section, key)])], dest, field, f"{section}.{key}")
 
 
 def engine_config_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

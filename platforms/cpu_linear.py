@@ -10,6 +10,7 @@ oneDNN op exists and agrees with F.linear; otherwise nothing changes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -35,8 +36,8 @@ def _onednn_linear_available() -> bool:
         return False
 
 
-def _prepacked_forward(module: nn.Linear):  # type: ignore[no-untyped-def]
-    packed_weight = module.packed_weight  # type: ignore[attr-defined]
+def _prepacked_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    packed_weight = module.packed_weight
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight, module.bias, "none", [], "")
@@ -55,7 +56,7 @@ def prepack_linear_layers(model: nn.Module) -> int:
         return 0
     with torch.no_grad():
         for module in linears:
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(  # type: ignore[attr-defined]
+            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
                 module.weight.detach(), _PACK_BATCH_HINT
             )
             module.forward = _prepacked_forward(module)  # type: ignore[method-assign]

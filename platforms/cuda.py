@@ -102,7 +102,7 @@ class CudaPlatform(Platform):
                 run()
         torch.cuda.current_stream(self.device_index).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool):  # type: ignore[arg-type]  # the interface keeps the pool opaque
             output = run()
         return graph.replay, output, graph.pool()
 

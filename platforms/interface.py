@@ -83,13 +83,15 @@ class Platform(ABC):
         """Whether `capture_graph` works here (CUDA graphs and the like)."""
         return False
 
-    def capture_graph(self, run: Callable[[], torch.Tensor], pool: object | None) -> tuple[Callable[[], None], torch.Tensor, object]:
+    def capture_graph(
+        self, run: Callable[[], torch.Tensor], pool: object | None
+    ) -> tuple[Callable[[], None], torch.Tensor, object]:
         """Record `run` once; returns (replay, its output tensor, the memory
         pool to share with the next capture). Replays re-read the inputs
         `run` read, in place."""
         raise NotImplementedError(f"{self.name} cannot capture graphs")
 
-    def optimize_model(self, model: torch.nn.Module) -> None:
+    def optimize_model(self, model: torch.nn.Module) -> None:  # noqa: B027 (optional: the default does nothing)
         """Device-specific preparation of a loaded model (weight prepacking,
         compilation). Must not change what the model computes beyond
         rounding. Default: nothing."""

@@ -19,7 +19,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError, PagedLLMError
@@ -254,7 +254,7 @@ async def run_benchmark(config: BenchServeConfig) -> BenchmarkResult:
         records = [RequestRecord(index=i, prompt_len=len(r.prompt_token_ids), output_len_requested=r.output_len)
                    for i, r in enumerate(requests)]
         progress = _progress_bar(len(requests), config.disable_tqdm)
-        started_at = datetime.now(timezone.utc).isoformat()
+        started_at = datetime.now(UTC).isoformat()
         bench_start = time.perf_counter()
 
         async def issue(index: int) -> None:
@@ -267,7 +267,7 @@ async def run_benchmark(config: BenchServeConfig) -> BenchmarkResult:
                                         headers, bench_start),
                         timeout=config.request_timeout_s,
                     )
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     record.error = f"timed out after {config.request_timeout_s:g} s"
                     record.success = False
             progress.update(1)
@@ -367,7 +367,7 @@ def _non_negative_int(value: str) -> int:
     return number
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``bench serve`` to the ``pagedllm`` command's subparsers."""
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
