@@ -77,7 +77,8 @@ def offload() -> list[dict[str, Any]]:
             _run(llm, [prompt], max_tokens=4)
         seconds = time.perf_counter() - started
         manager = core.kv_cache_manager
-        stats = core.kv_connector.stats if core.kv_connector is not None else None
+        kv_connector = core.scheduler.kv_connector
+        stats = kv_connector.stats if kv_connector is not None else None
         queries = sum(len(p) for p in workload)
         rows.append({
             "setup": label,

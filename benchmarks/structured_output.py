@@ -80,6 +80,7 @@ def time_steps(core, batch: int, structured: bool, steps: int) -> tuple[float, f
     # Until every request has its grammar and its prefill is done.
     while len(core.scheduler.running) < batch or any(r.num_output_tokens == 0 for r in core.scheduler.running):
         core.step()
+        core.wait_for_work()
     fill_time = 0.0
     times = []
     for _ in range(steps):
@@ -117,9 +118,9 @@ def main() -> None:
     from helpers.json_schemas import SCHEMAS
 
     from pagedllm.core.config import EngineConfig, StructuredOutputConfig
-    from pagedllm.core.engine import EngineCore
     from pagedllm.core.request import Request
     from pagedllm.core.sampling_params import SamplingParams, StructuredOutputsParams
+    from pagedllm.engine.builder import build_engine_core
     from pagedllm.engine.tokenizer import load_tokenizer
     from pagedllm.structured_output.interface import StructuredOutputKind
     from pagedllm.structured_output.manager import StructuredOutputManager
@@ -131,7 +132,7 @@ def main() -> None:
         vocab_size = len(tokenizer)
         config = EngineConfig.load(model={"model": str(model_dir), "dtype": "float32", "max_model_len": 1024},
                                    cache={"num_kv_blocks": 1024}, scheduler={"max_num_seqs": 64})
-        core = EngineCore(config)
+        core = build_engine_core(config)
         time_steps(core, 4, True, 4)  # warm-up (compiles the schema once)
         time_steps(core, 4, False, 4)
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pagedllm.core.scheduler import Scheduler
     from pagedllm.core.scheduler_output import SchedulerOutput
     from pagedllm.core.stats import SchedulerStats
+    from pagedllm.kv_connectors.base import KVConnectorBase
 
 # Longest an idle loop waits for a compiling grammar (the core's input loop
 # must stay responsive to aborts).
@@ -57,6 +58,12 @@ class EngineCore:
         # False after a step that ran nothing and finished nothing: every
         # unfinished request waits for its grammar (see wait_for_work).
         self.made_progress = True
+
+    @property
+    def kv_connector(self) -> KVConnectorBase | None:
+        """The KV connector the scheduler drives (None without kv_transfer);
+        plugin tests read its stats here."""
+        return self.scheduler.kv_connector
 
     # ---------------------------------------------------------------- intake
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from pagedllm.attention_backends.base import AttentionBackend
     from pagedllm.attention_backends.selector import BackendSelection
-    from pagedllm.core.config import EngineConfig
+    from pagedllm.core.config import EngineConfig, SpeculativeConfig
     from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.platforms.interface import Platform
     from pagedllm.plugins.manager import PluginManager
@@ -94,6 +94,9 @@ class _Target:
     facts: ModelFacts
     attn_backend: type[AttentionBackend]
     model: torch.nn.Module
+    # config.speculative with its model name resolved to a folder: drafters
+    # get a folder, whatever name the config gave.
+    speculative: SpeculativeConfig
 
     @property
     def num_layers(self) -> int:
@@ -167,7 +170,10 @@ def _load_target(
     platform.optimize_model(model)
     if config.device.compile_model:
         compile_outside_attention(model)
-    return _Target(config, platform, device, facts, attn_backend, model)
+    speculative = config.speculative
+    if speculative.model is not None:
+        speculative = speculative.model_copy(update={"model": resolve_model_path(speculative.model, plugin_manager)})
+    return _Target(config, platform, device, facts, attn_backend, model, speculative)
 
 
 # ---------------------------------------------------------------- sizing
@@ -183,7 +189,7 @@ def determine_num_blocks(target: _Target, drafter_cls: type[Drafter] | None) -> 
     bytes_per_block *= facts.dtype.itemsize
     if drafter_cls is not None:
         # A model drafter's cache has as many blocks as the target's.
-        bytes_per_block += drafter_cls.kv_cache_bytes_per_block(target.config.speculative, cache.block_size, facts.dtype)
+        bytes_per_block += drafter_cls.kv_cache_bytes_per_block(target.speculative, cache.block_size, facts.dtype)
     budget = cache.kv_cache_memory_bytes
     if budget is None:
         scheduler = target.config.scheduler
@@ -274,10 +280,7 @@ def _build_model_runner(
 
 
 def _build_drafter(target: _Target, drafter_cls: type[Drafter], num_blocks: int, max_model_len: int) -> Drafter:
-    speculative = target.config.speculative
-    if speculative.model is not None:
-        # The drafter gets a folder, whatever name the config gave its model.
-        speculative = speculative.model_copy(update={"model": resolve_model_path(speculative.model)})
+    speculative = target.speculative
     context = DrafterContext(
         target_model=target.model,
         attn_backend=target.attn_backend,
@@ -295,9 +298,9 @@ def _build_drafter(target: _Target, drafter_cls: type[Drafter], num_blocks: int,
 
 def _build_kv_connector(target: _Target, name: str) -> KVConnectorBase:
     transfer, facts = target.config.kv_transfer, target.facts
-    registry = get_plugin_manager().registry("kv_connector")
+    registry = get_plugin_manager().kv_connectors
     connector_cls = registry.load(name)  # UnknownComponentError lists the names
-    roles = registry.get(name).metadata.roles
+    roles = registry.get(name).info.roles
     if roles is not None and transfer.role not in roles:
         raise ConfigError("kv_transfer.role", transfer.role, f"{', '.join(roles)} for connector {name!r}")
     block_size = target.config.cache.block_size

@@ -190,7 +190,7 @@ def test_tiny_model_greedy_tokens_with_triton_forced_equal_torch_native() -> Non
         # A small token budget makes steps that mix prefill chunks with decodes.
         llm = LLM(model="tiny", dtype="float32", attention_backend=backend, num_kv_blocks=32,
                   max_num_batched_tokens=16, enable_chunked_prefill=True)
-        assert llm.engine_core.engine_core.attn_selection.name == backend
+        assert llm.engine_core.ready.attention_backend == backend
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert outputs["triton"] == outputs["torch_native"]
     assert all(len(tokens) == 12 for tokens in outputs["triton"])

@@ -32,6 +32,7 @@ from pagedllm.attention_backends.selector import select_attention_backend
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import AttentionBackendError, ConfigError
+from pagedllm.engine.builder import build_engine
 from pagedllm.entrypoints.cli import main as cli_main
 from pagedllm.platforms import resolve_platform
 from pagedllm.platforms.cpu import CpuPlatform
@@ -133,7 +134,7 @@ def test_gpt2_greedy_tokens_equal_transformers() -> None:
 
     path = cached_tiny_gpt2()
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
-    assert type(llm.engine_core.engine_core.model_runner.model) is GPT2LMHeadModel
+    assert type(llm.engine_core.engine_core.model_executor.model) is GPT2LMHeadModel
     outputs = llm.generate(PROMPTS, _greedy(10), use_tqdm=False)
     tokenizer = llm.get_tokenizer()
     for prompt, output in zip(PROMPTS, outputs):
@@ -235,7 +236,7 @@ def test_sdpa_generates_what_torch_native_generates(model: str) -> None:
     for backend in ("sdpa", "torch_native"):
         llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64, attention_backend=backend,
                   max_num_batched_tokens=16)
-        assert llm.engine_core.engine_core.attn_selection.name == backend
+        assert llm.engine_core.ready.attention_backend == backend
         results[backend] = llm.generate(PROMPTS, _greedy(8, logprobs=1), use_tqdm=False)
     for sdpa, native in zip(results["sdpa"], results["torch_native"]):
         assert sdpa.outputs[0].token_ids == native.outputs[0].token_ids
@@ -271,9 +272,9 @@ def test_config_file_selects_the_plugin_backend_and_model(tmp_path: Path) -> Non
     assert (config.device.attention_backend, config.model.model) == ("sdpa", str(gpt2))
 
     llm = LLM(config_file=str(config_file))
-    core = llm.engine_core.engine_core
-    assert core.attn_selection.backend_cls is SdpaBackend
-    assert type(core.model_runner.model) is GPT2LMHeadModel
+    runner = llm.engine_core.engine_core.model_executor
+    assert runner.attn_backend is SdpaBackend
+    assert type(runner.model) is GPT2LMHeadModel
     [output] = llm.generate([PROMPTS[0]], _greedy(6), use_tqdm=False)
     assert output.outputs[0].token_ids == transformers_greedy(gpt2, llm.get_tokenizer().encode(PROMPTS[0]), 6)
 
@@ -292,9 +293,8 @@ def test_example_platform_wins_auto_only_when_its_env_var_is_set(monkeypatch: py
     assert type(resolve_platform("auto")) is ExampleAcceleratorPlatform
     assert type(resolve_platform("cpu")) is CpuPlatform  # a named built-in is still honoured
     # The engine follows: its platform, its backend priority (sdpa first).
-    llm = LLM(model=str(cached_tiny_gpt2()), dtype="float32", num_kv_blocks=32)
-    core = llm.engine_core.engine_core
-    assert (core.platform.name, core.attn_selection.name) == ("example_accel", "sdpa")
+    parts = build_engine(EngineConfig.from_flat(model=str(cached_tiny_gpt2()), dtype="float32", num_kv_blocks=32))
+    assert (parts.platform.name, parts.attn_selection.name) == ("example_accel", "sdpa")
 
 
 class SecondAccelerator(CpuPlatform):

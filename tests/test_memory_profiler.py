@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm import LLM
+from pagedllm.core.config import EngineConfig
+from pagedllm.engine.builder import build_engine
 from pagedllm.platforms.cpu import DEFAULT_CPU_KV_CACHE_BYTES, CpuPlatform
 
 
@@ -17,15 +18,17 @@ def test_engine_sizes_the_pool_from_the_platform_budget_after_a_profile_run(monk
         return 3 * 1024 * 1024
 
     monkeypatch.setattr(CpuPlatform, "kv_cache_budget_bytes", budget)
-    llm = LLM(model="tiny", gpu_memory_utilization=0.5, max_num_batched_tokens=64, max_num_seqs=8)
-    core = llm.engine_core.engine_core
-    config = core.hf_config
-    bytes_per_block = 2 * config.num_hidden_layers * 16 * config.num_key_value_heads * core.head_size * core.dtype.itemsize
+    parts = build_engine(
+        EngineConfig.from_flat(model="tiny", gpu_memory_utilization=0.5, max_num_batched_tokens=64, max_num_seqs=8)
+    )
+    model = parts.model
+    config = model.hf_config
+    bytes_per_block = 2 * config.num_hidden_layers * 16 * config.num_key_value_heads * model.head_size * model.dtype.itemsize
     assert seen["utilization"] == 0.5
-    assert core.kv_cache_manager.num_blocks == 3 * 1024 * 1024 // bytes_per_block
+    assert parts.engine_core.kv_cache_manager.num_blocks == 3 * 1024 * 1024 // bytes_per_block
     # The throwaway cache is gone; the real one is bound.
-    layers = core.model_runner.model.get_attention_layers()
-    assert all(layer.kv_cache is kv for layer, kv in zip(layers, core.model_runner.kv_caches))
+    layers = parts.model_runner.model.get_attention_layers()
+    assert all(layer.kv_cache is kv for layer, kv in zip(layers, parts.model_runner.kv_caches))
 
 
 def test_cpu_budget_is_the_fixed_default() -> None:
@@ -35,11 +38,11 @@ def test_cpu_budget_is_the_fixed_default() -> None:
 def test_profile_run_unbinds_its_throwaway_cache() -> None:
     from pagedllm.worker.memory_profiler import profile_run
 
-    llm = LLM(model="tiny", num_kv_blocks=8)
-    core = llm.engine_core.engine_core
-    model = core.model_runner.model
+    parts = build_engine(EngineConfig.from_flat(model="tiny", num_kv_blocks=8))
+    model = parts.model_runner.model
     for layer in model.get_attention_layers():
         layer.kv_cache = None
-    profile_run(model, core.attn_selection.backend_cls, num_tokens=40, num_logit_rows=4, block_size=16,
-                num_kv_heads=core.num_kv_heads, head_size=core.head_size, dtype=core.dtype, device=core.device)
+    facts = parts.model
+    profile_run(model, parts.attn_selection.backend_cls, num_tokens=40, num_logit_rows=4, block_size=16,
+                num_kv_heads=facts.num_kv_heads, head_size=facts.head_size, dtype=facts.dtype, device=parts.device)
     assert all(layer.kv_cache is None for layer in model.get_attention_layers())

@@ -112,19 +112,18 @@ def _token_ids(outputs: list) -> list[list[int]]:
 def test_plugin_backend_and_model_are_what_llm_runs(counting_plugin: CountingPlugin, tmp_path: Path) -> None:
     path = _checkpoint_with_architecture(tmp_path, ARCHITECTURE)
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, attention_backend=BACKEND_NAME)
-    core = llm.engine_core.engine_core
-    assert core.attn_selection.name == BACKEND_NAME
-    assert core.attn_selection.backend_cls is CountingBackend
-    assert type(core.model_runner.model) is CountingLlamaForCausalLM
+    runner = llm.engine_core.engine_core.model_executor
+    assert llm.engine_core.ready.attention_backend == BACKEND_NAME
+    assert runner.attn_backend is CountingBackend
+    assert type(runner.model) is CountingLlamaForCausalLM
 
     outputs = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
     assert CountingBackend.num_forward_calls > 0
 
     # Same weights through the built-in architecture and backend: same tokens.
     plain = LLM(model=str(_llama_path()), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS)
-    plain_core = plain.engine_core.engine_core
-    assert plain_core.attn_selection.name == "torch_native"
-    assert type(plain_core.model_runner.model) is LlamaForCausalLM
+    assert plain.engine_core.ready.attention_backend == "torch_native"
+    assert type(plain.engine_core.engine_core.model_executor.model) is LlamaForCausalLM
     calls_before_plain = CountingBackend.num_forward_calls
     assert _token_ids(outputs) == _token_ids(plain.generate(PROMPTS, _greedy(), use_tqdm=False))
     assert CountingBackend.num_forward_calls == calls_before_plain  # the plain engine never used it
@@ -134,7 +133,7 @@ def test_plugin_backend_is_auto_selected_only_when_named(counting_plugin: Counti
     # Registered with torch_native's metadata, but auto selection follows the
     # platform's own priority list.
     llm = LLM(model=str(_llama_path()), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS)
-    assert llm.engine_core.engine_core.attn_selection.name == "torch_native"
+    assert llm.engine_core.ready.attention_backend == "torch_native"
 
 
 def test_architecture_unknown_without_the_plugin(tmp_path: Path) -> None:
@@ -155,8 +154,9 @@ def test_installed_test_distribution_backend_and_model_are_usable(tmp_path: Path
     assert pm.registry("attention_backend").get("test_echo").source == source
     assert pm.registry("model").get("TestEchoForCausalLM").source == source
     core = llm.engine_core.engine_core
-    assert core.attn_selection.backend_cls is TestEchoBackend
-    assert type(core.model_runner.model) is TestEchoForCausalLM
+    runner = core.model_executor
+    assert runner.attn_backend is TestEchoBackend
+    assert type(runner.model) is TestEchoForCausalLM
 
     calls_before = TestEchoBackend.num_forward_calls
     outputs = llm.generate(PROMPTS, _greedy(5), use_tqdm=False)

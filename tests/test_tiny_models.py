@@ -77,7 +77,7 @@ def test_alias_works_as_a_tokenizer_path_and_in_a_config_file(tmp_path: Path) ->
     config_file = tmp_path / "engine.yaml"
     config_file.write_text("model:\n  model: tiny-draft\n  tokenizer: tiny\n")
     llm = LLM(config_file=str(config_file), num_kv_blocks=16)
-    assert str(llm.engine_core.engine_core.model_path) == str(DRAFT_DIR)
+    assert llm.engine_core.ready.model_path == str(DRAFT_DIR)
     assert llm.get_tokenizer().name_or_path == str(TARGET_DIR)
     assert EngineConfig.from_flat(config_file=str(config_file)).model.model == "tiny-draft"
 
@@ -197,7 +197,7 @@ def test_hf_transformers_and_pagedllm_greedy_tokens_match(llm: LLM) -> None:
 
 def test_llm_without_a_model_uses_pagedllm_tiny() -> None:
     default = LLM(num_kv_blocks=16)
-    assert str(default.engine_core.engine_core.model_path) == str(TARGET_DIR)
+    assert default.engine_core.ready.model_path == str(TARGET_DIR)
     (output,) = default.generate(["def main():\n"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 4
 

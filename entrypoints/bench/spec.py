@@ -33,15 +33,9 @@ CHAT_QUESTIONS = [
     "What is the difference between a list and a tuple?",
     "Show me how to use argparse.",
 ]
-# Shipped drafter models per method (the tiny family).
+# Shipped drafter models per method (the tiny family), by their model-source
+# names (the engine resolves them).
 DEFAULT_DRAFTER_MODELS = {"draft_model": "tiny-draft", "eagle": "tiny-eagle"}
-
-
-def _default_drafter_model(method: str) -> str:
-    from pagedllm.model_registry.tiny import MODEL_ALIASES, WEIGHTS_DIR
-
-    alias = DEFAULT_DRAFTER_MODELS[method]
-    return alias if alias in MODEL_ALIASES else str(WEIGHTS_DIR / ("pagedllm-" + alias))
 
 
 @dataclass
@@ -100,9 +94,9 @@ def _speculative_config(method: str, args: argparse.Namespace) -> dict[str, Any]
     if method == "ngram":
         config.update(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
     elif method == "draft_model":
-        config["model"] = args.draft_model or _default_drafter_model("draft_model")
+        config["model"] = args.draft_model or DEFAULT_DRAFTER_MODELS["draft_model"]
     elif method == "eagle":
-        config["model"] = args.eagle_model or _default_drafter_model("eagle")
+        config["model"] = args.eagle_model or DEFAULT_DRAFTER_MODELS["eagle"]
     elif args.speculative_model:
         config["model"] = args.speculative_model
     return config
