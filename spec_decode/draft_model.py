@@ -8,7 +8,7 @@ the previous one at the next position (spec_decode/model_drafter.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ from pagedllm.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
     from pagedllm.core.config import SpeculativeConfig
+    from pagedllm.model_registry.interface import ModelForCausalLM
     from pagedllm.spec_decode.interface import DrafterContext, DraftInputs, TargetStep
 
 
@@ -38,10 +39,10 @@ class DraftModelDrafter(ModelDrafter):
                 f"this one has {hf_config.vocab_size})",
             )
         model_cls = get_plugin_manager().models.load(get_architecture(hf_config))
-        self.model = load_model(
+        self.model = cast("ModelForCausalLM", load_model(
             path, model_cls=model_cls, attn_backend=context.attn_backend, dtype=context.dtype,
             device=context.device, hf_config=hf_config,
-        )
+        ))
         self.kv_caches = self._allocate_kv_caches(self.model)
 
     def _catch_up(self, inputs: DraftInputs, step: TargetStep) -> DraftStart | None:

@@ -23,7 +23,7 @@ geometry, addressed by the same block tables, and mirrors every target row.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -39,6 +39,8 @@ from pagedllm.worker.input_batch import InputBatch
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend, AttentionMetadata
     from pagedllm.core.config import SpeculativeConfig
+    from pagedllm.model_registry.interface import ModelForCausalLM
+    from pagedllm.model_registry.layers.attention import Attention
     from pagedllm.spec_decode.interface import DrafterContext, DraftInputs, TargetStep
 
 # Checkpoint entries that belong to the target (the head shares them).
@@ -50,13 +52,14 @@ class EagleHead(nn.Module):
         super().__init__()
         hidden_size = hf_config.hidden_size
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=bool(getattr(hf_config, "bias", False)))
-        self.layers = nn.ModuleList(
+        layers = [
             LlamaDecoderLayer(hf_config, LlamaFlags(), i, attn_backend) for i in range(hf_config.num_hidden_layers)
-        )
+        ]
         # NOTE: EAGLE drops the first layer's input norm (its input is built
         # from the target's already normalized features).
-        self.layers[0].input_layernorm = nn.Identity()
-        head_dim = self.layers[0].self_attn.head_dim
+        layers[0].add_module("input_layernorm", nn.Identity())
+        self.layers = nn.ModuleList(layers)
+        head_dim = layers[0].self_attn.head_dim
         self.rotary_emb = RotaryEmbedding(head_dim, hf_config.max_position_embeddings, get_rope_parameters(hf_config))
         self.to(dtype)
 
@@ -73,8 +76,8 @@ class EagleHead(nn.Module):
             x = layer(x, cos, sin, attn_metadata)
         return x
 
-    def get_attention_layers(self) -> list[Any]:
-        return [layer.self_attn.attn for layer in self.layers]
+    def get_attention_layers(self) -> list[Attention]:
+        return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.layers]
 
     def load_checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]], model_path: str) -> None:
         """Strict: every parameter loaded, nothing unknown (shared and absent
@@ -114,7 +117,8 @@ class EagleDrafter(ModelDrafter):
         embed = getattr(getattr(target, "model", None), "embed_tokens", None)
         if embed is None or not hasattr(target, "compute_logits"):
             raise ConfigError(
-                "speculative.method", "eagle", "a target model with model.embed_tokens and compute_logits (Llama family)"
+                "speculative.method", "eagle",
+                "a target model with model.embed_tokens and compute_logits (Llama family)",
             )
         if hf_config.hidden_size != embed.embedding_dim:
             raise ConfigError(
@@ -122,7 +126,7 @@ class EagleDrafter(ModelDrafter):
                 f"an EAGLE head for hidden size {embed.embedding_dim} (this one has {hf_config.hidden_size})",
             )
         self.embed_tokens = embed
-        self.target = target
+        self.target = cast("ModelForCausalLM", target)
         with torch.device(context.device):
             self.head = EagleHead(hf_config, context.attn_backend, dtype=context.dtype)
         self.head.load_checkpoint(iterate_safetensors(path), path)

@@ -28,7 +28,7 @@ import torch
 from pagedllm.core.errors import ConfigError
 from pagedllm.spec_decode.interface import Drafter, DrafterContext, DraftInputs, DraftOutput, TargetStep
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.kv_cache import allocate_kv_caches
+from pagedllm.worker.kv_cache import PagedModule, allocate_kv_caches
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionMetadata
@@ -112,10 +112,10 @@ class ModelDrafter(Drafter):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed one draft per request: (logits of the next draft, what the next step feeds back)."""
 
-    def _allocate_kv_caches(self, model: torch.nn.Module) -> list[torch.Tensor]:
+    def _allocate_kv_caches(self, model: PagedModule) -> list[torch.Tensor]:
         """The drafter's own KV cache, with the target's block geometry: the
         same block ids address both."""
-        layer = model.get_attention_layers()[0]  # type: ignore[operator]
+        layer = model.get_attention_layers()[0]
         context = self.context
         return allocate_kv_caches(
             model, context.attn_backend, num_blocks=context.num_blocks, block_size=context.block_size,
@@ -181,10 +181,10 @@ class ModelDrafter(Drafter):
     def _draft_sampling(self, inputs: DraftInputs) -> DraftSampling:
         device = self.context.device
         is_greedy = [p.temperature < 1e-5 for p in inputs.sampling_params]
-        temperatures = [1.0 if g else p.temperature for p, g in zip(inputs.sampling_params, is_greedy)]
+        temperatures = [1.0 if g else p.temperature for p, g in zip(inputs.sampling_params, is_greedy, strict=True)]
         seeds = [
             None if greedy or params.seed is None else (params.seed, len(tokens))
-            for params, greedy, tokens in zip(inputs.sampling_params, is_greedy, inputs.token_ids)
+            for params, greedy, tokens in zip(inputs.sampling_params, is_greedy, inputs.token_ids, strict=True)
         ]
         return DraftSampling(
             temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),

@@ -61,7 +61,7 @@ def test_shared_embedding_copy_is_ignored_and_a_missing_weight_is_named(head_dir
     save_file(with_embedding, str(tmp_path / "model.safetensors"))
     _paged_head(tmp_path)  # loads: the target's embedding is used
     save_file({k: v for k, v in weights.items() if k != "fc.weight"}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match="fc.weight"):
+    with pytest.raises(ModelLoadError, match=r"fc\.weight"):
         _paged_head(tmp_path)
 
 

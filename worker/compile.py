@@ -19,5 +19,5 @@ def compile_outside_attention(model: torch.nn.Module, backend: str = "inductor")
     for module in model.modules():
         if isinstance(module, Attention):
             module.forward = torch.compiler.disable(module.forward)  # type: ignore[method-assign]
-    model.forward = torch.compile(model.forward, dynamic=True, backend=backend)  # type: ignore[method-assign]
+    model.forward = torch.compile(model.forward, dynamic=True, backend=backend)
     return model

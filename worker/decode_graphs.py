@@ -25,6 +25,7 @@ from pagedllm.attention_backends.base import AttentionMetadata
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
+    from pagedllm.model_registry.interface import ModelForCausalLM
     from pagedllm.platforms.interface import Platform
     from pagedllm.worker.input_batch import InputBatch
 
@@ -42,7 +43,7 @@ def default_graph_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: ModelForCausalLM,
         attn_backend: type[AttentionBackend],
         platform: Platform,
         *,

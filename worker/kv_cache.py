@@ -8,16 +8,24 @@ block tables) and the memory profiler's throwaway cache all come through
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
+    from pagedllm.model_registry.layers.attention import Attention
+
+
+class PagedModule(Protocol):
+    """A model (or a drafter's head) whose attention layers hold a paged KV cache."""
+
+    def get_attention_layers(self) -> Sequence[Attention]: ...
 
 
 def allocate_kv_caches(
-    model: torch.nn.Module,
+    model: PagedModule,
     attn_backend: type[AttentionBackend],
     *,
     num_blocks: int,
@@ -31,14 +39,14 @@ def allocate_kv_caches(
     each bound to its layer (`layer.kv_cache`), shaped by the backend."""
     shape = attn_backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
     kv_caches: list[torch.Tensor] = []
-    for layer in model.get_attention_layers():  # type: ignore[operator]
+    for layer in model.get_attention_layers():
         kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         layer.kv_cache = kv_cache
         kv_caches.append(kv_cache)
     return kv_caches
 
 
-def unbind_kv_caches(model: torch.nn.Module) -> None:
+def unbind_kv_caches(model: PagedModule) -> None:
     """Detach every attention layer of `model` from its KV tensor."""
-    for layer in model.get_attention_layers():  # type: ignore[operator]
+    for layer in model.get_attention_layers():
         layer.kv_cache = None

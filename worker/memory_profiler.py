@@ -18,11 +18,12 @@ from pagedllm.worker.kv_cache import allocate_kv_caches, unbind_kv_caches
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
+    from pagedllm.model_registry.interface import ModelForCausalLM
 
 
 @torch.inference_mode()
 def profile_run(
-    model: torch.nn.Module,
+    model: ModelForCausalLM,
     attn_backend: type[AttentionBackend],
     *,
     num_tokens: int,

@@ -29,6 +29,7 @@ from pagedllm.worker.sampler import (
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
     from pagedllm.kv_connectors.base import KVConnectorBase, KVConnectorMetadata
+    from pagedllm.model_registry.interface import ModelForCausalLM
     from pagedllm.spec_decode.interface import Drafter
     from pagedllm.worker.decode_graphs import DecodeGraphRunner
 
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: ModelForCausalLM,
         attn_backend: type[AttentionBackend],
         kv_caches: list[torch.Tensor],
         *,
@@ -141,7 +142,8 @@ class ModelRunner:
         block_table = block_table_from_ids([s.block_ids for s in states])
         batch = InputBatch.from_computed(num_computed, num_scheduled, block_table, self.block_size)
         input_ids: list[int] = []
-        for state, request_drafts, start, count in zip(states, drafts, num_computed.tolist(), num_scheduled.tolist()):
+        starts, counts = num_computed.tolist(), num_scheduled.tolist()
+        for state, request_drafts, start, count in zip(states, drafts, starts, counts, strict=True):
             input_ids.extend(state.token_ids[start : start + count - len(request_drafts)])
             input_ids.extend(request_drafts)
         return batch, torch.tensor(input_ids, dtype=torch.long, device=self.device)
@@ -150,16 +152,16 @@ class ModelRunner:
         self, input_ids: torch.Tensor, batch: InputBatch, connector_metadata: KVConnectorMetadata | None
     ) -> torch.Tensor:
         """Hidden states [T, hidden]; the KV connector loads before, saves after."""
-        connector = self.kv_connector if connector_metadata is not None else None
-        if connector is not None:
-            connector.start_load_kv(connector_metadata)
-            for layer_index in range(len(self.kv_caches)):
-                connector.wait_for_layer_load(layer_index)
+        connector = self.kv_connector
+        if connector is None or connector_metadata is None:
+            return self._forward(input_ids, batch)
+        connector.start_load_kv(connector_metadata)
+        for layer_index in range(len(self.kv_caches)):
+            connector.wait_for_layer_load(layer_index)
         hidden_states = self._forward(input_ids, batch)
-        if connector is not None:
-            for layer_index, kv_cache in enumerate(self.kv_caches):
-                connector.save_kv_layer(layer_index, kv_cache, connector_metadata)
-            connector.wait_for_save()
+        for layer_index, kv_cache in enumerate(self.kv_caches):
+            connector.save_kv_layer(layer_index, kv_cache, connector_metadata)
+        connector.wait_for_save()
         return hidden_states
 
     def _forward(self, input_ids: torch.Tensor, batch: InputBatch) -> torch.Tensor:
@@ -184,7 +186,7 @@ class ModelRunner:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         drafts = [spec_tokens.get(state.req_id, []) for state in sampling_states]
         logits_indices: list[int] = []
-        for row, request_drafts in zip(sampling_rows, drafts):
+        for row, request_drafts in zip(sampling_rows, drafts, strict=True):
             end = int(batch.query_start_loc[row + 1])
             logits_indices.extend(range(end - 1 - len(request_drafts), end))
         raw_logits = self.model.compute_logits(hidden_states[torch.tensor(logits_indices, device=self.device)])
@@ -228,7 +230,7 @@ class ModelRunner:
     def _record_sampled(
         sampling_states: list[CachedRequestState], sampled: SampledTokens, output: ModelRunnerOutput
     ) -> None:
-        for i, (state, token_ids) in enumerate(zip(sampling_states, sampled.token_ids)):
+        for i, (state, token_ids) in enumerate(zip(sampling_states, sampled.token_ids, strict=True)):
             state.token_ids.extend(token_ids)
             state.output_token_ids.extend(token_ids)
             output.sampled_token_ids[state.req_id] = token_ids
@@ -263,7 +265,7 @@ class ModelRunner:
             hidden_states=hidden_states,
             num_rejected=num_rejected,
             next_token_ids=np.array(
-                [state.token_ids[int(p)] for state, p in zip(states, next_positions)], dtype=np.int64
+                [state.token_ids[int(p)] for state, p in zip(states, next_positions, strict=True)], dtype=np.int64
             ),
         )
 
@@ -285,7 +287,7 @@ class ModelRunner:
             )
         )
         all_probs = draft_output.draft_probs
-        for i, (state, draft_token_ids) in enumerate(zip(sampling_states, draft_output.draft_token_ids)):
+        for i, (state, draft_token_ids) in enumerate(zip(sampling_states, draft_output.draft_token_ids, strict=False)):
             state.draft_probs = all_probs[i] if all_probs is not None else None
             if draft_token_ids:
                 output.spec_token_ids[state.req_id] = list(draft_token_ids)

@@ -45,7 +45,7 @@ class SampledTokens(NamedTuple):
 def to_logprob_entries(tensors: LogprobsTensors) -> list[LogprobEntry]:
     """One entry per row of `tensors`."""
     token_ids, logprobs, ranks = tensors.tolists()
-    return [LogprobEntry(t, l, r) for t, l, r in zip(token_ids, logprobs, ranks)]
+    return [LogprobEntry(*entry) for entry in zip(token_ids, logprobs, ranks, strict=True)]
 
 
 @dataclass
@@ -113,7 +113,7 @@ class SamplingMetadata:
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
-        temperature = floats([1.0 if g else p.temperature for p, g in zip(params, is_greedy_list)])
+        temperature = floats([1.0 if g else p.temperature for p, g in zip(params, is_greedy_list, strict=True)])
         top_k, top_p, min_p = _truncation_tensors(params, vocab_size, device)
 
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
@@ -343,8 +343,8 @@ class Sampler(nn.Module):
             # Out of place: the caller may still read the raw logits (logprobs).
             logits = logits.index_put((bias_rows, bias_token_ids), biases, accumulate=True)
         if metadata.min_tokens_mask is not None:
-            rows, token_ids = metadata.min_tokens_mask
-            logits = logits.index_put((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
+            mask_rows, mask_token_ids = metadata.min_tokens_mask
+            logits = logits.index_put((mask_rows, mask_token_ids), torch.tensor(float("-inf"), device=logits.device))
         return apply_penalties(logits, metadata)
 
     @staticmethod
