@@ -6,14 +6,13 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedllm.core.kv_cache.hashing import BlockHash
-    from pagedllm.core.request import Request
+    from pagedllm.core.request import BlockHash, Request
 
 
 class KVCacheBlock:
     """One physical block: `block_size` token slots in every layer's KV tensor."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block")
+    __slots__ = ("block_hash", "block_id", "next_free_block", "prev_free_block", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
