@@ -80,7 +80,7 @@ def _row_sampling_metadata(
     outputs: list[list[int]] = []
     eos_ids: list[int | None] = []
     row_generators: dict[int, torch.Generator] = {}
-    for state, request_drafts in zip(requests, drafts):
+    for state, request_drafts in zip(requests, drafts, strict=True):
         prompt = state.token_ids[: state.num_prompt_tokens]
         request_params = state.sampling_params
         # Only penalties and min_tokens read the output ids: skip the copies otherwise.
@@ -116,7 +116,7 @@ def _draft_probs(
     device = target_probs.device
     draft_probs = torch.zeros_like(target_probs)
     row_start = layout.row_start.tolist()
-    for i, (state, request_drafts) in enumerate(zip(requests, drafts)):
+    for i, (state, request_drafts) in enumerate(zip(requests, drafts, strict=True)):
         n = len(request_drafts)
         if not n:
             continue
