@@ -37,6 +37,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pagedllm.attention_backends.base import STANDARD_KV_CACHE_LAYOUT, KVCacheLayout
+# NOTE: defined beside SchedulerOutput, which carries it; the plugin API (1.0)
+# names it here, so connectors keep importing it from this module.
+from pagedllm.core.scheduler_output import KVConnectorMetadata as KVConnectorMetadata
 
 if TYPE_CHECKING:
     import torch
@@ -85,12 +88,6 @@ class KVConnectorContext:
     # The attention backend's: connectors read and write blocks through it
     # (kv_connectors/block_io.py), never assuming the cache's shape.
     kv_cache_layout: KVCacheLayout = STANDARD_KV_CACHE_LAYOUT
-
-
-@dataclass
-class KVConnectorMetadata:
-    """What the scheduler side hands the worker side for one step; each
-    connector subclasses it."""
 
 
 @dataclass
