@@ -123,7 +123,11 @@ class ModelRunner:
         ]
         sampling_states = [states[row] for row in sampling_rows]
         if sampling_rows:
-            sampled = self._sample_or_verify(scheduler_output, hidden_states, batch, sampling_rows, sampling_states)
+            sampled = (
+                self._sample(scheduler_output, hidden_states, batch, sampling_rows, sampling_states)
+                if self.drafter is None
+                else self._verify(scheduler_output, hidden_states, batch, sampling_rows, sampling_states, drafts)
+            )
             self._record_sampled(sampling_states, sampled, output)
         if self.drafter is not None:
             # NOTE: called even when nothing sampled: a model drafter mirrors
@@ -169,24 +173,23 @@ class ModelRunner:
             return self.graph_runner.run(input_ids, batch)
         return self.model(input_ids, *batch.to_device(self.attn_backend, self.block_size, self.device))
 
-    def _sample_or_verify(
+    def _verify(
         self,
         scheduler_output: SchedulerOutput,
         hidden_states: torch.Tensor,
         batch: InputBatch,
         sampling_rows: list[int],
         sampling_states: list[CachedRequestState],
+        drafts: list[list[int]],
     ) -> SampledTokens:
-        if self.drafter is None:
-            return self._sample(scheduler_output, hidden_states, batch, sampling_rows, sampling_states)
-        # With a drafter: score all 1 + n positions and keep the accepted
-        # prefix, also for steps without drafts, so that a seeded request
-        # draws its random numbers the same way whatever the batch around it
-        # drafted (it would not if this step used the plain sampler).
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        drafts = [spec_tokens.get(state.req_id, []) for state in sampling_states]
+        """With a drafter: score all 1 + n positions and keep the accepted
+        prefix, also for steps without drafts, so that a seeded request
+        draws its random numbers the same way whatever the batch around it
+        drafted (it would not if this step used the plain sampler).
+        `drafts`: every scheduled request's, in batch order."""
+        sampling_drafts = [drafts[row] for row in sampling_rows]
         logits_indices: list[int] = []
-        for row, request_drafts in zip(sampling_rows, drafts, strict=True):
+        for row, request_drafts in zip(sampling_rows, sampling_drafts, strict=True):
             end = int(batch.query_start_loc[row + 1])
             logits_indices.extend(range(end - 1 - len(request_drafts), end))
         raw_logits = self.model.compute_logits(hidden_states[torch.tensor(logits_indices, device=self.device)])
@@ -194,7 +197,7 @@ class ModelRunner:
             self.sampler,
             raw_logits.float(),
             sampling_states,
-            drafts,
+            sampling_drafts,
             grammar_bitmask=_grammar_rows(scheduler_output, sampling_states, all_positions=True),
             default_generator=self.generator,
         )
