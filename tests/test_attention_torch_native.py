@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.attention_case import build_case, run_backend
+
 from pagedllm.attention_backends.base import AttentionMetadata
 from pagedllm.attention_backends.torch_native import TorchNativeBackend, build_batch_plan
 

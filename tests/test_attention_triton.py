@@ -10,8 +10,8 @@ import os
 
 import pytest
 import torch
-
 from helpers.attention_case import DEVICE, build_case, run_backend
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
 

@@ -121,7 +121,9 @@ def test_env_json_on_simulated_hopper_with_flash_attn(
     assert (payload["attention_backend"], payload["rejected"], payload["dtype"]) == ("flash_attn", {}, "bfloat16")
 
 
-def test_env_text_prints_decision_and_reasons(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_env_text_prints_decision_and_reasons(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     simulate_device(monkeypatch, (8, 0), installed=("triton",))
     assert main(["env"]) == 0
     out = capsys.readouterr().out

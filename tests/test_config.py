@@ -105,7 +105,9 @@ def test_unknown_key_in_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         EngineConfig.load(path)
     assert info.value.key == "device.backend"
-    assert info.value.allowed == "known keys platform, attention_backend, enforce_eager, cuda_graph_sizes, compile_model"
+    assert info.value.allowed == (
+        "known keys platform, attention_backend, enforce_eager, cuda_graph_sizes, compile_model"
+    )
 
 
 def test_bad_literal_names_key_path_and_allowed_values(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,7 +182,8 @@ def test_from_flat_maps_vllm_names_to_sections(tmp_path: Path) -> None:
     d = c.to_dict()
     assert d["model"] == {"model": "/models/x", "tokenizer": None, "dtype": "float16", "max_model_len": 512,
                           "seed": 3, "architecture": None}
-    assert (d["cache"]["block_size"], d["cache"]["num_kv_blocks"], d["cache"]["enable_prefix_caching"]) == (32, 64, False)
+    cache = d["cache"]
+    assert (cache["block_size"], cache["num_kv_blocks"], cache["enable_prefix_caching"]) == (32, 64, False)
     assert (d["scheduler"]["max_num_seqs"], d["scheduler"]["max_num_batched_tokens"]) == (4, 256)
     assert d["scheduler"]["scheduling_policy"] == "priority"
     assert d["device"] == {"platform": "auto", "attention_backend": "torch_native", "enforce_eager": False,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.worker.decode_graphs import default_graph_sizes
 from pagedllm.platforms.cpu import CpuPlatform
+from pagedllm.worker.decode_graphs import default_graph_sizes
 
 PROMPTS = ["def main():\n", "import os\n", "class Stack:\n    def push(self, item):\n"]
 

@@ -13,8 +13,8 @@ import random
 
 import pytest
 import torch
-
 from helpers.tiny_models import cached_tiny_model
+
 from pagedllm import LLM, SamplingParams
 
 NUM_NEW_TOKENS = 64
@@ -83,7 +83,7 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list:
 
 
 def _assert_matches_hf(arch: str, prompts: list[list[int]], outputs: list) -> None:
-    for prompt, output in zip(prompts, outputs):
+    for prompt, output in zip(prompts, outputs, strict=True):
         assert output.prompt_token_ids == prompt
         assert list(output.outputs[0].token_ids) == hf_greedy(arch, prompt)
         assert output.outputs[0].finish_reason == "length"

@@ -16,16 +16,16 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 import torch
-
 from helpers.server import start_server
 from helpers.tiny_gpt2 import cached_tiny_gpt2, transformers_greedy
 from helpers.tiny_models import cached_tiny_model
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention_backends.base import AttentionMetadata
 from pagedllm.attention_backends.selector import select_attention_backend
@@ -137,7 +137,7 @@ def test_gpt2_greedy_tokens_equal_transformers() -> None:
     assert type(llm.engine_core.engine_core.model_executor.model) is GPT2LMHeadModel
     outputs = llm.generate(PROMPTS, _greedy(10), use_tqdm=False)
     tokenizer = llm.get_tokenizer()
-    for prompt, output in zip(PROMPTS, outputs):
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert output.outputs[0].token_ids == transformers_greedy(path, tokenizer.encode(prompt), 10)
 
 
@@ -164,7 +164,7 @@ def _batch(shapes: list[tuple[int, int]], skip_rows: tuple[int, ...] = ()) -> At
     blocks_needed = [-(-seq_len // BLOCK_SIZE) for seq_len, _ in shapes]
     pool = torch.randperm(sum(blocks_needed), generator=generator).tolist()
     block_tables, slots, query_start_loc = [], [], [0]
-    for (seq_len, query_len), num_blocks in zip(shapes, blocks_needed):
+    for (seq_len, query_len), num_blocks in zip(shapes, blocks_needed, strict=True):
         blocks, pool = pool[:num_blocks], pool[num_blocks:]
         block_tables.append(blocks)
         for pos in range(seq_len - query_len, seq_len):
@@ -199,7 +199,8 @@ def _attend(backend: type, metadata: AttentionMetadata, num_heads: int, num_kv_h
     v = torch.randn(num_tokens, num_kv_heads, head_size, generator=generator)
     num_blocks = int(metadata.block_table.max()) + 1
     # Cached context: whatever earlier steps left in the pool.
-    kv_cache = torch.randn(backend.get_kv_cache_shape(num_blocks, BLOCK_SIZE, num_kv_heads, head_size), generator=generator)
+    kv_cache_shape = backend.get_kv_cache_shape(num_blocks, BLOCK_SIZE, num_kv_heads, head_size)
+    kv_cache = torch.randn(kv_cache_shape, generator=generator)
     impl = backend.get_impl_cls()(num_heads, head_size, head_size**-0.5, num_kv_heads)
     out = impl.forward(q, k, v, kv_cache, backend.build_metadata(metadata, BLOCK_SIZE))
     return out, kv_cache
@@ -238,7 +239,7 @@ def test_sdpa_generates_what_torch_native_generates(model: str) -> None:
                   max_num_batched_tokens=16)
         assert llm.engine_core.ready.attention_backend == backend
         results[backend] = llm.generate(PROMPTS, _greedy(8, logprobs=1), use_tqdm=False)
-    for sdpa, native in zip(results["sdpa"], results["torch_native"]):
+    for sdpa, native in zip(results["sdpa"], results["torch_native"], strict=True):
         assert sdpa.outputs[0].token_ids == native.outputs[0].token_ids
         assert sdpa.outputs[0].cumulative_logprob == pytest.approx(native.outputs[0].cumulative_logprob, abs=1e-4)
 

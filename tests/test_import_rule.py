@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from helpers.import_graph import (
     Import,
     ImportCycle,

@@ -12,7 +12,8 @@ HASHER = get_request_block_hasher(4, get_hash_fn("sha256"))
 
 
 def make_hashed_request(request_id: str, token_ids: list[int]) -> Request:
-    request = Request(request_id, token_ids, SimpleNamespace(prompt_logprobs=None, structured_outputs=None), eos_token_id=None)
+    params = SimpleNamespace(prompt_logprobs=None, structured_outputs=None)
+    request = Request(request_id, token_ids, params, eos_token_id=None)
     HASHER(request)
     return request
 

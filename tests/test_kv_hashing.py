@@ -23,7 +23,8 @@ SHA256 = get_hash_fn("sha256")
 
 
 def make_request(request_id: str, token_ids: list[int], **kwargs: object) -> Request:
-    return Request(request_id, token_ids, SimpleNamespace(prompt_logprobs=None, structured_outputs=None), eos_token_id=None, **kwargs)
+    params = SimpleNamespace(prompt_logprobs=None, structured_outputs=None)
+    return Request(request_id, token_ids, params, eos_token_id=None, **kwargs)
 
 
 def reference_block_bytes(parent: bytes, token_ids: list[int]) -> bytes:
@@ -41,7 +42,7 @@ def reference_block_bytes(parent: bytes, token_ids: list[int]) -> bytes:
 
 
 def test_root_is_sha256_of_project_name() -> None:
-    assert ROOT_BLOCK_HASH == hashlib.sha256(b"pagedllm").digest()
+    assert hashlib.sha256(b"pagedllm").digest() == ROOT_BLOCK_HASH
 
 
 def test_block_hash_matches_canonical_serialization() -> None:

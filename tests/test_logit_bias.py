@@ -18,18 +18,18 @@ from typing import Any
 import httpx
 import pytest
 import torch
-
 from helpers.server import ServerProcess, start_server
 from helpers.tiny_models import cached_tiny_model
+
 from pagedllm import LLM, SamplingParams
-from pagedllm.worker.sampler import Sampler, SamplingMetadata
+from pagedllm.engine.input_processor import make_request
 from pagedllm.engine.wire import (
     AddRequests,
     CoreInputDecoder,
     CoreInputEncoder,
     from_engine_core_request,
 )
-from pagedllm.engine.input_processor import make_request
+from pagedllm.worker.sampler import Sampler, SamplingMetadata
 
 VOCAB_SIZE = 32
 
@@ -178,7 +178,7 @@ def test_plus_100_makes_every_generated_token_that_token(llm: LLM, sampling: dic
 def test_minus_100_on_the_greedy_token_falls_back_to_the_second_best(llm: LLM) -> None:
     first = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                          SamplingParams(temperature=0.0, max_tokens=1, logprobs=2), use_tqdm=False)
-    for prompt, output in zip(PROMPTS, first):
+    for prompt, output in zip(PROMPTS, first, strict=True):
         ranked = {entry.rank: token_id for token_id, entry in output.outputs[0].logprobs[0].items()}
         params = SamplingParams(temperature=0.0, max_tokens=1, logit_bias={ranked[1]: -100.0})
         biased = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)

@@ -23,16 +23,18 @@ def test_engine_sizes_the_pool_from_the_platform_budget_after_a_profile_run(monk
     )
     model = parts.model
     config = model.hf_config
-    bytes_per_block = 2 * config.num_hidden_layers * 16 * config.num_key_value_heads * model.head_size * model.dtype.itemsize
+    bytes_per_block = (2 * config.num_hidden_layers * 16 * config.num_key_value_heads * model.head_size
+                       * model.dtype.itemsize)
     assert seen["utilization"] == 0.5
     assert parts.engine_core.kv_cache_manager.num_blocks == 3 * 1024 * 1024 // bytes_per_block
     # The throwaway cache is gone; the real one is bound.
     layers = parts.model_runner.model.get_attention_layers()
-    assert all(layer.kv_cache is kv for layer, kv in zip(layers, parts.model_runner.kv_caches))
+    assert all(layer.kv_cache is kv for layer, kv in zip(layers, parts.model_runner.kv_caches, strict=True))
 
 
 def test_cpu_budget_is_the_fixed_default() -> None:
-    assert CpuPlatform().kv_cache_budget_bytes(0.9, lambda: pytest.fail("CPU does not profile")) == DEFAULT_CPU_KV_CACHE_BYTES
+    budget = CpuPlatform().kv_cache_budget_bytes(0.9, lambda: pytest.fail("CPU does not profile"))
+    assert budget == DEFAULT_CPU_KV_CACHE_BYTES
 
 
 def test_profile_run_unbinds_its_throwaway_cache() -> None:

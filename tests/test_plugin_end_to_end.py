@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import pytest
-
 from helpers.tiny_models import cached_tiny_model
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention_backends.base import AttentionImpl
 from pagedllm.attention_backends.torch_native import TorchNativeAttentionImpl, TorchNativeBackend

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from pagedllm.worker.sampler import Sampler, SamplingMetadata, apply_penalties, compute_prompt_logprobs
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.worker.sampler import Sampler, SamplingMetadata, apply_penalties, compute_prompt_logprobs
 
 # Hand-built distribution over 8 tokens, deliberately not sorted by id.
 PROBS = torch.tensor([0.04, 0.30, 0.01, 0.20, 0.08, 0.25, 0.02, 0.10])

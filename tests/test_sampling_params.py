@@ -18,13 +18,13 @@ from pagedllm.core.sampling_params import (
     SamplingParams,
     SamplingType,
 )
+from pagedllm.engine.input_processor import make_request
 from pagedllm.engine.wire import (
     AddRequests,
     CoreInputDecoder,
     CoreInputEncoder,
     from_engine_core_request,
 )
-from pagedllm.engine.input_processor import make_request
 
 VOCAB_SIZE = 16  # below MAX_LOGPROBS, so logprobs can exceed it
 

@@ -13,8 +13,6 @@ blocks are freed in reverse table order to the tail; new blocks pop the head.
 from __future__ import annotations
 
 import pytest
-
-from pagedllm.core.errors import ConfigError
 from helpers.scheduler_utils import (
     DEFAULT_TOKEN_BASE,
     EOS,
@@ -24,6 +22,7 @@ from helpers.scheduler_utils import (
     prompt,
 )
 
+from pagedllm.core.errors import ConfigError
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler_output import CachedRequestData
 
@@ -182,7 +181,7 @@ def test_without_chunked_prefill_the_long_prefill_threshold_never_splits_a_promp
 def test_without_chunked_prefill_the_budget_must_cover_max_model_len() -> None:
     # Else a preempted request's recompute (prompt + outputs) could exceed the
     # budget and never be scheduled again.
-    with pytest.raises(ConfigError, match="max_num_batched_tokens=8 .*>= max_model_len \\(256\\)"):
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens=8 .*>= max_model_len \(256\)"):
         make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False, max_model_len=256)
 
 

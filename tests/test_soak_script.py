@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers.tiny_models import cached_tiny_model
 
 SOAK_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"

@@ -20,10 +20,10 @@ from helpers.tiny_models import cached_tiny_model
 
 from pagedllm.core.config import StructuredOutputConfig
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.engine.llm import LLM
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.sampling_params import StructuredOutputsParams as SO
+from pagedllm.engine.llm import LLM
 from pagedllm.plugins import get_plugin_manager, hookimpl
 from pagedllm.structured_output.interface import StructuredOutputKind
 from pagedllm.structured_output.limits import check_spec_limits, json_text_depth
@@ -196,7 +196,7 @@ def test_concurrent_validations_share_one_child(vocab: GrammarVocab) -> None:
             validate_structured_outputs(SO(regex=f"x{index}[0-9]{{{index + 1}}}"), DEFAULTS, vocab)
             with pytest.raises(InvalidRequestError, match="parenthesis"):
                 validate_structured_outputs(SO(regex=f"({index}"), DEFAULTS, vocab)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=validate, args=(index,)) for index in range(4)]

@@ -18,10 +18,10 @@ from helpers.tiny_models import cached_tiny_model
 
 from pagedllm.core.config import StructuredOutputConfig
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.engine.llm import LLM
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.sampling_params import StructuredOutputsParams as SO
+from pagedllm.engine.llm import LLM
 from pagedllm.engine.tokenizer import load_tokenizer
 from pagedllm.entrypoints.openai.protocol import StructuredOutputsRequest
 from pagedllm.structured_output.interface import StructuredOutputKind
@@ -172,7 +172,7 @@ def test_bounded_whitespace_json_from_a_random_weight_model_is_valid(model_dir: 
         for name, seed in cases
     ]
     outputs = llm.generate(["Give me JSON:"] * len(params), params, use_tqdm=False)
-    for (name, seed), output in zip(cases, outputs):
+    for (name, seed), output in zip(cases, outputs, strict=True):
         completion = output.outputs[0]
         assert completion.finish_reason == "stop", (name, seed, completion.text)
         jsonschema.validate(json.loads(completion.text), BOUNDED_SCHEMAS[name])

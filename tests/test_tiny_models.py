@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 import torch
-
 from helpers.server import start_server
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.async_llm import served_name_of
 from pagedllm.model_registry import tiny
@@ -89,7 +89,7 @@ def _num_parameters(model_dir: Path) -> int:
     from safetensors import safe_open
 
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118 (not iterable)
 
 
 def test_shipped_folders_are_complete_half_precision_and_small() -> None:
@@ -97,9 +97,9 @@ def test_shipped_folders_are_complete_half_precision_and_small() -> None:
 
     total_bytes = 0
     for model_dir in (TARGET_DIR, DRAFT_DIR):
-        assert MODEL_FILES <= {p.name for p in model_dir.iterdir()}
+        assert {p.name for p in model_dir.iterdir()} >= MODEL_FILES
         with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-            assert {f.get_tensor(name).dtype for name in f.keys()} == {torch.float16}
+            assert {f.get_tensor(name).dtype for name in f.keys()} == {torch.float16}  # noqa: SIM118
         config = json.loads((model_dir / "config.json").read_text())
         assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 8192
         for name in TOKENIZER_FILES:  # one tokenizer for the family
@@ -180,7 +180,7 @@ def test_hf_transformers_and_pagedllm_greedy_tokens_match(llm: LLM) -> None:
     outputs = llm.generate(
         CODE_PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False
     )
-    for prompt, output in zip(CODE_PROMPTS, outputs):
+    for prompt, output in zip(CODE_PROMPTS, outputs, strict=True):
         prompt_ids = tokenizer.encode(prompt)
         with torch.inference_mode():
             expected = hf_model.generate(

@@ -75,7 +75,7 @@ def build_case(
         return tables[r][pos // block_size] * block_size + pos % block_size
 
     queries, new_keys, new_values, slots, requests = [], [], [], [], []
-    for r, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+    for r, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
         keys = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
         values = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
         queries.append(torch.randn(q_len, num_heads, head_size, generator=gen).to(dtype))
