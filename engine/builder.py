@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from pagedllm.attention_backends.selector import select_attention_backend
 from pagedllm.core.engine import EngineCore
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from pagedllm.attention_backends.selector import BackendSelection
     from pagedllm.core.config import EngineConfig, SpeculativeConfig
     from pagedllm.kv_connectors.base import KVConnectorBase
+    from pagedllm.model_registry.interface import ModelForCausalLM
     from pagedllm.platforms.interface import Platform
     from pagedllm.plugins.manager import PluginManager
     from pagedllm.spec_decode.interface import Drafter
@@ -93,14 +94,14 @@ class _Target:
     device: torch.device
     facts: ModelFacts
     attn_backend: type[AttentionBackend]
-    model: torch.nn.Module
+    model: ModelForCausalLM
     # config.speculative with its model name resolved to a folder: drafters
     # get a folder, whatever name the config gave.
     speculative: SpeculativeConfig
 
     @property
     def num_layers(self) -> int:
-        return len(self.model.get_attention_layers())  # type: ignore[operator]
+        return len(self.model.get_attention_layers())
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
@@ -159,14 +160,16 @@ def _load_target(
     plugin_manager: PluginManager,
 ) -> _Target:
     device = platform.device()
-    model = load_model(
+    model_cls = plugin_manager.models.load(facts.architecture)
+    # load_model builds model_cls (a ModelForCausalLM, checked by the registry).
+    model = cast("ModelForCausalLM", load_model(
         facts.path,
-        model_cls=plugin_manager.registry("model").load(facts.architecture),
+        model_cls=model_cls,
         attn_backend=attn_backend,
         dtype=facts.dtype,
         device=device,
         hf_config=facts.hf_config,
-    )
+    ))
     platform.optimize_model(model)
     if config.device.compile_model:
         compile_outside_attention(model)

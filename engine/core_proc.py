@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from pagedllm.core.errors import PagedLLMError
+from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.wire import (
     AbortRequests,
     AddRequests,
@@ -42,7 +43,6 @@ from pagedllm.engine.wire import (
     UtilityResult,
     from_engine_core_request,
 )
-from pagedllm.core.outputs import EngineCoreOutput
 
 if TYPE_CHECKING:
     from pagedllm.core.engine import EngineCore
@@ -143,7 +143,7 @@ class EngineCoreProc:
             return UtilityResult(message.call_id, None, f"UnknownUtility: {message.name!r}")
         try:
             result = getattr(self, "utility_" + message.name)(*message.args)
-        except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
+        except Exception as exc:  # reported to the caller, the loop goes on
             return UtilityResult(message.call_id, None, f"{type(exc).__name__}: {exc}")
         return UtilityResult(message.call_id, result)
 
@@ -221,7 +221,7 @@ def run_engine_core(
     try:
         try:
             parts = _build_engine(config_json)
-        except Exception as exc:  # noqa: BLE001 - sent back to the parent as StartupFailed
+        except Exception as exc:  # sent back to the parent as StartupFailed
             logger.exception("engine core failed to start")
             output_socket.send(encoder.encode(StartupFailed(type(exc).__name__, str(exc))))
             output_linger_ms = LAST_WORD_LINGER_MS

@@ -55,10 +55,14 @@ class CompileJob:
 
     def check_deadline(self) -> bool:
         """True if the compile has run past its limit (reported once to the manager)."""
-        if not self.timed_out and self.started_at is not None and not self.future.done():
-            if time.monotonic() - self.started_at > self.timeout_s:
-                self.timed_out = True
-                self._on_timeout(self)
+        if (
+            not self.timed_out
+            and self.started_at is not None
+            and not self.future.done()
+            and time.monotonic() - self.started_at > self.timeout_s
+        ):
+            self.timed_out = True
+            self._on_timeout(self)
         return self.timed_out and not self.future.done()
 
 

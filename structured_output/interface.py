@@ -20,7 +20,9 @@ if TYPE_CHECKING:
     from pagedllm.core.config import StructuredOutputConfig
 
 
-class StructuredOutputKind(str, enum.Enum):
+# NOTE: not a StrEnum: f"{kind}" reads "StructuredOutputKind.JSON" for grammar
+# backends written against plugin API 1.0, and must keep doing so.
+class StructuredOutputKind(str, enum.Enum):  # noqa: UP042
     """What a spec is; the value is the StructuredOutputsParams field name."""
 
     JSON = "json"  # a JSON schema (canonical JSON text)
@@ -128,5 +130,5 @@ class GrammarBackend(ABC):
 
         return allocate_token_bitmask(num_rows, vocab_size)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most backends hold nothing
         """Release what the backend holds (thread pools, caches)."""

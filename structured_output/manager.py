@@ -22,6 +22,7 @@ machine, or a request that skipped the API: a crafted engine message).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -187,7 +188,7 @@ class StructuredOutputManager:
             job = CompileJob(key, self.config.compile_timeout_s, self._on_compile_timeout)
             with self._pending_lock:
                 self._pending.add(job)
-            job.future.add_done_callback(lambda _, job=job: self._discard_pending(job))
+            job.future.add_done_callback(functools.partial(self._discard_pending, job))
             self._submit(job)
             if self.config.cache_size > 0:
                 self._cache[key] = job
@@ -205,7 +206,7 @@ class StructuredOutputManager:
             return  # resubmitted to a new pool, and started there
         try:
             grammar = self._compile(job.key)
-        except BaseException as exc:  # noqa: BLE001 - the request reports it
+        except BaseException as exc:  # the request reports it
             job.future.set_exception(exc)
         else:
             job.future.set_result(grammar)
@@ -225,7 +226,8 @@ class StructuredOutputManager:
         for pending in queued:
             self._submit(pending)
 
-    def _discard_pending(self, job: CompileJob) -> None:
+    def _discard_pending(self, job: CompileJob, _future: Future[Grammar]) -> None:
+        """The done callback of `job`'s future."""
         with self._pending_lock:
             self._pending.discard(job)
 

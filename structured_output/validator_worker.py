@@ -18,6 +18,7 @@ measures the spec's own cost only.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import logging
@@ -56,7 +57,7 @@ class Worker:
         if vocab is not None:
             try:
                 backend = build_backend(backend_cls, vocab, request["config"])
-            except Exception as exc:  # noqa: BLE001 - any failure here falls back to validate() only
+            except Exception as exc:  # any failure here falls back to validate() only
                 note = f"cannot build the {request['backend']} backend for {vocab[0]!r}: {type(exc).__name__}: {exc}"
         self.backends[key] = backend
         return {"ok": True, "note": note}
@@ -78,7 +79,7 @@ class Worker:
                 backend.compile(kind, spec, **backend_kwargs(backend.compile, whitespace))
         except InvalidRequestError as exc:
             return {"ok": False, "field": exc.field, "value": _plain(exc.value), "limit": exc.limit}
-        except Exception as exc:  # noqa: BLE001 - a compile error is the spec's fault
+        except Exception as exc:  # a compile error is the spec's fault
             return {
                 "ok": False, "field": f"structured_outputs.{kind.value}", "value": summary(spec),
                 "limit": f"the {kind.value} does not compile: {_clean(exc)}",
@@ -128,12 +129,10 @@ def _clean(exc: BaseException) -> str:
 
 def _die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
-        try:
-            # NOTE: fires when the parent *thread* that spawned us exits; the
-            # parent notices a dead child and spawns another.
+        # NOTE: fires when the parent *thread* that spawned us exits; the
+        # parent notices a dead child and spawns another.
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         raise SystemExit(0)
 
@@ -144,10 +143,8 @@ def main(argv: list[str]) -> None:
     # Ctrl-C in a terminal reaches the whole process group: the parent decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
-    try:
+    with contextlib.suppress(ImportError):
         importlib.import_module(_DEFAULT_BACKEND_MODULE)  # the slow imports, before "ready"
-    except ImportError:
-        pass
     worker = Worker()
     conn.send_bytes(msgspec.json.encode({"ready": True}))
     while True:

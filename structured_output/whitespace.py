@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def backend_kwargs(method: Callable[..., Any], options: WhitespaceOptions) -> di
     return kwargs
 
 
-@lru_cache(maxsize=None)
+@cache
 def _takes_max_whitespace(function: Callable[..., Any]) -> bool:
     try:
         return "max_whitespace" in inspect.signature(function).parameters

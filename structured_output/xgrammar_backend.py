@@ -251,7 +251,7 @@ def _validate_cached(kind: StructuredOutputKind, spec: str, any_whitespace: bool
             xgr.Grammar.from_ebnf(spec)
         elif kind is StructuredOutputKind.STRUCTURAL_TAG:
             xgr.Grammar.from_structural_tag(spec)
-    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types
+    except Exception as exc:  # xgrammar raises RuntimeError / its own types
         what = {
             StructuredOutputKind.JSON: "the JSON schema",
             StructuredOutputKind.REGEX: "the regex",

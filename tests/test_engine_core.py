@@ -55,7 +55,9 @@ class FakeGrammarManager:
         self.calls.append(f"wait {timeout_s}")
 
 
-def _core(num_tokens: int, outputs: list[EngineCoreOutput], *, with_grammars: bool = True) -> tuple[EngineCore, list[str]]:
+def _core(
+    num_tokens: int, outputs: list[EngineCoreOutput], *, with_grammars: bool = True
+) -> tuple[EngineCore, list[str]]:
     calls: list[str] = []
     scheduler: Any = FakeScheduler(calls, num_tokens, outputs)
     core = EngineCore(
@@ -90,7 +92,8 @@ def test_step_is_schedule_execute_update() -> None:
 def test_the_loop_waits_for_grammars_only_after_a_step_without_progress(
     num_tokens: int, num_outputs: int, waits: bool
 ) -> None:
-    core, calls = _core(num_tokens, [EngineCoreOutput(request_id="r", new_token_ids=[], finish_reason="abort")] * num_outputs)
+    finished = EngineCoreOutput(request_id="r", new_token_ids=[], finish_reason="abort")
+    core, calls = _core(num_tokens, [finished] * num_outputs)
     core.wait_for_work()  # before any step: nothing to wait for
     core.step()
     assert "wait" not in " ".join(calls)  # step() itself never waits
