@@ -213,13 +213,17 @@ async def test_stop_string_ends_the_request_here_and_in_the_core(
     ],
 )
 async def test_invalid_request_is_rejected_before_it_reaches_the_core(
-    engine: AsyncLLM, prompt: Any, params: SamplingParams, field: str
+    engine: AsyncLLM, offline_llm: LLM, prompt: Any, params: SamplingParams, field: str
 ) -> None:
     with pytest.raises(InvalidRequestError) as excinfo:
         await _collect(engine, prompt, params, "invalid")
     assert excinfo.value.field == field
     assert engine.num_unfinished_requests == 0
     assert _queues(await engine.get_stats())[:2] == (0, 0)
+    # One input processor: the offline LLM refuses it with the very same error.
+    with pytest.raises(InvalidRequestError) as offline:
+        offline_llm.generate([prompt], params, use_tqdm=False)
+    assert str(offline.value) == str(excinfo.value)
 
 
 async def test_reset_prefix_cache_and_health_of_a_live_engine(engine: AsyncLLM) -> None:
