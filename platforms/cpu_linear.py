@@ -59,6 +59,6 @@ def prepack_linear_layers(model: nn.Module) -> int:
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
                 module.weight.detach(), _PACK_BATCH_HINT
             )
-            module.forward = _prepacked_forward(module)  # type: ignore[method-assign]
+            module.forward = _prepacked_forward(module)  # type: ignore[method-assign,assignment]  # a per-instance forward
     logger.info("prepacked %d linear layers for oneDNN", len(linears))
     return len(linears)
