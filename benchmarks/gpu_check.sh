@@ -58,8 +58,8 @@ from pagedllm import LLM, SamplingParams
 started = time.perf_counter()
 llm = LLM(model="tiny", dtype="float16")
 core = llm.engine_core.engine_core
-runner = core.model_runner.graph_runner
-print("backend:", core.attn_selection.name, "| kv blocks:", core.kv_cache_manager.num_blocks,
+runner = core.model_executor.graph_runner
+print("backend:", llm.engine_core.ready.attention_backend, "| kv blocks:", core.kv_cache_manager.num_blocks,
       "| graphs:", None if runner is None else runner.sizes, f"| start-up {time.perf_counter() - started:.1f} s")
 prompts = ["def fibonacci(n):\n", "import os\n", "class Stack:\n"] * 8
 params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
