@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from helpers.server import ServerProcess, start_server
 from helpers.tiny_models import cached_tiny_model
 
