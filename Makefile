@@ -45,8 +45,8 @@ MYPY_ROOT := .cache/mypy-root
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	mkdir -p $(MYPY_ROOT) && ln -sfn ../.. $(MYPY_ROOT)/pagedllm
-	cd $(MYPY_ROOT) && $(CURDIR)/$(VENV)/bin/mypy -p pagedllm --config-file $(CURDIR)/pyproject.toml \
-		--cache-dir $(CURDIR)/.cache/mypy --python-executable $(CURDIR)/$(PY)
+	cd $(MYPY_ROOT) && $(abspath $(VENV))/bin/mypy -p pagedllm --config-file $(CURDIR)/pyproject.toml \
+		--cache-dir $(CURDIR)/.cache/mypy --python-executable $(abspath $(PY))
 
 demo: $(STAMP)
 	$(VENV)/bin/pagedllm generate --prompt "def fibonacci(n):" --max-tokens 32
