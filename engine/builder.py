@@ -105,10 +105,13 @@ class _Target:
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
+    """The engine core `config` describes (clients, tests, benchmarks)."""
     return build_engine(config).engine_core
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
+    """Load the plugins `config` enables, choose and build every part, and
+    start the engine core (the `on_engine_start` hook runs last)."""
     plugin_manager = get_plugin_manager()
     plugins = config.plugins
     plugin_manager.load(enabled=plugins.enabled, disabled=plugins.disabled, strict=plugins.strict)
@@ -126,7 +129,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     logger.info("attention backend: %s (rejected: %s)", attn_selection.name, attn_selection.rejected)
     target = _load_target(config, platform, facts, attn_selection.backend_cls, plugin_manager)
     method = config.speculative.method
-    drafter_cls = None if method is None else plugin_manager.registry("drafter").load(method)
+    drafter_cls = None if method is None else plugin_manager.drafters.load(method)
     num_blocks = determine_num_blocks(target, drafter_cls)
     max_model_len = determine_max_model_len(config, facts.position_limit, num_blocks * config.cache.block_size)
     runner, drafter, kv_connector = _build_model_runner(target, drafter_cls, num_blocks, max_model_len)
