@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedllm.core.kv_cache.hashing import BlockHash
     from pagedllm.core.kv_cache.manager import KVCacheManager
-    from pagedllm.core.request import Request
+    from pagedllm.core.request import BlockHash, Request
 
 Content = tuple[str | None, tuple[int, ...]]
 
