@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from helpers.server import start_cli_server, start_server
+
 from pagedllm.entrypoints.disagg_proxy import prefill_body
 
 CHAT = {

@@ -21,6 +21,8 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+from helpers.kv_reference import KVReference
+from helpers.stateful_budget import PREFIXES, SALTS, TAIL_TOKENS, stateful_settings
 from hypothesis import Phase
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -35,9 +37,6 @@ from hypothesis.stateful import (
 from pagedllm.core.kv_cache import KVCacheBlock, KVCacheManager, hashing
 from pagedllm.core.kv_cache.block_pool import BlockPool
 from pagedllm.core.request import Request
-
-from helpers.kv_reference import KVReference
-from helpers.stateful_budget import PREFIXES, SALTS, TAIL_TOKENS, stateful_settings
 
 PARAMS = SimpleNamespace(prompt_logprobs=None, structured_outputs=None)
 
@@ -213,7 +212,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self.waiting.append(request)
 
     @precondition(lambda self: self.running)
-    @rule(pick=picks, num_tokens=st.integers(1, 8), tokens=st.lists(st.sampled_from(TAIL_TOKENS), min_size=3, max_size=3))
+    @rule(pick=picks, num_tokens=st.integers(1, 8),
+          tokens=st.lists(st.sampled_from(TAIL_TOKENS), min_size=3, max_size=3))
     def preempt_before_step_ran(self, pick: int, num_tokens: int, tokens: list[int]) -> None:
         """Scheduled (slots allocated, full blocks cached) but preempted before
         the step computed them: those blocks must not stay hittable."""

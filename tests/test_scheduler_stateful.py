@@ -26,6 +26,9 @@ from collections import Counter
 from typing import NamedTuple
 
 import pytest
+from helpers.kv_reference import KVReference
+from helpers.scheduler_utils import EOS, FakeRunner, make_scheduler
+from helpers.stateful_budget import PREFIXES, SALTS, TAIL_TOKENS, stateful_settings
 from hypothesis import Phase
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -42,10 +45,6 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
-
-from helpers.kv_reference import KVReference
-from helpers.scheduler_utils import EOS, FakeRunner, make_scheduler
-from helpers.stateful_budget import PREFIXES, SALTS, TAIL_TOKENS, stateful_settings
 
 MAX_TOKENS = 12
 # A drain that needs more steps than this is a livelock.
@@ -247,7 +246,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._step()
             self.check_scheduler_state()
         else:
-            raise AssertionError(f"not drained after {MAX_DRAIN_STEPS} steps: {scheduler.running} {list(scheduler.waiting)}")
+            raise AssertionError(
+                f"not drained after {MAX_DRAIN_STEPS} steps: {scheduler.running} {list(scheduler.waiting)}"
+            )
         manager = scheduler.kv_cache_manager
         assert manager.num_free_blocks == manager.num_blocks and manager.usage == 0.0
         assert manager.req_to_blocks == {}
@@ -270,7 +271,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         for spec in specs:
             self._add(spec)
 
-    @precondition(lambda self: self.scheduler is not None and self.scheduler.policy == "priority" and self.scheduler.running)
+    @precondition(
+        lambda self: self.scheduler is not None and self.scheduler.policy == "priority" and self.scheduler.running
+    )
     @rule(spec=request_specs)
     def add_urgent_request(self, spec: RequestSpec) -> None:
         """Under the priority policy, an urgent arrival runs after less urgent
@@ -334,7 +337,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         waiting_ids = [request.request_id for request in scheduler.waiting]
         assert len(set(running_ids)) == len(running_ids), f"a request twice in running: {running_ids}"
         assert len(set(waiting_ids)) == len(waiting_ids), f"a request twice in waiting: {waiting_ids}"
-        assert not set(running_ids) & set(waiting_ids), f"both running and waiting: {set(running_ids) & set(waiting_ids)}"
+        both = set(running_ids) & set(waiting_ids)
+        assert not both, f"both running and waiting: {both}"
         assert set(scheduler.requests) == set(running_ids) | set(waiting_ids), (
             f"live requests {sorted(scheduler.requests)} are not running {running_ids} + waiting {waiting_ids}"
         )

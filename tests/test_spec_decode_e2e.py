@@ -183,11 +183,11 @@ def test_penalties_min_tokens_and_logprobs_follow_the_target(method: str) -> Non
     expected = reference_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm = _llm(_drafter_config(method, 3))
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for want, have in zip(expected, got):
+    for want, have in zip(expected, got, strict=True):
         assert list(have.outputs[0].token_ids) == list(want.outputs[0].token_ids)
         if want.outputs[0].logprobs is not None:
             assert have.outputs[0].logprobs is not None
-            for want_lp, have_lp in zip(want.outputs[0].logprobs, have.outputs[0].logprobs):
+            for want_lp, have_lp in zip(want.outputs[0].logprobs, have.outputs[0].logprobs, strict=True):
                 assert set(want_lp) == set(have_lp)
                 for token_id in want_lp:
                     assert have_lp[token_id].logprob == pytest.approx(want_lp[token_id].logprob, abs=1e-4)
@@ -230,7 +230,7 @@ def test_json_schema_output_stays_valid_under_speculation(method: str) -> None:
         for i, name in enumerate(names)
     ]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for name, output in zip(names, outputs):
+    for name, output in zip(names, outputs, strict=True):
         completion = output.outputs[0]
         assert completion.finish_reason == "stop", (name, completion.text)
         jsonschema.validate(json.loads(completion.text), SCHEMAS[name])
@@ -255,7 +255,7 @@ def test_drafts_stop_at_max_model_len() -> None:
         llm = _llm(_drafter_config(method, 5), max_model_len=26)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         reference = _llm(max_model_len=26).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        for got, want in zip(outputs, reference):
+        for got, want in zip(outputs, reference, strict=True):
             assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)
             assert got.outputs[0].finish_reason == "length"
 
@@ -276,8 +276,8 @@ def test_penalties_see_the_drafts_before_each_position() -> None:
 
 
 def test_spawned_engine_core_speculates_and_reports_counts() -> None:
-    from pagedllm.engine.core_client import SyncMPClient
     from pagedllm.core.config import EngineConfig
+    from pagedllm.engine.core_client import SyncMPClient
     from pagedllm.engine.input_processor import make_request
 
     prompts = _prompts(4, seed=31)

@@ -10,6 +10,7 @@ outlived it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -117,18 +118,17 @@ def start_cli_server(
 ) -> Iterator[ServerProcess]:
     """`pagedllm <cli_args> --host 127.0.0.1 --port <free>`, healthy, then stopped by pid."""
     port = free_port()
-    log_file = tempfile.NamedTemporaryFile(prefix="pagedllm-serve-", suffix=".log", delete=False)
     command = [sys.executable, "-m", "pagedllm.entrypoints.cli", *cli_args, "--host", "127.0.0.1", "--port", str(port)]
     process_env = {**os.environ, **(env or {})}
-    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=process_env)
-    server = ServerProcess(f"http://127.0.0.1:{port}", process.pid, process, Path(log_file.name), api_key)
-    try:
-        _wait_for_health(server)
-        yield server
-    finally:
-        stop_server(server)
-        log_file.close()
-        os.unlink(log_file.name)
+    with tempfile.NamedTemporaryFile(prefix="pagedllm-serve-", suffix=".log", delete=False) as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=process_env)
+        server = ServerProcess(f"http://127.0.0.1:{port}", process.pid, process, Path(log_file.name), api_key)
+        try:
+            _wait_for_health(server)
+            yield server
+        finally:
+            stop_server(server)
+            os.unlink(log_file.name)
 
 
 def _wait_for_health(server: ServerProcess) -> None:
@@ -158,7 +158,5 @@ def stop_server(server: ServerProcess, timeout_s: float = 15.0) -> None:
             server.process.wait()
     for pid in descendants:
         if is_alive(pid):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
