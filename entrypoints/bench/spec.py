@@ -54,7 +54,9 @@ class SpecRunResult:
     per_position_acceptance: list[float] = field(default_factory=list)
 
 
-def build_prompts(dataset: str, num_prompts: int, tokenizer: Any, *, seed: int = 0, prompt_len: int = 192) -> list[list[int]]:
+def build_prompts(
+    dataset: str, num_prompts: int, tokenizer: Any, *, seed: int = 0, prompt_len: int = 192
+) -> list[list[int]]:
     """Token-id prompts of the built-in sets."""
     rng = random.Random(seed)
     if dataset == "chat":
@@ -137,7 +139,7 @@ def _diff_stats(after: Any, before: Any) -> Any:
     diff.num_draft_tokens = after.num_draft_tokens - before.num_draft_tokens
     diff.num_accepted_tokens = after.num_accepted_tokens - before.num_accepted_tokens
     diff.num_accepted_tokens_per_pos = [
-        a - b for a, b in zip(after.num_accepted_tokens_per_pos, before.num_accepted_tokens_per_pos)
+        a - b for a, b in zip(after.num_accepted_tokens_per_pos, before.num_accepted_tokens_per_pos, strict=True)
     ]
     return diff
 
@@ -170,7 +172,9 @@ def run_bench(args: argparse.Namespace) -> list[SpecRunResult]:
         prompts = build_prompts(dataset, args.num_prompts, tokenizer, seed=args.seed)
         baseline: dict[int, float] = {}
         for method in ["none", *methods]:
-            extra = {} if method == "none" else {"speculative_config": _speculative_config(method, args)}
+            extra: dict[str, Any] = {}
+            if method != "none":
+                extra["speculative_config"] = _speculative_config(method, args)
             llm = LLM(**engine_args, **extra)
             _run(llm, prompts[:2], 2, 32)  # warm-up
             for batch_size in batch_sizes:
@@ -224,7 +228,7 @@ def _positive_int(value: str) -> int:
     return number
 
 
-def add_spec_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_spec_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``bench spec`` under the ``bench`` command of ``sub`` (the
     ``pagedllm`` subparsers, after ``add_bench_parser``)."""
     bench = sub.choices["bench"]
