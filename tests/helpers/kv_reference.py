@@ -212,7 +212,9 @@ class KVReference:
     def _check_hash_table(self) -> None:
         pool = self.manager.block_pool
         for block_hash, block in pool.cached_block_hash_to_block.items():
-            assert block.block_hash == block_hash, f"hash-table entry points to block {block.block_id} under another hash"
+            assert block.block_hash == block_hash, (
+                f"hash-table entry points to block {block.block_id} under another hash"
+            )
         for block in pool.blocks:
             if block.block_hash is None:
                 continue
