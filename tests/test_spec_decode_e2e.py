@@ -183,10 +183,12 @@ def test_penalties_min_tokens_and_logprobs_follow_the_target(method: str) -> Non
     expected = reference_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm = _llm(_drafter_config(method, 3))
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for want, have in zip(expected, got, strict=True):
+    for param, want, have in zip(params, expected, got, strict=True):
         assert list(have.outputs[0].token_ids) == list(want.outputs[0].token_ids)
-        if want.outputs[0].logprobs is not None:
-            assert have.outputs[0].logprobs is not None
+        # Logprobs exactly where asked for, so the comparison below cannot be skipped.
+        assert (want.outputs[0].logprobs is not None) == (param.logprobs is not None)
+        assert (have.outputs[0].logprobs is not None) == (param.logprobs is not None)
+        if param.logprobs is not None:
             for want_lp, have_lp in zip(want.outputs[0].logprobs, have.outputs[0].logprobs, strict=True):
                 assert set(want_lp) == set(have_lp)
                 for token_id in want_lp:
