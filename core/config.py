@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -33,6 +33,8 @@ _DTYPE_ALIASES = {
     "fp32": "float32",
     "bf16": "bfloat16",
 }
+# The schema's list of accepted spellings (typed as JSON for pydantic's json_schema_extra).
+_DTYPE_ALIAS_NAMES: list[JsonValue] = list(sorted(_DTYPE_ALIASES))
 
 
 class _Section(BaseModel):
@@ -46,7 +48,7 @@ class ModelConfig(_Section):
     # None = the model folder.
     tokenizer: str | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", json_schema_extra={"aliases": sorted(_DTYPE_ALIASES)}
+        "auto", json_schema_extra={"aliases": _DTYPE_ALIAS_NAMES}
     )
     # None = max_position_embeddings of the HF config (the engine fills it in).
     max_model_len: int | None = Field(None, ge=1)

@@ -44,7 +44,7 @@ class UnknownComponentError(PagedLLMError, KeyError):
         super().__init__(f"no {kind} named {name!r}; registered: {', '.join(sorted(known)) or '(none)'}")
 
     def __str__(self) -> str:  # KeyError would repr() the message
-        return self.args[0]
+        return str(self.args[0])
 
 
 class AttentionBackendError(PagedLLMError):

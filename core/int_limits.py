@@ -11,7 +11,7 @@ tensor or tokenizer sees it, and an error echoes the value shortened (a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 from pagedllm.core.errors import InvalidRequestError
 
@@ -24,7 +24,7 @@ MAX_ECHO_CHARS = 80
 _MAX_DECIMAL_BITS = 1024
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """An int that is not a bool (True is an int to Python, not to a client)."""
     return isinstance(value, int) and not isinstance(value, bool)
 

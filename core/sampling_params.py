@@ -7,8 +7,9 @@ import dataclasses
 import enum
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.int_limits import INT64_MAX, INT64_MIN, check_int, short_value
