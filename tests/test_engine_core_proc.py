@@ -261,7 +261,7 @@ def test_sigterm_stops_the_core_and_the_client_sees_it_dead() -> None:
         pid = client.engine_pid
         assert pid is not None
         os.kill(pid, signal.SIGTERM)
-        client.resources.process.join(10)
+        client.resources.process.join(60)  # a hang guard only
         assert client.resources.process.exitcode == 0
         with pytest.raises(EngineDeadError):
             client.check_alive()
