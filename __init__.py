@@ -8,20 +8,20 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
+    from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.engine.llm import LLM
     from pagedllm.engine.outputs import CompletionOutput, RequestOutput
-    from pagedllm.core.sampling_params import SamplingParams
 
 # Lazy so that `import pagedllm.plugins` (done by every plugin) stays cheap.
 _EXPORTS = {
     "LLM": "pagedllm.engine.llm",
     "SamplingParams": "pagedllm.core.sampling_params",
     "EngineConfig": "pagedllm.core.config",
-    "RequestOutput": "pagedllm.core.outputs",
-    "CompletionOutput": "pagedllm.core.outputs",
+    "RequestOutput": "pagedllm.engine.outputs",
+    "CompletionOutput": "pagedllm.engine.outputs",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,3 +21,20 @@ def test_every_source_package_is_in_the_distribution() -> None:
         found.add(".".join(("pagedllm", *parts)))
     assert found - listed == set(), "packages missing from pyproject.toml"
     assert listed - found == set(), "pyproject.toml lists packages that do not exist"
+
+
+def test_every_public_name_resolves_to_its_defining_class() -> None:
+    import importlib
+
+    import pagedllm
+
+    expected = {
+        "LLM": "pagedllm.engine.llm",
+        "SamplingParams": "pagedllm.core.sampling_params",
+        "EngineConfig": "pagedllm.core.config",
+        "RequestOutput": "pagedllm.engine.outputs",
+        "CompletionOutput": "pagedllm.engine.outputs",
+    }
+    assert sorted(pagedllm.__all__) == sorted([*expected, "__version__"])
+    for name, module_name in expected.items():
+        assert getattr(pagedllm, name) is getattr(importlib.import_module(module_name), name)
