@@ -35,7 +35,8 @@ serve: $(STAMP)
 	$(VENV)/bin/pagedllm serve --host 127.0.0.1 --port 8000
 
 # The example plugins' own tests run too (each package's tests/ folder).
-test: $(STAMP)
+# Lint first: a finding fails `make test` (and CI) like a failing test.
+test: lint
 	$(PY) -m pytest --import-mode=importlib tests $(wildcard $(addsuffix /tests/test_*.py,$(EXAMPLE_PLUGINS))) -q
 
 # ruff over everything; mypy over the package (config in pyproject.toml). mypy must

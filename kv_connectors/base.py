@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pagedllm.attention_backends.base import STANDARD_KV_CACHE_LAYOUT, KVCacheLayout
+
 # NOTE: defined beside SchedulerOutput, which carries it; the plugin API (1.0)
 # names it here, so connectors keep importing it from this module.
 from pagedllm.core.scheduler_output import KVConnectorMetadata as KVConnectorMetadata
@@ -159,12 +160,12 @@ class KVConnectorBase(ABC):
         `request.num_tokens - 1` (the last prompt token is always computed).
         None: not decidable yet; the scheduler asks again next step."""
 
-    def on_blocks_evicted(self, evicted: list[tuple[int, bytes]]) -> None:
+    def on_blocks_evicted(self, evicted: list[tuple[int, bytes]]) -> None:  # noqa: B027 - optional: the default does nothing
         """(block id, block hash) of cached blocks this step's allocations
         reuse; their old contents stay intact until this step's forward.
         Called only when `wants_eviction_events`."""
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:  # noqa: B027 - optional: the default does nothing
         """`request` holds `block_ids` (its whole table); the
         `num_external_tokens` after its local hit are to be loaded."""
 
@@ -183,16 +184,16 @@ class KVConnectorBase(ABC):
         """The engine's per-layer caches, each laid out as `context.kv_cache_layout`."""
         self.kv_caches = kv_caches
 
-    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:  # noqa: B027 - optional: the default does nothing
         """Begin (or do) this step's loads into the paged cache."""
 
-    def wait_for_layer_load(self, layer_index: int) -> None:
+    def wait_for_layer_load(self, layer_index: int) -> None:  # noqa: B027 - optional: the default does nothing
         """Return once layer `layer_index`'s loads are in its cache."""
 
-    def save_kv_layer(self, layer_index: int, kv_cache: torch.Tensor, metadata: KVConnectorMetadata) -> None:
+    def save_kv_layer(self, layer_index: int, kv_cache: torch.Tensor, metadata: KVConnectorMetadata) -> None:  # noqa: B027 - optional: the default does nothing
         """Layer `layer_index` computed this step's K/V into `kv_cache`."""
 
-    def wait_for_save(self) -> None:
+    def wait_for_save(self) -> None:  # noqa: B027 - optional: the default does nothing
         """Return once this step's saves no longer need the paged cache."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:

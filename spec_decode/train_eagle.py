@@ -93,8 +93,9 @@ class TrainableEagleHead(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.layers = nn.ModuleList([_Layer(config)])
-        head_dim = self.layers[0].self_attn.head_dim
+        layer = _Layer(config)
+        self.layers = nn.ModuleList([layer])
+        head_dim = layer.self_attn.head_dim
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config))
 
     def forward(self, input_embeds: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -155,6 +156,8 @@ def _train_tokens(max_files: int | None) -> list[int]:
 
     tokenizer = source_encoder(get_tokenizer_dir())
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    if bos_id is None:
+        raise ValueError(f"the shipped tokenizer has no {BOS_TOKEN!r} token")
     files = load_split("train")
     if max_files is not None:
         files = files[:: max(1, len(files) // max_files)][:max_files]

@@ -48,12 +48,14 @@ def _reshape_and_cache_kernel(
     key = tl.load(key_ptr + token * stride_k_t + offs_h[:, None] * stride_k_h + offs_d[None, :], mask=mask)
     value = tl.load(value_ptr + token * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
     tl.store(
-        key_cache_ptr + block * stride_kc_blk + offset * stride_kc_pos + offs_h[:, None] * stride_kc_h + offs_d[None, :],
+        key_cache_ptr + block * stride_kc_blk + offset * stride_kc_pos
+        + offs_h[:, None] * stride_kc_h + offs_d[None, :],
         key.to(key_cache_ptr.dtype.element_ty),
         mask=mask,
     )
     tl.store(
-        value_cache_ptr + block * stride_vc_blk + offset * stride_vc_pos + offs_h[:, None] * stride_vc_h + offs_d[None, :],
+        value_cache_ptr + block * stride_vc_blk + offset * stride_vc_pos
+        + offs_h[:, None] * stride_vc_h + offs_d[None, :],
         value.to(value_cache_ptr.dtype.element_ty),
         mask=mask,
     )

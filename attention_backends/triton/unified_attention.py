@@ -162,7 +162,7 @@ def _unified_attention_kernel(
             other=0.0,
         )  # [TILE, D_PAD]
 
-        if IEEE_DOT:
+        if IEEE_DOT:  # noqa: SIM108 - a constexpr branch: each compiled kernel keeps one dot
             scores = tl.dot(q, k, input_precision="ieee")
         else:
             scores = tl.dot(q, k)
@@ -339,7 +339,9 @@ def unified_attention(
         )
         return out
 
-    partial = torch.empty(num_tokens, num_heads, num_segments, head_size_padded, dtype=torch.float32, device=query.device)
+    partial = torch.empty(
+        num_tokens, num_heads, num_segments, head_size_padded, dtype=torch.float32, device=query.device
+    )
     seg_max = torch.empty(num_tokens, num_heads, num_segments, dtype=torch.float32, device=query.device)
     seg_sum = torch.empty_like(seg_max)
     _unified_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
