@@ -12,6 +12,7 @@ its registration metadata (`AttentionCapabilities`, built from the
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -119,6 +120,10 @@ class KVCacheLayout:
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache tensor."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def bytes_per_block(self, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
+        """What one block of one layer's cache takes (the KV cache is sized by it)."""
+        return math.prod(self.kv_cache_shape(1, block_size, num_kv_heads, head_size)) * dtype.itemsize
 
     def gather_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """A copy of blocks `block_ids` (int64, on the cache's device) of

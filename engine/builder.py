@@ -191,8 +191,10 @@ def determine_num_blocks(target: _Target, drafter_cls: type[Drafter] | None) -> 
     cache, facts = target.config.cache, target.facts
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    bytes_per_block = 2 * target.num_layers * cache.block_size * facts.num_kv_heads * facts.head_size
-    bytes_per_block *= facts.dtype.itemsize
+    layout = target.attn_backend.get_kv_cache_layout()
+    bytes_per_block = target.num_layers * layout.bytes_per_block(
+        cache.block_size, facts.num_kv_heads, facts.head_size, facts.dtype
+    )
     if drafter_cls is not None:
         # A model drafter's cache has as many blocks as the target's.
         bytes_per_block += drafter_cls.kv_cache_bytes_per_block(target.speculative, cache.block_size, facts.dtype)

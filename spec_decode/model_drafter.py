@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from pagedllm.attention_backends.base import STANDARD_KV_CACHE_LAYOUT
 from pagedllm.core.errors import ConfigError
 from pagedllm.spec_decode.interface import Drafter, DrafterContext, DraftInputs, DraftOutput, TargetStep
 from pagedllm.worker.input_batch import InputBatch
@@ -82,7 +83,8 @@ def _kv_bytes_per_block(hf_config: Any, num_layers: int, block_size: int, dtype:
     num_heads = hf_config.num_attention_heads
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    return 2 * num_layers * block_size * num_kv_heads * head_size * dtype.itemsize
+    # NOTE: the standard layout's size: this plugin-API classmethod is not told the backend.
+    return num_layers * STANDARD_KV_CACHE_LAYOUT.bytes_per_block(block_size, num_kv_heads, head_size, dtype)
 
 
 class ModelDrafter(Drafter):
