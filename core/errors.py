@@ -56,10 +56,6 @@ class AttentionBackendError(PagedLLMError):
         super().__init__(f"attention backend {name!r} is not usable here: " + "; ".join(reasons))
 
 
-class KVCacheCapacityError(PagedLLMError):
-    """The KV cache can never hold a request (prompt longer than the whole pool)."""
-
-
 class EngineDeadError(PagedLLMError, RuntimeError):
     """The engine-core process (or thread) died; nothing in flight will finish.
     The HTTP layer answers 503 (and ends a stream with an error chunk)."""

@@ -256,10 +256,6 @@ class StructuredOutputManager:
             self._tokenizer = load_tokenizer(self._tokenizer)
         return self._tokenizer
 
-    def has_pending_compiles(self) -> bool:
-        with self._pending_lock:
-            return bool(self._pending)
-
     def wait_for_compiles(self, timeout_s: float) -> None:
         """Block until any compile finishes or `timeout_s` passes (an idle
         engine must not spin while it waits for grammars)."""
