@@ -37,6 +37,7 @@ logger = logging.getLogger("pagedllm.metrics")
 prometheus_client.disable_created_metrics()
 
 PREFIX = "pagedllm:"
+LABELS = ["model_name"]
 FINISH_REASONS = ("stop", "length", "abort")
 # Used for the token-count histograms when no config gives max_model_len.
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -77,134 +78,11 @@ class PrometheusStatLogger:
     def __init__(self, model_name: str, registry: CollectorRegistry, max_model_len: int) -> None:
         self.model_name = model_name
         self.registry = registry
-        labels = ["model_name"]
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=registry)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=registry)
-
-        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, registry=registry, buckets=buckets)
-
-        # Scheduler state
-        self.gauge_running = gauge("num_requests_running", "Number of requests in model execution batches.")
-        self.gauge_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
-        self.gauge_kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.counter_prefix_cache_queries = counter(
-            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
-        )
-        self.counter_prefix_cache_hits = counter(
-            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
-        )
-        self.counter_preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
-
-        # Token counters
-        self.counter_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self.counter_generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
-        request_success = Counter(
-            PREFIX + "request_success",
-            "Count of successfully processed requests.",
-            labels + ["finished_reason"],
-            registry=registry,
-        )
-        # NOTE: every reason exists from the start, so a scrape shows zeros
-        # rather than a missing series (rate() needs the series to exist).
-        self.counter_request_success = {
-            reason: request_success.labels(model_name, reason) for reason in FINISH_REASONS
-        }
-        self._request_success = request_success
-
-        # Histograms of counts
-        token_buckets = build_1_2_5_buckets(max_model_len)
-        self.histogram_prompt_tokens = histogram(
-            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
-        )
-        self.histogram_generation_tokens = histogram(
-            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
-        )
-        self.histogram_iteration_tokens = histogram(
-            "iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS
-        )
-        self.histogram_max_tokens = histogram(
-            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
-        )
-        self.histogram_n = histogram("request_params_n", "Histogram of the n request parameter.", N_PARAM_BUCKETS)
-
-        # Histograms of timing intervals
-        self.histogram_ttft = histogram(
-            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
-        )
-        self.histogram_itl = histogram(
-            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS
-        )
-        self.histogram_tpot = histogram(
-            "request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.",
-            TOKEN_LATENCY_BUCKETS,
-        )
-        self.histogram_e2e = histogram(
-            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
-        )
-        self.histogram_queue_time = histogram(
-            "request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.histogram_inference_time = histogram(
-            "request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.histogram_prefill_time = histogram(
-            "request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.histogram_decode_time = histogram(
-            "request_decode_time_seconds",
-            "Histogram of time spent in DECODE phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-
-        # Speculative decoding (zero without it)
-        self.counter_spec_decode_num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
-        self.counter_spec_decode_num_draft_tokens = counter(
-            "spec_decode_num_draft_tokens", "Number of draft tokens."
-        )
-        self.counter_spec_decode_num_accepted_tokens = counter(
-            "spec_decode_num_accepted_tokens", "Number of accepted tokens."
-        )
-        self._spec_decode_per_pos = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-            "Accepted tokens per draft position.",
-            labels + ["position"],
-            registry=registry,
-        )
-        self.counter_spec_decode_per_pos: dict[int, Any] = {}
-
-        # KV transfer (zero without a connector): vLLM's names, plus tiers.
-        self.counter_external_prefix_cache_queries = counter(
-            "external_prefix_cache_queries",
-            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of tokens.",
-        )
-        self.counter_external_prefix_cache_hits = counter(
-            "external_prefix_cache_hits",
-            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of tokens.",
-        )
-        self.counter_kv_connector_load_failures = counter(
-            "kv_connector_load_failures", "Stored KV blocks that could not be loaded (missing, corrupted)."
-        )
-        self._kv_tier_blocks = Counter(
-            PREFIX + "kv_connector_tier_blocks", "KV connector tier lookups, in blocks.",
-            labels + ["tier", "result"], registry=registry,
-        )
-        self._kv_tier_bytes = Counter(
-            PREFIX + "kv_connector_tier_bytes", "Bytes moved by the KV connector, per tier and direction.",
-            labels + ["tier", "direction"], registry=registry,
-        )
-
+        self._add_scheduler_metrics()
+        self._add_token_metrics(max_model_len)
+        self._add_latency_metrics()
+        self._add_spec_decode_metrics()
+        self._add_kv_transfer_metrics()
         # Info: a gauge fixed at 1 whose labels carry the cache config.
         self._cache_config_info: Gauge | None = None
 
@@ -223,6 +101,135 @@ class PrometheusStatLogger:
             self.histogram_prefill_time, self.histogram_decode_time,
         ):  # fmt: skip
             metric.labels(model_name)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(PREFIX + name, doc, LABELS, registry=self.registry)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(PREFIX + name, doc, LABELS, registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
+        return Histogram(PREFIX + name, doc, LABELS, registry=self.registry, buckets=buckets)
+
+    def _add_scheduler_metrics(self) -> None:
+        """Scheduler state."""
+        self.gauge_running = self._gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.gauge_waiting = self._gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.gauge_kv_cache_usage = self._gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.counter_prefix_cache_queries = self._counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.counter_prefix_cache_hits = self._counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.counter_preemptions = self._counter("num_preemptions", "Cumulative number of preemption from the engine.")
+
+    def _add_token_metrics(self, max_model_len: int) -> None:
+        """Token counters, and histograms of counts (prompt, output and step sizes, request parameters)."""
+        self.counter_prompt_tokens = self._counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.counter_generation_tokens = self._counter("generation_tokens", "Number of generation tokens processed.")
+        request_success = Counter(
+            PREFIX + "request_success",
+            "Count of successfully processed requests.",
+            [*LABELS, "finished_reason"],
+            registry=self.registry,
+        )
+        # NOTE: every reason exists from the start, so a scrape shows zeros
+        # rather than a missing series (rate() needs the series to exist).
+        self.counter_request_success = {
+            reason: request_success.labels(self.model_name, reason) for reason in FINISH_REASONS
+        }
+        self._request_success = request_success
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.histogram_prompt_tokens = self._histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.histogram_generation_tokens = self._histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.histogram_iteration_tokens = self._histogram(
+            "iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS
+        )
+        self.histogram_max_tokens = self._histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
+        self.histogram_n = self._histogram("request_params_n", "Histogram of the n request parameter.", N_PARAM_BUCKETS)
+
+    def _add_latency_metrics(self) -> None:
+        """Histograms of timing intervals."""
+        self.histogram_ttft = self._histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.histogram_itl = self._histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS
+        )
+        self.histogram_tpot = self._histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.histogram_e2e = self._histogram(
+            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.histogram_queue_time = self._histogram(
+            "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.histogram_inference_time = self._histogram(
+            "request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.histogram_prefill_time = self._histogram(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.histogram_decode_time = self._histogram(
+            "request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+
+    def _add_spec_decode_metrics(self) -> None:
+        """Speculative decoding (zero without it)."""
+        self.counter_spec_decode_num_drafts = self._counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.counter_spec_decode_num_draft_tokens = self._counter(
+            "spec_decode_num_draft_tokens", "Number of draft tokens."
+        )
+        self.counter_spec_decode_num_accepted_tokens = self._counter(
+            "spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self._spec_decode_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*LABELS, "position"],
+            registry=self.registry,
+        )
+        self.counter_spec_decode_per_pos: dict[int, Any] = {}
+
+    def _add_kv_transfer_metrics(self) -> None:
+        """KV transfer (zero without a connector): vLLM's names, plus tiers."""
+        self.counter_external_prefix_cache_queries = self._counter(
+            "external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of tokens.",
+        )
+        self.counter_external_prefix_cache_hits = self._counter(
+            "external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of tokens.",
+        )
+        self.counter_kv_connector_load_failures = self._counter(
+            "kv_connector_load_failures", "Stored KV blocks that could not be loaded (missing, corrupted)."
+        )
+        self._kv_tier_blocks = Counter(
+            PREFIX + "kv_connector_tier_blocks", "KV connector tier lookups, in blocks.",
+            [*LABELS, "tier", "result"], registry=self.registry,
+        )
+        self._kv_tier_bytes = Counter(
+            PREFIX + "kv_connector_tier_bytes", "Bytes moved by the KV connector, per tier and direction.",
+            [*LABELS, "tier", "direction"], registry=self.registry,
+        )
 
     def set_cache_config_info(self, info: dict[str, str]) -> None:
         if self._cache_config_info is None:
