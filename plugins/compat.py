@@ -28,7 +28,8 @@ from packaging.version import Version
 #      and block_io's `layout` argument. Typed kinds: `PluginKind`, the typed
 #      registries (`pm.models`, ...), `AttentionCapabilities` and the other
 #      kinds' metadata types (unknown keys are refused at register), the
-#      `ModelForCausalLM` interface (1.0 duck-typed models still load).
+#      `ModelForCausalLM` interface (1.0 duck-typed models still load); the
+#      model-source kind (`register_model_sources`, `ModelSource`).
 API_VERSION = "1.2.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
