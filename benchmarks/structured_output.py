@@ -95,7 +95,8 @@ def time_steps(core, batch: int, structured: bool, steps: int) -> tuple[float, f
 
 
 def time_apply(vocab_size: int, batch: int, reps: int = 50) -> float:
-    from pagedllm.structured_output.bitmask import allocate_token_bitmask, apply_token_bitmask_inplace
+    from pagedllm.structured_output.bitmask import allocate_token_bitmask
+    from pagedllm.worker.grammar_bitmask import apply_token_bitmask_inplace
 
     logits = torch.randn(batch, vocab_size)
     bitmask = allocate_token_bitmask(batch, vocab_size)

@@ -1,13 +1,11 @@
-"""The shared token-bitmask layout (see interface.py) and applying it to logits."""
+"""The shared token-bitmask layout (see interface.py): allocating, packing and
+unpacking rows. Applying a bitmask to logits is the sampler's (worker/grammar_bitmask.py)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
 BITS_PER_WORD = 32
-_xgrammar_apply: Any = None  # resolved on first use; False = not installed
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -33,33 +31,3 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
-
-
-def apply_token_bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set logits[rows[i], t] = -inf where bitmask[i] disallows token t.
-
-    `logits` must be contiguous float32 [batch, vocab]; rows not listed are
-    untouched. Uses xgrammar's kernel (CPU and CUDA) when it is installed,
-    else plain torch.
-    """
-    global _xgrammar_apply
-    if not rows:
-        return
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    if _xgrammar_apply is None:
-        try:
-            from xgrammar import apply_token_bitmask_inplace as xgr_apply
-
-            _xgrammar_apply = xgr_apply
-        except ImportError:
-            _xgrammar_apply = False
-    if _xgrammar_apply is not False and logits.dtype == torch.float32 and logits.is_contiguous():
-        # xgrammar reads bitmask row i for logits row indices[i]; the bitmask
-        # must have one row per logits row.
-        full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=logits.device)
-        full[rows] = bitmask
-        _xgrammar_apply(logits, full, vocab_size=logits.shape[1], indices=rows)
-        return
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    allowed = unpack_bitmask(bitmask, logits.shape[1])
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -165,7 +165,7 @@ def test_bitmask_masks_tokens_past_the_tokenizer(tokenizer: Any) -> None:
 
 
 def test_apply_bitmask_torch_and_xgrammar_kernels_agree() -> None:
-    import pagedllm.structured_output.bitmask as bitmask_module
+    import pagedllm.worker.grammar_bitmask as bitmask_module
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 100, generator=generator)

@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedllm.core.sampling_params import SamplingParams, SamplingType
 from pagedllm.core.scheduler_output import LogprobEntry
-from pagedllm.structured_output.bitmask import apply_token_bitmask_inplace
+from pagedllm.worker.grammar_bitmask import apply_token_bitmask_inplace
 
 # Exponential draws are clamped here so probs / q is never 0/0 (NaN would win argmax).
 _TINY = torch.finfo(torch.float32).tiny
