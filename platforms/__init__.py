@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from pagedllm.core.errors import ConfigError, PluginError
-from pagedllm.platforms.interface import Platform
+from pagedllm.platforms.interface import DeviceCommunicator, Platform, TorchDistributedCommunicator
 
 if TYPE_CHECKING:
     from pagedllm.plugins.manager import PluginManager
@@ -109,7 +109,9 @@ def _available(plugin_manager: PluginManager | None) -> str:
 
 __all__ = [
     "AUTO_PLATFORM_ORDER",
+    "DeviceCommunicator",
     "Platform",
+    "TorchDistributedCommunicator",
     "available_out_of_tree_platforms",
     "load_platform_cls",
     "resolve_platform",

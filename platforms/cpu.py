@@ -45,6 +45,7 @@ def keep_freed_memory_in_process() -> bool:
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
+    dist_backend = "gloo"
 
     @classmethod
     def is_available(cls) -> bool:

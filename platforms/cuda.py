@@ -23,6 +23,7 @@ BF16_MIN_CAPABILITY = (8, 0)
 class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
+    dist_backend = "nccl"
 
     def __init__(self, device_index: int = 0) -> None:
         self.device_index = device_index

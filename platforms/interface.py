@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from pagedllm.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 # Accepted spellings of --dtype (vLLM's, plus short forms).
 DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -35,11 +39,80 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ConfigError("dtype", name, "auto, " + ", ".join(DTYPE_NAMES)) from None
 
 
+class DeviceCommunicator(ABC):
+    """The collectives of one process group on one device (vLLM's
+    DeviceCommunicatorBase). A platform returns its own from
+    `Platform.get_device_communicator` (a custom all-reduce kernel, a vendor
+    collective library); `GroupCoordinator` calls it only when the group has
+    more than one rank, so a world of one never reaches it.
+
+    `dst` and `src` are ranks within the group, not global ranks; `input_`
+    has the same shape on every rank.
+    """
+
+    def __init__(self, group: ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+        self.ranks: list[int] = dist.get_process_group_ranks(group)
+        self.world_size = len(self.ranks)
+        self.rank_in_group = self.ranks.index(dist.get_rank())
+
+    @abstractmethod
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum over the group. May overwrite `input_`: use the result."""
+
+    @abstractmethod
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `input_` concatenated along `dim`, in rank order."""
+
+    @abstractmethod
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """As `all_gather` on rank `dst`; None on every other rank."""
+
+    @abstractmethod
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s `input_` on every rank. May overwrite `input_`: use the result."""
+
+    def destroy(self) -> None:  # noqa: B027 (optional: the default holds nothing to release)
+        """Release what the communicator holds (buffers, library handles)."""
+
+
+class TorchDistributedCommunicator(DeviceCommunicator):
+    """The collectives of torch.distributed over the group's own backend
+    (gloo on CPU, nccl on CUDA): what a platform gets unless it brings its own."""
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(input_, group=self.group)
+        return input_
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        # NOTE: list-form all_gather, not all_gather_into_tensor: gloo has only the former.
+        input_ = input_.contiguous()
+        outputs = [torch.empty_like(input_) for _ in range(self.world_size)]
+        dist.all_gather(outputs, input_, group=self.group)
+        return torch.cat(outputs, dim=dim)
+
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        input_ = input_.contiguous()
+        if self.rank_in_group != dst:
+            dist.gather(input_, None, dst=self.ranks[dst], group=self.group)
+            return None
+        outputs = [torch.empty_like(input_) for _ in range(self.world_size)]
+        dist.gather(input_, outputs, dst=self.ranks[dst], group=self.group)
+        return torch.cat(outputs, dim=dim)
+
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        dist.broadcast(input_, src=self.ranks[src], group=self.group)
+        return input_
+
+
 class Platform(ABC):
     """One device kind. Instances are cheap; device queries happen on call."""
 
     name: ClassVar[str]
     device_type: ClassVar[str]  # "cpu" | "cuda" (a torch device type)
+    # The torch.distributed backend its process groups use (plugin API 1.3).
+    dist_backend: ClassVar[str] = "gloo"
 
     @classmethod
     @abstractmethod
@@ -114,6 +187,11 @@ class Platform(ABC):
                 f"{', '.join(dtype_name(d) for d in supported)} on {self.describe()}",
             )
         return dtype
+
+    def get_device_communicator(self, group: ProcessGroup, device: torch.device) -> DeviceCommunicator:
+        """The collectives of `group` on `device` (plugin API 1.3). Default:
+        torch.distributed's own over the group's backend."""
+        return TorchDistributedCommunicator(group, device)
 
     def describe(self) -> str:
         """``"cuda (compute capability 7.5)"``: for error messages."""
