@@ -4,14 +4,22 @@ attention backend priority."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
+import torch
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm_example_platform import ENABLE_ENV, PLATFORM_NAME
+
+if TYPE_CHECKING:
+    from pagedllm_example_platform.communicator import ExampleCommunicator
 
 
 class ExampleAcceleratorPlatform(CpuPlatform):
     name = PLATFORM_NAME
     device_type = "cpu"  # a torch device type; a real vendor has its own (e.g. "xpu")
+    # Plugin API 1.3: the torch.distributed backend of its process groups
+    # (a vendor names its own, e.g. "xccl"); older pagedllm ignores it.
+    dist_backend = "gloo"
 
     @classmethod
     def is_available(cls) -> bool:
@@ -26,3 +34,12 @@ class ExampleAcceleratorPlatform(CpuPlatform):
         # sdpa comes from pagedllm-example-attention; when it is not installed
         # "auto" records "not registered by any plugin" and takes torch_native.
         return ["sdpa", "torch_native"]
+
+    def get_device_communicator(
+        self, group: torch.distributed.ProcessGroup, device: torch.device
+    ) -> ExampleCommunicator:
+        # Plugin API 1.3 calls this for each group of two or more ranks; the
+        # import waits until then, so the plugin still loads on pagedllm 1.0-1.2.
+        from pagedllm_example_platform.communicator import ExampleCommunicator
+
+        return ExampleCommunicator(group, device)

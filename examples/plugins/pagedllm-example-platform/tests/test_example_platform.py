@@ -35,3 +35,28 @@ def test_auto_picks_the_example_platform_only_when_enabled(pm: PluginManager, mo
     # its own priority: sdpa when pagedllm-example-attention is installed, else torch_native
     expected = "sdpa" if "sdpa" in pm.registry("attention_backend") else "torch_native"
     assert selection.name == expected
+
+
+def test_the_platforms_groups_use_its_own_communicator() -> None:
+    # Plugin API 1.3: a group of one rank over gloo is enough to see the platform's collectives run.
+    import torch.distributed as dist
+    from pagedllm.distributed import (
+        destroy_distributed_environment,
+        get_distributed_init_method,
+        get_open_port,
+        init_distributed_environment,
+    )
+    from pagedllm_example_platform.platform import ExampleAcceleratorPlatform
+
+    platform = ExampleAcceleratorPlatform()
+    init_method = get_distributed_init_method("127.0.0.1", get_open_port())
+    try:
+        init_distributed_environment(1, 0, init_method, platform.dist_backend)
+        communicator = platform.get_device_communicator(dist.new_group([0]), platform.device())
+        x = torch.arange(4.0)
+        assert torch.equal(communicator.all_reduce(x.clone()), x)
+        assert torch.equal(communicator.all_gather(x, dim=0), x)
+        assert torch.equal(communicator.broadcast(x.clone(), src=0), x)
+        assert dict(communicator.calls) == {"all_reduce": 1, "all_gather": 1, "broadcast": 1}
+    finally:
+        destroy_distributed_environment()
