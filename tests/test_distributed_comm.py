@@ -95,6 +95,7 @@ results = {
     "backend": dist.get_backend(tp.device_group),
     "all_reduce": tp.all_reduce(reduced_input),
     "int_all_reduce": tp.all_reduce(torch.tensor([rank + 1, 5 * rank], dtype=torch.int64)),
+    "bf16_all_reduce": tp.all_reduce(torch.tensor([1.5, -2.25], dtype=torch.bfloat16) * (rank + 1)),
     "all_gather_dim0": tp.all_gather(x, dim=0),
     "all_gather_dim_last": tp.all_gather(x, dim=-1),
     "all_gather_transposed": tp.all_gather(x.t(), dim=1),
@@ -161,6 +162,8 @@ def test_all_reduce_sums_over_the_ranks(rank_results: list[dict[str, Any]]) -> N
     for results in rank_results:
         torch.testing.assert_close(results["all_reduce"], expected, rtol=0, atol=0)
         assert torch.equal(results["int_all_reduce"], torch.tensor([1 + 2, 0 + 5]))
+        # bfloat16 models reduce in bfloat16 (gloo sums it; these values are exact)
+        assert torch.equal(results["bf16_all_reduce"], torch.tensor([4.5, -6.75], dtype=torch.bfloat16))
 
 
 def test_all_gather_concatenates_in_rank_order_along_the_dim(rank_results: list[dict[str, Any]]) -> None:
@@ -189,7 +192,7 @@ def test_broadcast_copies_the_source_rank_everywhere(rank_results: list[dict[str
 
 
 def test_the_platforms_communicator_carries_every_collective(rank_results: list[dict[str, Any]]) -> None:
-    expected_calls = ["all_reduce"] * 2 + ["all_gather"] * 3 + ["gather"] * 2 + ["broadcast"] * 2
+    expected_calls = ["all_reduce"] * 3 + ["all_gather"] * 3 + ["gather"] * 2 + ["broadcast"] * 2
     for results in rank_results:
         assert results["calls"] == expected_calls
 
@@ -198,6 +201,12 @@ def test_destroy_leaves_a_world_of_one(rank_results: list[dict[str, Any]]) -> No
     for results in rank_results:
         assert results["after_destroy_model_parallel"] == (False, 1)
         assert results["dist_initialized_after_destroy"] is False
+
+
+def test_init_method_names_a_tcp_rendezvous() -> None:
+    assert get_distributed_init_method("127.0.0.1", 29500) == "tcp://127.0.0.1:29500"
+    assert get_distributed_init_method("::1", 29500) == "tcp://[::1]:29500"
+    assert 0 < get_open_port() < 65536
 
 
 # ------------------------------------------------------------- a world of one
