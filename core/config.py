@@ -202,6 +202,24 @@ class KVTransferConfig(_Section):
     load_failure_policy: Literal["fail", "recompute"] = "recompute"
 
 
+class ParallelConfig(_Section):
+    """How many ranks run the model and how they are launched (vLLM's
+    `ParallelConfig`). At size 1 the in-process `uni` executor runs it."""
+
+    # Ranks the model's layers are split over (vLLM's `-tp`).
+    tensor_parallel_size: int = Field(1, ge=1)
+    # A registered `executor` name (uni, or a plugin's); auto = uni at size 1.
+    distributed_executor_backend: str = "auto"
+    # A Ray cluster to attach to (ray executors); None = RAY_ADDRESS or a local one.
+    ray_address: str | None = None
+    # How a Ray placement group spreads the ranks' bundles over nodes.
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "PACK"
+    # torch.distributed rendezvous of the ranks on one host (mp executors).
+    master_addr: str = "127.0.0.1"
+    # None = a free port, chosen when the ranks start.
+    master_port: int | None = Field(None, ge=1, le=65535)
+
+
 class ServerConfig(_Section):
     """The OpenAI-compatible HTTP front end (`pagedllm serve`); the engine core ignores it."""
 
@@ -283,6 +301,12 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "kv_connector": ("kv_transfer", "connector"),
     "kv_role": ("kv_transfer", "role"),
     "kv_connector_extra_config": ("kv_transfer", "extra"),
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "distributed_executor_backend": ("parallel", "distributed_executor_backend"),
+    "ray_address": ("parallel", "ray_address"),
+    "placement_strategy": ("parallel", "placement_strategy"),
+    "master_addr": ("parallel", "master_addr"),
+    "master_port": ("parallel", "master_port"),
 }
 
 # The parsed config file of the `EngineConfig.load` call in progress (settings
@@ -325,6 +349,7 @@ class EngineConfig(BaseSettings):
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
     def __init__(self, **values: Any) -> None:

@@ -90,6 +90,7 @@ class InprocClient(EngineCoreClient):
 
         parts = build_engine(config)
         self.engine_core: EngineCore = parts.engine_core
+        self.executor = parts.executor
         self.ready = ready_message(parts)
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
@@ -119,6 +120,10 @@ class InprocClient(EngineCoreClient):
         while self.engine_core.has_unfinished_requests():
             self.engine_core.step()
             self.engine_core.wait_for_work()
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (the in-process `uni` releases its rank)."""
+        self.executor.shutdown()
 
 
 # ------------------------------------------------------------ multi-process

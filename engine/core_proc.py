@@ -230,7 +230,7 @@ def run_engine_core(
         output_socket.send(encoder.encode(ready_message(parts)))
         proc = EngineCoreProc(parts.engine_core, input_socket, output_socket, parent_pid)
         try:
-            proc.run_busy_loop()
+            _serve(proc, parts)
         except SystemExit:
             logger.info("engine core stopping (signal or parent exit)")
         except BaseException as exc:
@@ -248,6 +248,14 @@ def run_engine_core(
         context.term()
         if in_own_process and exit_code:
             sys.exit(exit_code)
+
+
+def _serve(proc: EngineCoreProc, parts: EngineParts) -> None:
+    """The busy loop; however it ends, the executor's workers stop with it."""
+    try:
+        proc.run_busy_loop()
+    finally:
+        parts.executor.shutdown()
 
 
 def _build_engine(config_json: str) -> EngineParts:

@@ -25,6 +25,8 @@ from pagedllm.core.config import FLAT_KEYS, EngineConfig
 _DEST_PREFIX = "engine_config__"
 # Flags the command defines itself, never generated from a field.
 RESERVED_NAMES = frozenset({"config", "help", "model"})
+# vLLM's short spellings, accepted beside the long flag.
+SHORT_FLAGS: dict[tuple[str, str], str] = {("parallel", "tensor_parallel_size"): "-tp"}
 
 
 def section_models() -> dict[str, type[BaseModel]]:
@@ -61,7 +63,10 @@ def add_engine_config_flags(parser: argparse.ArgumentParser, skip: frozenset[tup
             if (section, key) in skip:
                 continue
             dest = f"{_DEST_PREFIX}{section}__{key}"
-            _add_field_flag(group, [_flag(names[(section, key)])], dest, field, f"{section}.{key}")
+            flags = [_flag(names[(section, key)])]
+            if (section, key) in SHORT_FLAGS:
+                flags.append(SHORT_FLAGS[(section, key)])
+            _add_field_flag(group, flags, dest, field, f"{section}.{key}")
 
 
 def engine_config_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

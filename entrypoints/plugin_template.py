@@ -275,7 +275,7 @@ def test_greedy_tokens_equal_transformers(tmp_path: Path) -> None:
 
     path = save_checkpoint(tmp_path)
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=32)
-    assert type(llm.engine_core.engine_core.model_executor.model) is __CAMEL__ForCausalLM
+    assert type(llm.engine_core.engine_core.model_executor.driver_worker.model) is __CAMEL__ForCausalLM
     prompt = "def main():"
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     output = llm.generate([prompt], params, use_tqdm=False)[0]

@@ -98,3 +98,10 @@ def register_kv_connectors(register: RegisterFn) -> None:
 def register_model_sources(register: RegisterFn) -> None:
     # The shipped models (pagedllm-tiny and its draft and EAGLE heads) by alias.
     register("tiny", "pagedllm.model_registry.tiny:ShippedModelSource")
+
+
+@hookimpl
+def register_executors(register: RegisterFn) -> None:
+    # One in-process worker; the multi-rank executors (mp, ray) come with
+    # tensor parallelism.
+    register("uni", "pagedllm.executors.uni:UniProcExecutor", supports_tensor_parallel=False)

@@ -30,7 +30,12 @@ from packaging.version import Version
 #      kinds' metadata types (unknown keys are refused at register), the
 #      `ModelForCausalLM` interface (1.0 duck-typed models still load); the
 #      model-source kind (`register_model_sources`, `ModelSource`).
-API_VERSION = "1.2.0"
+# 1.3: the executor kind (`register_executors`, `Executor`, `ExecutorInfo`,
+#      `pm.executors`) and the `parallel` config section.
+#      Platforms name their process groups' backend (`Platform.dist_backend`)
+#      and may bring their own collectives (`Platform.get_device_communicator`,
+#      `DeviceCommunicator`); 1.0 platforms get gloo and torch.distributed's.
+API_VERSION = "1.3.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

@@ -38,7 +38,7 @@ hook receives a ``register`` function and calls it once per component::
 Each kind is a :class:`pagedllm.plugins.kinds.PluginKind`; its registry is
 ``get_plugin_manager().registry(kind)``, or typed: ``.platforms``,
 ``.attention_backends``, ``.models``, ``.drafters``, ``.grammar_backends``,
-``.kv_connectors``.
+``.kv_connectors``, ``.model_sources``, ``.executors``.
 
 None of these hooks is ``firstresult``: every plugin gets called, and the
 return value is ignored.
@@ -226,6 +226,30 @@ def register_model_sources(register: RegisterFn) -> None:
     source ``tiny`` knows ``tiny``, ``tiny-draft``, ``tiny-eagle`` and the
     default model); the first answer wins, and a name no source knows is used
     as a folder or hub id.
+    """
+
+
+@hookspec
+def register_executors(register: RegisterFn) -> None:
+    """Register executors (kind ``executor``, plugin API 1.3): what starts
+    the workers that run the model (one per rank), and relays each step to
+    them.
+
+    :param register: call ``register(name, "pkg.mod:ExecutorCls", **metadata)``;
+        ``name`` is what ``parallel.distributed_executor_backend`` selects
+        (``auto`` = ``uni`` at ``tensor_parallel_size`` 1). The target must be a
+        subclass of :class:`pagedllm.executors.base.Executor`, built as
+        ``ExecutorCls(engine_config)``; it starts its workers
+        (:class:`pagedllm.worker.worker.Worker`) and loads the model on each.
+        Metadata (:class:`pagedllm.plugins.metadata.ExecutorInfo`):
+        ``supports_tensor_parallel`` (whether it runs more than one rank;
+        without it, ``tensor_parallel_size`` > 1 is a ConfigError),
+        ``requires`` (import names of the packages it needs).
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the executor registry is first needed: building an
+    engine (engine/builder.py, in the process that runs the engine core),
+    ``pagedllm plugins list``. Built-in: ``uni`` (one in-process worker).
     """
 
 

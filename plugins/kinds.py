@@ -24,6 +24,7 @@ class PluginKind(enum.StrEnum):
     GRAMMAR_BACKEND = "grammar_backend"
     KV_CONNECTOR = "kv_connector"
     MODEL_SOURCE = "model_source"
+    EXECUTOR = "executor"
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,12 @@ KIND_SPECS: dict[PluginKind, KindSpec] = {
             "register_model_sources",
             "pagedllm.model_registry.interface:ModelSource",
             f"{_METADATA}:ModelSourceInfo",
+        ),
+        KindSpec(
+            PluginKind.EXECUTOR,
+            "register_executors",
+            "pagedllm.executors.base:Executor",
+            f"{_METADATA}:ExecutorInfo",
         ),
     )
 }

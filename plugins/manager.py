@@ -26,11 +26,13 @@ from pagedllm.plugins.registry import BUILTIN_SOURCE, Registration, Registry, im
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend, AttentionCapabilities
+    from pagedllm.executors.base import Executor
     from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.model_registry.interface import ModelForCausalLM, ModelSource
     from pagedllm.platforms.interface import Platform
     from pagedllm.plugins.metadata import (
         DrafterInfo,
+        ExecutorInfo,
         GrammarBackendInfo,
         KVConnectorInfo,
         ModelInfo,
@@ -310,6 +312,10 @@ class PluginManager:
     @property
     def model_sources(self) -> Registry[ModelSource, ModelSourceInfo]:
         return self.registry(PluginKind.MODEL_SOURCE)
+
+    @property
+    def executors(self) -> Registry[Executor, ExecutorInfo]:
+        return self.registry(PluginKind.EXECUTOR)
 
     def _collect(self, spec: KindSpec) -> Registry[Any, Any]:
         registry: Registry[Any, Any] = Registry(spec.kind, spec.interface)

@@ -185,8 +185,18 @@ class ModelSourceInfo:
     """``register_model_sources`` metadata: none (the source answers for itself)."""
 
 
+@dataclass(frozen=True)
+class ExecutorInfo:
+    """``register_executors`` metadata."""
+
+    # Whether it runs parallel.tensor_parallel_size > 1 (several ranks).
+    supports_tensor_parallel: bool = parsed(flag, False)
+    requires: tuple[str, ...] = parsed(names, ())  # import names of the packages it needs
+
+
 __all__ = [
     "DrafterInfo",
+    "ExecutorInfo",
     "GrammarBackendInfo",
     "KVConnectorInfo",
     "MetadataError",

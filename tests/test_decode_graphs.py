@@ -50,7 +50,7 @@ def test_replayed_decode_steps_give_the_eager_tokens(fake_graph_capture: list[in
     common = dict(model="tiny", dtype="float32", num_kv_blocks=32, max_num_seqs=4)
     eager = _greedy(LLM(**common, attention_backend="torch_native"))
     llm = LLM(**common, attention_backend="triton", cuda_graph_sizes=[1, 2, 4])
-    runner = llm.engine_core.engine_core.model_executor.graph_runner
+    runner = llm.engine_core.engine_core.model_executor.driver_worker.model_runner.graph_runner
     assert runner is not None and fake_graph_capture == [4, 2, 1]  # largest first
     assert _greedy(llm) == eager
     assert runner.num_replays == 3 + 3 + 3  # decode steps of 3, 2 and 1 running requests
@@ -58,19 +58,21 @@ def test_replayed_decode_steps_give_the_eager_tokens(fake_graph_capture: list[in
 
 def test_enforce_eager_captures_nothing(fake_graph_capture: list[int]) -> None:
     llm = LLM(model="tiny", num_kv_blocks=16, attention_backend="torch_native", enforce_eager=True)
-    assert llm.engine_core.engine_core.model_executor.graph_runner is None and fake_graph_capture == []
+    assert llm.engine_core.engine_core.model_executor.driver_worker.model_runner.graph_runner is None
+    assert fake_graph_capture == []
 
 
 def test_a_backend_that_cannot_be_captured_runs_eagerly(fake_graph_capture: list[int]) -> None:
     llm = LLM(model="tiny", num_kv_blocks=16, attention_backend="torch_native")
-    assert llm.engine_core.engine_core.model_executor.graph_runner is None and fake_graph_capture == []
+    assert llm.engine_core.engine_core.model_executor.driver_worker.model_runner.graph_runner is None
+    assert fake_graph_capture == []
     (output,) = llm.generate(["x = 1\n"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 3
 
 
 def test_cpu_platform_captures_nothing_by_default() -> None:
     llm = LLM(model="tiny", num_kv_blocks=16)
-    assert llm.engine_core.engine_core.model_executor.graph_runner is None
+    assert llm.engine_core.engine_core.model_executor.driver_worker.model_runner.graph_runner is None
 
 
 def test_graph_sizes_from_config_are_validated() -> None:
@@ -88,7 +90,7 @@ def test_compile_outside_attention_keeps_outputs_and_leaves_attention_eager() ->
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(model="tiny", dtype="float32", num_kv_blocks=16)
     expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    model = llm.engine_core.engine_core.model_executor.model
+    model = llm.engine_core.engine_core.model_executor.driver_worker.model
     compile_outside_attention(model, backend="eager")  # the compiler itself is torch's business
     assert all(getattr(layer.forward, "_torchdynamo_disable", False) for layer in model.get_attention_layers())
     llm2 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]

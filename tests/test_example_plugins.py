@@ -134,7 +134,7 @@ def test_gpt2_greedy_tokens_equal_transformers() -> None:
 
     path = cached_tiny_gpt2()
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
-    assert type(llm.engine_core.engine_core.model_executor.model) is GPT2LMHeadModel
+    assert type(llm.engine_core.engine_core.model_executor.driver_worker.model) is GPT2LMHeadModel
     outputs = llm.generate(PROMPTS, _greedy(10), use_tqdm=False)
     tokenizer = llm.get_tokenizer()
     for prompt, output in zip(PROMPTS, outputs, strict=True):
@@ -273,7 +273,7 @@ def test_config_file_selects_the_plugin_backend_and_model(tmp_path: Path) -> Non
     assert (config.device.attention_backend, config.model.model) == ("sdpa", str(gpt2))
 
     llm = LLM(config_file=str(config_file))
-    runner = llm.engine_core.engine_core.model_executor
+    runner = llm.engine_core.engine_core.model_executor.driver_worker
     assert runner.attn_backend is SdpaBackend
     assert type(runner.model) is GPT2LMHeadModel
     [output] = llm.generate([PROMPTS[0]], _greedy(6), use_tqdm=False)

@@ -28,8 +28,9 @@ def test_engine_sizes_the_pool_from_the_platform_budget_after_a_profile_run(monk
     assert seen["utilization"] == 0.5
     assert parts.engine_core.kv_cache_manager.num_blocks == 3 * 1024 * 1024 // bytes_per_block
     # The throwaway cache is gone; the real one is bound.
-    layers = parts.model_runner.model.get_attention_layers()
-    assert all(layer.kv_cache is kv for layer, kv in zip(layers, parts.model_runner.kv_caches, strict=True))
+    runner = parts.executor.driver_worker.model_runner
+    layers = runner.model.get_attention_layers()
+    assert all(layer.kv_cache is kv for layer, kv in zip(layers, runner.kv_caches, strict=True))
 
 
 def test_cpu_budget_is_the_fixed_default() -> None:
@@ -41,7 +42,7 @@ def test_profile_run_unbinds_its_throwaway_cache() -> None:
     from pagedllm.worker.memory_profiler import profile_run
 
     parts = build_engine(EngineConfig.from_flat(model="tiny", num_kv_blocks=8))
-    model = parts.model_runner.model
+    model = parts.executor.driver_worker.model_runner.model
     for layer in model.get_attention_layers():
         layer.kv_cache = None
     facts = parts.model

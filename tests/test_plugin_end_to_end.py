@@ -113,7 +113,7 @@ def _token_ids(outputs: list) -> list[list[int]]:
 def test_plugin_backend_and_model_are_what_llm_runs(counting_plugin: CountingPlugin, tmp_path: Path) -> None:
     path = _checkpoint_with_architecture(tmp_path, ARCHITECTURE)
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, attention_backend=BACKEND_NAME)
-    runner = llm.engine_core.engine_core.model_executor
+    runner = llm.engine_core.engine_core.model_executor.driver_worker
     assert llm.engine_core.ready.attention_backend == BACKEND_NAME
     assert runner.attn_backend is CountingBackend
     assert type(runner.model) is CountingLlamaForCausalLM
@@ -124,7 +124,7 @@ def test_plugin_backend_and_model_are_what_llm_runs(counting_plugin: CountingPlu
     # Same weights through the built-in architecture and backend: same tokens.
     plain = LLM(model=str(_llama_path()), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS)
     assert plain.engine_core.ready.attention_backend == "torch_native"
-    assert type(plain.engine_core.engine_core.model_executor.model) is LlamaForCausalLM
+    assert type(plain.engine_core.engine_core.model_executor.driver_worker.model) is LlamaForCausalLM
     calls_before_plain = CountingBackend.num_forward_calls
     assert _token_ids(outputs) == _token_ids(plain.generate(PROMPTS, _greedy(), use_tqdm=False))
     assert CountingBackend.num_forward_calls == calls_before_plain  # the plain engine never used it
@@ -155,7 +155,7 @@ def test_installed_test_distribution_backend_and_model_are_usable(tmp_path: Path
     assert pm.registry("attention_backend").get("test_echo").source == source
     assert pm.registry("model").get("TestEchoForCausalLM").source == source
     core = llm.engine_core.engine_core
-    runner = core.model_executor
+    runner = core.model_executor.driver_worker
     assert runner.attn_backend is TestEchoBackend
     assert type(runner.model) is TestEchoForCausalLM
 

@@ -1,0 +1,116 @@
+"""The executor interface: what the engine builder and the engine core ask of
+whatever launches the workers (vLLM's `Executor`).
+
+Built as ``ExecutorCls(engine_config)``, an executor starts one
+:class:`pagedllm.worker.worker.Worker` per rank and loads the model on each.
+The builder then asks it for the number of KV blocks every rank can hold,
+hands the chosen number back to ``initialize_cache``, and gives the executor
+to the engine core as its ``model_executor``: ``execute_model`` runs one step
+on every rank and returns rank 0's result.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.attention_backends.selector import BackendSelection
+    from pagedllm.core.config import EngineConfig
+    from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from pagedllm.kv_connectors.base import KVConnectorBase
+    from pagedllm.platforms.interface import Platform
+    from pagedllm.worker.worker import ModelFacts
+
+
+class Executor(ABC):
+    """Starts the workers, relays steps and utility calls to them, stops them.
+
+    A subclass implements ``_init_executor`` (start the workers, load the
+    model), ``_run_workers`` (call one Worker method on every rank),
+    ``execute_model`` and the facts below; the rest is built on those.
+    """
+
+    # NOTE: the Worker methods `collective_rpc` may call, and no others: a
+    # utility call names a method, never code to run.
+    RPC_METHODS: ClassVar[frozenset[str]] = frozenset(
+        {"load_model", "determine_num_kv_blocks", "initialize_cache", "execute_model", "check_health", "shutdown"}
+    )
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._init_executor()
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start one Worker per rank and load the model on each."""
+
+    @abstractmethod
+    def _run_workers(self, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+        """``method(*args, **kwargs)`` on every rank's Worker; the results in rank order."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; rank 0's result (core's `ModelExecutor`)."""
+
+    # ---- facts the builder, READY and `pagedllm env` report (rank 0's) ----
+
+    @property
+    @abstractmethod
+    def model_facts(self) -> ModelFacts:
+        """What the model's config says (path, HF config, dtype, heads)."""
+
+    @property
+    @abstractmethod
+    def attn_selection(self) -> BackendSelection:
+        """The attention backend every rank runs, and the ones rejected."""
+
+    @property
+    @abstractmethod
+    def platform(self) -> Platform: ...
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Rank 0's device."""
+
+    @property
+    @abstractmethod
+    def kv_connector(self) -> KVConnectorBase | None:
+        """The KV connector the scheduler consults (None without
+        ``kv_transfer.connector``); valid after ``initialize_cache``."""
+
+    # ---- built on the above -------------------------------------------------
+
+    def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> list[Any]:
+        """Call the Worker method `method` on every rank (a utility call:
+        profile, cache set-up, health); the results in rank order."""
+        if method not in self.RPC_METHODS:
+            raise ValueError(f"collective_rpc: {method!r} is not a Worker method; allowed: "
+                             + ", ".join(sorted(self.RPC_METHODS)))
+        return self._run_workers(method, args, kwargs or {})
+
+    def determine_num_kv_blocks(self) -> int:
+        """KV blocks every rank can hold: the minimum over ranks."""
+        num_blocks: list[int] = self.collective_rpc("determine_num_kv_blocks")
+        return min(num_blocks)
+
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate `num_blocks` KV blocks on every rank and build what reads them."""
+        self.collective_rpc("initialize_cache", (num_blocks, max_model_len))
+
+    def check_health(self) -> None:
+        """Raise if a rank cannot run a step."""
+        self.collective_rpc("check_health")
+
+    def shutdown(self) -> None:
+        """Stop the workers (and release what they hold); safe to call twice."""
+        self.collective_rpc("shutdown")
+
+
+__all__ = ["Executor"]

@@ -1,0 +1,341 @@
+"""The Worker: one rank's model, KV cache and ModelRunner (vLLM's `Worker`).
+
+An executor starts one Worker per rank (in its own process for the
+multi-rank executors, in the engine's for `uni`) and drives each the same way:
+
+    Worker(config, rank=...) -> load_model() -> determine_num_kv_blocks()
+    -> initialize_cache(num_blocks, max_model_len) -> execute_model(...) ...
+
+The engine side decides what is shared by every rank (the number of KV
+blocks: the minimum over ranks; max_model_len) and passes it back in;
+everything a rank allocates it builds itself: model weights, KV caches,
+drafter, KV connector, decode graphs, ModelRunner.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+from pagedllm.attention_backends.selector import select_attention_backend
+from pagedllm.core.errors import ConfigError
+from pagedllm.engine.model_source import resolve_model_path
+from pagedllm.kv_connectors.base import KVConnectorContext, model_fingerprint
+from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
+from pagedllm.platforms import resolve_platform
+from pagedllm.plugins import get_plugin_manager
+from pagedllm.spec_decode.interface import DrafterContext
+from pagedllm.worker.compile import compile_outside_attention
+from pagedllm.worker.decode_graphs import DecodeGraphRunner, default_graph_sizes
+from pagedllm.worker.kv_cache import allocate_kv_caches
+from pagedllm.worker.memory_profiler import profile_run
+from pagedllm.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+    from pagedllm.attention_backends.base import AttentionBackend
+    from pagedllm.attention_backends.selector import BackendSelection
+    from pagedllm.core.config import EngineConfig, SpeculativeConfig
+    from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from pagedllm.kv_connectors.base import KVConnectorBase
+    from pagedllm.model_registry.interface import ModelForCausalLM
+    from pagedllm.platforms.interface import Platform
+    from pagedllm.plugins.manager import PluginManager
+    from pagedllm.spec_decode.interface import Drafter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the model's config says, read before anything is built from it."""
+
+    path: str  # the model folder (a model source's name resolved) or hub id
+    hf_config: PretrainedConfig
+    architecture: str
+    dtype: torch.dtype
+    head_size: int
+    num_kv_heads: int
+    sliding_window: int | None
+
+    @property
+    def position_limit(self) -> int | None:
+        return getattr(self.hf_config, "max_position_embeddings", None)
+
+
+def read_model_facts(config: EngineConfig, platform: Platform, plugin_manager: PluginManager) -> ModelFacts:
+    path = resolve_model_path(config.model.model, plugin_manager)
+    hf = load_hf_config(path)
+    sliding_window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
+    return ModelFacts(
+        path=path,
+        hf_config=hf,
+        architecture=get_architecture(hf, config.model.architecture),
+        dtype=platform.resolve_dtype(config.model.dtype, _config_dtype(hf)),
+        head_size=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        sliding_window=sliding_window,
+    )
+
+
+class Worker:
+    """One rank. `rank` is its place in the world, `local_rank` its device
+    index on this host; `distributed_init_method` (``tcp://addr:port``) is
+    where the ranks of a multi-rank executor meet (None for one rank)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        rank: int = 0,
+        local_rank: int = 0,
+        distributed_init_method: str | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        # A rank in its own process loads the plugins the config enables; in
+        # the engine's process this is the builder's call again (a no-op).
+        self.plugin_manager = get_plugin_manager()
+        plugins = config.plugins
+        self.plugin_manager.load(enabled=plugins.enabled, disabled=plugins.disabled, strict=plugins.strict)
+        self.platform: Platform = resolve_platform(config.device.platform, self.plugin_manager)
+        self.device: torch.device = self.platform.device()
+        self.model_facts = read_model_facts(config, self.platform, self.plugin_manager)
+        self.attn_selection: BackendSelection = select_attention_backend(
+            self.platform,
+            config.device.attention_backend,
+            head_size=self.model_facts.head_size,
+            dtype=self.model_facts.dtype,
+            block_size=config.cache.block_size,
+            sliding_window=self.model_facts.sliding_window,
+            plugin_manager=self.plugin_manager,
+        )
+        logger.info(
+            "attention backend: %s (rejected: %s)", self.attn_selection.name, self.attn_selection.rejected
+        )
+        method = config.speculative.method
+        self.drafter_cls: type[Drafter] | None = None if method is None else self.plugin_manager.drafters.load(method)
+        # config.speculative with its model name resolved to a folder: drafters
+        # get a folder, whatever name the config gave.
+        speculative = config.speculative
+        if speculative.model is not None:
+            speculative = speculative.model_copy(
+                update={"model": resolve_model_path(speculative.model, self.plugin_manager)}
+            )
+        self.speculative: SpeculativeConfig = speculative
+        self._model: ModelForCausalLM | None = None
+        self._model_runner: ModelRunner | None = None
+        self.drafter: Drafter | None = None
+        self.kv_connector: KVConnectorBase | None = None
+
+    @property
+    def attn_backend(self) -> type[AttentionBackend]:
+        return self.attn_selection.backend_cls
+
+    @property
+    def model(self) -> ModelForCausalLM:
+        if self._model is None:
+            raise RuntimeError("Worker.load_model() has not run")
+        return self._model
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        if self._model_runner is None:
+            raise RuntimeError("Worker.initialize_cache() has not run")
+        return self._model_runner
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.get_attention_layers())
+
+    # ------------------------------------------------------------ lifecycle
+
+    def load_model(self) -> None:
+        """Build the model from its weights, on this rank's device."""
+        facts = self.model_facts
+        model_cls = self.plugin_manager.models.load(facts.architecture)
+        # load_model builds model_cls (a ModelForCausalLM, checked by the registry).
+        model = cast("ModelForCausalLM", load_model(
+            facts.path,
+            model_cls=model_cls,
+            attn_backend=self.attn_backend,
+            dtype=facts.dtype,
+            device=self.device,
+            hf_config=facts.hf_config,
+        ))
+        self.platform.optimize_model(model)
+        if self.config.device.compile_model:
+            compile_outside_attention(model)
+        self._model = model
+
+    def determine_num_kv_blocks(self) -> int:
+        """`cache.num_kv_blocks`, else the memory budget (given, or the
+        platform's after a profile run) over the bytes of one block of every
+        layer on this rank."""
+        cache, facts = self.config.cache, self.model_facts
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        layout = self.attn_backend.get_kv_cache_layout()
+        bytes_per_block = self.num_layers * layout.bytes_per_block(
+            cache.block_size, facts.num_kv_heads, facts.head_size, facts.dtype
+        )
+        if self.drafter_cls is not None:
+            # A model drafter's cache has as many blocks as the target's.
+            bytes_per_block += self.drafter_cls.kv_cache_bytes_per_block(
+                self.speculative, cache.block_size, facts.dtype
+            )
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            budget = self.platform.kv_cache_budget_bytes(cache.gpu_memory_utilization, self._profile_run)
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                "cache.kv_cache_memory_bytes", budget, f">= {bytes_per_block} (one block of this model)"
+            )
+        return num_blocks
+
+    def _profile_run(self) -> None:
+        """The largest batch the scheduler may send, on a throwaway cache."""
+        scheduler, facts = self.config.scheduler, self.model_facts
+        position_limit = self.config.model.max_model_len or facts.position_limit or 1 << 30
+        profile_run(
+            self.model,
+            self.attn_backend,
+            num_tokens=min(scheduler.max_num_batched_tokens, position_limit),
+            num_logit_rows=scheduler.max_num_seqs,
+            block_size=self.config.cache.block_size,
+            num_kv_heads=facts.num_kv_heads,
+            head_size=facts.head_size,
+            dtype=facts.dtype,
+            device=self.device,
+        )
+
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate `num_blocks` KV blocks per layer (the same on every rank)
+        and build what reads them: drafter, KV connector, decode graphs, and
+        the ModelRunner."""
+        facts = self.model_facts
+        block_size = self.config.cache.block_size
+        if self.drafter_cls is not None:
+            self.drafter = self._build_drafter(self.drafter_cls, num_blocks, max_model_len)
+        kv_caches = allocate_kv_caches(
+            self.model,
+            self.attn_backend,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=facts.num_kv_heads,
+            head_size=facts.head_size,
+            dtype=facts.dtype,
+            device=self.device,
+        )
+        connector_name = self.config.kv_transfer.connector
+        if connector_name is not None:
+            self.kv_connector = self._build_kv_connector(connector_name)
+            self.kv_connector.register_kv_caches(kv_caches)
+        self._model_runner = ModelRunner(
+            self.model,
+            self.attn_backend,
+            kv_caches,
+            block_size=block_size,
+            device=self.device,
+            vocab_size=facts.hf_config.vocab_size,
+            seed=self.config.model.seed,
+            drafter=self.drafter,
+            kv_connector=self.kv_connector,
+            graph_runner=self._capture_decode_graphs(max_model_len),
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def check_health(self) -> None:
+        """Raise if this rank cannot run a step (an in-process rank lives as
+        long as the engine: nothing to check)."""
+
+    def shutdown(self) -> None:
+        """Release what the rank holds for the rest of the process."""
+        self._model_runner = None
+        self._model = None
+        self.drafter = None
+        self.kv_connector = None
+
+    # ------------------------------------------------------- built parts
+
+    def _build_drafter(self, drafter_cls: type[Drafter], num_blocks: int, max_model_len: int) -> Drafter:
+        context = DrafterContext(
+            target_model=self.model,
+            attn_backend=self.attn_backend,
+            device=self.device,
+            dtype=self.model_facts.dtype,
+            vocab_size=self.model_facts.hf_config.vocab_size,
+            max_model_len=max_model_len,
+            num_blocks=num_blocks,
+            block_size=self.config.cache.block_size,
+        )
+        drafter = drafter_cls(self.speculative, context)
+        logger.info(
+            "speculative decoding: %s, k=%d", self.speculative.method, self.speculative.num_speculative_tokens
+        )
+        return drafter
+
+    def _build_kv_connector(self, name: str) -> KVConnectorBase:
+        transfer, facts = self.config.kv_transfer, self.model_facts
+        registry = self.plugin_manager.kv_connectors
+        connector_cls = registry.load(name)  # UnknownComponentError lists the names
+        roles = registry.get(name).info.roles
+        if roles is not None and transfer.role not in roles:
+            raise ConfigError("kv_transfer.role", transfer.role, f"{', '.join(roles)} for connector {name!r}")
+        block_size = self.config.cache.block_size
+        context = KVConnectorContext(
+            model_path=facts.path,
+            model_fingerprint=model_fingerprint(
+                facts.path, facts.dtype, block_size, self.num_layers, facts.num_kv_heads, facts.head_size
+            ),
+            block_size=block_size,
+            num_layers=self.num_layers,
+            num_kv_heads=facts.num_kv_heads,
+            head_size=facts.head_size,
+            dtype=facts.dtype,
+            device=self.device,
+            kv_cache_layout=self.attn_backend.get_kv_cache_layout(),
+        )
+        connector = connector_cls(transfer, context)
+        logger.info("kv transfer: %s", connector.describe())
+        return connector
+
+    def _capture_decode_graphs(self, max_model_len: int) -> DecodeGraphRunner | None:
+        """Decode graphs for the configured batch sizes, when the platform and
+        the backend can capture them (after the KV caches are bound: graphs
+        read them)."""
+        device_config, block_size = self.config.device, self.config.cache.block_size
+        if device_config.enforce_eager or not self.platform.supports_graph_capture():
+            return None
+        if not self.attn_backend.supports_graph_capture(block_size):
+            logger.info("decode graphs: off (attention backend %s cannot be captured)", self.attn_backend.__name__)
+            return None
+        runner = DecodeGraphRunner(
+            self.model,
+            self.attn_backend,
+            self.platform,
+            sizes=device_config.cuda_graph_sizes or default_graph_sizes(self.config.scheduler.max_num_seqs),
+            max_model_len=max_model_len,
+            block_size=block_size,
+            device=self.device,
+        )
+        runner.capture()
+        logger.info("decode graphs captured for batch sizes %s", runner.sizes)
+        return runner
+
+
+def _config_dtype(hf_config: PretrainedConfig) -> torch.dtype:
+    import torch
+
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
