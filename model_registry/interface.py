@@ -39,6 +39,11 @@ class ModelForCausalLM(nn.Module, metaclass=ABCMeta):
     # (model_registry/loader.py): checkpoint module name -> (the module that
     # stacks it here, shard index), e.g. {"q_proj": ("qkv_proj", 0)}.
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {}
+    # Whether the model builds its layers tensor-parallel (plugin API 1.3):
+    # each rank holding its slice of them (model_registry/layers/linear.py),
+    # so it may run with parallel.tensor_parallel_size > 1. A model that
+    # does not say so (1.0 duck-typed models included) runs at size 1 only.
+    supports_tensor_parallel: ClassVar[bool] = False
 
     @abstractmethod
     def forward(

@@ -4,12 +4,14 @@
 every weight with a strict check: each missing and each unexpected
 checkpoint name is reported, in checkpoint names (``...q_proj.weight``, not
 the stacked ``qkv_proj``), so the message matches what the user sees in the
-files.
+files. Checkpoint tensors are memory-mapped views: a tensor-parallel layer's
+weight loader narrows each to its rank's slice, so only that slice is copied.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,11 +75,56 @@ def get_architecture(hf_config: Any, override: str | None = None) -> str:
     return str(architectures[0])
 
 
+# safetensors dtype names (the format's header) -> torch dtypes.
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def mmap_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each tensor of one safetensors file, by name, each a
+    zero-copy view of the memory-mapped file.
+
+    A page of the file is read only when a weight loader touches it, so a
+    tensor-parallel layer that narrows a tensor to its rank's slice before
+    copying reads (roughly) that slice, and no rank holds a private copy of a
+    whole checkpoint matrix. The map is copy-on-write (nothing ever writes to
+    it; torch wants a writable buffer) and closes when its last view is freed.
+    """
+    try:
+        with open(file, "rb") as f:
+            header_size = int.from_bytes(f.read(8), "little")
+            header: dict[str, Any] = json.loads(f.read(header_size))
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        header.pop("__metadata__", None)
+        entries = [(name, header[name]) for name in sorted(header)]
+        dtypes = [_SAFETENSORS_DTYPES[info["dtype"]] for _, info in entries]
+    except (OSError, ValueError, KeyError, TypeError) as err:  # JSONDecodeError is a ValueError
+        raise ModelLoadError(file.parent, detail=f"{file.name} is not a readable safetensors file ({err!r})") from err
+    data_start = 8 + header_size
+    for (name, info), dtype in zip(entries, dtypes, strict=True):
+        begin, end = info["data_offsets"]
+        if end == begin:  # frombuffer refuses an empty range
+            yield name, torch.empty(info["shape"], dtype=dtype)
+            continue
+        flat = torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=data_start + begin)
+        yield name, flat.view(info["shape"])
+
+
 def iterate_safetensors(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of model.safetensors or of the shards
-    listed in model.safetensors.index.json."""
-    from safetensors import safe_open
-
+    listed in model.safetensors.index.json; memory-mapped (`mmap_safetensors`)."""
     path = Path(model_path)
     if (path / SAFETENSORS_INDEX).is_file():
         weight_map: dict[str, str] = json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"]
@@ -87,9 +134,7 @@ def iterate_safetensors(model_path: str | Path) -> Iterator[tuple[str, torch.Ten
     else:
         raise ModelLoadError(path, detail=f"neither {SAFETENSORS_SINGLE} nor {SAFETENSORS_INDEX} found")
     for file_name in files:
-        with safe_open(str(path / file_name), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+        yield from mmap_safetensors(path / file_name)
 
 
 def check_weight_shape(param: torch.Tensor, loaded: torch.Tensor) -> None:

@@ -45,6 +45,15 @@ def _prepacked_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tens
     return forward
 
 
+def _prepacked_gemm(module: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    packed_weight = module.packed_weight
+
+    def apply_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+    return apply_linear
+
+
 def prepack_linear_layers(model: nn.Module) -> int:
     """Switch every float32 nn.Linear of `model` to a prepacked oneDNN GEMM.
 
@@ -59,6 +68,9 @@ def prepack_linear_layers(model: nn.Module) -> int:
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
                 module.weight.detach(), _PACK_BATCH_HINT
             )
-            module.forward = _prepacked_forward(module)  # type: ignore[method-assign,assignment]  # a per-instance forward
+            if hasattr(module, "apply_linear"):  # a tensor-parallel layer: swap only its GEMM, keep its collectives
+                module.apply_linear = _prepacked_gemm(module)  # type: ignore[assignment]  # a per-instance GEMM
+            else:
+                module.forward = _prepacked_forward(module)  # type: ignore[method-assign,assignment]  # a per-instance forward
     logger.info("prepacked %d linear layers for oneDNN", len(linears))
     return len(linears)

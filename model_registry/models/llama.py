@@ -3,6 +3,11 @@
 Pre-norm decoder: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x)) with
 SwiGLU; rotary positions; grouped-query attention over the paged KV cache.
 Qwen2 and Qwen3 reuse these modules and flip the flags in `LlamaFlags`.
+
+Tensor parallel (Megatron-LM): each rank holds num_heads / tp query heads and
+their KV heads (qkv_proj column-parallel, o_proj row-parallel), a 1/tp slice
+of the MLP (gate_up column-, down row-parallel) and 1/tp of the vocabulary;
+rotary and the q/k norms are per head, so they apply per rank unchanged.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from torch import nn
 from pagedllm.model_registry.interface import ModelForCausalLM
 from pagedllm.model_registry.layers.activation import SiluAndMul
 from pagedllm.model_registry.layers.attention import Attention
-from pagedllm.model_registry.layers.linear import MergedLinear
+from pagedllm.model_registry.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.model_registry.layers.logits_processor import LogitsProcessor
 from pagedllm.model_registry.layers.norm import RMSNorm
 from pagedllm.model_registry.layers.rotary import RotaryEmbedding, apply_rotary_emb, get_rope_parameters
+from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_registry.loader import default_weight_loader
 
 if TYPE_CHECKING:
@@ -47,17 +54,18 @@ class LlamaAttention(nn.Module):
     def __init__(self, hf_config: Any, flags: LlamaFlags, layer_idx: int, attn_backend: type[AttentionBackend]):
         super().__init__()
         hidden_size = hf_config.hidden_size
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(hf_config, "head_dim", None) or hidden_size // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        total_num_heads = hf_config.num_attention_heads
+        total_num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_num_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hidden_size // total_num_heads
         attention_bias = getattr(hf_config, "attention_bias", False)
         qkv_bias = attention_bias if flags.qkv_bias is None else flags.qkv_bias
         o_proj_bias = attention_bias if flags.o_proj_bias is None else flags.o_proj_bias
 
-        self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_proj_bias)
+        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, total_num_heads, total_num_kv_heads, qkv_bias)
+        # This rank's heads and their q / k / v widths.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, hidden_size, bias=o_proj_bias)
         if flags.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
@@ -90,9 +98,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = getattr(hf_config, "mlp_bias", False)
         intermediate_size = hf_config.intermediate_size
-        self.gate_up_proj = MergedLinear(hf_config.hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hf_config.hidden_size, [intermediate_size, intermediate_size], bias=bias
+        )
         self.act_fn = SiluAndMul()
-        self.down_proj = nn.Linear(intermediate_size, hf_config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hf_config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -116,7 +126,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, flags: LlamaFlags, attn_backend: type[AttentionBackend]):
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, flags, i, attn_backend) for i in range(hf_config.num_hidden_layers)
         )
@@ -137,6 +147,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(ModelForCausalLM):
     flags: ClassVar[LlamaFlags] = LlamaFlags()
+    supports_tensor_parallel: ClassVar[bool] = True
     # checkpoint module name -> (our stacked module, shard index)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
@@ -151,9 +162,10 @@ class LlamaForCausalLM(ModelForCausalLM):
         self.config = hf_config
         self.model = LlamaModel(hf_config, self.flags, attn_backend)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.logits_processor = LogitsProcessor(hf_config.vocab_size)
         self.to(dtype)
 
     def forward(
@@ -162,7 +174,7 @@ class LlamaForCausalLM(ModelForCausalLM):
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
+        return self.logits_processor(self.lm_head, hidden_states).float()
 
     def get_attention_layers(self) -> list[Attention]:
         return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.model.layers]
@@ -183,7 +195,8 @@ class LlamaForCausalLM(ModelForCausalLM):
             param_name, shard_id = self.checkpoint_to_param_name(name)
             param = params[param_name]
             if shard_id is None:
-                default_weight_loader(param, tensor)
+                # Sharded layers narrow the full tensor to this rank's slice.
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             else:
                 param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
             loaded.add(param_name)
