@@ -1,9 +1,9 @@
 """What the engine core asks of whatever runs the model.
 
 The core decides what to run (the scheduler's `SchedulerOutput`) and hands it
-to a model executor; the worker layer's `ModelRunner` is one, and an executor
-plugin kind (one process, many ranks) will offer others. The core names none
-of them: it holds this Protocol.
+to a model executor: an `executors.base.Executor` (the executor plugin kind:
+`uni` runs one in-process Worker's `ModelRunner`) or, in tests, a fake.
+The core names none of them: it holds this Protocol.
 """
 
 from __future__ import annotations

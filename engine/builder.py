@@ -33,13 +33,12 @@ from pagedllm.structured_output.manager import StructuredOutputManager
 if TYPE_CHECKING:
     import torch
 
-    from pagedllm.attention_backends.selector import BackendSelection
     from pagedllm.core.config import EngineConfig
-    from pagedllm.executors.base import Executor
+    from pagedllm.executors.base import AttentionSelection, Executor
     from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.platforms.interface import Platform
     from pagedllm.plugins.manager import PluginManager
-    from pagedllm.worker.worker import ModelFacts
+    from pagedllm.worker.model_facts import ModelFacts
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class EngineParts:
     model: ModelFacts
     platform: Platform
     device: torch.device
-    attn_selection: BackendSelection
+    attn_selection: AttentionSelection
     executor: Executor  # the engine core's model_executor; its owner shuts it down
     num_blocks: int
     kv_connector: KVConnectorBase | None

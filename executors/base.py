@@ -13,17 +13,31 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from pagedllm.attention_backends.selector import BackendSelection
+    from pagedllm.attention_backends.base import AttentionBackend
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
     from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.platforms.interface import Platform
-    from pagedllm.worker.worker import ModelFacts
+    from pagedllm.worker.model_facts import ModelFacts
+
+
+class AttentionSelection(Protocol):
+    """The attention backend chosen for every rank, and why others were not
+    (`attention_backends.selector.BackendSelection` is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def backend_cls(self) -> type[AttentionBackend]: ...
+
+    @property
+    def rejected(self) -> dict[str, list[str]]: ...
 
 
 class Executor(ABC):
@@ -65,7 +79,7 @@ class Executor(ABC):
 
     @property
     @abstractmethod
-    def attn_selection(self) -> BackendSelection:
+    def attn_selection(self) -> AttentionSelection:
         """The attention backend every rank runs, and the ones rejected."""
 
     @property
@@ -113,4 +127,4 @@ class Executor(ABC):
         self.collective_rpc("shutdown")
 
 
-__all__ = ["Executor"]
+__all__ = ["AttentionSelection", "Executor"]

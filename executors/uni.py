@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
     from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.platforms.interface import Platform
-    from pagedllm.worker.worker import ModelFacts
+    from pagedllm.worker.model_facts import ModelFacts
 
 
 class UniProcExecutor(Executor):

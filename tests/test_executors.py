@@ -96,7 +96,7 @@ def test_build_engine_runs_the_model_through_the_uni_executor() -> None:
     assert parts.model is worker.model_facts and parts.attn_selection is worker.attn_selection
     assert len(worker.model_runner.kv_caches) == worker.num_layers
     executor.shutdown()
-    with pytest.raises(RuntimeError, match="initialize_cache"):
+    with pytest.raises(RuntimeError, match="rank 0 has been shut down"):
         worker.model_runner  # noqa: B018 - the property raises once the rank is released
 
 
@@ -167,6 +167,15 @@ def test_tensor_parallel_with_uni_names_the_executor(recording_executor: list[st
             f"1 with executor {name!r}: it runs one rank (not registered with supports_tensor_parallel=True)"
         )
     assert recording_executor == []  # refused before any worker started
+
+
+def test_llm_takes_vllm_parallel_keywords() -> None:
+    with pytest.raises(ConfigError) as info:
+        LLM(model="tiny", num_kv_blocks=NUM_KV_BLOCKS, tensor_parallel_size=2, distributed_executor_backend="uni")
+    assert (info.value.key, info.value.value) == ("parallel.tensor_parallel_size", 2)
+    llm = LLM(model="tiny", num_kv_blocks=NUM_KV_BLOCKS, tensor_parallel_size=1, distributed_executor_backend="uni")
+    assert isinstance(llm.engine_core.engine_core.model_executor, UniProcExecutor)  # type: ignore[attr-defined]
+    assert llm.config.parallel.distributed_executor_backend == "uni"
 
 
 # ---- the parallel section from every source -------------------------------

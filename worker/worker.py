@@ -15,7 +15,6 @@ drafter, KV connector, decode graphs, ModelRunner.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from pagedllm.attention_backends.selector import select_attention_backend
@@ -30,6 +29,7 @@ from pagedllm.worker.compile import compile_outside_attention
 from pagedllm.worker.decode_graphs import DecodeGraphRunner, default_graph_sizes
 from pagedllm.worker.kv_cache import allocate_kv_caches
 from pagedllm.worker.memory_profiler import profile_run
+from pagedllm.worker.model_facts import ModelFacts
 from pagedllm.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -47,23 +47,6 @@ if TYPE_CHECKING:
     from pagedllm.spec_decode.interface import Drafter
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the model's config says, read before anything is built from it."""
-
-    path: str  # the model folder (a model source's name resolved) or hub id
-    hf_config: PretrainedConfig
-    architecture: str
-    dtype: torch.dtype
-    head_size: int
-    num_kv_heads: int
-    sliding_window: int | None
-
-    @property
-    def position_limit(self) -> int | None:
-        return getattr(self.hf_config, "max_position_embeddings", None)
 
 
 def read_model_facts(config: EngineConfig, platform: Platform, plugin_manager: PluginManager) -> ModelFacts:
@@ -130,6 +113,7 @@ class Worker:
         self.speculative: SpeculativeConfig = speculative
         self._model: ModelForCausalLM | None = None
         self._model_runner: ModelRunner | None = None
+        self._is_shut_down = False
         self.drafter: Drafter | None = None
         self.kv_connector: KVConnectorBase | None = None
 
@@ -140,14 +124,19 @@ class Worker:
     @property
     def model(self) -> ModelForCausalLM:
         if self._model is None:
-            raise RuntimeError("Worker.load_model() has not run")
+            raise RuntimeError(self._not_ready("load_model"))
         return self._model
 
     @property
     def model_runner(self) -> ModelRunner:
         if self._model_runner is None:
-            raise RuntimeError("Worker.initialize_cache() has not run")
+            raise RuntimeError(self._not_ready("initialize_cache"))
         return self._model_runner
+
+    def _not_ready(self, step: str) -> str:
+        if self._is_shut_down:
+            return f"rank {self.rank} has been shut down"
+        return f"Worker.{step}() has not run on rank {self.rank}"
 
     @property
     def num_layers(self) -> int:
@@ -259,6 +248,7 @@ class Worker:
 
     def shutdown(self) -> None:
         """Release what the rank holds for the rest of the process."""
+        self._is_shut_down = True
         self._model_runner = None
         self._model = None
         self.drafter = None
