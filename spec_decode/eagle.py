@@ -95,8 +95,8 @@ class EagleHead(nn.Module):
                 unexpected.append(name)
                 continue
             try:
-                if shard_id is None:
-                    default_weight_loader(param, tensor)
+                if shard_id is None:  # a tensor-parallel layer narrows the tensor to its rank's slice
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 else:
                     param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
             except ValueError as err:

@@ -167,6 +167,39 @@ def test_tp2_with_cpu_prepacked_gemms_keeps_its_collectives(tp2_results: list[di
         torch.testing.assert_close(results["llama"]["logits_prepacked"], expected, rtol=0, atol=1e-5)
 
 
+def test_memory_mapped_checkpoint_reads_what_safetensors_reads(tmp_path: Path) -> None:
+    """The loader's own safetensors reader (zero-copy views that a rank
+    narrows before copying) against the safetensors package, every dtype."""
+    from safetensors.torch import load_file, save_file
+
+    from pagedllm.model_registry.loader import ModelLoadError, iterate_safetensors
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(3, 5, generator=gen),
+        "bf16": torch.randn(7, generator=gen).to(torch.bfloat16),
+        "f16": torch.randn(2, 3, generator=gen).to(torch.float16),
+        "i64": torch.arange(-4, 5),
+        "u8": torch.arange(9, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(2.5),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    loaded = list(iterate_safetensors(tmp_path))
+    assert [name for name, _ in loaded] == sorted(tensors)
+    reference = load_file(str(tmp_path / "model.safetensors"))
+    for name, tensor in loaded:
+        assert tensor.dtype == reference[name].dtype and torch.equal(tensor, reference[name]), name
+    # A narrowed view holds this rank's rows only once copied.
+    rows = dict(loaded)["f32"].narrow(0, 1, 2).clone()
+    assert torch.equal(rows, tensors["f32"][1:3])
+
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
+        list(iterate_safetensors(tmp_path))
+
+
 def test_models_declare_tensor_parallel_support() -> None:
     from pagedllm.model_registry.interface import ModelForCausalLM
 
