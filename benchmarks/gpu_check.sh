@@ -58,7 +58,7 @@ from pagedllm import LLM, SamplingParams
 started = time.perf_counter()
 llm = LLM(model="tiny", dtype="float16")
 core = llm.engine_core.engine_core
-runner = core.model_executor.graph_runner
+runner = core.model_executor.driver_worker.model_runner.graph_runner
 print("backend:", llm.engine_core.ready.attention_backend, "| kv blocks:", core.kv_cache_manager.num_blocks,
       "| graphs:", None if runner is None else runner.sizes, f"| start-up {time.perf_counter() - started:.1f} s")
 prompts = ["def fibonacci(n):\n", "import os\n", "class Stack:\n"] * 8
