@@ -194,6 +194,22 @@ def test_weight_loader_takes_this_ranks_rows_and_columns(fake_rank: Any, rank: i
     assert torch.equal(layers["lm_head"].weight, padded)
 
 
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_kv_heads_replicated_on_the_ranks_of_their_query_heads(fake_rank: Any, rank: int) -> None:
+    """8 query heads, 2 KV heads, 4 ranks: rank r holds query heads 2r and
+    2r + 1, which (4 per KV head) read KV head r // 2."""
+    t = reference_tensors()
+    fake_rank(rank, 4)
+    q, k, v = torch.randn(8 * HEAD_SIZE, HIDDEN), t["k2"], t["v2"]
+    qkv = QKVParallelLinear(HIDDEN, HEAD_SIZE, 8, 2)
+    for shard_id, tensor in enumerate((q, k, v)):
+        qkv.weight_loader(qkv.weight, tensor, shard_id)
+    kv_head = slice(rank // 2 * HEAD_SIZE, (rank // 2 + 1) * HEAD_SIZE)
+    assert (qkv.num_heads, qkv.num_kv_heads, qkv.num_kv_head_replicas) == (2, 1, 2)
+    q_rows = q[2 * HEAD_SIZE * rank : 2 * HEAD_SIZE * (rank + 1)]
+    assert torch.equal(qkv.weight, torch.cat([q_rows, k[kv_head], v[kv_head]]))
+
+
 def test_heads_that_do_not_divide_are_a_config_error(fake_rank: Any) -> None:
     fake_rank(0, 3)
     with pytest.raises(ConfigError, match=r"parallel\.tensor_parallel_size=3.*attention heads \(4\)"):

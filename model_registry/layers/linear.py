@@ -75,7 +75,9 @@ class LinearBase(nn.Linear):
         return F.linear(x, self.weight, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Copy this rank's slice of the full checkpoint tensor into `param`;
+        each layer knows which slice (the subclasses below)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say which slice of a weight is its own")
 
 
 class ColumnParallelLinear(LinearBase):
