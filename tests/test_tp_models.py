@@ -126,11 +126,6 @@ def expected_param_bytes(hf_config: Any, tp_size: int) -> int:
 def test_expected_param_bytes_formula_is_the_model_at_tp1() -> None:
     for name, path in model_paths().items():
         assert param_bytes(load(path)) == expected_param_bytes(load_hf_config(path), 1), name
-    # The plain llama test model, by hand: 139,584 float32 parameters at TP=1;
-    # per rank at TP=2, half of every split matrix plus the replicated norms.
-    config = load_hf_config(model_paths()["llama"])
-    assert expected_param_bytes(config, 1) == 4 * 139_584
-    assert expected_param_bytes(config, 2) == 4 * 69_952
 
 
 @pytest.fixture(scope="module")

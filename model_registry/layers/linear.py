@@ -23,6 +23,8 @@ goes through ``apply_linear(x, bias)``, so a platform can swap just the GEMM
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,8 +61,9 @@ def copy_shard(
         shard.copy_(loaded_weight)  # converts dtype and device
 
 
-class LinearBase(nn.Linear):
-    """An ``nn.Linear`` of this rank's shape that knows its tensor-parallel group."""
+class LinearBase(nn.Linear, ABC):
+    """An ``nn.Linear`` of this rank's shape that knows its tensor-parallel
+    group; each subclass says which slice of a checkpoint tensor is its own."""
 
     def __init__(self, input_size_per_partition: int, output_size_per_partition: int, bias: bool) -> None:
         super().__init__(input_size_per_partition, output_size_per_partition, bias=bias)
@@ -74,10 +77,9 @@ class LinearBase(nn.Linear):
         """This rank's GEMM (a platform may replace it per instance)."""
         return F.linear(x, self.weight, bias)
 
+    @abstractmethod
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        """Copy this rank's slice of the full checkpoint tensor into `param`;
-        each layer knows which slice (the subclasses below)."""
-        raise NotImplementedError(f"{type(self).__name__} does not say which slice of a weight is its own")
+        """Copy this rank's slice of the full checkpoint tensor into `param`."""
 
 
 class ColumnParallelLinear(LinearBase):
