@@ -94,19 +94,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
 
 def select_executor(config: EngineConfig, plugin_manager: PluginManager) -> type[Executor]:
     """The executor class `parallel.distributed_executor_backend` names
-    (`auto`: `uni` at tensor_parallel_size 1), checked against the size."""
+    (`auto`: `uni` at tensor_parallel_size 1, `mp` above), checked against the size."""
     parallel = config.parallel
     tp_size = parallel.tensor_parallel_size
     name = parallel.distributed_executor_backend
     if name == "auto":
-        if tp_size > 1:
-            raise ConfigError(
-                "parallel.tensor_parallel_size",
-                tp_size,
-                "1: tensor parallelism needs the 'mp' executor (distributed_executor_backend='auto' "
-                "picks it above 1), which this pagedllm does not have yet",
-            )
-        name = "uni"
+        name = "mp" if tp_size > 1 else "uni"
     registry = plugin_manager.executors
     executor_cls = registry.load(name)  # UnknownComponentError lists the names
     info = registry.get(name).info

@@ -40,6 +40,17 @@ class AttentionSelection(Protocol):
     def rejected(self) -> dict[str, list[str]]: ...
 
 
+class RankFailedError(RuntimeError):
+    """A rank died or a call on it raised: the executor (and the engine
+    using it) cannot run another step. The message names the rank and the
+    cause; in-flight requests fail with it."""
+
+    def __init__(self, rank: int, cause: str) -> None:
+        super().__init__(f"executor rank {rank} failed: {cause}")
+        self.rank = rank
+        self.cause = cause
+
+
 class Executor(ABC):
     """Starts the workers, relays steps and utility calls to them, stops them.
 
@@ -127,4 +138,4 @@ class Executor(ABC):
         self.collective_rpc("shutdown")
 
 
-__all__ = ["AttentionSelection", "Executor"]
+__all__ = ["AttentionSelection", "Executor", "RankFailedError"]

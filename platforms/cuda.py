@@ -109,3 +109,8 @@ class CudaPlatform(Platform):
 
     def device(self) -> torch.device:
         return torch.device("cuda", self.device_index)
+
+    def init_rank(self, local_rank: int, local_world_size: int) -> None:
+        """Rank `local_rank` on this host runs on GPU `local_rank`."""
+        self.device_index = local_rank
+        torch.cuda.set_device(local_rank)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
@@ -141,6 +142,16 @@ class Platform(ABC):
 
     def device(self) -> torch.device:
         return torch.device(self.device_type)
+
+    def init_rank(self, local_rank: int, local_world_size: int) -> None:
+        """Make this process one of `local_world_size` ranks on this host
+        (plugin API 1.3; a multi-rank executor's worker calls it before it
+        asks for `device()`). Default: the cores split evenly between the
+        ranks (one torch thread pool per rank), unless OMP_NUM_THREADS set them."""
+        if "OMP_NUM_THREADS" in os.environ:
+            return
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // local_world_size))
 
     def kv_cache_budget_bytes(self, utilization: float, profile_run: Callable[[], None]) -> int:
         """Bytes the KV cache may take, the model already loaded.

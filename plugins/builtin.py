@@ -102,6 +102,6 @@ def register_model_sources(register: RegisterFn) -> None:
 
 @hookimpl
 def register_executors(register: RegisterFn) -> None:
-    # One in-process worker; the multi-rank executors (mp, ray) come with
-    # tensor parallelism.
+    # One in-process worker; one process per rank on this host.
     register("uni", "pagedllm.executors.uni:UniProcExecutor", supports_tensor_parallel=False)
+    register("mp", "pagedllm.executors.mp:MultiprocExecutor", supports_tensor_parallel=True)

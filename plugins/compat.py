@@ -35,6 +35,8 @@ from packaging.version import Version
 #      Platforms name their process groups' backend (`Platform.dist_backend`)
 #      and may bring their own collectives (`Platform.get_device_communicator`,
 #      `DeviceCommunicator`); 1.0 platforms get gloo and torch.distributed's.
+#      `Platform.init_rank` places a rank of a multi-rank executor (default:
+#      its share of the CPU cores).
 #      Models declare `ModelForCausalLM.supports_tensor_parallel` (default
 #      False: 1.0 and 1.2 models run at tensor_parallel_size 1 only).
 API_VERSION = "1.3.0"

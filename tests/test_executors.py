@@ -17,6 +17,7 @@ from pagedllm.core.errors import ConfigError, UnknownComponentError
 from pagedllm.engine.builder import build_engine, select_executor
 from pagedllm.entrypoints.cli import build_parser, serve_config
 from pagedllm.executors.base import Executor
+from pagedllm.executors.mp import MultiprocExecutor
 from pagedllm.executors.uni import UniProcExecutor
 from pagedllm.plugins import PluginKind, RegisterFn, get_plugin_manager, hookimpl
 from pagedllm.plugins.metadata import ExecutorInfo, MetadataError, build_info
@@ -141,21 +142,17 @@ def test_an_executor_whose_package_is_missing_says_what_to_install(recording_exe
 
 
 def test_an_unregistered_executor_lists_the_registered_names() -> None:
-    # mp and ray come with tensor parallelism: until then they are unknown names.
-    for name in ("mp", "ray"):
-        with pytest.raises(UnknownComponentError, match=f"no executor named '{name}'; registered: uni"):
-            select_executor(_config(distributed_executor_backend=name), get_plugin_manager())
+    with pytest.raises(UnknownComponentError, match="no executor named 'slurm'; registered: .*mp, .*uni"):
+        select_executor(_config(distributed_executor_backend="slurm"), get_plugin_manager())
 
 
 # ---- tensor_parallel_size above what the executors run ---------------------
 
 
-def test_tensor_parallel_with_auto_needs_the_mp_executor() -> None:
-    with pytest.raises(ConfigError) as info:
-        build_engine(_config(tensor_parallel_size=2))
-    error = info.value
-    assert (error.key, error.value) == ("parallel.tensor_parallel_size", 2)
-    assert error.allowed.startswith("1: tensor parallelism needs the 'mp' executor")
+def test_auto_picks_uni_for_one_rank_and_mp_above() -> None:
+    plugin_manager = get_plugin_manager()
+    assert select_executor(_config(), plugin_manager) is UniProcExecutor
+    assert select_executor(_config(tensor_parallel_size=2), plugin_manager) is MultiprocExecutor
 
 
 def test_tensor_parallel_with_uni_names_the_executor(recording_executor: list[str]) -> None:

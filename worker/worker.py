@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, cast
 
 from pagedllm.attention_backends.selector import select_attention_backend
 from pagedllm.core.errors import ConfigError
+from pagedllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
 from pagedllm.engine.model_source import resolve_model_path
 from pagedllm.kv_connectors.base import KVConnectorContext, model_fingerprint
 from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
@@ -64,6 +65,27 @@ def read_model_facts(config: EngineConfig, platform: Platform, plugin_manager: P
     )
 
 
+def plan_ranks(
+    config: EngineConfig, plugin_manager: PluginManager
+) -> tuple[Platform, ModelFacts, BackendSelection]:
+    """What every rank will run on and run, decided from the config alone
+    (each Worker calls it; a multi-rank executor also does, to report it
+    without asking a rank): the platform, the model's facts, the attention
+    backend."""
+    platform = resolve_platform(config.device.platform, plugin_manager)
+    facts = read_model_facts(config, platform, plugin_manager)
+    attn_selection = select_attention_backend(
+        platform,
+        config.device.attention_backend,
+        head_size=facts.head_size,
+        dtype=facts.dtype,
+        block_size=config.cache.block_size,
+        sliding_window=facts.sliding_window,
+        plugin_manager=plugin_manager,
+    )
+    return platform, facts, attn_selection
+
+
 class Worker:
     """One rank. `rank` is its place in the world, `local_rank` its device
     index on this host; `distributed_init_method` (``tcp://addr:port``) is
@@ -86,20 +108,14 @@ class Worker:
         self.plugin_manager = get_plugin_manager()
         plugins = config.plugins
         self.plugin_manager.load(enabled=plugins.enabled, disabled=plugins.disabled, strict=plugins.strict)
-        self.platform: Platform = resolve_platform(config.device.platform, self.plugin_manager)
+        self.platform, self.model_facts, self.attn_selection = plan_ranks(config, self.plugin_manager)
+        self.world_size = config.parallel.tensor_parallel_size
+        if distributed_init_method is not None:
+            # A rank in its own process: its device (CUDA) or share of the cores (CPU).
+            self.platform.init_rank(local_rank, self.world_size)
         self.device: torch.device = self.platform.device()
-        self.model_facts = read_model_facts(config, self.platform, self.plugin_manager)
-        self.attn_selection: BackendSelection = select_attention_backend(
-            self.platform,
-            config.device.attention_backend,
-            head_size=self.model_facts.head_size,
-            dtype=self.model_facts.dtype,
-            block_size=config.cache.block_size,
-            sliding_window=self.model_facts.sliding_window,
-            plugin_manager=self.plugin_manager,
-        )
         logger.info(
-            "attention backend: %s (rejected: %s)", self.attn_selection.name, self.attn_selection.rejected
+            "rank %d: attention backend %s (rejected: %s)", rank, self.attn_selection.name, self.attn_selection.rejected
         )
         method = config.speculative.method
         self.drafter_cls: type[Drafter] | None = None if method is None else self.plugin_manager.drafters.load(method)
@@ -144,8 +160,22 @@ class Worker:
 
     # ------------------------------------------------------------ lifecycle
 
+    def init_distributed(self) -> None:
+        """Join the other ranks' process groups (the world, then the tensor
+        parallel group) over the platform's backend; nothing for one rank."""
+        if self.distributed_init_method is None:
+            if self.world_size > 1:
+                raise RuntimeError(f"rank {self.rank} of {self.world_size} has no distributed_init_method")
+            return
+        init_distributed_environment(
+            self.world_size, self.rank, self.distributed_init_method, self.platform.dist_backend, self.local_rank
+        )
+        initialize_model_parallel(self.world_size, platform=self.platform)
+
     def load_model(self) -> None:
-        """Build the model from its weights, on this rank's device."""
+        """Build the model from its weights, on this rank's device (its slice
+        of every layer at tensor_parallel_size > 1)."""
+        self.init_distributed()
         facts = self.model_facts
         model_cls = self.plugin_manager.models.load(facts.architecture)
         # load_model builds model_cls (a ModelForCausalLM, checked by the registry).
