@@ -58,7 +58,12 @@ class AttentionBackendError(PagedLLMError):
 
 class EngineDeadError(PagedLLMError, RuntimeError):
     """The engine-core process (or thread) died; nothing in flight will finish.
-    The HTTP layer answers 503 (and ends a stream with an error chunk)."""
+    The HTTP layer answers 503 (and ends a stream with an error chunk).
+    `failed_rank`: the executor rank whose failure ended it, when one did."""
+
+    def __init__(self, message: str, *, failed_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.failed_rank = failed_rank
 
 
 class ServerShuttingDownError(EngineDeadError):

@@ -53,6 +53,7 @@ class EngineParts:
     device: torch.device
     attn_selection: AttentionSelection
     executor: Executor  # the engine core's model_executor; its owner shuts it down
+    executor_name: str  # its registered name (`auto` resolved)
     num_blocks: int
     kv_connector: KVConnectorBase | None
 
@@ -87,6 +88,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         executor.device,
         executor.attn_selection,
         executor,
+        executor_name(config),
         num_blocks,
         executor.kv_connector,
     )
@@ -95,11 +97,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
 def select_executor(config: EngineConfig, plugin_manager: PluginManager) -> type[Executor]:
     """The executor class `parallel.distributed_executor_backend` names
     (`auto`: `uni` at tensor_parallel_size 1, `mp` above), checked against the size."""
-    parallel = config.parallel
-    tp_size = parallel.tensor_parallel_size
-    name = parallel.distributed_executor_backend
-    if name == "auto":
-        name = "mp" if tp_size > 1 else "uni"
+    tp_size = config.parallel.tensor_parallel_size
+    name = executor_name(config)
     registry = plugin_manager.executors
     executor_cls = registry.load(name)  # UnknownComponentError lists the names
     info = registry.get(name).info
@@ -116,6 +115,14 @@ def select_executor(config: EngineConfig, plugin_manager: PluginManager) -> type
             f"({name!r} needs {', '.join(missing)}: pip install {' '.join(missing)})"
         )
     return executor_cls
+
+
+def executor_name(config: EngineConfig) -> str:
+    """`parallel.distributed_executor_backend`, with `auto` resolved."""
+    name = config.parallel.distributed_executor_backend
+    if name == "auto":
+        return "mp" if config.parallel.tensor_parallel_size > 1 else "uni"
+    return name
 
 
 def determine_max_model_len(config: EngineConfig, position_limit: int | None, kv_capacity_tokens: int) -> int:

@@ -307,7 +307,9 @@ class MPClient:
             self._send(AbortRequests(list(request_ids)))
 
     def _handle_dead(self, message: EngineDead) -> None:
-        self.dead_error = EngineDeadError(f"the engine core crashed: {message.error}")
+        self.dead_error = EngineDeadError(
+            f"the engine core crashed: {message.error}", failed_rank=message.failed_rank
+        )
         raise self.dead_error
 
     def shutdown(self) -> None:

@@ -10,7 +10,9 @@ msgspec structs (engine/wire.py), never pickles.
 Lifetime: spawned by `MPClient` (engine/core_client.py) with the "spawn" context;
 exits on a Shutdown message, on SIGTERM / SIGINT, and when its parent dies
 (PR_SET_PDEATHSIG plus a parent-pid check), so a killed server leaves no
-orphan. A crash in the loop is reported with an EngineDead message first.
+orphan. A crash in the loop is reported with an EngineDead message first;
+so is a rank of the executor that dies (noticed by the step that needs it,
+or by the executor's health check every idle poll).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -43,6 +46,7 @@ from pagedllm.engine.wire import (
     UtilityResult,
     from_engine_core_request,
 )
+from pagedllm.executors.base import RankFailedError
 
 if TYPE_CHECKING:
     from pagedllm.core.engine import EngineCore
@@ -71,8 +75,12 @@ class EngineCoreProc:
         input_socket: zmq.Socket[bytes],
         output_socket: zmq.Socket[bytes],
         parent_pid: int | None = None,
+        check_health: Callable[[], None] | None = None,
     ) -> None:
         self.engine_core = engine_core
+        # The executor's liveness check (a dead rank raises), run while idle:
+        # a busy core learns of a dead rank from its step.
+        self.check_health = check_health
         self.input_socket = input_socket
         self.output_socket = output_socket
         self.parent_pid = parent_pid
@@ -103,6 +111,8 @@ class EngineCoreProc:
         if block:
             while not self.input_socket.poll(IDLE_POLL_MS):
                 self._check_parent()
+                if self.check_health is not None:
+                    self.check_health()
                 # A heartbeat: an idle core is heard from every IDLE_POLL_MS, so
                 # the API's /health answers without a round trip while the
                 # loop runs, and stops answering 200 when it does not.
@@ -228,7 +238,9 @@ def run_engine_core(
             exit_code = 1
             return
         output_socket.send(encoder.encode(ready_message(parts)))
-        proc = EngineCoreProc(parts.engine_core, input_socket, output_socket, parent_pid)
+        proc = EngineCoreProc(
+            parts.engine_core, input_socket, output_socket, parent_pid, check_health=parts.executor.check_health
+        )
         try:
             _serve(proc, parts)
         except SystemExit:
@@ -237,7 +249,8 @@ def run_engine_core(
             logger.exception("engine core busy loop crashed")
             error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             try:
-                output_socket.send(encoder.encode(EngineDead(error)), flags=zmq.NOBLOCK)
+                dead = EngineDead(error, failed_rank=exc.rank if isinstance(exc, RankFailedError) else None)
+                output_socket.send(encoder.encode(dead), flags=zmq.NOBLOCK)
                 output_linger_ms = LAST_WORD_LINGER_MS
             except zmq.ZMQError:
                 pass
@@ -280,6 +293,9 @@ def ready_message(parts: EngineParts) -> Ready:
         block_size=engine_core.config.cache.block_size,
         eos_token_id=config_eos_token_id(parts.model.hf_config),
         attention_backend=parts.attn_selection.name,
+        executor=parts.executor_name,
+        world_size=engine_core.config.parallel.tensor_parallel_size,
+        communicator=parts.platform.describe_communicator(),
     )
 
 

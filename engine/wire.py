@@ -81,6 +81,10 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     # config.json's eos_token_id (the first one when it lists several).
     eos_token_id: int | None
     attention_backend: str
+    # How the model runs: the executor's name, its ranks, their collectives.
+    executor: str
+    world_size: int
+    communicator: str
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
@@ -110,6 +114,8 @@ class EngineDead(msgspec.Struct, tag="dead", array_like=True):
     """Sent once when the busy loop crashes, just before the process exits."""
 
     error: str
+    # The executor rank whose failure crashed it (RankFailedError), if one did.
+    failed_rank: int | None = None
 
 
 CoreOutput = Ready | StartupFailed | EngineCoreOutputs | UtilityResult | EngineDead

@@ -204,6 +204,12 @@ class Platform(ABC):
         torch.distributed's own over the group's backend."""
         return TorchDistributedCommunicator(group, device)
 
+    def describe_communicator(self) -> str:
+        """``"gloo (torch.distributed)"``: the ranks' collectives, for READY and `pagedllm env`."""
+        own = type(self).get_device_communicator is not Platform.get_device_communicator
+        source = f"{type(self).__name__}'s own" if own else "torch.distributed"
+        return f"{self.dist_backend} ({source})"
+
     def describe(self) -> str:
         """``"cuda (compute capability 7.5)"``: for error messages."""
         capability = self.get_device_capability()

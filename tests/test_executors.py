@@ -142,7 +142,7 @@ def test_an_executor_whose_package_is_missing_says_what_to_install(recording_exe
 
 
 def test_an_unregistered_executor_lists_the_registered_names() -> None:
-    with pytest.raises(UnknownComponentError, match="no executor named 'slurm'; registered: .*mp, .*uni"):
+    with pytest.raises(UnknownComponentError, match=r"no executor named 'slurm'; registered: .*mp, .*uni"):
         select_executor(_config(distributed_executor_backend="slurm"), get_plugin_manager())
 
 
