@@ -139,6 +139,11 @@ class AsyncLLM:
             config=config,
             num_kv_blocks=ready.num_kv_blocks,
             max_model_len=ready.max_model_len,
+            world_size=ready.world_size,
+        )
+        logger.info(
+            "engine ready: executor %s, %d rank(s), collectives %s, attention backend %s, %d KV blocks",
+            ready.executor, ready.world_size, ready.communicator, ready.attention_backend, ready.num_kv_blocks,
         )
         self._streams: dict[str, _RequestStream] = {}
         self._admissions: weakref.WeakSet[Admission] = weakref.WeakSet()
@@ -404,6 +409,7 @@ class AsyncLLM:
                 self.stat_logger.maybe_log()
         except EngineDeadError as exc:
             logger.error("%s", exc)
+            self.stat_logger.prometheus.record_engine_dead(exc.failed_rank)
             self._fail_all(exc)
         except asyncio.CancelledError:
             raise

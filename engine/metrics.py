@@ -85,6 +85,13 @@ class PrometheusStatLogger:
         self._add_kv_transfer_metrics()
         # Info: a gauge fixed at 1 whose labels carry the cache config.
         self._cache_config_info: Gauge | None = None
+        self.world_size = 0
+        self.gauge_rank_healthy = Gauge(
+            PREFIX + "executor_rank_healthy",
+            "1 while an executor rank runs, 0 once it (or the engine) has failed.",
+            [*LABELS, "rank"],
+            registry=self.registry,
+        )
 
         # Make every unlabelled-by-reason series exist before the first record.
         for metric in (
@@ -243,6 +250,18 @@ class PrometheusStatLogger:
             self._cache_config_info.clear()  # one series: the latest config
         self._cache_config_info.labels(model_name=self.model_name, **info).set(1)
 
+    def set_ranks_healthy(self, world_size: int) -> None:
+        self.world_size = world_size
+        for rank in range(world_size):
+            self.gauge_rank_healthy.labels(self.model_name, str(rank)).set(1)
+
+    def record_engine_dead(self, failed_rank: int | None) -> None:
+        """The failed rank reads 0; when no rank is to blame (the core itself
+        died), every rank does: none runs a step any more."""
+        for rank in range(self.world_size):
+            if failed_rank is None or rank == failed_rank:
+                self.gauge_rank_healthy.labels(self.model_name, str(rank)).set(0)
+
     def record_scheduler_stats(self, scheduler_stats: SchedulerStats, num_new_preemptions: int) -> None:
         name = self.model_name
         self.gauge_running.labels(name).set(scheduler_stats.num_running_reqs)
@@ -324,6 +343,7 @@ class StatLoggerManager:
         *,
         num_kv_blocks: int | None = None,
         max_model_len: int | None = None,
+        world_size: int = 1,
     ) -> None:
         self.model_name = model_name
         self.config = config
@@ -336,6 +356,7 @@ class StatLoggerManager:
         self.prometheus = PrometheusStatLogger(model_name, self.registry, max_model_len)
         self.log_interval_s = config.server.log_stats_interval_s if config is not None else 0.0
         self.log_engine_initialized(num_kv_blocks)
+        self.prometheus.set_ranks_healthy(world_size)
 
         # The engine's preemption count is cumulative; the counter gets deltas.
         self._last_num_preemptions = 0

@@ -148,6 +148,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         "head_size": args.head_size,
         "block_size": args.block_size,
         "torch": torch.__version__,
+        **_env_executor(args, platform),
     }
     if args.json:
         _print_json(payload)
@@ -160,6 +161,9 @@ def cmd_env(args: argparse.Namespace) -> int:
         ("torch", payload["torch"]),
         ("checked for", f"dtype={payload['dtype']} head_size={args.head_size} block_size={args.block_size}"),
         ("attention backend", selection.name),
+        ("executor", payload["executor"]),
+        ("world size", payload["world_size"]),
+        ("communicator", payload["communicator"]),
     ]
     for label, value in rows:
         print(f"{label + ':':<20}{value}")
@@ -168,6 +172,27 @@ def cmd_env(args: argparse.Namespace) -> int:
         print(f"  {name}: {'; '.join(reasons)}")
     _print_other_backends(platform, selection, backends)
     return 0
+
+
+def _env_executor(args: argparse.Namespace, platform: Platform) -> dict[str, Any]:
+    """The executor `-tp N` with `--distributed-executor-backend` would run,
+    its world size and the collectives its ranks would use (or why it cannot run)."""
+    from pagedllm.core.config import EngineConfig
+    from pagedllm.core.errors import PagedLLMError
+    from pagedllm.engine.builder import executor_name, select_executor
+    from pagedllm.plugins import get_plugin_manager
+
+    config = EngineConfig.from_flat(
+        tensor_parallel_size=args.tensor_parallel_size, distributed_executor_backend=args.distributed_executor_backend
+    )
+    name = executor_name(config)
+    try:
+        select_executor(config, get_plugin_manager())
+    except PagedLLMError as exc:
+        name = f"{name} (cannot run: {exc})"
+    world_size = config.parallel.tensor_parallel_size
+    communicator = platform.describe_communicator() if world_size > 1 else "none (one rank)"
+    return {"executor": name, "world_size": world_size, "communicator": communicator}
 
 
 def _print_other_backends(platform: Platform, selection: BackendSelection, backends: dict[str, list[str]]) -> None:
@@ -300,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--dtype", default="auto")
     env.add_argument("--head-size", type=int, default=128)
     env.add_argument("--block-size", type=int, default=16)
+    env.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
+    env.add_argument("--distributed-executor-backend", default="auto", metavar="NAME")
     env.set_defaults(func=cmd_env)
 
     proxy = sub.add_parser(

@@ -102,6 +102,26 @@ def test_env_json_on_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capture
     assert payload["dtype"] == "float32"
 
 
+def test_env_shows_the_executor_world_size_and_communicator(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    simulate_device(monkeypatch, None)
+    payload = run_json(capsys, ["env", "--json"])
+    assert (payload["executor"], payload["world_size"], payload["communicator"]) == ("uni", 1, "none (one rank)")
+    payload = run_json(capsys, ["env", "--json", "-tp", "2"])
+    assert (payload["executor"], payload["world_size"], payload["communicator"]) == (
+        "mp", 2, "gloo (torch.distributed)"
+    )
+    simulate_device(monkeypatch, (8, 0), installed=("triton",))
+    payload = run_json(capsys, ["env", "--json", "--tensor-parallel-size", "2"])
+    assert (payload["executor"], payload["communicator"]) == ("mp", "nccl (torch.distributed)")
+    payload = run_json(capsys, ["env", "--json", "-tp", "2", "--distributed-executor-backend", "uni"])
+    assert payload["executor"] == (
+        "uni (cannot run: parallel.tensor_parallel_size=2 is invalid; allowed: 1 with executor 'uni': "
+        "it runs one rank (not registered with supports_tensor_parallel=True))"
+    )
+
+
 def test_env_json_on_simulated_turing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     simulate_device(monkeypatch, (7, 5), installed=("triton", "flash_attn"))
     payload = run_json(capsys, ["env", "--json"])

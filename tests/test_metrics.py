@@ -435,3 +435,19 @@ def test_grafana_dashboard_queries_only_exposed_metrics():
     assert all('model_name="$model_name"' in expr for expr in exprs)
     assert any("histogram_quantile(0.99" in expr for expr in exprs)
     assert len({panel["id"] for panel in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def test_each_rank_reads_healthy_until_its_failure_ends_the_engine() -> None:
+    manager = StatLoggerManager(MODEL, world_size=2)
+    samples = scrape(manager)
+    assert [value(samples, "executor_rank_healthy", rank=str(rank)) for rank in (0, 1)] == [1.0, 1.0]
+    manager.prometheus.record_engine_dead(failed_rank=1)
+    samples = scrape(manager)
+    assert [value(samples, "executor_rank_healthy", rank=str(rank)) for rank in (0, 1)] == [1.0, 0.0]
+
+
+def test_an_engine_dead_without_a_failed_rank_marks_every_rank_down() -> None:
+    manager = StatLoggerManager(MODEL, world_size=2)
+    manager.prometheus.record_engine_dead(failed_rank=None)
+    samples = scrape(manager)
+    assert [value(samples, "executor_rank_healthy", rank=str(rank)) for rank in (0, 1)] == [0.0, 0.0]
