@@ -3,8 +3,9 @@ GroupCoordinator)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,8 @@ if TYPE_CHECKING:
 
     from pagedllm.platforms.interface import DeviceCommunicator
 
+_T = TypeVar("_T")
+
 
 class GroupCoordinator:
     """The ranks of one group, this process's place among them, and the
@@ -21,7 +24,9 @@ class GroupCoordinator:
 
     A group of one rank never reaches a communicator: every collective
     returns its input, so single-process code pays nothing for calling them.
-    Larger groups delegate to the platform's `DeviceCommunicator`.
+    Larger groups delegate to the platform's `DeviceCommunicator` and count
+    their collectives and the wall time spent in them (waiting for the
+    slowest rank included: what tensor parallelism costs a step).
     """
 
     def __init__(
@@ -41,6 +46,8 @@ class GroupCoordinator:
         self.world_size = len(self.ranks)
         self.device_group = device_group
         self.device_communicator = device_communicator
+        self.num_collectives = 0
+        self.collective_seconds = 0.0
 
     @classmethod
     def single_process(cls, group_name: str) -> GroupCoordinator:
@@ -59,7 +66,9 @@ class GroupCoordinator:
         """The sum over the group. May overwrite `input_`: use the result."""
         if self.world_size == 1:
             return input_
-        return self._communicator().all_reduce(input_)
+        start = time.perf_counter()
+        output = self._communicator().all_reduce(input_)
+        return self._counted(start, output)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `input_` concatenated along `dim`, in rank order."""
@@ -67,7 +76,9 @@ class GroupCoordinator:
             raise ValueError(f"dim {dim} is out of range for a {input_.dim()}-d tensor")
         if self.world_size == 1:
             return input_
-        return self._communicator().all_gather(input_, dim)
+        start = time.perf_counter()
+        output = self._communicator().all_gather(input_, dim)
+        return self._counted(start, output)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """`all_gather` on rank-in-group `dst`; None on the other ranks."""
@@ -76,14 +87,19 @@ class GroupCoordinator:
             raise ValueError(f"dim {dim} is out of range for a {input_.dim()}-d tensor")
         if self.world_size == 1:
             return input_
-        return self._communicator().gather(input_, dst, dim)
+        start = time.perf_counter()
+        gathered = self._communicator().gather(input_, dst, dim)
+        self._counted(start, None)
+        return gathered
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank-in-group `src`'s `input_` on every rank. May overwrite `input_`: use the result."""
         self._check_rank_in_group("src", src)
         if self.world_size == 1:
             return input_
-        return self._communicator().broadcast(input_, src)
+        start = time.perf_counter()
+        output = self._communicator().broadcast(input_, src)
+        return self._counted(start, output)
 
     def destroy(self) -> None:
         if self.device_communicator is not None:
@@ -92,6 +108,13 @@ class GroupCoordinator:
         if self.device_group is not None:
             dist.destroy_process_group(self.device_group)
             self.device_group = None
+
+    def _counted(self, start: float, output: _T) -> _T:
+        # NOTE: a device communicator may return before the device finishes
+        # (NCCL is asynchronous): there this counts the launch, not the transfer.
+        self.collective_seconds += time.perf_counter() - start
+        self.num_collectives += 1
+        return output
 
     def _communicator(self) -> DeviceCommunicator:
         if self.device_communicator is None:

@@ -105,6 +105,7 @@ results = {
     "broadcast_from_1": tp.broadcast(x.clone(), src=1),
     "calls": list(tp.device_communicator.calls),
 }
+results["num_collectives"], results["collective_seconds"] = tp.num_collectives, tp.collective_seconds
 destroy_model_parallel()
 results["after_destroy_model_parallel"] = (model_parallel_is_initialized(), get_tensor_model_parallel_world_size())
 destroy_distributed_environment()
@@ -195,6 +196,12 @@ def test_the_platforms_communicator_carries_every_collective(rank_results: list[
     expected_calls = ["all_reduce"] * 3 + ["all_gather"] * 3 + ["gather"] * 2 + ["broadcast"] * 2
     for results in rank_results:
         assert results["calls"] == expected_calls
+
+
+def test_the_group_counts_its_collectives_and_their_time(rank_results: list[dict[str, Any]]) -> None:
+    for results in rank_results:
+        assert results["num_collectives"] == len(results["calls"])
+        assert results["collective_seconds"] > 0.0
 
 
 def test_destroy_leaves_a_world_of_one(rank_results: list[dict[str, Any]]) -> None:
