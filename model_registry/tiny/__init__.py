@@ -43,6 +43,7 @@ MODEL_ALIASES = {
 }
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 BENCHMARK_MODEL_CACHE_NAME = "benchmark-llama-v2"
+BENCHMARK_100M_CACHE_NAME = "benchmark-llama-100m-v1"
 
 __all__ = [
     "BENCHMARK_MODEL_CACHE_NAME",
@@ -51,6 +52,7 @@ __all__ = [
     "MODEL_ALIASES",
     "TARGET_MODEL_NAME",
     "ShippedModelSource",
+    "get_benchmark_100m_model_dir",
     "get_benchmark_model_dir",
     "get_cache_root",
     "get_default_model_dir",
@@ -86,6 +88,17 @@ def get_benchmark_model_dir() -> Path:
 
     tokenizer_dir = get_tokenizer_dir()
     return build_once(BENCHMARK_MODEL_CACHE_NAME, lambda out_dir: build_benchmark_model(out_dir, tokenizer_dir))
+
+
+def get_benchmark_100m_model_dir() -> Path:
+    """Folder of the ~100M random-weight Llama (LLAMA_100M) the scale-out
+    benchmark runs, built on first use (about 350 MB of float32)."""
+    from pagedllm.model_registry.tiny.benchmark_model import LLAMA_100M, build_benchmark_model
+
+    tokenizer_dir = get_tokenizer_dir()
+    return build_once(
+        BENCHMARK_100M_CACHE_NAME, lambda out_dir: build_benchmark_model(out_dir, tokenizer_dir, LLAMA_100M)
+    )
 
 
 def resolve_model_path(name_or_path: str | os.PathLike[str] | None) -> str:

@@ -24,7 +24,16 @@ SEED = 0
 INIT_STD = 0.02  # HF's initializer_range
 
 
-def benchmark_llama_config(token_ids: dict[str, int]) -> dict[str, Any]:
+# The ~100M Llama the scale-out and bf16 figures are quoted for (88M
+# parameters: hidden 768, 12 layers, GQA 12/4; issue 17's workload).
+LLAMA_100M = {
+    "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+    "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64,
+}  # fmt: skip
+
+
+def benchmark_llama_config(token_ids: dict[str, int], sizes: dict[str, int] | None = None) -> dict[str, Any]:
+    """The benchmark Llama's config.json; `sizes` replaces its shape (LLAMA_100M)."""
     hidden_size, num_heads = 256, 4
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -51,7 +60,7 @@ def benchmark_llama_config(token_ids: dict[str, int]) -> dict[str, Any]:
         "pad_token_id": token_ids[PAD_TOKEN],
         "torch_dtype": "float32",
         "use_cache": True,
-    }
+    } | (sizes or {})
 
 
 def random_llama_weights(config: dict[str, Any], seed: int = SEED) -> dict[str, Any]:
@@ -91,7 +100,7 @@ def random_llama_weights(config: dict[str, Any], seed: int = SEED) -> dict[str, 
     return weights
 
 
-def build_benchmark_model(out_dir: Path, tokenizer_dir: Path) -> None:
+def build_benchmark_model(out_dir: Path, tokenizer_dir: Path, sizes: dict[str, int] | None = None) -> None:
     """Write config.json, generation_config.json, model.safetensors and the tokenizer files."""
     from safetensors.torch import save_file
 
@@ -99,7 +108,7 @@ def build_benchmark_model(out_dir: Path, tokenizer_dir: Path) -> None:
     for name in TOKENIZER_FILES:
         shutil.copyfile(tokenizer_dir / name, out_dir / name)
     token_ids = special_token_ids(tokenizer_dir)
-    config = benchmark_llama_config(token_ids)
+    config = benchmark_llama_config(token_ids, sizes)
     _write_json(out_dir / "config.json", config)
     _write_json(
         out_dir / "generation_config.json",
