@@ -18,12 +18,13 @@ EXAMPLE_PLUGINS := examples/plugins/pagedllm-example-model \
 	examples/plugins/pagedllm-example-connector
 
 # NOTE: torch==2.13.0 first, so that no later requirement pulls a CUDA build.
+# The ray extra too: CI runs the ray executor's tests.
 # The example plugins are installed the way a user installs a plugin: pip
 # install of their own pyproject.toml, found later through entry points only.
 $(STAMP): $(PY) pyproject.toml tests/plugins/pagedllm-test-plugin/pyproject.toml \
 		$(addsuffix /pyproject.toml,$(EXAMPLE_PLUGINS))
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,ray]'
 	$(PIP) install -q -e tests/plugins/pagedllm-test-plugin
 	$(PIP) install -q -e $(EXAMPLE_PLUGINS)
 	touch $(STAMP)

@@ -94,27 +94,33 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
 
 
+# What to pip-install for a missing package an executor requires, where that is
+# not the import name itself (pagedllm's extras pin the versions it was tested with).
+INSTALL_HINTS = {"ray": "'pagedllm[ray]'"}
+
+
 def select_executor(config: EngineConfig, plugin_manager: PluginManager) -> type[Executor]:
     """The executor class `parallel.distributed_executor_backend` names
     (`auto`: `uni` at tensor_parallel_size 1, `mp` above), checked against the size."""
     tp_size = config.parallel.tensor_parallel_size
     name = executor_name(config)
     registry = plugin_manager.executors
-    executor_cls = registry.load(name)  # UnknownComponentError lists the names
-    info = registry.get(name).info
+    info = registry.get(name).info  # UnknownComponentError lists the names
     if tp_size > 1 and not info.supports_tensor_parallel:
         raise ConfigError(
             "parallel.tensor_parallel_size",
             tp_size,
             f"1 with executor {name!r}: it runs one rank (not registered with supports_tensor_parallel=True)",
         )
+    # NOTE: before loading it: an executor's module imports what it requires.
     missing = [module for module in info.requires if importlib.util.find_spec(module) is None]
     if missing:
+        install = " ".join(INSTALL_HINTS.get(module, module) for module in missing)
         raise ConfigError(
             "parallel.distributed_executor_backend", name, f"an executor whose packages are installed "
-            f"({name!r} needs {', '.join(missing)}: pip install {' '.join(missing)})"
+            f"({name!r} needs {', '.join(missing)}: pip install {install})"
         )
-    return executor_cls
+    return registry.load(name)
 
 
 def executor_name(config: EngineConfig) -> str:

@@ -102,6 +102,8 @@ def register_model_sources(register: RegisterFn) -> None:
 
 @hookimpl
 def register_executors(register: RegisterFn) -> None:
-    # One in-process worker; one process per rank on this host.
+    # One in-process worker; one process per rank on this host; one Ray actor
+    # per rank on a Ray cluster (the optional extra: pip install 'pagedllm[ray]').
     register("uni", "pagedllm.executors.uni:UniProcExecutor", supports_tensor_parallel=False)
     register("mp", "pagedllm.executors.mp:MultiprocExecutor", supports_tensor_parallel=True)
+    register("ray", "pagedllm.executors.ray_executor:RayExecutor", supports_tensor_parallel=True, requires=["ray"])
