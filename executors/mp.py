@@ -62,6 +62,8 @@ logger = logging.getLogger(__name__)
 POLL_MS = 50
 # Longest a rank may take to start and join the others (imports, rendezvous).
 START_TIMEOUT_S = 300.0
+# When a rank answers with an error: how long the others get to show they died.
+LOSS_GRACE_S = 1.0
 # On shutdown: how long ranks get to exit when asked, then after SIGTERM.
 STOP_GRACE_S = 5.0
 
@@ -149,11 +151,25 @@ class MultiprocExecutor(Executor):
                 continue
             reply = reply_decoder.decode(self._reply_socket.recv())
             if reply.error is not None:
-                raise self._fail(RankFailedError(reply.rank, f"{reply.method}: {reply.error}"))
+                raise self._blame(RankFailedError(reply.rank, f"{reply.method}: {reply.error}"))
             if reply.method != method:
                 raise self._fail(RankFailedError(reply.rank, f"answered {reply.method} while {method} was due"))
             replies[reply.rank] = reply
         return replies
+
+    def _blame(self, error: RankFailedError) -> RankFailedError:
+        """Fail with `error`, unless another rank's process turns out to be
+        gone: a collective that breaks on one rank is often the echo of a
+        peer that died (its socket reset), and the dead rank is the one to name."""
+        deadline = time.monotonic() + LOSS_GRACE_S
+        while True:
+            try:
+                self._check_ranks_alive()
+            except RankFailedError as dead:
+                return dead
+            if time.monotonic() > deadline:
+                return self._fail(error)
+            time.sleep(POLL_MS / 1000)
 
     def _check_ranks_alive(self) -> None:
         for rank, proc in enumerate(self._procs):
