@@ -65,6 +65,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How long a cluster's head address may take to accept a connection.
+CONNECT_TIMEOUT_S = 10.0
 # How often a waiting executor checks its deadline (an actor's loss wakes it at once).
 POLL_S = 1.0
 # Longest the cluster may take to reserve the placement group (nodes busy).
@@ -153,6 +155,20 @@ def assign_local_ranks(placements: Sequence[RankPlacement]) -> tuple[list[int], 
     return local_ranks, node_gpus
 
 
+def check_reachable(key: str, address: str) -> None:
+    """A ConfigError now if nothing listens at a ``host:port`` address (Ray's
+    own connect retries for minutes); other forms (``auto``, ``ray://``) are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise ConfigError(key, address, f"the address of a running Ray cluster's head (`ray start --head` "
+                                        f"prints it); connecting failed: {exc}") from exc
+
+
 def describe_actor_loss(exc: RayActorError) -> str:
     """The sentence of Ray's message that says why the actor is gone."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip() and not line.startswith("\t")]
@@ -186,6 +202,7 @@ class RayExecutor(Executor):
             return  # the caller's session (Ray's own driver, a notebook): left to it
         address = self.config.parallel.ray_address or os.environ.get("RAY_ADDRESS")
         if address:
+            check_reachable("parallel.ray_address" if self.config.parallel.ray_address else "RAY_ADDRESS", address)
             ray.init(address=address)
         else:
             ray.init(object_store_memory=LOCAL_OBJECT_STORE_BYTES, include_dashboard=False)

@@ -24,6 +24,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import ConfigError
+from pagedllm.distributed.utils import get_open_port
 from pagedllm.engine.builder import select_executor
 from pagedllm.executors.base import RankFailedError
 from pagedllm.plugins import get_plugin_manager
@@ -217,6 +218,23 @@ def test_a_killed_rank_fails_the_engine_naming_it_and_leaves_nothing_behind(two_
 
 @requires_ray
 @pytest.mark.slow
+def test_a_rank_lost_while_idle_fails_the_health_check(two_node_cluster: Cluster) -> None:
+    """What the engine core's idle poll sees (no step in flight to notice it)."""
+    llm = LLM("tiny", tensor_parallel_size=2, distributed_executor_backend="ray", num_kv_blocks=NUM_KV_BLOCKS,
+              ray_address=two_node_cluster.address)
+    try:
+        executor = _executor(llm)
+        executor.check_health()
+        os.kill(executor.rank_placements[0].pid, signal.SIGKILL)
+        with pytest.raises(RankFailedError) as failed:
+            executor.check_health()
+        assert (failed.value.rank, failed.value.cause.split(":")[0]) == (0, "Ray actor lost")
+    finally:
+        llm.shutdown()
+
+
+@requires_ray
+@pytest.mark.slow
 def test_a_placement_the_cluster_can_never_hold_is_a_config_error(two_node_cluster: Cluster) -> None:
     import ray
 
@@ -226,6 +244,22 @@ def test_a_placement_the_cluster_can_never_hold_is_a_config_error(two_node_clust
     assert info.value.key == "parallel.tensor_parallel_size"
     assert "4 bundles of {'CPU': 1.0} placed STRICT_PACK" in info.value.allowed
     assert "[{'CPU': 2.0}, {'CPU': 2.0}]" in info.value.allowed
+    assert not ray.is_initialized()
+
+
+@requires_ray
+def test_a_ray_address_where_nothing_listens_is_a_config_error_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    address = f"127.0.0.1:{get_open_port()}"  # free a moment ago: nothing listens there
+    with pytest.raises(ConfigError) as info:
+        LLM("tiny", tensor_parallel_size=2, distributed_executor_backend="ray", ray_address=address)
+    assert (info.value.key, info.value.value) == ("parallel.ray_address", address)
+    assert "`ray start --head` prints it" in info.value.allowed
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    with pytest.raises(ConfigError) as info:
+        LLM("tiny", tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert (info.value.key, info.value.value) == ("RAY_ADDRESS", address)
     assert not ray.is_initialized()
 
 
