@@ -202,10 +202,17 @@ class RayExecutor(Executor):
             return  # the caller's session (Ray's own driver, a notebook): left to it
         address = self.config.parallel.ray_address or os.environ.get("RAY_ADDRESS")
         if address:
-            check_reachable("parallel.ray_address" if self.config.parallel.ray_address else "RAY_ADDRESS", address)
-            ray.init(address=address)
+            key = "parallel.ray_address" if self.config.parallel.ray_address else "RAY_ADDRESS"
+            check_reachable(key, address)
+            try:
+                ray.init(address=address)
+            except ConnectionError as exc:
+                raise ConfigError(key, address, f"a Ray cluster this process can join ({exc}); one with token "
+                                  "authentication also needs RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN "
+                                  "or ~/.ray/auth_token) here") from exc
         else:
-            ray.init(object_store_memory=LOCAL_OBJECT_STORE_BYTES, include_dashboard=False)
+            # "local": a new instance, even where `ray start` left a cluster Ray would find.
+            ray.init(address="local", object_store_memory=LOCAL_OBJECT_STORE_BYTES, include_dashboard=False)
         self._owns_ray_session = True
         logger.info("ray executor: %s Ray at %s", "attached to" if address else "started a local",
                     ray.get_runtime_context().gcs_address)
