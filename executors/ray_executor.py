@@ -281,6 +281,8 @@ class RayExecutor(Executor):
         return {getattr(actor, method).remote(*args): rank for rank, actor in enumerate(self._actors)}
 
     def _run_workers(self, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+        if kwargs:
+            raise TypeError(f"ray executor: {method} takes positional arguments only, got {sorted(kwargs)}")
         return self._run_all(method, args, timeout_s=None)
 
     def _run_all(self, method: str, args: Sequence[Any], timeout_s: float | None) -> list[Any]:
