@@ -27,12 +27,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import ray
 from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -50,7 +48,16 @@ from pagedllm.executors.messages import (
     runner_output_from_wire,
     step_to_wire,
 )
-from pagedllm.executors.worker_host import OUTPUT_RANK, WorkerHost
+from pagedllm.executors.ray_utils import (
+    RankActor,
+    RankPlacement,
+    assign_local_ranks,
+    check_reachable,
+    describe_actor_loss,
+    placement_decoder,
+    placement_fits,
+)
+from pagedllm.executors.worker_host import OUTPUT_RANK
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.worker.worker import plan_ranks
 
@@ -65,8 +72,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# How long a cluster's head address may take to accept a connection.
-CONNECT_TIMEOUT_S = 10.0
 # How often a waiting executor checks its deadline (an actor's loss wakes it at once).
 POLL_S = 1.0
 # Longest the cluster may take to reserve the placement group (nodes busy).
@@ -82,98 +87,6 @@ LOSS_GRACE_S = 3.0
 STOP_GRACE_S = 5.0
 # Object store of a local Ray this executor starts: frames are small.
 LOCAL_OBJECT_STORE_BYTES = 100 * 1024 * 1024
-
-
-class RankPlacement(msgspec.Struct, array_like=True):
-    """Where one rank's actor runs, as it reports it."""
-
-    node_id: str
-    node_ip: str
-    pid: int
-    gpu_ids: list[str]
-    # A TCP port that was free on node_ip a moment ago (rank 0's is the rendezvous).
-    free_port: int
-
-
-_placement_decoder = msgspec.msgpack.Decoder(RankPlacement)
-
-
-class RankActor:
-    """One rank: a WorkerHost behind a Ray actor. Every method takes and
-    returns bytes (msgspec frames) or nothing."""
-
-    def __init__(self) -> None:
-        self.host = WorkerHost()
-
-    def describe(self) -> bytes:
-        node_ip = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET6 if ":" in node_ip else socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((node_ip, 0))
-            free_port = int(sock.getsockname()[1])
-        return encoder.encode(RankPlacement(
-            ray.get_runtime_context().get_node_id(), node_ip, os.getpid(),
-            [str(gpu_id) for gpu_id in ray.get_gpu_ids()], free_port,
-        ))
-
-    def set_visible_devices(self, devices: bytes) -> None:
-        # NOTE: before the Worker exists: CUDA reads it when first used.
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices.decode()
-
-    def handle(self, frame: bytes) -> bytes | None:
-        return self.host.handle(frame)
-
-
-def placement_fits(nodes: Sequence[Mapping[str, float]], bundle: Mapping[str, float], num_bundles: int,
-                   strategy: str) -> bool:
-    """Whether nodes with these total resources can ever hold `num_bundles`
-    copies of `bundle` under `strategy` (busy or not)."""
-    per_node = [min(int(resources.get(key, 0.0) // amount) for key, amount in bundle.items()) for resources in nodes]
-    if strategy == "STRICT_PACK":
-        return max(per_node, default=0) >= num_bundles
-    return sum(per_node) >= num_bundles
-
-
-def assign_local_ranks(placements: Sequence[RankPlacement]) -> tuple[list[int], dict[str, list[str]]]:
-    """Each rank's local rank, and each node's visible GPUs (sorted; empty on CPU).
-
-    A rank's local rank indexes its node's visible GPUs (its own GPU's place
-    among them); on CPU it is the rank's place among its node's ranks.
-    """
-    node_gpus: dict[str, list[str]] = {}
-    for placement in placements:
-        node_gpus.setdefault(placement.node_id, []).extend(placement.gpu_ids)
-    for gpu_ids in node_gpus.values():
-        gpu_ids.sort(key=lambda gpu_id: (len(gpu_id), gpu_id))
-    local_ranks: list[int] = []
-    seen_per_node: dict[str, int] = {}
-    for placement in placements:
-        if placement.gpu_ids:
-            local_ranks.append(node_gpus[placement.node_id].index(placement.gpu_ids[0]))
-        else:
-            local_ranks.append(seen_per_node.get(placement.node_id, 0))
-        seen_per_node[placement.node_id] = seen_per_node.get(placement.node_id, 0) + 1
-    return local_ranks, node_gpus
-
-
-def check_reachable(key: str, address: str) -> None:
-    """A ConfigError now if nothing listens at a ``host:port`` address (Ray's
-    own connect retries for minutes); other forms (``auto``, ``ray://``) are left to Ray."""
-    host, _, port = address.rpartition(":")
-    if "://" in address or not host or not port.isdigit():
-        return
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
-            pass
-    except OSError as exc:
-        raise ConfigError(key, address, f"the address of a running Ray cluster's head (`ray start --head` "
-                                        f"prints it); connecting failed: {exc}") from exc
-
-
-def describe_actor_loss(exc: RayActorError) -> str:
-    """The sentence of Ray's message that says why the actor is gone."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip() and not line.startswith("\t")]
-    reasons = [line for line in lines if line != type(exc).BASE_ERROR_MSG] or lines
-    return f"Ray actor lost: {reasons[0] if reasons else type(exc).__name__}"
 
 
 class RayExecutor(Executor):
@@ -234,7 +147,7 @@ class RayExecutor(Executor):
             for rank in range(self.world_size)
         ]
         described = self._wait("describe", self._call_all("describe"), timeout_s=START_TIMEOUT_S, read=self._get)
-        self._placements = [_placement_decoder.decode(described[rank]) for rank in range(self.world_size)]
+        self._placements = [placement_decoder.decode(described[rank]) for rank in range(self.world_size)]
         local_ranks, node_gpus = assign_local_ranks(self._placements)
         for actor, placement in zip(self._actors, self._placements, strict=True):
             if placement.gpu_ids:

@@ -272,7 +272,7 @@ def test_a_ray_address_where_nothing_listens_is_a_config_error_at_once(monkeypat
     [("STRICT_PACK", 2, True), ("STRICT_PACK", 3, False), ("PACK", 4, True), ("SPREAD", 5, False)],
 )
 def test_placement_fits_counts_whole_bundles_per_node(strategy: str, num_bundles: int, fits: bool) -> None:
-    from pagedllm.executors.ray_executor import placement_fits
+    from pagedllm.executors.ray_utils import placement_fits
 
     nodes = [{"CPU": 2.0, "memory": 1e9}, {"CPU": 2.5}, {"GPU": 8.0}]
     assert placement_fits(nodes, {"CPU": 1.0}, num_bundles, strategy) is fits
@@ -280,7 +280,7 @@ def test_placement_fits_counts_whole_bundles_per_node(strategy: str, num_bundles
 
 @requires_ray
 def test_local_ranks_index_each_nodes_gpus_or_count_its_ranks() -> None:
-    from pagedllm.executors.ray_executor import RankPlacement, assign_local_ranks
+    from pagedllm.executors.ray_utils import RankPlacement, assign_local_ranks
 
     def on(node_id: str, *gpu_ids: str) -> RankPlacement:
         return RankPlacement(node_id, "10.0.0.1", 1, list(gpu_ids), 1)
