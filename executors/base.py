@@ -62,7 +62,8 @@ class Executor(ABC):
     # NOTE: the Worker methods `collective_rpc` may call, and no others: a
     # utility call names a method, never code to run.
     RPC_METHODS: ClassVar[frozenset[str]] = frozenset(
-        {"load_model", "determine_num_kv_blocks", "initialize_cache", "execute_model", "check_health", "shutdown"}
+        {"load_model", "determine_num_kv_blocks", "initialize_cache", "execute_model", "check_health", "shutdown",
+         "memory_usage"}
     )
 
     def __init__(self, config: EngineConfig) -> None:

@@ -51,11 +51,21 @@ if TYPE_CHECKING:
 
 
 def model_fingerprint(
-    model_path: str, dtype: torch.dtype, block_size: int, num_layers: int, num_kv_heads: int, head_size: int
+    model_path: str,
+    dtype: torch.dtype,
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    *,
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> str:
     """A short name for "these KV blocks are interchangeable": the model's
-    config.json, its weight files' names and sizes, the dtype and the cache
-    layout. (Weights are not read: sizes stand in for a checksum, so two
+    config.json, its weight files' names and sizes, the dtype, the cache
+    layout and the tensor-parallel layout (a rank's blocks hold only its KV
+    heads: a TP=2 rank never loads TP=1 blocks, nor another rank's).
+    (Weights are not read: sizes stand in for a checksum, so two
     checkpoints of one architecture with equal file sizes must not share
     a directory.)"""
     import hashlib
@@ -69,6 +79,8 @@ def model_fingerprint(
         for weights in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
             digest.update(f"{weights.name}:{weights.stat().st_size};".encode())
     digest.update(f"{dtype}|{block_size}|{num_layers}|{num_kv_heads}|{head_size}".encode())
+    if tp_size > 1:  # NOTE: TP=1 fingerprints (and the blocks stored under them) stay as they were
+        digest.update(f"|tp={tp_size}|rank={tp_rank}".encode())
     return digest.hexdigest()[:16]
 
 
@@ -82,7 +94,7 @@ class KVConnectorContext:
     model_fingerprint: str
     block_size: int
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # this rank's (all of the model's at tensor_parallel_size 1)
     head_size: int
     dtype: torch.dtype
     device: torch.device

@@ -100,7 +100,9 @@ class Drafter(ABC):
 
     @classmethod
     def kv_cache_bytes_per_block(cls, config: SpeculativeConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of the drafter's own KV cache per target block (0: none);
+        """Bytes of the drafter's own KV cache per target block on this rank
+        (0: none; at tensor_parallel_size > 1 only this rank's KV heads, read
+        from `get_tp_group()`, which the Worker has joined when it asks);
         the engine sizes the shared block pool with it."""
         return 0
 

@@ -27,6 +27,8 @@ import torch
 
 from pagedllm.attention_backends.base import STANDARD_KV_CACHE_LAYOUT
 from pagedllm.core.errors import ConfigError
+from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.model_registry.layers.tp_heads import partition_heads
 from pagedllm.spec_decode.interface import Drafter, DrafterContext, DraftInputs, DraftOutput, TargetStep
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_cache import PagedModule, allocate_kv_caches
@@ -80,9 +82,13 @@ def draft_seed(seed: int, num_tokens: int, draft_index: int) -> int:
 
 
 def _kv_bytes_per_block(hf_config: Any, num_layers: int, block_size: int, dtype: torch.dtype) -> int:
+    """This rank's share: the drafter's layers are tensor-parallel like the
+    target's, so its cache holds the KV heads its QKVParallelLinear keeps."""
     num_heads = hf_config.num_attention_heads
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    total_num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    tp_size = get_tp_group().world_size  # the Worker asks after joining its group
+    num_kv_heads = partition_heads(num_heads, total_num_kv_heads, tp_size).num_kv_heads
     # NOTE: the standard layout's size: this plugin-API classmethod is not told the backend.
     return num_layers * STANDARD_KV_CACHE_LAYOUT.bytes_per_block(block_size, num_kv_heads, head_size, dtype)
 

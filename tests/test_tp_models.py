@@ -12,13 +12,13 @@ head (replicated); an odd vocabulary covers the padded last vocab shard.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from helpers.tiny_models import cached_tiny_model
+from helpers.tp_weights import expected_param_bytes
 
 from pagedllm.attention_backends.base import AttentionMetadata
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
@@ -100,27 +100,6 @@ def run_two_steps(model: Any) -> torch.Tensor:
 
 def param_bytes(model: Any) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())  # a tied weight counts once
-
-
-def expected_param_bytes(hf_config: Any, tp_size: int) -> int:
-    """float32 bytes of one rank's parameters, from the config's shapes."""
-    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
-    kv_heads = hf_config.num_key_value_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    q_rows = heads // tp_size * head_dim
-    kv_rows = max(kv_heads // tp_size, 1) * head_dim  # one replicated head when fewer heads than ranks
-    intermediate = hf_config.intermediate_size // tp_size
-    qkv_bias = hf_config.model_type == "qwen2" or getattr(hf_config, "attention_bias", False)
-    layer = (
-        (q_rows + 2 * kv_rows) * (hidden + qkv_bias)  # qkv_proj (+ bias)
-        + hidden * q_rows  # o_proj: its input columns split
-        + 2 * intermediate * hidden + hidden * intermediate  # gate_up_proj, down_proj
-        + 2 * hidden  # the two RMSNorms, replicated
-        + (2 * head_dim if hf_config.model_type == "qwen3" else 0)  # q_norm, k_norm
-    )
-    vocab_rows = math.ceil(hf_config.vocab_size / tp_size)
-    embeddings = vocab_rows * hidden * (1 if hf_config.tie_word_embeddings else 2)
-    return 4 * (hf_config.num_hidden_layers * layer + embeddings + hidden)
 
 
 def test_expected_param_bytes_formula_is_the_model_at_tp1() -> None:

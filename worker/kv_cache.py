@@ -36,10 +36,14 @@ def allocate_kv_caches(
     device: torch.device,
 ) -> list[torch.Tensor]:
     """One zeroed KV tensor per attention layer of `model`, in layer order,
-    each bound to its layer (`layer.kv_cache`), shaped by the backend."""
+    each bound to its layer (`layer.kv_cache`), shaped by the backend.
+    `num_kv_heads` is this rank's: the layers' own count (a backend views the
+    cache with the layer's count, so a larger cache would go unnoticed)."""
     shape = attn_backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
     kv_caches: list[torch.Tensor] = []
     for layer in model.get_attention_layers():
+        if layer.num_kv_heads != num_kv_heads:
+            raise RuntimeError(f"a KV cache of {num_kv_heads} KV heads for a layer of {layer.num_kv_heads}")
         kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         layer.kv_cache = kv_cache
         kv_caches.append(kv_cache)

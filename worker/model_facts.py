@@ -1,11 +1,14 @@
 """ModelFacts: what a model's config says, read before anything is built from
 it (worker/worker.py reads them; the builder, READY and executors report
-them). Imports nothing of pagedllm, so interfaces may name it."""
+them). Imports only the head split (model_registry/layers/tp_heads.py, no
+torch), so interfaces may name it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from pagedllm.model_registry.layers.tp_heads import HeadPartition, partition_heads
 
 if TYPE_CHECKING:
     import torch
@@ -21,9 +24,14 @@ class ModelFacts:
     architecture: str
     dtype: torch.dtype
     head_size: int
-    num_kv_heads: int
+    num_kv_heads: int  # the whole model's; a rank holds heads_per_rank(tp).num_kv_heads
     sliding_window: int | None
 
     @property
     def position_limit(self) -> int | None:
         return getattr(self.hf_config, "max_position_embeddings", None)
+
+    def heads_per_rank(self, tp_size: int) -> HeadPartition:
+        """Each rank's query and KV heads at `tp_size`: exactly the split of
+        the model's QKVParallelLinear (ConfigError when they cannot be split)."""
+        return partition_heads(self.hf_config.num_attention_heads, self.num_kv_heads, tp_size)

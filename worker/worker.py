@@ -83,7 +83,33 @@ def plan_ranks(
         sliding_window=facts.sliding_window,
         plugin_manager=plugin_manager,
     )
+    check_tensor_parallel(config, facts, plugin_manager)
     return platform, facts, attn_selection
+
+
+def check_tensor_parallel(config: EngineConfig, facts: ModelFacts, plugin_manager: PluginManager) -> None:
+    """A ConfigError, before any rank starts, for what cannot run at
+    tensor_parallel_size > 1: a model that does not declare
+    `supports_tensor_parallel`, heads that do not split, a KV connector."""
+    tp_size = config.parallel.tensor_parallel_size
+    if tp_size == 1:
+        return
+    model_cls = plugin_manager.models.load(facts.architecture)
+    if not getattr(model_cls, "supports_tensor_parallel", False):  # duck-typed models do not say so
+        raise ConfigError(
+            "parallel.tensor_parallel_size",
+            tp_size,
+            f"1: architecture {facts.architecture} does not support tensor parallelism "
+            "(its model class does not declare supports_tensor_parallel = True)",
+        )
+    facts.heads_per_rank(tp_size)  # the ConfigError QKVParallelLinear would raise in every rank
+    connector = config.kv_transfer.connector
+    if connector is not None:
+        raise ConfigError(
+            "kv_transfer.connector",
+            connector,
+            "none at tensor_parallel_size > 1 (a connector's per-step metadata does not reach the ranks yet)",
+        )
 
 
 class Worker:
@@ -110,6 +136,8 @@ class Worker:
         self.plugin_manager.load(enabled=plugins.enabled, disabled=plugins.disabled, strict=plugins.strict)
         self.platform, self.model_facts, self.attn_selection = plan_ranks(config, self.plugin_manager)
         self.world_size = config.parallel.tensor_parallel_size
+        # NOTE: this rank's KV heads, the layers' split: its cache holds only these.
+        self.num_kv_heads = self.model_facts.heads_per_rank(self.world_size).num_kv_heads
         if distributed_init_method is not None:
             # A rank in its own process: its device (CUDA) or share of the cores (CPU).
             self.platform.init_rank(local_rank, self.world_size)
@@ -193,15 +221,15 @@ class Worker:
         self._model = model
 
     def determine_num_kv_blocks(self) -> int:
-        """`cache.num_kv_blocks`, else the memory budget (given, or the
-        platform's after a profile run) over the bytes of one block of every
-        layer on this rank."""
+        """`cache.num_kv_blocks`, else this rank's memory budget (given, or
+        the platform's after a profile run) over the bytes of one block of
+        every layer on this rank (its KV heads only)."""
         cache, facts = self.config.cache, self.model_facts
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         layout = self.attn_backend.get_kv_cache_layout()
         bytes_per_block = self.num_layers * layout.bytes_per_block(
-            cache.block_size, facts.num_kv_heads, facts.head_size, facts.dtype
+            cache.block_size, self.num_kv_heads, facts.head_size, facts.dtype
         )
         if self.drafter_cls is not None:
             # A model drafter's cache has as many blocks as the target's.
@@ -214,7 +242,9 @@ class Worker:
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ConfigError(
-                "cache.kv_cache_memory_bytes", budget, f">= {bytes_per_block} (one block of this model)"
+                "cache.kv_cache_memory_bytes",
+                budget,
+                f">= {bytes_per_block} (one block of this model per rank at tensor_parallel_size {self.world_size})",
             )
         return num_blocks
 
@@ -228,7 +258,7 @@ class Worker:
             num_tokens=min(scheduler.max_num_batched_tokens, position_limit),
             num_logit_rows=scheduler.max_num_seqs,
             block_size=self.config.cache.block_size,
-            num_kv_heads=facts.num_kv_heads,
+            num_kv_heads=self.num_kv_heads,
             head_size=facts.head_size,
             dtype=facts.dtype,
             device=self.device,
@@ -247,7 +277,7 @@ class Worker:
             self.attn_backend,
             num_blocks=num_blocks,
             block_size=block_size,
-            num_kv_heads=facts.num_kv_heads,
+            num_kv_heads=self.num_kv_heads,
             head_size=facts.head_size,
             dtype=facts.dtype,
             device=self.device,
@@ -271,6 +301,18 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def memory_usage(self) -> dict[str, int]:
+        """What this rank holds, measured from its tensors (each storage
+        once): its model's parameters and buffers, and its KV cache (the
+        target's; a drafter's weights and cache are not counted). A
+        platform's private copies (the CPU's prepacked GEMM weights) are not
+        the model's and are not counted."""
+        model = self.model
+        return {
+            "weights_bytes": _storage_bytes([*model.parameters(), *model.buffers()]),
+            "kv_cache_bytes": _storage_bytes(self.model_runner.kv_caches),
+        }
 
     def check_health(self) -> None:
         """Raise if this rank cannot run a step (an in-process rank lives as
@@ -314,11 +356,12 @@ class Worker:
         context = KVConnectorContext(
             model_path=facts.path,
             model_fingerprint=model_fingerprint(
-                facts.path, facts.dtype, block_size, self.num_layers, facts.num_kv_heads, facts.head_size
+                facts.path, facts.dtype, block_size, self.num_layers, self.num_kv_heads, facts.head_size,
+                tp_size=self.world_size, tp_rank=self.rank,
             ),
             block_size=block_size,
             num_layers=self.num_layers,
-            num_kv_heads=facts.num_kv_heads,
+            num_kv_heads=self.num_kv_heads,
             head_size=facts.head_size,
             dtype=facts.dtype,
             device=self.device,
@@ -350,6 +393,12 @@ class Worker:
         runner.capture()
         logger.info("decode graphs captured for batch sizes %s", runner.sizes)
         return runner
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the storages behind `tensors`, a shared one (a tied weight) once."""
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
+    return sum(storages.values())
 
 
 def _config_dtype(hf_config: PretrainedConfig) -> torch.dtype:

@@ -29,17 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.core.errors import ConfigError
 from pagedllm.distributed.parallel_state import get_tp_group
-
-TP_SIZE_FIELD = "parallel.tensor_parallel_size"
-
-
-def divide(numerator: int, tp_size: int, what: str) -> int:
-    """numerator // tp_size; a ConfigError naming `what` when it does not divide."""
-    if numerator % tp_size != 0:
-        raise ConfigError(TP_SIZE_FIELD, tp_size, f"a divisor of the model's {what} ({numerator})")
-    return numerator // tp_size
+from pagedllm.model_registry.layers.tp_heads import divide, partition_heads
 
 
 def copy_shard(
@@ -132,17 +123,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         tp_size = get_tp_group().world_size
         self.head_size = head_size
-        self.num_heads = divide(total_num_heads, tp_size, "attention heads")
-        if tp_size >= total_num_kv_heads:
-            if tp_size % total_num_kv_heads != 0:
-                raise ConfigError(
-                    TP_SIZE_FIELD, tp_size, f"a multiple of the model's key/value heads ({total_num_kv_heads})"
-                )
-            self.num_kv_heads = 1
-            self.num_kv_head_replicas = tp_size // total_num_kv_heads
-        else:
-            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "key/value heads")
-            self.num_kv_head_replicas = 1
+        self.num_heads, self.num_kv_heads, self.num_kv_head_replicas = partition_heads(
+            total_num_heads, total_num_kv_heads, tp_size
+        )
         self.q_size = self.num_heads * head_size  # per rank
         self.kv_size = self.num_kv_heads * head_size
         super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp_size, bias=bias)

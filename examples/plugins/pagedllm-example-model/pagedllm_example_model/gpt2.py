@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +115,11 @@ class GPT2LMHeadModel(nn.Module):
     Parameter names equal the checkpoint's (``transformer.h.0.attn.c_attn.weight``),
     so the loader needs no name table; only Conv1D weights are transposed.
     """
+
+    # Plain nn.Linear / nn.Embedding, every weight whole: one rank only. At
+    # parallel.tensor_parallel_size > 1 pagedllm refuses it with a ConfigError
+    # (tensor parallelism would need model_registry/layers' parallel layers).
+    supports_tensor_parallel: ClassVar[bool] = False
 
     def __init__(self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype = torch.float32):
         super().__init__()
