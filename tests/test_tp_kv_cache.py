@@ -15,8 +15,12 @@ from helpers.tiny_models import cached_tiny_model
 from helpers.tp_weights import expected_weight_bytes
 
 from pagedllm import LLM
+from pagedllm.core.config import EngineConfig
+from pagedllm.core.errors import ConfigError
+from pagedllm.engine.model_source import resolve_model_path
 from pagedllm.kv_connectors.base import model_fingerprint
 from pagedllm.model_registry.loader import load_hf_config
+from pagedllm.plugins import get_plugin_manager
 
 NUM_KV_BLOCKS = 24
 FLOAT32_BYTES = 4
@@ -66,8 +70,6 @@ def _model_path(name: str) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "llama-2-kv-heads", "llama-1-kv-head"])
 def test_each_rank_holds_its_share_of_weights_and_kv_cache(name: str) -> None:
-    from pagedllm.core.config import EngineConfig
-
     path = _model_path(name)
     hf_config = load_hf_config(path)
     block_size = EngineConfig().cache.block_size
@@ -101,9 +103,6 @@ def _kv_bytes_per_block(path: str, tp_size: int, block_size: int) -> int:
 def test_the_memory_budget_is_per_rank_target_and_draft_model_alike() -> None:
     """The same kv_cache_memory_bytes holds twice the blocks on each of 2
     ranks (the target's and the draft model's caches both halve)."""
-    from pagedllm.engine.model_source import resolve_model_path
-    from pagedllm.plugins import get_plugin_manager
-
     budget = 3 * 1000 * 1000 + 7  # not a multiple of either block size
     speculative = {"method": "draft_model", "num_speculative_tokens": 2, "model": "tiny-draft"}
     target, draft = (resolve_model_path(name, get_plugin_manager()) for name in ("tiny", "tiny-draft"))
@@ -119,3 +118,32 @@ def test_the_memory_budget_is_per_rank_target_and_draft_model_alike() -> None:
             assert executor.collective_rpc("determine_num_kv_blocks") == [budget // per_block] * tp_size
         finally:
             llm.shutdown()
+
+
+def test_a_kv_cache_with_other_kv_heads_than_its_layer_is_refused() -> None:
+    """A backend views the cache with its layer's KV heads, so a cache of
+    more heads (the whole model's, on one rank) would run unnoticed."""
+    from pagedllm.attention_backends.torch_native import TorchNativeBackend
+    from pagedllm.model_registry.layers.attention import Attention
+    from pagedllm.worker.kv_cache import allocate_kv_caches
+
+    class OneLayer:
+        layer = Attention(2, 8, 8**-0.5, 1, TorchNativeBackend)  # this rank: 2 query heads, 1 KV head
+
+        def get_attention_layers(self) -> list[Attention]:
+            return [self.layer]
+
+    geometry = dict(num_blocks=2, block_size=4, head_size=8, dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="a KV cache of 2 KV heads for a layer of 1"):
+        allocate_kv_caches(OneLayer(), TorchNativeBackend, num_kv_heads=2, **geometry)  # type: ignore[arg-type]
+    (kv_cache,) = allocate_kv_caches(OneLayer(), TorchNativeBackend, num_kv_heads=1, **geometry)  # type: ignore[arg-type]
+    assert kv_cache.shape == TorchNativeBackend.get_kv_cache_shape(2, 4, 1, 8)
+
+
+def test_a_budget_below_one_block_names_the_bytes_of_one_block_per_rank() -> None:
+    with pytest.raises(ConfigError) as info:
+        LLM("tiny", dtype="float32", kv_cache_memory_bytes=1000)
+    block_size = EngineConfig().cache.block_size
+    per_block = _kv_bytes_per_block(resolve_model_path("tiny", get_plugin_manager()), 1, block_size)
+    assert (info.value.key, info.value.value) == ("cache.kv_cache_memory_bytes", 1000)
+    assert info.value.allowed == f">= {per_block} (one block of this model per rank at tensor_parallel_size 1)"
