@@ -56,8 +56,10 @@ logger = logging.getLogger(__name__)
 
 # How long an idle core blocks on its input before it checks its parent.
 IDLE_POLL_MS = 1000
-# How often a busy core checks its parent (PDEATHSIG is the fast path).
-PARENT_CHECK_INTERVAL_S = 1.0
+# How often the core checks its parent (PDEATHSIG is the fast path) and,
+# while idle, its executor's health: on a clock, so that input arriving more
+# often (a /health probe's pings) cannot starve the checks.
+CHECK_INTERVAL_S = 1.0
 # How long the core's last message may wait for the API to read it.
 LAST_WORD_LINGER_MS = 2000
 _PR_SET_PDEATHSIG = 1
@@ -90,7 +92,7 @@ class EngineCoreProc:
         # Queue lengths changed without a step (an abort while idle): the
         # API's gauges must hear about it.
         self.stats_dirty = False
-        self._last_parent_check = time.monotonic()
+        self._last_check = time.monotonic()
 
     # ------------------------------------------------------------------ loop
 
@@ -110,15 +112,13 @@ class EngineCoreProc:
     def _process_input_queue(self, block: bool) -> None:
         if block:
             while not self.input_socket.poll(IDLE_POLL_MS):
-                self._check_parent()
-                if self.check_health is not None:
-                    self.check_health()
+                self._maybe_run_checks(idle=True)
                 # A heartbeat: an idle core is heard from every IDLE_POLL_MS, so
                 # the API's /health answers without a round trip while the
                 # loop runs, and stops answering 200 when it does not.
                 self._send_outputs([], 0)
-        else:
-            self._maybe_check_parent()
+        # A busy core learns of a dead rank from its step; an idle one here.
+        self._maybe_run_checks(idle=block)
         while not self.should_stop:
             try:
                 frame = self.input_socket.recv(flags=zmq.NOBLOCK, copy=False)
@@ -188,11 +188,13 @@ class EngineCoreProc:
 
     # ---------------------------------------------------------------- parent
 
-    def _maybe_check_parent(self) -> None:
+    def _maybe_run_checks(self, idle: bool) -> None:
         now = time.monotonic()
-        if now - self._last_parent_check >= PARENT_CHECK_INTERVAL_S:
-            self._last_parent_check = now
+        if now - self._last_check >= CHECK_INTERVAL_S:
+            self._last_check = now
             self._check_parent()
+            if idle and self.check_health is not None:
+                self.check_health()
 
     def _check_parent(self) -> None:
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -242,7 +244,7 @@ def run_engine_core(
             parts.engine_core, input_socket, output_socket, parent_pid, check_health=parts.executor.check_health
         )
         try:
-            _serve(proc, parts)
+            proc.run_busy_loop()
         except SystemExit:
             logger.info("engine core stopping (signal or parent exit)")
         except BaseException as exc:
@@ -255,20 +257,16 @@ def run_engine_core(
             except zmq.ZMQError:
                 pass
             exit_code = 1
+        finally:
+            # However the loop ended, the executor's workers stop with it
+            # (after the EngineDead above: the API hears of a death first).
+            parts.executor.shutdown()
     finally:
         input_socket.close(linger=0)
         output_socket.close(linger=output_linger_ms)
         context.term()
         if in_own_process and exit_code:
             sys.exit(exit_code)
-
-
-def _serve(proc: EngineCoreProc, parts: EngineParts) -> None:
-    """The busy loop; however it ends, the executor's workers stop with it."""
-    try:
-        proc.run_busy_loop()
-    finally:
-        parts.executor.shutdown()
 
 
 def _build_engine(config_json: str) -> EngineParts:

@@ -14,7 +14,8 @@ as raw int32 bytes with its shape.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import msgspec
 import torch
@@ -28,6 +29,7 @@ from pagedllm.core.scheduler_output import (
     SchedulerOutput,
 )
 from pagedllm.engine.wire import sampling_params_from_dict, sampling_params_to_dict
+from pagedllm.executors.base import RankFailedError
 
 
 class NewRequestWire(msgspec.Struct, array_like=True):
@@ -106,6 +108,22 @@ class WorkerReply(msgspec.Struct, tag="reply", array_like=True):
     output: RunnerOutputWire | None = None
     # "ExceptionType: message" when the call raised on this rank.
     error: str | None = None
+    # [key, value, allowed] when it raised a ConfigError (the user's to fix,
+    # so the executor raises it as one; value as str when not plain).
+    config_error: list[Any] | None = None
+
+
+def raise_reply_error(reply: WorkerReply, fail: Callable[[RankFailedError], RankFailedError]) -> NoReturn:
+    """Raise what an error reply means: the rank's ConfigError as one (the
+    user's to fix: a budget below one block on a rank), else the
+    RankFailedError naming the rank that `fail` settles on (the executor's
+    `_blame`: a peer found dead meanwhile is named instead). Either way the
+    executor has failed."""
+    failure = fail(RankFailedError(reply.rank, f"{reply.method}: {reply.error}"))
+    if reply.config_error is not None:
+        key, value, allowed = reply.config_error
+        raise ConfigError(key, value, allowed)
+    raise failure
 
 
 # ------------------------------------------------------------- conversions
@@ -199,6 +217,7 @@ __all__ = [
     "WorkerReply",
     "encoder",
     "input_decoder",
+    "raise_reply_error",
     "reply_decoder",
     "runner_output_from_wire",
     "runner_output_to_wire",

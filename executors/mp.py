@@ -39,6 +39,7 @@ from pagedllm.executors.messages import (
     InitWorker,
     WorkerReply,
     encoder,
+    raise_reply_error,
     reply_decoder,
     runner_output_from_wire,
     step_to_wire,
@@ -151,7 +152,7 @@ class MultiprocExecutor(Executor):
                 continue
             reply = reply_decoder.decode(self._reply_socket.recv())
             if reply.error is not None:
-                raise self._blame(RankFailedError(reply.rank, f"{reply.method}: {reply.error}"))
+                raise_reply_error(reply, self._blame)
             if reply.method != method:
                 raise self._fail(RankFailedError(reply.rank, f"answered {reply.method} while {method} was due"))
             replies[reply.rank] = reply
@@ -213,7 +214,10 @@ class MultiprocExecutor(Executor):
 
     def _stop_processes(self) -> None:
         deadline = time.monotonic() + STOP_GRACE_S
-        for stop in (None, signal.SIGTERM, signal.SIGKILL):
+        # Ranks asked to shut down exit by themselves; after a failure nobody
+        # asked them (a survivor may wait in a collective forever): SIGTERM.
+        steps: tuple[signal.Signals | None, ...] = (None, signal.SIGTERM, signal.SIGKILL)
+        for stop in steps[1:] if self._failure is not None else steps:
             alive = [proc for proc in self._procs if proc.poll() is None]
             if not alive:
                 return

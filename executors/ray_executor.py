@@ -44,6 +44,7 @@ from pagedllm.executors.messages import (
     ExecuteModel,
     InitWorker,
     encoder,
+    raise_reply_error,
     reply_decoder,
     runner_output_from_wire,
     step_to_wire,
@@ -251,7 +252,7 @@ class RayExecutor(Executor):
         if answer is not None:
             reply = reply_decoder.decode(answer)
             if reply.error is not None:
-                raise self._blame(RankFailedError(reply.rank, f"{reply.method}: {reply.error}"))
+                raise_reply_error(reply, self._blame)
         return answer
 
     def _blame(self, error: RankFailedError) -> RankFailedError:

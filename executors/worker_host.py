@@ -12,6 +12,7 @@ import logging
 import traceback
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.core.errors import ConfigError
 from pagedllm.executors.base import Executor
 from pagedllm.executors.messages import (
     CallWorker,
@@ -48,7 +49,13 @@ class WorkerHost:
             return self._dispatch(message)
         except Exception as exc:  # reported to the executor, which ends the engine
             logger.error("rank %d: %s failed:\n%s", self.rank, method, traceback.format_exc())
-            return encoder.encode(WorkerReply(self.rank, method, error=f"{type(exc).__name__}: {exc}"))
+            config_error = None
+            if isinstance(exc, ConfigError):
+                value = exc.value if isinstance(exc.value, (int, float, str, bool, type(None))) else str(exc.value)
+                config_error = [exc.key, value, exc.allowed]
+            return encoder.encode(
+                WorkerReply(self.rank, method, error=f"{type(exc).__name__}: {exc}", config_error=config_error)
+            )
 
     def _dispatch(self, message: InitWorker | CallWorker | ExecuteModel) -> bytes | None:
         if isinstance(message, ExecuteModel):

@@ -140,10 +140,15 @@ def test_a_kv_cache_with_other_kv_heads_than_its_layer_is_refused() -> None:
     assert kv_cache.shape == TorchNativeBackend.get_kv_cache_shape(2, 4, 1, 8)
 
 
-def test_a_budget_below_one_block_names_the_bytes_of_one_block_per_rank() -> None:
+@pytest.mark.parametrize("tp_size", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_budget_below_one_block_names_the_bytes_of_one_block_per_rank(tp_size: int) -> None:
+    """At TP=2 the ranks find it (in their processes): it still reaches the
+    user as the ConfigError, not as a failed rank."""
     with pytest.raises(ConfigError) as info:
-        LLM("tiny", dtype="float32", kv_cache_memory_bytes=1000)
+        LLM("tiny", dtype="float32", kv_cache_memory_bytes=1000, tensor_parallel_size=tp_size)
     block_size = EngineConfig().cache.block_size
-    per_block = _kv_bytes_per_block(resolve_model_path("tiny", get_plugin_manager()), 1, block_size)
+    per_block = _kv_bytes_per_block(resolve_model_path("tiny", get_plugin_manager()), tp_size, block_size)
     assert (info.value.key, info.value.value) == ("cache.kv_cache_memory_bytes", 1000)
-    assert info.value.allowed == f">= {per_block} (one block of this model per rank at tensor_parallel_size 1)"
+    assert info.value.allowed == (
+        f">= {per_block} (one block of this model per rank at tensor_parallel_size {tp_size})"
+    )

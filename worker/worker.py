@@ -143,7 +143,8 @@ class Worker:
             self.platform.init_rank(local_rank, self.world_size)
         self.device: torch.device = self.platform.device()
         logger.info(
-            "rank %d: attention backend %s (rejected: %s)", rank, self.attn_selection.name, self.attn_selection.rejected
+            "attention backend: %s (rejected: %s; rank %d)",
+            self.attn_selection.name, self.attn_selection.rejected, rank,
         )
         method = config.speculative.method
         self.drafter_cls: type[Drafter] | None = None if method is None else self.plugin_manager.drafters.load(method)
