@@ -131,10 +131,8 @@ def raise_reply_error(reply: WorkerReply, fail: Callable[[RankFailedError], Rank
 
 def step_to_wire(scheduler_output: SchedulerOutput) -> StepWire:
     if scheduler_output.kv_connector_metadata is not None:
-        raise ConfigError(
-            "kv_transfer.connector", type(scheduler_output.kv_connector_metadata).__name__,
-            "none with a multi-rank executor (KV connectors run at tensor_parallel_size 1)",
-        )
+        # NOTE: plan_ranks refuses a KV connector above one rank; this frame has no field for its metadata.
+        raise RuntimeError("KV connector metadata cannot reach the ranks of a multi-rank executor")
     bitmask = scheduler_output.grammar_bitmask
     return StepWire(
         scheduled_new_reqs=[
