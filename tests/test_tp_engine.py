@@ -40,6 +40,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.sampling_params import StructuredOutputsParams as SO
 from pagedllm.core.stats import SchedulerStats, SpecDecodingStats
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.model_registry.loader import load_hf_config
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +80,8 @@ class Run:
     executor: str
     world_size: int
     then_outputs: list[RequestOutput]  # of the batch run after it, if any
+    collective_stats: list[dict[str, float]]  # each rank's, after `outputs`' batch
+    num_layers: int
 
     def tokens(self, indices: list[int]) -> list[list[int]]:
         return [list(self.outputs[i].outputs[0].token_ids) for i in indices]
@@ -161,9 +164,13 @@ def _run(model: str, tensor_parallel_size: int, batch: Batch, then: Batch | None
         outputs = _generate(llm, batch)
         stats = llm.get_stats()
         assert stats is not None
+        collective_stats = llm.engine_core.engine_core.model_executor.collective_rpc(  # type: ignore[attr-defined]
+            "collective_stats"
+        )
         then_outputs = [] if then is None else _generate(llm, then)
         ready = llm.engine_core.ready
-        return Run(outputs, stats, ready.executor, ready.world_size, then_outputs)
+        num_layers = load_hf_config(ready.model_path).num_hidden_layers
+        return Run(outputs, stats, ready.executor, ready.world_size, then_outputs, collective_stats, num_layers)
     finally:
         llm.shutdown()
 
@@ -231,6 +238,21 @@ def test_tp2_schedules_like_tp1_with_prefix_hits_chunked_prefill_and_preemption(
     assert tp1.num_preemptions > 0
     assert (tp2.prefix_cache_queries, tp2.prefix_cache_hits, tp2.num_preemptions) == (
         tp1.prefix_cache_queries, tp1.prefix_cache_hits, tp1.num_preemptions)
+
+
+def test_each_tp2_step_runs_two_all_reduces_per_layer_plus_embedding_and_logits(runs: dict[int, Run]) -> None:
+    """What the benchmark's per-step communication counts: the vocab-parallel
+    embedding's all-reduce and o_proj's and down_proj's in every layer, plus
+    the logits' all-gather in a step that samples (one whose every request is
+    a partial prefill chunk has no logits), on both ranks alike; none at one rank."""
+    (tp1,) = runs[1].collective_stats
+    assert tp1["num_steps"] > 0 and (tp1["num_collectives"], tp1["collective_seconds"]) == (0, 0.0)
+    rank0, rank1 = runs[2].collective_stats
+    assert rank0["num_steps"] == rank1["num_steps"] == tp1["num_steps"]
+    forward = 2 * runs[2].num_layers + 1
+    assert rank0["num_collectives"] == rank1["num_collectives"]
+    assert forward * rank0["num_steps"] < rank0["num_collectives"] <= (forward + 1) * rank0["num_steps"]
+    assert rank0["collective_seconds"] > 0.0
 
 
 # ---------------------------------------------------- speculative decoding

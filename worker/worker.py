@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING, cast
 
 from pagedllm.attention_backends.selector import select_attention_backend
 from pagedllm.core.errors import ConfigError
-from pagedllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+from pagedllm.distributed.parallel_state import (
+    get_tp_group,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
 from pagedllm.engine.model_source import resolve_model_path
 from pagedllm.kv_connectors.base import KVConnectorContext, model_fingerprint
 from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
@@ -159,6 +163,7 @@ class Worker:
         self._model: ModelForCausalLM | None = None
         self._model_runner: ModelRunner | None = None
         self._is_shut_down = False
+        self.num_steps = 0
         self.drafter: Drafter | None = None
         self.kv_connector: KVConnectorBase | None = None
 
@@ -301,7 +306,18 @@ class Worker:
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.num_steps += 1
         return self.model_runner.execute_model(scheduler_output)
+
+    def collective_stats(self) -> dict[str, float]:
+        """Steps this rank has run, and its tensor-parallel group's collectives
+        (count, wall seconds) meanwhile: what tensor parallelism costs a step."""
+        tp_group = get_tp_group()
+        return {
+            "num_steps": self.num_steps,
+            "num_collectives": tp_group.num_collectives,
+            "collective_seconds": tp_group.collective_seconds,
+        }
 
     def memory_usage(self) -> dict[str, int]:
         """What this rank holds, measured from its tensors (each storage
