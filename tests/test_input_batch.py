@@ -46,7 +46,7 @@ def test_attention_metadata_carries_the_batch_in_the_backends_dtypes() -> None:
 
 
 def test_kv_caches_are_allocated_per_layer_bound_and_unbound() -> None:
-    layers = [SimpleNamespace(kv_cache=None), SimpleNamespace(kv_cache=None)]
+    layers = [SimpleNamespace(kv_cache=None, num_kv_heads=2), SimpleNamespace(kv_cache=None, num_kv_heads=2)]
     model = SimpleNamespace(get_attention_layers=lambda: layers)
     kv_caches = allocate_kv_caches(
         model, TorchNativeBackend, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8,
