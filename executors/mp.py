@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from pagedllm.distributed.utils import get_distributed_init_method, get_open_port
-from pagedllm.executors.base import Executor, RankFailedError
+from pagedllm.executors.base import RankFailedError
 from pagedllm.executors.messages import (
     CallWorker,
     ExecuteModel,
@@ -41,21 +41,13 @@ from pagedllm.executors.messages import (
     encoder,
     raise_reply_error,
     reply_decoder,
-    runner_output_from_wire,
     step_to_wire,
 )
+from pagedllm.executors.remote_ranks import RemoteRanksExecutor
 from pagedllm.executors.worker_host import OUTPUT_RANK
-from pagedllm.plugins import get_plugin_manager
-from pagedllm.worker.worker import plan_ranks
 
 if TYPE_CHECKING:
-    import torch
-
-    from pagedllm.attention_backends.selector import BackendSelection
     from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-    from pagedllm.kv_connectors.base import KVConnectorBase
-    from pagedllm.platforms.interface import Platform
-    from pagedllm.worker.model_facts import ModelFacts
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +71,9 @@ def describe_exit(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RemoteRanksExecutor):
     def _init_executor(self) -> None:
-        self.world_size = self.config.parallel.tensor_parallel_size
-        self._platform, self._model_facts, self._attn_selection = plan_ranks(self.config, get_plugin_manager())
-        self._failure: RankFailedError | None = None
+        self._plan_ranks()
         self._procs: list[subprocess.Popen[bytes]] = []
         self._dir = tempfile.mkdtemp(prefix="pagedllm-mp-")
         self._context = zmq.Context()
@@ -134,9 +124,7 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._broadcast(encoder.encode(ExecuteModel(step_to_wire(scheduler_output))))
         output = self._wait_replies("execute_model", {OUTPUT_RANK})[OUTPUT_RANK].output
-        if output is None:
-            raise self._fail(RankFailedError(OUTPUT_RANK, "answered a step without its output"))
-        return runner_output_from_wire(output)
+        return self._step_output(output)
 
     def _wait_replies(self, method: str, ranks: set[int], timeout_s: float | None = None) -> dict[int, WorkerReply]:
         """Replies to `method` from `ranks`, watching every rank meanwhile:
@@ -178,16 +166,6 @@ class MultiprocExecutor(Executor):
             if returncode is not None:
                 raise self._fail(RankFailedError(rank, f"process {proc.pid} {describe_exit(returncode)}"))
 
-    def _fail(self, error: RankFailedError) -> RankFailedError:
-        if self._failure is None:
-            logger.error("mp executor: %s", error)
-            self._failure = error
-        return self._failure
-
-    def _raise_if_failed(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-
     def check_health(self) -> None:
         """Raise (RankFailedError) if a rank has failed or its process is gone."""
         self._raise_if_failed()
@@ -228,26 +206,3 @@ class MultiprocExecutor(Executor):
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             deadline = time.monotonic() + STOP_GRACE_S
-
-    # -------------------------------------------------------------- facts
-
-    @property
-    def model_facts(self) -> ModelFacts:
-        return self._model_facts
-
-    @property
-    def attn_selection(self) -> BackendSelection:
-        return self._attn_selection
-
-    @property
-    def platform(self) -> Platform:
-        return self._platform
-
-    @property
-    def device(self) -> torch.device:
-        return self._platform.device()
-
-    @property
-    def kv_connector(self) -> KVConnectorBase | None:
-        # KV connectors run at tensor_parallel_size 1 for now (the builder says so).
-        return None

@@ -38,7 +38,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedllm.core.errors import ConfigError
 from pagedllm.distributed.utils import get_distributed_init_method
-from pagedllm.executors.base import Executor, RankFailedError
+from pagedllm.executors.base import RankFailedError
 from pagedllm.executors.messages import (
     CallWorker,
     ExecuteModel,
@@ -46,7 +46,6 @@ from pagedllm.executors.messages import (
     encoder,
     raise_reply_error,
     reply_decoder,
-    runner_output_from_wire,
     step_to_wire,
 )
 from pagedllm.executors.ray_utils import (
@@ -58,18 +57,11 @@ from pagedllm.executors.ray_utils import (
     placement_decoder,
     placement_fits,
 )
+from pagedllm.executors.remote_ranks import RemoteRanksExecutor
 from pagedllm.executors.worker_host import OUTPUT_RANK
-from pagedllm.plugins import get_plugin_manager
-from pagedllm.worker.worker import plan_ranks
 
 if TYPE_CHECKING:
-    import torch
-
-    from pagedllm.attention_backends.selector import BackendSelection
     from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-    from pagedllm.kv_connectors.base import KVConnectorBase
-    from pagedllm.platforms.interface import Platform
-    from pagedllm.worker.model_facts import ModelFacts
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +82,9 @@ STOP_GRACE_S = 5.0
 LOCAL_OBJECT_STORE_BYTES = 100 * 1024 * 1024
 
 
-class RayExecutor(Executor):
+class RayExecutor(RemoteRanksExecutor):
     def _init_executor(self) -> None:
-        self.world_size = self.config.parallel.tensor_parallel_size
-        self._platform, self._model_facts, self._attn_selection = plan_ranks(self.config, get_plugin_manager())
-        self._failure: RankFailedError | None = None
+        self._plan_ranks()
         self._actors: list[Any] = []
         self._placements: list[RankPlacement] = []
         self._placement_group: PlacementGroup | None = None
@@ -208,9 +198,7 @@ class RayExecutor(Executor):
         refs = self._call_all("handle", encoder.encode(ExecuteModel(step_to_wire(scheduler_output))))
         replies = self._wait("execute_model", refs, timeout_s=None, ranks={OUTPUT_RANK})
         output = reply_decoder.decode(replies[OUTPUT_RANK]).output
-        if output is None:
-            raise self._fail(RankFailedError(OUTPUT_RANK, "answered a step without its output"))
-        return runner_output_from_wire(output)
+        return self._step_output(output)
 
     def _wait(self, method: str, refs: dict[ray.ObjectRef[Any], int], timeout_s: float | None,
               ranks: set[int] | None = None, read: Callable[[int, ray.ObjectRef[Any]], bytes | None] | None = None,
@@ -271,16 +259,6 @@ class RayExecutor(Executor):
                 pass  # a failed call on a live rank: `error` stands
         return self._fail(error)
 
-    def _fail(self, error: RankFailedError) -> RankFailedError:
-        if self._failure is None:
-            logger.error("ray executor: %s", error)
-            self._failure = error
-        return self._failure
-
-    def _raise_if_failed(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-
     def check_health(self) -> None:
         """Raise (RankFailedError) if a rank has failed, its actor is lost, or it does not answer."""
         self._raise_if_failed()
@@ -304,26 +282,3 @@ class RayExecutor(Executor):
                 remove_placement_group(self._placement_group)
         if self._owns_ray_session:
             ray.shutdown()
-
-    # -------------------------------------------------------------- facts
-
-    @property
-    def model_facts(self) -> ModelFacts:
-        return self._model_facts
-
-    @property
-    def attn_selection(self) -> BackendSelection:
-        return self._attn_selection
-
-    @property
-    def platform(self) -> Platform:
-        return self._platform
-
-    @property
-    def device(self) -> torch.device:
-        return self._platform.device()
-
-    @property
-    def kv_connector(self) -> KVConnectorBase | None:
-        # KV connectors run at tensor_parallel_size 1 for now (the builder says so).
-        return None
