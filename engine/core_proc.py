@@ -17,6 +17,7 @@ or by the executor's health check every idle poll).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -243,30 +244,37 @@ def run_engine_core(
         proc = EngineCoreProc(
             parts.engine_core, input_socket, output_socket, parent_pid, check_health=parts.executor.check_health
         )
-        try:
-            proc.run_busy_loop()
-        except SystemExit:
-            logger.info("engine core stopping (signal or parent exit)")
-        except BaseException as exc:
-            logger.exception("engine core busy loop crashed")
-            error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            try:
-                dead = EngineDead(error, failed_rank=exc.rank if isinstance(exc, RankFailedError) else None)
-                output_socket.send(encoder.encode(dead), flags=zmq.NOBLOCK)
-                output_linger_ms = LAST_WORD_LINGER_MS
-            except zmq.ZMQError:
-                pass
-            exit_code = 1
-        finally:
-            # However the loop ended, the executor's workers stop with it
-            # (after the EngineDead above: the API hears of a death first).
-            parts.executor.shutdown()
+        if _serve(proc, parts, output_socket, encoder):
+            output_linger_ms, exit_code = LAST_WORD_LINGER_MS, 1
     finally:
         input_socket.close(linger=0)
         output_socket.close(linger=output_linger_ms)
         context.term()
         if in_own_process and exit_code:
             sys.exit(exit_code)
+
+
+def _serve(
+    proc: EngineCoreProc, parts: EngineParts, output_socket: zmq.Socket[bytes], encoder: CoreOutputEncoder
+) -> bool:
+    """The busy loop until it stops; True when it crashed (EngineDead sent,
+    naming the failed rank when one ended it). However it ends, the
+    executor's workers stop with it, after the EngineDead: the API hears of
+    a death first."""
+    try:
+        proc.run_busy_loop()
+    except SystemExit:
+        logger.info("engine core stopping (signal or parent exit)")
+    except BaseException as exc:
+        logger.exception("engine core busy loop crashed")
+        error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        dead = EngineDead(error, failed_rank=exc.rank if isinstance(exc, RankFailedError) else None)
+        with contextlib.suppress(zmq.ZMQError):
+            output_socket.send(encoder.encode(dead), flags=zmq.NOBLOCK)
+        return True
+    finally:
+        parts.executor.shutdown()
+    return False
 
 
 def _build_engine(config_json: str) -> EngineParts:
