@@ -77,8 +77,7 @@ def offload() -> list[dict[str, Any]]:
             _run(llm, [prompt], max_tokens=4)
         seconds = time.perf_counter() - started
         manager = core.kv_cache_manager
-        kv_connector = core.scheduler.kv_connector
-        stats = kv_connector.stats if kv_connector is not None else None
+        stats = core.scheduler.kv_connector_stats
         queries = sum(len(p) for p in workload)
         rows.append({
             "setup": label,

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from pagedllm.core.grammar import GrammarManager
     from pagedllm.core.kv_cache.block_pool import KVCacheBlock
     from pagedllm.core.kv_cache.manager import KVCacheManager
-    from pagedllm.kv_connectors.base import KVConnectorBase
+    from pagedllm.kv_connectors.base import KVConnectorBase, KVConnectorOutput
 
 
 class AdmitDecision(enum.Enum):
@@ -108,8 +108,10 @@ class Scheduler:
         if kv_connector is not None and kv_connector.wants_eviction_events:
             kv_cache_manager.record_evictions()
         # Finished requests whose blocks a connector still reads (freed when
-        # get_finished lists them).
+        # the worker side's get_finished has listed them, on every rank).
         self._delayed_free: dict[str, Request] = {}
+        # The worker sides' counts since start (every rank's, from the steps' outputs).
+        self._worker_connector_stats = KVConnectorStats()
         self._last_connector_stats = KVConnectorStats()
         # Speculative decoding: k drafts per request at most; a model drafter
         # writes KV past the scheduled tokens, into `num_lookahead_tokens`
@@ -192,7 +194,6 @@ class Scheduler:
     # -------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        self.free_finished_transfers()
         batch = _ScheduledBatch(self.max_num_batched_tokens, now=time.time())
         self._schedule_running(batch)
         # Waiting requests get a turn unless this step already had to preempt.
@@ -454,7 +455,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs, self._finished_outputs = self._finished_outputs, []
-        self.free_finished_transfers()
+        self._update_from_kv_connector_output(runner_output.kv_connector_output)
         sampled_token_ids = runner_output.sampled_token_ids
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         all_logprobs = runner_output.logprobs
@@ -576,15 +577,17 @@ class Scheduler:
         """Running requests and finished ones a connector still reads."""
         return [*self.running, *self._delayed_free.values()]
 
-    def free_finished_transfers(self) -> None:
-        """Free the blocks of finished requests whose delayed save is done."""
-        if self.kv_connector is None or not self._delayed_free:
+    def _update_from_kv_connector_output(self, kv_output: KVConnectorOutput | None) -> None:
+        """Free the blocks of finished requests whose delayed save is done
+        (on every rank); count the worker side's transfers."""
+        if kv_output is None:
             return
-        finished_sending, _ = self.kv_connector.get_finished(set(self._delayed_free))
-        for request_id in finished_sending:
+        for request_id in kv_output.finished_sending:
             request = self._delayed_free.pop(request_id, None)
             if request is not None:
                 self.kv_cache_manager.free(request)
+        if kv_output.stats is not None:
+            self._worker_connector_stats.add(kv_output.stats)
 
     # ----------------------------------------------------------------- stats
 
@@ -601,10 +604,20 @@ class Scheduler:
             kv_connector_stats=self._take_connector_stats(),
         )
 
-    def _take_connector_stats(self) -> KVConnectorStats | None:
+    @property
+    def kv_connector_stats(self) -> KVConnectorStats | None:
+        """The KV connector's counts since start: its scheduler side's and
+        its worker sides' (summed over the ranks)."""
         if self.kv_connector is None:
             return None
-        now = self.kv_connector.stats.copy()
+        total = self.kv_connector.stats.copy()
+        total.add(self._worker_connector_stats)
+        return total
+
+    def _take_connector_stats(self) -> KVConnectorStats | None:
+        now = self.kv_connector_stats
+        if now is None:
+            return None
         delta, self._last_connector_stats = now.minus(self._last_connector_stats), now
         return delta
 

@@ -48,6 +48,68 @@ class KVConnectorMetadata:
 
 
 @dataclass
+class KVConnectorStats:
+    """Cumulative counters (the engine reports deltas)."""
+
+    # Prompt tokens looked up past the local prefix-cache hit, and found.
+    external_queries: int = 0
+    external_hits: int = 0
+    # The connector's own tiers, by name: hits/misses (blocks) and bytes moved.
+    tier_hits: dict[str, int] = field(default_factory=dict)
+    tier_misses: dict[str, int] = field(default_factory=dict)
+    tier_bytes_saved: dict[str, int] = field(default_factory=dict)
+    tier_bytes_loaded: dict[str, int] = field(default_factory=dict)
+    load_failures: int = 0
+
+    def count(self, table: str, tier: str, amount: int = 1) -> None:
+        counts: dict[str, int] = getattr(self, table)
+        counts[tier] = counts.get(tier, 0) + amount
+
+    def copy(self) -> KVConnectorStats:
+        return KVConnectorStats(
+            self.external_queries, self.external_hits, dict(self.tier_hits), dict(self.tier_misses),
+            dict(self.tier_bytes_saved), dict(self.tier_bytes_loaded), self.load_failures,
+        )
+
+    def add(self, other: KVConnectorStats) -> None:
+        """Count `other`'s counts here too (another rank's, a later step's)."""
+        self.external_queries += other.external_queries
+        self.external_hits += other.external_hits
+        for table in ("tier_hits", "tier_misses", "tier_bytes_saved", "tier_bytes_loaded"):
+            for tier, amount in getattr(other, table).items():
+                self.count(table, tier, amount)
+        self.load_failures += other.load_failures
+
+    def minus(self, earlier: KVConnectorStats) -> KVConnectorStats:
+        """The counts since `earlier` (a copy taken before)."""
+
+        def diff(now: dict[str, int], then: dict[str, int]) -> dict[str, int]:
+            return {tier: count - then.get(tier, 0) for tier, count in now.items() if count != then.get(tier, 0)}
+
+        return KVConnectorStats(
+            self.external_queries - earlier.external_queries,
+            self.external_hits - earlier.external_hits,
+            diff(self.tier_hits, earlier.tier_hits),
+            diff(self.tier_misses, earlier.tier_misses),
+            diff(self.tier_bytes_saved, earlier.tier_bytes_saved),
+            diff(self.tier_bytes_loaded, earlier.tier_bytes_loaded),
+            self.load_failures - earlier.load_failures,
+        )
+
+
+@dataclass
+class KVConnectorOutput:
+    """What a worker side reports after a step (ModelRunnerOutput carries
+    it; a multi-rank executor merges the ranks'): `get_finished`'s answer and
+    the worker side's counts since its last report (None for a "both" side,
+    whose counts the scheduler reads itself)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    stats: KVConnectorStats | None = None
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -97,3 +159,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[LogprobEntry | None]] = field(default_factory=dict)
     # req_id -> draft tokens the drafter proposed for the next step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # The KV connector's worker side's report (None without a connector).
+    kv_connector_output: KVConnectorOutput | None = None

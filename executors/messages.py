@@ -3,13 +3,16 @@
 The executor sends every rank the same frames: `InitWorker` once, then
 `ExecuteModel` (one step's SchedulerOutput) and `CallWorker` (a utility
 call, by Worker method name). Each rank answers with a `WorkerReply`; for a
-step only the output rank (0) sends the ModelRunnerOutput, the others answer
-only when the step failed. Everything is msgpack of the structs below:
-nothing is pickled, so no frame can run code in a worker.
+step the output rank (0) sends the ModelRunnerOutput, the others answer only
+when the step failed or a KV connector reports (below). Everything is msgpack
+of the structs below: nothing is pickled, so no frame can run code in a worker.
 
 SchedulerOutput travels as `StepWire`: its SamplingParams as plain values
 (rebuilt and re-validated on the rank, engine/wire.py), the grammar bitmask
-as raw int32 bytes with its shape.
+as raw int32 bytes with its shape, a KV connector's metadata as msgpack of
+its dataclass (decoded on the rank into the connector's `metadata_cls`).
+With a KV connector every rank answers a step: its connector's report
+(`KVConnectorOutput`) rides in its RunnerOutputWire.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import torch
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.scheduler_output import (
     CachedRequestData,
+    KVConnectorMetadata,
+    KVConnectorOutput,
     LogprobEntry,
     ModelRunnerOutput,
     NewRequestData,
@@ -49,7 +54,7 @@ class CachedRequestWire(msgspec.Struct, array_like=True):
 
 
 class StepWire(msgspec.Struct, array_like=True):
-    """SchedulerOutput on the wire (field for field, KV connector metadata aside)."""
+    """SchedulerOutput on the wire, field for field."""
 
     scheduled_new_reqs: list[NewRequestWire]
     scheduled_cached_reqs: list[CachedRequestWire]
@@ -62,6 +67,8 @@ class StepWire(msgspec.Struct, array_like=True):
     grammar_bitmask_shape: tuple[int, int] | None
     finished_req_ids: list[str]
     preempted_req_ids: list[str]
+    # msgpack of the connector's metadata dataclass (None without a connector).
+    kv_connector_metadata: bytes | None = None
 
 
 class RunnerOutputWire(msgspec.Struct, array_like=True):
@@ -69,6 +76,7 @@ class RunnerOutputWire(msgspec.Struct, array_like=True):
     logprobs: dict[str, list[LogprobEntry]]
     prompt_logprobs: dict[str, list[LogprobEntry | None]]
     spec_token_ids: dict[str, list[int]]
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 # ------------------------------------------------------- executor -> rank
@@ -130,9 +138,6 @@ def raise_reply_error(reply: WorkerReply, fail: Callable[[RankFailedError], Rank
 
 
 def step_to_wire(scheduler_output: SchedulerOutput) -> StepWire:
-    if scheduler_output.kv_connector_metadata is not None:
-        # NOTE: plan_ranks refuses a KV connector above one rank; this frame has no field for its metadata.
-        raise RuntimeError("KV connector metadata cannot reach the ranks of a multi-rank executor")
     bitmask = scheduler_output.grammar_bitmask
     return StepWire(
         scheduled_new_reqs=[
@@ -158,10 +163,25 @@ def step_to_wire(scheduler_output: SchedulerOutput) -> StepWire:
         grammar_bitmask_shape=None if bitmask is None else (bitmask.shape[0], bitmask.shape[1]),
         finished_req_ids=sorted(scheduler_output.finished_req_ids),
         preempted_req_ids=sorted(scheduler_output.preempted_req_ids),
+        kv_connector_metadata=_encode_connector_metadata(scheduler_output.kv_connector_metadata),
     )
 
 
-def step_from_wire(wire: StepWire) -> SchedulerOutput:
+def _encode_connector_metadata(metadata: KVConnectorMetadata | None) -> bytes | None:
+    if metadata is None:
+        return None
+    try:
+        return encoder.encode(metadata)
+    except TypeError as exc:
+        raise TypeError(
+            f"KV connector metadata {type(metadata).__name__} cannot be sent to the ranks ({exc}): at "
+            "tensor_parallel_size > 1 it must be plain data (block ids, hashes, numbers, strings), no tensors"
+        ) from None
+
+
+def step_from_wire(wire: StepWire, metadata_cls: type[KVConnectorMetadata] | None = None) -> SchedulerOutput:
+    """The step `wire` carries; its KV connector metadata decoded into
+    `metadata_cls` (this rank's connector's)."""
     bitmask = None
     if wire.grammar_bitmask is not None and wire.grammar_bitmask_shape is not None:
         # bytearray: a writable buffer, so the tensor owns its memory.
@@ -191,15 +211,36 @@ def step_from_wire(wire: StepWire) -> SchedulerOutput:
         grammar_bitmask=bitmask,
         finished_req_ids=set(wire.finished_req_ids),
         preempted_req_ids=set(wire.preempted_req_ids),
+        kv_connector_metadata=_decode_connector_metadata(wire.kv_connector_metadata, metadata_cls),
     )
 
 
+def _decode_connector_metadata(
+    data: bytes | None, metadata_cls: type[KVConnectorMetadata] | None
+) -> KVConnectorMetadata | None:
+    if data is None:
+        return None
+    if metadata_cls is None:
+        raise RuntimeError("a step carries KV connector metadata, but this rank has no KV connector")
+    return msgspec.msgpack.decode(data, type=metadata_cls)
+
+
 def runner_output_to_wire(output: ModelRunnerOutput) -> RunnerOutputWire:
-    return RunnerOutputWire(output.sampled_token_ids, output.logprobs, output.prompt_logprobs, output.spec_token_ids)
+    return RunnerOutputWire(
+        output.sampled_token_ids, output.logprobs, output.prompt_logprobs, output.spec_token_ids,
+        output.kv_connector_output,
+    )
+
+
+def kv_report_to_wire(output: ModelRunnerOutput) -> RunnerOutputWire:
+    """A rank's answer to a step besides the output rank's: its KV connector's report only."""
+    return RunnerOutputWire({}, {}, {}, {}, output.kv_connector_output)
 
 
 def runner_output_from_wire(wire: RunnerOutputWire) -> ModelRunnerOutput:
-    return ModelRunnerOutput(wire.sampled_token_ids, wire.logprobs, wire.prompt_logprobs, wire.spec_token_ids)
+    return ModelRunnerOutput(
+        wire.sampled_token_ids, wire.logprobs, wire.prompt_logprobs, wire.spec_token_ids, wire.kv_connector_output
+    )
 
 
 encoder = msgspec.msgpack.Encoder()
@@ -215,6 +256,7 @@ __all__ = [
     "WorkerReply",
     "encoder",
     "input_decoder",
+    "kv_report_to_wire",
     "raise_reply_error",
     "reply_decoder",
     "runner_output_from_wire",

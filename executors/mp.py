@@ -44,7 +44,6 @@ from pagedllm.executors.messages import (
     step_to_wire,
 )
 from pagedllm.executors.remote_ranks import RemoteRanksExecutor
-from pagedllm.executors.worker_host import OUTPUT_RANK
 
 if TYPE_CHECKING:
     from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -123,8 +122,8 @@ class MultiprocExecutor(RemoteRanksExecutor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._broadcast(encoder.encode(ExecuteModel(step_to_wire(scheduler_output))))
-        output = self._wait_replies("execute_model", {OUTPUT_RANK})[OUTPUT_RANK].output
-        return self._step_output(output)
+        replies = self._wait_replies("execute_model", self._step_ranks)
+        return self._step_output({rank: reply.output for rank, reply in replies.items()})
 
     def _wait_replies(self, method: str, ranks: set[int], timeout_s: float | None = None) -> dict[int, WorkerReply]:
         """Replies to `method` from `ranks`, watching every rank meanwhile:

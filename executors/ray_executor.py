@@ -196,9 +196,8 @@ class RayExecutor(RemoteRanksExecutor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         refs = self._call_all("handle", encoder.encode(ExecuteModel(step_to_wire(scheduler_output))))
-        replies = self._wait("execute_model", refs, timeout_s=None, ranks={OUTPUT_RANK})
-        output = reply_decoder.decode(replies[OUTPUT_RANK]).output
-        return self._step_output(output)
+        replies = self._wait("execute_model", refs, timeout_s=None, ranks=self._step_ranks)
+        return self._step_output({rank: reply_decoder.decode(answer).output for rank, answer in replies.items()})
 
     def _wait(self, method: str, refs: dict[ray.ObjectRef[Any], int], timeout_s: float | None,
               ranks: set[int] | None = None, read: Callable[[int, ray.ObjectRef[Any]], bytes | None] | None = None,

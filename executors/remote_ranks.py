@@ -3,6 +3,9 @@ process, driven by the frames of executors/messages.py.
 
 The facts an executor reports (platform, model facts, attention backend) are
 decided from the config alone (`plan_ranks`), so no rank is asked for them.
+With a KV connector the executor holds its scheduler side (built once the
+ranks have their caches, from each rank's shard facts), every rank answers
+each step, and the ranks' connector reports are merged.
 Once a rank fails, the executor has failed for good: `_fail` keeps the first
 `RankFailedError` and every later call raises it at once.
 """
@@ -10,11 +13,14 @@ Once a rank fails, the executor has failed for good: `_fail` keeps the first
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.executors.base import Executor, RankFailedError
+from pagedllm.executors.kv_output_aggregator import KVOutputAggregator
 from pagedllm.executors.messages import runner_output_from_wire
 from pagedllm.executors.worker_host import OUTPUT_RANK
+from pagedllm.kv_connectors.base import KVConnectorContext
+from pagedllm.kv_connectors.factory import build_kv_connector
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.worker.worker import plan_ranks
 
@@ -38,6 +44,12 @@ class RemoteRanksExecutor(Executor):
         self.world_size = self.config.parallel.tensor_parallel_size
         self._platform, self._model_facts, self._attn_selection = plan_ranks(self.config, get_plugin_manager())
         self._failure: RankFailedError | None = None
+        self._kv_connector: KVConnectorBase | None = None
+        self._kv_outputs = KVOutputAggregator(self.world_size)
+        # The ranks whose answers a step waits for: with a KV connector, every
+        # rank reports what its connector finished.
+        with_connector = self.config.kv_transfer.connector is not None
+        self._step_ranks = set(range(self.world_size)) if with_connector else {OUTPUT_RANK}
 
     def _fail(self, error: RankFailedError) -> RankFailedError:
         """Record the executor's first failure and return it (to raise)."""
@@ -50,11 +62,45 @@ class RemoteRanksExecutor(Executor):
         if self._failure is not None:
             raise self._failure
 
-    def _step_output(self, output: RunnerOutputWire | None) -> ModelRunnerOutput:
-        """Rank 0's step output from its reply (a reply without one fails the executor)."""
-        if output is None:
-            raise self._fail(RankFailedError(OUTPUT_RANK, "answered a step without its output"))
-        return runner_output_from_wire(output)
+    def _step_output(self, outputs: dict[int, RunnerOutputWire | None]) -> ModelRunnerOutput:
+        """Rank 0's step output, with the ranks' KV connector reports merged
+        (a reply without an output fails the executor)."""
+        wires: dict[int, RunnerOutputWire] = {}
+        for rank in sorted(self._step_ranks):
+            wire = outputs.get(rank)
+            if wire is None:
+                raise self._fail(RankFailedError(rank, "answered a step without its output"))
+            wires[rank] = wire
+        output = runner_output_from_wire(wires[OUTPUT_RANK])
+        if self._kv_connector is not None:
+            output.kv_connector_output = self._kv_outputs.merge(wire.kv_connector_output for wire in wires.values())
+        return output
+
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        super().initialize_cache(num_blocks, max_model_len)
+        if self.config.kv_transfer.connector is not None:
+            self._kv_connector = self._build_scheduler_side_connector()
+
+    def _build_scheduler_side_connector(self) -> KVConnectorBase:
+        """The KV connector's scheduler side: what every rank holds of a
+        block (its fingerprint names that rank's shard)."""
+        shards: list[dict[str, Any]] = self.collective_rpc("kv_connector_shard")
+        facts, block_size = self._model_facts, self.config.cache.block_size
+        context = KVConnectorContext(
+            model_path=facts.path,
+            model_fingerprint=shards[0]["fingerprint"],
+            block_size=block_size,
+            num_layers=shards[0]["num_layers"],
+            num_kv_heads=shards[0]["num_kv_heads"],
+            head_size=facts.head_size,
+            dtype=facts.dtype,
+            device=self.device,
+            kv_cache_layout=self._attn_selection.backend_cls.get_kv_cache_layout(),
+            side="scheduler",
+            tp_size=self.world_size,
+            rank_fingerprints=tuple(shard["fingerprint"] for shard in shards),
+        )
+        return build_kv_connector(self.config, get_plugin_manager(), context)
 
     # -------------------------------------------------------------- facts
 
@@ -76,5 +122,4 @@ class RemoteRanksExecutor(Executor):
 
     @property
     def kv_connector(self) -> KVConnectorBase | None:
-        # KV connectors run at tensor_parallel_size 1 for now (plan_ranks refuses them above).
-        return None
+        return self._kv_connector

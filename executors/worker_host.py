@@ -21,6 +21,7 @@ from pagedllm.executors.messages import (
     WorkerReply,
     encoder,
     input_decoder,
+    kv_report_to_wire,
     runner_output_to_wire,
     step_from_wire,
 )
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # The rank whose step output the executor returns (it samples like every
-# rank; the others only answer when a step fails).
+# rank; the others answer only when a step fails or a KV connector reports).
 OUTPUT_RANK = 0
 
 
@@ -59,12 +60,17 @@ class WorkerHost:
 
     def _dispatch(self, message: InitWorker | CallWorker | ExecuteModel) -> bytes | None:
         if isinstance(message, ExecuteModel):
-            output = self._worker().execute_model(step_from_wire(message.step))
-            if self.rank != OUTPUT_RANK:
+            worker = self._worker()
+            connector = worker.kv_connector
+            metadata_cls = None if connector is None else connector.metadata_cls
+            output = worker.execute_model(step_from_wire(message.step, metadata_cls))
+            if self.rank == OUTPUT_RANK:
+                wire = runner_output_to_wire(output)
+            elif connector is not None:
+                wire = kv_report_to_wire(output)  # every rank's connector reports
+            else:
                 return None
-            return encoder.encode(
-                WorkerReply(self.rank, "execute_model", output=runner_output_to_wire(output))
-            )
+            return encoder.encode(WorkerReply(self.rank, "execute_model", output=wire))
         if isinstance(message, InitWorker):
             self._init_worker(message)
             return encoder.encode(WorkerReply(self.rank, "init"))

@@ -2,9 +2,11 @@
 
 A connector moves KV blocks (16 tokens with a content hash, the prefix
 cache's unit) between this engine's paged cache and somewhere else: another
-engine through shared storage, a CPU-memory tier, a remote store. One
-instance per engine serves both sides (scheduler and model runner share the
-engine-core process):
+engine through shared storage, a CPU-memory tier, a remote store. It has two
+sides, and `context.side` says which an instance serves: "scheduler" (the
+engine core's process), "worker" (one rank, which holds that rank's shard of
+every block: its KV heads) or "both" (one rank in the engine's own process,
+the `uni` executor: one instance serves both sides).
 
 Scheduler side, in the order the scheduler calls them:
 - `get_num_new_matched_tokens(request, num_computed_tokens)`: how many tokens
@@ -13,9 +15,12 @@ Scheduler side, in the order the scheduler calls them:
 - `update_state_after_alloc(request, block_ids, num_external_tokens)`: the
   request got blocks; remember which ones to load into;
 - `build_connector_meta(scheduler_output)`: everything the worker side needs
-  this step (blocks to load, to save, to spill), handed over with the step;
+  this step (blocks to load, to save, to spill), handed over with the step.
+  At tensor_parallel_size > 1 it is sent to every rank as msgpack: plain data
+  (block ids, hashes, numbers, strings) in a dataclass, `metadata_cls`, never
+  tensors; each rank moves its own shard;
 - `request_finished(request, block_ids)`: True keeps the blocks allocated
-  until `get_finished` reports the request's save done.
+  until every rank's `get_finished` has reported the request's save done.
 
 Worker side, around the model forward of the step:
 - `register_kv_caches(kv_caches)` once at start-up;
@@ -23,24 +28,31 @@ Worker side, around the model forward of the step:
   before layer i reads its cache;
 - `save_kv_layer(i, ...)` after layer i wrote its cache; `wait_for_save()`
   at the end of the step;
-- `get_finished(finished_req_ids)`: requests whose async save / load is done.
+- `get_finished(finished_req_ids)`, after every step (also one that ran no
+  tokens): the requests finished since the last step are named once; it
+  answers with the requests whose delayed save / async load is now done.
+  Its answer and a worker side's `stats` reach the scheduler with the step's
+  output (`KVConnectorOutput`), summed over the ranks.
 
-A failed load is the connector's to detect (checksums, sizes): under
-`load_failure_policy: recompute` it simply reports fewer matched tokens;
-under `fail` it raises `KVTransferError`, which fails that request alone.
+A failed load is the connector's to detect (checksums, sizes), on the
+scheduler side: under `load_failure_policy: recompute` it simply reports
+fewer matched tokens; under `fail` it raises `KVTransferError`, which fails
+that request alone.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pagedllm.attention_backends.base import STANDARD_KV_CACHE_LAYOUT, KVCacheLayout
 
-# NOTE: defined beside SchedulerOutput, which carries it; the plugin API (1.0)
-# names it here, so connectors keep importing it from this module.
+# NOTE: defined beside SchedulerOutput and ModelRunnerOutput, which carry
+# them; the plugin API names them here, so connectors import them from this module.
 from pagedllm.core.scheduler_output import KVConnectorMetadata as KVConnectorMetadata
+from pagedllm.core.scheduler_output import KVConnectorOutput as KVConnectorOutput
+from pagedllm.core.scheduler_output import KVConnectorStats as KVConnectorStats
 
 if TYPE_CHECKING:
     import torch
@@ -101,50 +113,27 @@ class KVConnectorContext:
     # The attention backend's: connectors read and write blocks through it
     # (kv_connectors/block_io.py), never assuming the cache's shape.
     kv_cache_layout: KVCacheLayout = STANDARD_KV_CACHE_LAYOUT
+    # Which side this instance serves: "scheduler", "worker" or "both".
+    side: str = "both"
+    tp_size: int = 1
+    tp_rank: int = 0  # a worker side's rank (the scheduler side's is 0)
+    # Every rank's fingerprint, in rank order (a scheduler side checks that
+    # each rank's shard of a block is there); () means (model_fingerprint,).
+    rank_fingerprints: tuple[str, ...] = ()
 
-
-@dataclass
-class KVConnectorStats:
-    """Cumulative counters (the engine reports deltas)."""
-
-    # Prompt tokens looked up past the local prefix-cache hit, and found.
-    external_queries: int = 0
-    external_hits: int = 0
-    # The connector's own tiers, by name: hits/misses (blocks) and bytes moved.
-    tier_hits: dict[str, int] = field(default_factory=dict)
-    tier_misses: dict[str, int] = field(default_factory=dict)
-    tier_bytes_saved: dict[str, int] = field(default_factory=dict)
-    tier_bytes_loaded: dict[str, int] = field(default_factory=dict)
-    load_failures: int = 0
-
-    def count(self, table: str, tier: str, amount: int = 1) -> None:
-        counts: dict[str, int] = getattr(self, table)
-        counts[tier] = counts.get(tier, 0) + amount
-
-    def copy(self) -> KVConnectorStats:
-        return KVConnectorStats(
-            self.external_queries, self.external_hits, dict(self.tier_hits), dict(self.tier_misses),
-            dict(self.tier_bytes_saved), dict(self.tier_bytes_loaded), self.load_failures,
-        )
-
-    def minus(self, earlier: KVConnectorStats) -> KVConnectorStats:
-        """The counts since `earlier` (a copy taken before)."""
-
-        def diff(now: dict[str, int], then: dict[str, int]) -> dict[str, int]:
-            return {tier: count - then.get(tier, 0) for tier, count in now.items() if count != then.get(tier, 0)}
-
-        return KVConnectorStats(
-            self.external_queries - earlier.external_queries,
-            self.external_hits - earlier.external_hits,
-            diff(self.tier_hits, earlier.tier_hits),
-            diff(self.tier_misses, earlier.tier_misses),
-            diff(self.tier_bytes_saved, earlier.tier_bytes_saved),
-            diff(self.tier_bytes_loaded, earlier.tier_bytes_loaded),
-            self.load_failures - earlier.load_failures,
-        )
+    @property
+    def shard_fingerprints(self) -> tuple[str, ...]:
+        """The fingerprints of the shards this side deals with: every
+        rank's on the scheduler side, this rank's on a worker side."""
+        if self.side == "scheduler" and self.rank_fingerprints:
+            return self.rank_fingerprints
+        return (self.model_fingerprint,)
 
 
 class KVConnectorBase(ABC):
+    # What build_connector_meta returns: a rank decodes the step's metadata
+    # into it (at tensor_parallel_size > 1 it crosses a process boundary).
+    metadata_cls: ClassVar[type[KVConnectorMetadata]] = KVConnectorMetadata
     # Whether the scheduler reports prefix-cache evictions (a block's cached
     # contents about to be overwritten) through `on_blocks_evicted`.
     wants_eviction_events: ClassVar[bool] = False
@@ -209,8 +198,10 @@ class KVConnectorBase(ABC):
         """Return once this step's saves no longer need the paged cache."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(requests whose delayed save finished, requests whose async load
-        finished) since the last call."""
+        """After every step: `finished_req_ids` finished since the last
+        call (each named once; a request whose `request_finished` returned
+        True is among them). Returns (requests whose delayed save is done,
+        requests whose async load is done) since the last call."""
         return set(), set()
 
     def describe(self) -> dict[str, Any]:

@@ -5,11 +5,17 @@ A producer writes every full prompt block it computes to
 [num_layers, 2, block_size, Hkv, D] and its SHA-256 in the metadata), written
 to a temporary name and renamed, so a reader never sees half a file. A
 consumer with the same model, at scheduling time, walks the request's block
-hashes past its local prefix-cache hit and loads each file that exists,
-reads whole and matches its checksum and shape; the loaded tensors are
-written into the request's newly allocated blocks before the forward, and
-those tokens are never computed. Because block hashes chain over the whole
-prefix, a hit on block i means the same tokens (and salt) in blocks 0..i.
+hashes past its local prefix-cache hit and takes each block whose file
+exists, reads whole and matches its checksum and shape; the worker side
+reads those files into the request's newly allocated blocks before the
+forward, and those tokens are never computed. Because block hashes chain over
+the whole prefix, a hit on block i means the same tokens (and salt) in blocks
+0..i.
+
+At tensor_parallel_size > 1 a block is one file per rank (its KV heads), in
+that rank's directory (its fingerprint names the tensor-parallel layout and
+the rank): each rank writes and reads its own, and the scheduler side takes a
+block only when every rank's file checks out.
 
 Two `pagedllm serve` instances sharing the directory are disaggregated
 prefill on one machine (`pagedllm disagg-proxy` routes requests).
@@ -43,8 +49,8 @@ TIER = "shared_storage"
 
 @dataclass
 class SharedStorageMetadata(KVConnectorMetadata):
-    # (block id, loaded block [L, 2, block_size, Hkv, D]) to write before the forward.
-    loads: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # (block id, block hash) of stored blocks to read in before the forward.
+    loads: list[tuple[int, bytes]] = field(default_factory=list)
     # (block id, block hash) computed by this step, to store after the forward.
     saves: list[tuple[int, bytes]] = field(default_factory=list)
 
@@ -109,23 +115,44 @@ def _metadata(data: bytes) -> dict[str, str]:
 
 
 class SharedStorageConnector(KVConnectorBase):
+    metadata_cls = SharedStorageMetadata
+
     def __init__(self, config: KVTransferConfig, context: KVConnectorContext) -> None:
         super().__init__(config, context)
         context.kv_cache_layout.ensure_blocks_movable()
         path = config.extra.get("path")
         if not path:
             raise ConfigError("kv_transfer.extra.path", path, "a directory every producer and consumer can reach")
-        self.directory = Path(path) / context.model_fingerprint
-        self.directory.mkdir(parents=True, exist_ok=True)
+        # One per shard this side deals with (every rank's on the scheduler side).
+        self.directories = [Path(path) / fingerprint for fingerprint in context.shard_fingerprints]
+        for directory in self.directories:
+            directory.mkdir(parents=True, exist_ok=True)
+        self.directory = self.directories[0]
         self.block_shape = block_shape(context.num_layers, context.block_size, context.num_kv_heads, context.head_size)
         self._tracked: dict[str, _Tracked] = {}
         # Found by get_num_new_matched_tokens, placed by update_state_after_alloc.
-        self._found: dict[str, tuple[int, list[torch.Tensor]]] = {}
-        self._loads: list[tuple[int, torch.Tensor]] = []
+        self._found: dict[str, tuple[int, list[bytes]]] = {}
+        self._loads: list[tuple[int, bytes]] = []
         self._metadata = SharedStorageMetadata()
 
-    def block_path(self, block_hash: bytes) -> Path:
-        return self.directory / f"{block_hash.hex()}.safetensors"
+    def block_path(self, block_hash: bytes, shard: int = 0) -> Path:
+        return self.directories[shard] / f"{block_hash.hex()}.safetensors"
+
+    def _is_stored(self, block_hash: bytes, shards: str = "all") -> bool:
+        paths = (self.block_path(block_hash, shard).exists() for shard in range(len(self.directories)))
+        return all(paths) if shards == "all" else any(paths)
+
+    def _check_stored(self, block_hash: bytes) -> int:
+        """Bytes of the block's every shard, read whole and verified;
+        ValueError (with the reason) if one is bad."""
+        num_bytes = 0
+        for shard in range(len(self.directories)):
+            try:
+                block = read_block(self.block_path(block_hash, shard), self.block_shape, self.context.dtype)
+            except ValueError as exc:
+                raise ValueError(f"{exc} (rank {shard}'s shard)" if len(self.directories) > 1 else str(exc)) from None
+            num_bytes += block.numel() * block.element_size()
+        return num_bytes
 
     # ------------------------------------------------------ scheduler side
 
@@ -136,44 +163,44 @@ class SharedStorageConnector(KVConnectorBase):
         block_size = self.context.block_size
         first_block = num_computed_tokens // block_size
         max_blocks = (request.num_tokens - 1) // block_size  # the last token is computed here
-        blocks: list[torch.Tensor] = []
+        found: list[bytes] = []
         last_block = min(max_blocks, len(request.block_hashes))
         for index in range(first_block, last_block):
             block_hash = request.block_hashes[index]
-            path = self.block_path(block_hash)
             try:
-                if not path.exists():
+                if not self._is_stored(block_hash, "any"):
                     # A producer stores every full block of a prompt, so a
                     # gap before a stored later block is a lost file; else
                     # the prefix simply ends here.
                     later = request.block_hashes[index + 1 : last_block]
-                    if not any(self.block_path(h).exists() for h in later):
+                    if not any(self._is_stored(h, "any") for h in later):
                         self.stats.count("tier_misses", TIER)
                         break
                     raise ValueError("missing (a later block of the same prefix is stored)")
-                blocks.append(read_block(path, self.block_shape, self.context.dtype))
+                num_bytes = self._check_stored(block_hash)
             except ValueError as exc:
                 self.stats.load_failures += 1
                 if self.config.load_failure_policy == "fail":
                     raise KVTransferError(TIER, block_hash.hex(), str(exc)) from None
                 logger.warning("recomputing from block %s of %s: %s", index, request.request_id, exc)
                 break
+            found.append(block_hash)
             self.stats.count("tier_hits", TIER)
-            self.stats.count("tier_bytes_loaded", TIER, blocks[-1].numel() * blocks[-1].element_size())
+            self.stats.count("tier_bytes_loaded", TIER, num_bytes)
         self.stats.external_queries += request.num_tokens
-        self.stats.external_hits += len(blocks) * block_size
-        if blocks:
-            self._found[request.request_id] = (first_block, blocks)
-        return len(blocks) * block_size
+        self.stats.external_hits += len(found) * block_size
+        if found:
+            self._found[request.request_id] = (first_block, found)
+        return len(found) * block_size
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         self._tracked[request.request_id] = _Tracked(request, list(block_ids))
         found = self._found.pop(request.request_id, None)
         if found is None or num_external_tokens == 0:
             return
-        first_block, blocks = found
-        for offset, block in enumerate(blocks[: num_external_tokens // self.context.block_size]):
-            self._loads.append((block_ids[first_block + offset], block))
+        first_block, hashes = found
+        for offset, block_hash in enumerate(hashes[: num_external_tokens // self.context.block_size]):
+            self._loads.append((block_ids[first_block + offset], block_hash))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SharedStorageMetadata:
         for cached in scheduler_output.scheduled_cached_reqs:
@@ -194,7 +221,7 @@ class SharedStorageConnector(KVConnectorBase):
                 end = min(start + num_new_tokens, request.num_prompt_tokens)
                 for index in range(start // block_size, min(end // block_size, len(request.block_hashes))):
                     block_hash = request.block_hashes[index]
-                    if not self.block_path(block_hash).exists():
+                    if not self._is_stored(block_hash):
                         saves.append((tracked.block_ids[index], block_hash))
         loads, self._loads = self._loads, []
         return SharedStorageMetadata(loads=loads, saves=saves)
@@ -209,10 +236,18 @@ class SharedStorageConnector(KVConnectorBase):
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         assert isinstance(metadata, SharedStorageMetadata)
         self._metadata = metadata
-        if metadata.loads:
-            block_ids = [block_id for block_id, _ in metadata.loads]
-            blocks = torch.stack([block for _, block in metadata.loads])
-            scatter_blocks(self.kv_caches, block_ids, blocks, self.context.kv_cache_layout)
+        if not metadata.loads:
+            return
+        blocks = []
+        for _, block_hash in metadata.loads:
+            try:
+                blocks.append(read_block(self.block_path(block_hash), self.block_shape, self.context.dtype))
+            except ValueError as exc:
+                # NOTE: the scheduler side read it whole this step; only a
+                # file removed or rewritten since gets here, and the step fails.
+                raise KVTransferError(TIER, block_hash.hex(), f"{exc} since it was scheduled") from None
+        block_ids = [block_id for block_id, _ in metadata.loads]
+        scatter_blocks(self.kv_caches, block_ids, torch.stack(blocks), self.context.kv_cache_layout)
 
     def wait_for_save(self) -> None:
         saves, self._metadata = self._metadata.saves, SharedStorageMetadata()
@@ -220,8 +255,9 @@ class SharedStorageConnector(KVConnectorBase):
             return
         blocks = gather_blocks(self.kv_caches, [block_id for block_id, _ in saves], self.context.kv_cache_layout)
         for (_, block_hash), block in zip(saves, blocks, strict=True):
-            written = write_block(self.block_path(block_hash), block)
-            self.stats.count("tier_bytes_saved", TIER, written)
+            path = self.block_path(block_hash)
+            if not path.exists():  # another rank's shard was missing, not this one
+                self.stats.count("tier_bytes_saved", TIER, write_block(path, block))
 
     def describe(self) -> dict[str, object]:
-        return {**super().describe(), "path": str(self.directory)}
+        return {**super().describe(), "path": str(self.directory), "shards": len(self.directories)}

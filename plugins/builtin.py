@@ -90,8 +90,9 @@ def register_grammar_backends(register: RegisterFn) -> None:
 @hookimpl
 def register_kv_connectors(register: RegisterFn) -> None:
     register("shared_storage", "pagedllm.kv_connectors.shared_storage:SharedStorageConnector",
-             roles=["producer", "consumer", "both"])
-    register("cpu_offload", "pagedllm.kv_connectors.cpu_offload:CpuOffloadConnector", roles=["both"])
+             roles=["producer", "consumer", "both"], supports_tensor_parallel=True)
+    register("cpu_offload", "pagedllm.kv_connectors.cpu_offload:CpuOffloadConnector", roles=["both"],
+             supports_tensor_parallel=True)
 
 
 @hookimpl

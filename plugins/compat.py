@@ -39,7 +39,13 @@ from packaging.version import Version
 #      its share of the CPU cores).
 #      Models declare `ModelForCausalLM.supports_tensor_parallel` (default
 #      False: 1.0 and 1.2 models run at tensor_parallel_size 1 only).
-API_VERSION = "1.3.0"
+# 1.4: KV connectors at tensor_parallel_size > 1: `KVConnectorInfo.
+#      supports_tensor_parallel`, `KVConnectorContext.side` / `tp_size` /
+#      `tp_rank` / `rank_fingerprints`, `KVConnectorBase.metadata_cls`,
+#      `KVConnectorOutput`; `get_finished` runs on the worker side after every
+#      step and names each finished request once (1.3 connectors that keep
+#      blocks until a save finishes track the ids they are given).
+API_VERSION = "1.4.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

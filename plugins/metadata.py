@@ -178,6 +178,9 @@ class KVConnectorInfo:
 
     # kv_transfer.role values it supports; None = every role.
     roles: tuple[str, ...] | None = parsed(names)
+    # Whether it runs at parallel.tensor_parallel_size > 1: its metadata is
+    # plain data (sent to every rank) and each rank moves its own shard.
+    supports_tensor_parallel: bool = parsed(flag, False)
 
 
 @dataclass(frozen=True)

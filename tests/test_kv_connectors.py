@@ -1,6 +1,7 @@
 """KV connectors: shared-storage disaggregated prefill across engine
-processes, the CPU offload tier, load failures under both policies, the
-delayed-free contract, config and metrics. Every expectation of generated
+processes, the CPU offload tier, load failures under both policies, config
+and metrics (the delayed-free contract and tensor parallelism:
+tests/test_tp_kv_connectors.py). Every expectation of generated
 tokens comes from a plain engine (no connector) in the same test."""
 
 from __future__ import annotations
@@ -212,20 +213,18 @@ def test_a_prefix_evicted_from_a_small_pool_comes_back_from_the_cpu_tier() -> No
 
 
 def test_the_cpu_tier_is_bounded_and_least_recently_used_goes_first() -> None:
-    import torch
+    from pagedllm.kv_connectors.cpu_offload import CpuBlockIndex
 
-    from pagedllm.kv_connectors.cpu_offload import CpuBlockStore
-
-    block = torch.zeros(256, dtype=torch.uint8)  # 256 bytes each
-    store = CpuBlockStore(capacity_bytes=3 * 256)
-    for key in (b"a", b"b", b"c"):
-        store.put(key, block.clone())
-    assert store.get(b"a") is not None  # a is now the most recent
-    store.put(b"d", block.clone())
-    assert b"b" not in store and all(k in store for k in (b"a", b"c", b"d"))
-    assert store.num_bytes == 3 * 256
-    store.put(b"huge", torch.zeros(4 * 256, dtype=torch.uint8))  # larger than the tier: not kept
-    assert b"huge" not in store and len(store) == 3
+    index = CpuBlockIndex(capacity_bytes=3 * 256)  # blocks of 256 bytes
+    assert [index.put(key, 256) for key in (b"a", b"b", b"c")] == [[], [], []]
+    assert index.touch(b"a") and not index.touch(b"z")  # a is now the most recent
+    assert index.put(b"d", 256) == [b"b"]
+    assert b"b" not in index and all(k in index for k in (b"a", b"c", b"d"))
+    assert index.num_bytes == 3 * 256
+    assert index.put(b"huge", 4 * 256) == []  # larger than the tier: not kept, nothing dropped
+    assert b"huge" not in index and len(index) == 3
+    assert index.put(b"e", 2 * 256) == [b"c", b"a"]  # least recently used first
+    assert index.num_bytes == 3 * 256 and len(index) == 2
 
 
 def test_offload_keeps_outputs_under_a_workload_that_cycles_more_prefixes_than_fit() -> None:
@@ -240,33 +239,7 @@ def test_offload_keeps_outputs_under_a_workload_that_cycles_more_prefixes_than_f
     _assert_no_block_leak(llm)
 
 
-# ------------------------------------------------------------ the contract
-
-
-def test_a_connector_may_keep_blocks_until_its_save_finishes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pagedllm.kv_connectors.cpu_offload import CpuOffloadConnector
-
-    held: dict[str, int] = {}
-
-    def request_finished(self: CpuOffloadConnector, request: Any, block_ids: list[int]) -> bool:
-        held[request.request_id] = 2  # "saving" for two more polls
-        return True
-
-    def get_finished(self: CpuOffloadConnector, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        done = set()
-        for request_id in finished_req_ids:
-            held[request_id] -= 1
-            if held[request_id] == 0:
-                done.add(request_id)
-        return done, set()
-
-    monkeypatch.setattr(CpuOffloadConnector, "request_finished", request_finished)
-    monkeypatch.setattr(CpuOffloadConnector, "get_finished", get_finished)
-    llm = LLM(**COMMON, num_kv_blocks=32, kv_transfer_config={"connector": "cpu_offload"})
-    prompts = _prompts(2, 20, seed=7)
-    assert _tokens(_generate(llm, prompts)) == _reference(prompts)
-    assert held and all(count == 0 for count in held.values())
-    _assert_no_block_leak(llm)
+# ------------------------------------------------------------ config
 
 
 def test_kv_transfer_config_from_a_file_and_from_flags(tmp_path: Path) -> None:

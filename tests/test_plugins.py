@@ -480,7 +480,7 @@ def test_builtin_metadata_becomes_typed_values(monkeypatch: pytest.MonkeyPatch) 
     )
     assert pm.attention_backends.get("flash_attn").info.head_size_multiple == 8
     assert pm.drafters.get("eagle").info == DrafterInfo(needs_model=True)
-    assert pm.kv_connectors.get("cpu_offload").info == KVConnectorInfo(roles=("both",))
+    assert pm.kv_connectors.get("cpu_offload").info == KVConnectorInfo(roles=("both",), supports_tensor_parallel=True)
     assert pm.grammar_backends.get("xgrammar").info.requires == ("xgrammar",)
     assert pm.platforms.get("cuda").info == PlatformInfo(device_type="cuda")
     # None is "not given" (a default, not None where the default is a value)

@@ -1,8 +1,9 @@
 """The `ray` executor: one Ray actor per rank in a placement group. TP=2 on
 a local Ray it starts, and on a two-node cluster on this machine (one rank
-per node), gives TP=1's greedy tokens; a killed rank fails the engine naming
-it; nothing of Ray's that a test started outlives it. Without Ray installed,
-selecting it says how to install it."""
+per node), gives TP=1's greedy tokens, also with a KV connector moving each
+rank's shard; a killed rank fails the engine naming it; nothing of Ray's
+that a test started outlives it. Without Ray installed, selecting it says
+how to install it."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.scheduler_output import KVConnectorStats
 from pagedllm.distributed.utils import get_open_port
 from pagedllm.engine.builder import select_executor
 from pagedllm.executors.base import RankFailedError
@@ -175,6 +177,52 @@ def test_two_node_cluster_places_one_rank_on_each_node(
     # Attached, not started: the session ends, the cluster stays.
     assert not ray.is_initialized()
     assert two_node_cluster.head_node.remaining_processes_alive()
+
+
+def _offload_workload(llm: LLM) -> tuple[list[list[int]], list[int], Any]:
+    """Three 3-block prefixes cycled one request at a time through a 10-block
+    pool over a 4-block CPU tier: spills, loads and drops."""
+    import random
+
+    rng = random.Random(5)
+    shared = [[rng.randrange(10, 4000) for _ in range(48)] for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = [llm.generate([{"prompt_token_ids": shared[i % 3] + [20 + i]}], params, use_tqdm=False)[0]
+               for i in range(9)]
+    core = llm.engine_core.engine_core  # type: ignore[attr-defined]
+    manager = core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks  # every delayed free done
+    return ([list(o.outputs[0].token_ids) for o in outputs], [o.num_cached_tokens for o in outputs],
+            core.scheduler.kv_connector_stats)
+
+
+@pytest.mark.slow
+def test_a_kv_connector_across_two_nodes_moves_each_ranks_shard_as_tp1_moves_whole_blocks(
+    two_node_cluster: Cluster,
+) -> None:
+    """`delayed_free` (the CPU tier, each finished request's blocks kept until
+    every rank reports): its metadata reaches both actors, both report, and
+    TP=2 gives TP=1's tokens, hits and bytes (cpu_bytes is per rank: half)."""
+    block_bytes = 6 * 2 * 16 * 2 * 64 * 4  # tiny: 6 layers, 2 KV heads of 64, float32
+
+    def transfer(tp_size: int) -> dict[str, Any]:
+        return {"connector": "delayed_free", "extra": {"cpu_bytes": 4 * block_bytes // tp_size}}
+
+    uni = LLM("tiny", dtype="float32", num_kv_blocks=10, kv_transfer_config=transfer(1))
+    try:
+        expected = _offload_workload(uni)
+    finally:
+        uni.shutdown()
+    llm = LLM("tiny", dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray", num_kv_blocks=10,
+              ray_address=two_node_cluster.address, placement_strategy="SPREAD", kv_transfer_config=transfer(2))
+    try:
+        tokens, cached, stats = _offload_workload(llm)
+    finally:
+        llm.shutdown()
+    assert (tokens, cached) == expected[:2]
+    assert stats.tier_hits["cpu"] > 0 and stats.tier_hits["delayed"] == 2 * 9  # both ranks, every request
+    assert stats == KVConnectorStats(**{**vars(expected[2]), "tier_hits": {**expected[2].tier_hits,
+                                                                           "delayed": 2 * 9}})
 
 
 @pytest.mark.slow

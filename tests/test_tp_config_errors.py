@@ -57,12 +57,23 @@ def test_gpt2_example_model_at_tp1_plans() -> None:
     _plan(str(cached_tiny_gpt2()), 1)
 
 
-def test_a_kv_connector_at_tp2_is_refused_before_any_rank_starts(started_ranks: list[int]) -> None:
+def test_a_kv_connector_without_tensor_parallel_support_at_tp2_is_refused_before_any_rank_starts(
+    started_ranks: list[int],
+) -> None:
+    """The example `memory_store` (one process's block store, tensors in its
+    metadata) does not register supports_tensor_parallel; the built-ins do."""
+    transfer = {"connector": "memory_store", "extra": {"namespace": "tp2"}}
     with pytest.raises(ConfigError) as info:
-        LLM(model="tiny", num_kv_blocks=NUM_KV_BLOCKS, tensor_parallel_size=2, kv_connector="cpu_offload")
-    assert (info.value.key, info.value.value) == ("kv_transfer.connector", "cpu_offload")
-    assert info.value.allowed.startswith("none at tensor_parallel_size > 1 (")
+        LLM(model="tiny", num_kv_blocks=NUM_KV_BLOCKS, tensor_parallel_size=2, kv_transfer_config=transfer)
+    assert (info.value.key, info.value.value) == ("kv_transfer.connector", "memory_store")
+    assert info.value.allowed == (
+        "a connector registered with supports_tensor_parallel=True at tensor_parallel_size 2 "
+        "('memory_store' does not declare it)"
+    )
     assert started_ranks == []
+    for connector in ("shared_storage", "cpu_offload"):
+        registration = get_plugin_manager().kv_connectors.get(connector)
+        assert registration.info.supports_tensor_parallel is True
 
 
 @pytest.mark.parametrize(

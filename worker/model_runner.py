@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedllm.core.scheduler_output import LogprobEntry, ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.scheduler_output import (
+    KVConnectorOutput,
+    KVConnectorStats,
+    LogprobEntry,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from pagedllm.spec_decode.interface import DraftInputs, TargetStep
 from pagedllm.spec_decode.verify import verify_drafts
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch, block_table_from_ids
@@ -62,6 +68,7 @@ class ModelRunner:
         self.drafter = drafter
         # With kv_transfer configured: loads before the forward, saves after it.
         self.kv_connector = kv_connector
+        self._reported_connector_stats = KVConnectorStats()
         # Replays captured graphs for uniform decode steps.
         self.graph_runner = graph_runner
         self.sampler = Sampler()
@@ -110,7 +117,8 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return ModelRunnerOutput(sampled_token_ids={}, kv_connector_output=self._kv_connector_output(
+                scheduler_output))
         states = [self.requests[req_id] for req_id in scheduler_output.num_scheduled_tokens]
         drafts = [scheduler_output.scheduled_spec_decode_tokens.get(state.req_id, []) for state in states]
         batch, input_ids = self._prepare_inputs(scheduler_output, states, drafts)
@@ -134,6 +142,7 @@ class ModelRunner:
             # every prefill chunk into its own KV cache.
             target_step = self._target_step(states, drafts, batch, input_ids, hidden_states, sampling_rows, output)
             self._propose_drafts(self.drafter, sampling_rows, sampling_states, target_step, output)
+        output.kv_connector_output = self._kv_connector_output(scheduler_output)
         return output
 
     def _prepare_inputs(
@@ -167,6 +176,20 @@ class ModelRunner:
             connector.save_kv_layer(layer_index, kv_cache, connector_metadata)
         connector.wait_for_save()
         return hidden_states
+
+    def _kv_connector_output(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput | None:
+        """The connector's worker-side report after this step: what
+        `get_finished` says, and (a worker-only side) its counts since the
+        last report."""
+        connector = self.kv_connector
+        if connector is None:
+            return None
+        finished_sending, finished_recving = connector.get_finished(set(scheduler_output.finished_req_ids))
+        stats = None
+        if connector.context.side == "worker":
+            now = connector.stats.copy()
+            stats, self._reported_connector_stats = now.minus(self._reported_connector_stats), now
+        return KVConnectorOutput(finished_sending, finished_recving, stats)
 
     def _forward(self, input_ids: torch.Tensor, batch: InputBatch) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):

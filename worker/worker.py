@@ -26,6 +26,7 @@ from pagedllm.distributed.parallel_state import (
 )
 from pagedllm.engine.model_source import resolve_model_path
 from pagedllm.kv_connectors.base import KVConnectorContext, model_fingerprint
+from pagedllm.kv_connectors.factory import build_kv_connector, check_kv_connector_supports
 from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
 from pagedllm.platforms import resolve_platform
 from pagedllm.plugins import get_plugin_manager
@@ -94,7 +95,8 @@ def plan_ranks(
 def check_tensor_parallel(config: EngineConfig, facts: ModelFacts, plugin_manager: PluginManager) -> None:
     """A ConfigError, before any rank starts, for what cannot run at
     tensor_parallel_size > 1: a model that does not declare
-    `supports_tensor_parallel`, heads that do not split, a KV connector."""
+    `supports_tensor_parallel`, heads that do not split, a KV connector
+    not registered with `supports_tensor_parallel`."""
     tp_size = config.parallel.tensor_parallel_size
     if tp_size == 1:
         return
@@ -107,13 +109,7 @@ def check_tensor_parallel(config: EngineConfig, facts: ModelFacts, plugin_manage
             "(its model class does not declare supports_tensor_parallel = True)",
         )
     facts.heads_per_rank(tp_size)  # the ConfigError QKVParallelLinear would raise in every rank
-    connector = config.kv_transfer.connector
-    if connector is not None:
-        raise ConfigError(
-            "kv_transfer.connector",
-            connector,
-            "none at tensor_parallel_size > 1 (a connector's per-step metadata does not reach the ranks yet)",
-        )
+    check_kv_connector_supports(config, plugin_manager)
 
 
 class Worker:
@@ -288,9 +284,12 @@ class Worker:
             dtype=facts.dtype,
             device=self.device,
         )
-        connector_name = self.config.kv_transfer.connector
-        if connector_name is not None:
-            self.kv_connector = self._build_kv_connector(connector_name)
+        if self.config.kv_transfer.connector is not None:
+            # NOTE: a rank in the engine's process (`uni`) serves both sides;
+            # a rank of a multi-rank executor its own, the executor the scheduler's.
+            side = "both" if self.distributed_init_method is None else "worker"
+            context = self.kv_connector_context(side)
+            self.kv_connector = build_kv_connector(self.config, self.plugin_manager, context)
             self.kv_connector.register_kv_caches(kv_caches)
         self._model_runner = ModelRunner(
             self.model,
@@ -362,15 +361,17 @@ class Worker:
         )
         return drafter
 
-    def _build_kv_connector(self, name: str) -> KVConnectorBase:
-        transfer, facts = self.config.kv_transfer, self.model_facts
-        registry = self.plugin_manager.kv_connectors
-        connector_cls = registry.load(name)  # UnknownComponentError lists the names
-        roles = registry.get(name).info.roles
-        if roles is not None and transfer.role not in roles:
-            raise ConfigError("kv_transfer.role", transfer.role, f"{', '.join(roles)} for connector {name!r}")
-        block_size = self.config.cache.block_size
-        context = KVConnectorContext(
+    def kv_connector_shard(self) -> dict[str, object]:
+        """What the scheduler side of a KV connector must know of this rank's
+        shard of every block (a multi-rank executor asks each rank)."""
+        context = self.kv_connector_context(side="worker")
+        return {"fingerprint": context.model_fingerprint, "num_layers": context.num_layers,
+                "num_kv_heads": context.num_kv_heads}
+
+    def kv_connector_context(self, side: str) -> KVConnectorContext:
+        """This rank's facts for a KV connector serving `side`."""
+        facts, block_size = self.model_facts, self.config.cache.block_size
+        return KVConnectorContext(
             model_path=facts.path,
             model_fingerprint=model_fingerprint(
                 facts.path, facts.dtype, block_size, self.num_layers, self.num_kv_heads, facts.head_size,
@@ -383,10 +384,10 @@ class Worker:
             dtype=facts.dtype,
             device=self.device,
             kv_cache_layout=self.attn_backend.get_kv_cache_layout(),
+            side=side,
+            tp_size=self.world_size,
+            tp_rank=self.rank,
         )
-        connector = connector_cls(transfer, context)
-        logger.info("kv transfer: %s", connector.describe())
-        return connector
 
     def _capture_decode_graphs(self, max_model_len: int) -> DecodeGraphRunner | None:
         """Decode graphs for the configured batch sizes, when the platform and

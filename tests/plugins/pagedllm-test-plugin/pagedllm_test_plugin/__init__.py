@@ -26,3 +26,9 @@ def register_attention_backends(register: RegisterFn) -> None:
 @hookimpl
 def register_models(register: RegisterFn) -> None:
     register(ARCHITECTURE, "pagedllm_test_plugin.model:TestEchoForCausalLM")
+
+
+@hookimpl
+def register_kv_connectors(register: RegisterFn) -> None:
+    register("delayed_free", "pagedllm_test_plugin.connector:DelayedFreeConnector", roles=["both"],
+             supports_tensor_parallel=True)
