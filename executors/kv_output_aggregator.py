@@ -21,15 +21,15 @@ class KVOutputAggregator:
         self._recving: dict[str, int] = {}
 
     def merge(self, outputs: Iterable[KVConnectorOutput | None]) -> KVConnectorOutput:
-        merged = KVConnectorOutput(stats=KVConnectorStats())
-        assert merged.stats is not None
+        stats = KVConnectorStats()
+        merged = KVConnectorOutput(stats=stats)
         for output in outputs:
             if output is None:
                 continue
             self._count(output.finished_sending, self._sending, merged.finished_sending)
             self._count(output.finished_recving, self._recving, merged.finished_recving)
             if output.stats is not None:
-                merged.stats.add(output.stats)
+                stats.add(output.stats)
         return merged
 
     def _count(self, reported: set[str], pending: dict[str, int], done: set[str]) -> None:

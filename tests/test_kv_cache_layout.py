@@ -228,7 +228,7 @@ def test_cpu_offload_spills_and_reloads_blocks_of_a_token_major_cache() -> None:
     connector.start_load_kv(connector.build_connector_meta(_step({})))
     # The tier holds blocks in the transport form, whatever the cache's layout.
     for block, block_hash in zip([4, 1], hashes, strict=True):
-        stored = connector.store.get(block_hash)
+        stored = connector.blocks.get(block_hash)
         assert stored is not None
         for layer in range(NUM_LAYERS):
             assert torch.equal(stored[layer, 0], original[layer][block, :, 0])
