@@ -73,6 +73,9 @@ class CacheConfig(_Section):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: Literal["sha256", "xxhash"] = "sha256"
+    # Report the hashes the prefix cache gains and loses (core/kv_cache/
+    # events.py) with every step: what a cache-aware router mirrors.
+    enable_kv_events: bool = False
 
 
 class SchedulerConfig(_Section):
@@ -218,6 +221,21 @@ class ParallelConfig(_Section):
     master_addr: str = "127.0.0.1"
     # None = a free port, chosen when the ranks start.
     master_port: int | None = Field(None, ge=1, le=65535)
+    # Engine copies behind one front end (vLLM's `-dp`), each with its own
+    # executor and tensor_parallel_size ranks; requests go where the router says.
+    data_parallel_size: int = Field(1, ge=1)
+    # This engine's index among them (set by the front end for each copy).
+    data_parallel_rank: int = Field(0, ge=0)
+    # A registered `router` name: where each request goes at data_parallel_size > 1.
+    routing_policy: str = "prefix_aware"
+
+    @field_validator("data_parallel_rank")
+    @classmethod
+    def _rank_below_size(cls, value: int, info: Any) -> int:
+        size = info.data.get("data_parallel_size")
+        if size is not None and value >= size:
+            raise ValueError(f"must be < data_parallel_size ({size})")
+        return value
 
 
 class ServerConfig(_Section):
@@ -307,6 +325,10 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "placement_strategy": ("parallel", "placement_strategy"),
     "master_addr": ("parallel", "master_addr"),
     "master_port": ("parallel", "master_port"),
+    "data_parallel_size": ("parallel", "data_parallel_size"),
+    "data_parallel_rank": ("parallel", "data_parallel_rank"),
+    "routing_policy": ("parallel", "routing_policy"),
+    "enable_kv_events": ("cache", "enable_kv_events"),
 }
 
 # The parsed config file of the `EngineConfig.load` call in progress (settings

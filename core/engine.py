@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.executor import ModelExecutor
     from pagedllm.core.grammar import GrammarManager
+    from pagedllm.core.kv_cache.events import KVCacheEvent
     from pagedllm.core.kv_cache.manager import KVCacheManager
     from pagedllm.core.outputs import EngineCoreOutput
     from pagedllm.core.scheduler import Scheduler
@@ -112,6 +113,11 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """What the prefix cache gained and lost since the last call
+        (`cache.enable_kv_events`; else nothing)."""
+        return self.kv_cache_manager.take_kv_events()
 
 
 def validate_prompt(prompt_token_ids: list[int], *, max_model_len: int, vocab_size: int) -> None:

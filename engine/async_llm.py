@@ -34,6 +34,7 @@ from pagedllm.core.errors import (
     ServerShuttingDownError,
 )
 from pagedllm.engine.core_client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient
+from pagedllm.engine.dp_client import DPAsyncMPClient, ReplicaFailure
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.metrics import StatLoggerManager
 from pagedllm.engine.model_source import resolve_model_path
@@ -117,7 +118,10 @@ class AsyncLLM:
         )
         # Built here (not raced by the core) when it is the embedded default.
         model_path = resolve_model_path(config.model.model)
-        self.engine_core = AsyncMPClient(config, in_thread=in_process)
+        self.engine_core: AsyncMPClient | DPAsyncMPClient = (
+            DPAsyncMPClient(config, in_thread=in_process) if config.parallel.data_parallel_size > 1
+            else AsyncMPClient(config, in_thread=in_process)
+        )
         try:
             # The tokenizer loads while the core loads the model.
             self.tokenizer = load_tokenizer(config.model.tokenizer or model_path)
@@ -141,6 +145,9 @@ class AsyncLLM:
             max_model_len=ready.max_model_len,
             world_size=ready.world_size,
         )
+        if isinstance(self.engine_core, DPAsyncMPClient):
+            self.stat_logger.prometheus.add_router_metrics(len(self.engine_core.clients))
+            self.engine_core.router.observer = self.stat_logger.prometheus
         logger.info(
             "engine ready: executor %s, %d rank(s), collectives %s, attention backend %s, %d KV blocks",
             ready.executor, ready.world_size, ready.communicator, ready.attention_backend, ready.num_kv_blocks,
@@ -170,6 +177,13 @@ class AsyncLLM:
     def engine_pid(self) -> int | None:
         """The engine-core process id (None when in_process)."""
         return self.engine_core.engine_pid
+
+    @property
+    def engine_pids(self) -> list[int | None]:
+        """Every data-parallel replica's engine-core process id, by index."""
+        if isinstance(self.engine_core, DPAsyncMPClient):
+            return self.engine_core.engine_pids
+        return [self.engine_core.engine_pid]
 
     # -------------------------------------------------------------- lifecycle
 
@@ -404,7 +418,9 @@ class AsyncLLM:
         try:
             while True:
                 message = await self.engine_core.get_output_async()
-                if message is not None:
+                if isinstance(message, ReplicaFailure):
+                    self._fail_requests(message.request_ids, message.error)
+                elif message is not None:
                     await self._process_engine_outputs(message)
                 self.stat_logger.maybe_log()
         except EngineDeadError as exc:
@@ -440,6 +456,24 @@ class AsyncLLM:
                 if request_output.finished:
                     del self._streams[request_output.request_id]
         self.stat_logger.record(message.scheduler_stats, iteration_stats, message.num_scheduled_tokens)
+
+    def _fail_requests(self, engine_request_ids: list[str], error: BaseException) -> None:
+        """A data-parallel replica died: fail the requests it held (every
+        sample of each), the others keep going."""
+        owners = {self.output_processor.owner_of(engine_request_id) for engine_request_id in engine_request_ids}
+        request_ids = sorted(owner for owner in owners if owner is not None)
+        logger.error("%s: failing %d request(s) it held", error, len(request_ids))
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.queue.put_nowait(error)
+        self._forget_aborted(request_ids)
+
+    def replica_health(self) -> list[dict[str, Any]] | None:
+        """Each data-parallel replica's state (None with one engine)."""
+        if isinstance(self.engine_core, DPAsyncMPClient):
+            return self.engine_core.replica_health()
+        return None
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}

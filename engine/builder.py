@@ -171,6 +171,8 @@ def _build_engine_core(
         enable_caching=config.cache.enable_prefix_caching,
         hash_algo=config.cache.prefix_caching_hash_algo,
     )
+    if config.cache.enable_kv_events:
+        kv_cache_manager.record_kv_events()
     # The tokenizer loads only when the first structured-output request
     # needs a grammar backend (xgrammar's TokenizerInfo).
     structured_output_manager = StructuredOutputManager(

@@ -329,12 +329,21 @@ class SyncMPClient(MPClient, EngineCoreClient):
         self._call_ids = itertools.count()
 
     def get_output(self) -> list[EngineCoreOutput]:
+        return self.next_outputs().outputs
+
+    @property
+    def has_pending_outputs(self) -> bool:
+        """Outputs read while a utility call waited, not handed out yet."""
+        return bool(self._pending_outputs)
+
+    def next_outputs(self) -> EngineCoreOutputs:
+        """The next step's whole message (outputs, stats, KV events), waiting for it."""
         if self._pending_outputs:
-            return self._pending_outputs.popleft().outputs
+            return self._pending_outputs.popleft()
         while True:
             message = self._recv()
             if isinstance(message, EngineCoreOutputs):
-                return message.outputs
+                return message
 
     def _recv(self) -> CoreOutput:
         while not self.output_socket.poll(int(LIVENESS_POLL_S * 1000)):
@@ -387,7 +396,8 @@ class AsyncMPClient(MPClient):
             async_socket.close(linger=0)
         super().shutdown()
 
-    def _output_socket_for_loop(self) -> Any:
+    def output_socket_for_loop(self) -> Any:
+        """The output socket for the running event loop (a DP front end polls several)."""
         loop = asyncio.get_running_loop()
         if self._async_loop is not loop:
             # A new event loop (tests with per-test loops): shadow the socket again.
@@ -398,7 +408,7 @@ class AsyncMPClient(MPClient):
     async def get_output_async(self, timeout_s: float = LIVENESS_POLL_S) -> EngineCoreOutputs | None:
         """The next step's outputs; None if nothing came within `timeout_s`
         (the core is alive, else EngineDeadError)."""
-        sock = self._output_socket_for_loop()
+        sock = self.output_socket_for_loop()
         try:
             while True:
                 if not await sock.poll(int(timeout_s * 1000)):

@@ -165,6 +165,7 @@ class EngineCoreProc:
             scheduler_stats=self.engine_core.make_stats(),
             num_scheduled_tokens=num_scheduled_tokens,
             timestamp=time.time(),
+            kv_events=self.engine_core.take_kv_events(),
         )
         self._send(message)
 

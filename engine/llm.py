@@ -10,6 +10,7 @@ from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
+from pagedllm.engine.dp_client import SyncDPClient
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import load_tokenizer
@@ -36,7 +37,11 @@ class LLM:
         if model is not None:  # not given: the config file's (or env's) model, else the default one
             kwargs["model"] = model
         self.config = EngineConfig.from_flat(config_file=config_file, **kwargs)
-        self.engine_core: EngineCoreClient = SyncMPClient(self.config) if multiprocess else InprocClient(self.config)
+        self.engine_core: EngineCoreClient
+        if self.config.parallel.data_parallel_size > 1:  # one engine-core process per replica
+            self.engine_core = SyncDPClient(self.config)
+        else:
+            self.engine_core = SyncMPClient(self.config) if multiprocess else InprocClient(self.config)
         ready = self.engine_core.ready
         self.tokenizer = load_tokenizer(self.config.model.tokenizer or ready.model_path)
         self.input_processor = InputProcessor(self.tokenizer, ready, self.config.structured_output)

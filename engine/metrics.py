@@ -250,6 +250,48 @@ class PrometheusStatLogger:
             self._cache_config_info.clear()  # one series: the latest config
         self._cache_config_info.labels(model_name=self.model_name, **info).set(1)
 
+    def add_router_metrics(self, num_replicas: int) -> None:
+        """Data-parallel routing (`-dp N`): per replica, the requests routed
+        there, those routed for a cached prefix, the hit tokens the router
+        predicted and those the replica reported, and whether it lives."""
+        labels = [*LABELS, "replica"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+        self.counter_routed_requests = counter("router_requests", "Requests routed to each data-parallel replica.")
+        self.counter_routed_by_prefix = counter(
+            "router_prefix_routed_requests", "Requests routed to a replica for the prompt prefix it caches."
+        )
+        self.counter_predicted_hit_tokens = counter(
+            "router_predicted_hit_tokens", "Prompt tokens the router expected the replica's prefix cache to hold."
+        )
+        self.counter_actual_hit_tokens = counter(
+            "router_actual_hit_tokens", "Prompt tokens the replica's prefix cache held (of routed requests)."
+        )
+        self.gauge_replica_healthy = Gauge(
+            PREFIX + "replica_healthy", "1 while a data-parallel replica runs, 0 once it has died.",
+            labels, registry=self.registry,
+        )
+        for replica in map(str, range(num_replicas)):
+            for metric in (self.counter_routed_requests, self.counter_routed_by_prefix,
+                           self.counter_predicted_hit_tokens, self.counter_actual_hit_tokens):
+                metric.labels(self.model_name, replica)
+            self.gauge_replica_healthy.labels(self.model_name, replica).set(1)
+
+    # RoutingObserver (engine/dp_client.py)
+    def record_route(self, replica: int, reason: str) -> None:
+        self.counter_routed_requests.labels(self.model_name, str(replica)).inc()
+        if reason == "prefix":
+            self.counter_routed_by_prefix.labels(self.model_name, str(replica)).inc()
+
+    def record_hit_tokens(self, replica: int, predicted: int, actual: int) -> None:
+        self.counter_predicted_hit_tokens.labels(self.model_name, str(replica)).inc(predicted)
+        self.counter_actual_hit_tokens.labels(self.model_name, str(replica)).inc(actual)
+
+    def record_replica_dead(self, replica: int) -> None:
+        self.gauge_replica_healthy.labels(self.model_name, str(replica)).set(0)
+
     def set_ranks_healthy(self, world_size: int) -> None:
         self.world_size = world_size
         for rank in range(world_size):

@@ -193,6 +193,12 @@ class OutputProcessor:
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
 
+    def owner_of(self, engine_request_id: str) -> str | None:
+        """The request (its id as the caller gave it) an engine request is a
+        sample of; None if it is not tracked."""
+        state = self.request_states.get(engine_request_id)
+        return None if state is None else state.external_request_id
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.kv_cache.events import KVCacheEvent
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
@@ -101,6 +102,8 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
     # Tokens the step computed (0: no step ran).
     num_scheduled_tokens: int
     timestamp: float
+    # What the prefix cache gained and lost (cache.enable_kv_events), in order.
+    kv_events: list[KVCacheEvent] = []
 
 
 class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True):

@@ -26,7 +26,10 @@ _DEST_PREFIX = "engine_config__"
 # Flags the command defines itself, never generated from a field.
 RESERVED_NAMES = frozenset({"config", "help", "model"})
 # vLLM's short spellings, accepted beside the long flag.
-SHORT_FLAGS: dict[tuple[str, str], str] = {("parallel", "tensor_parallel_size"): "-tp"}
+SHORT_FLAGS: dict[tuple[str, str], str] = {
+    ("parallel", "tensor_parallel_size"): "-tp",
+    ("parallel", "data_parallel_size"): "-dp",
+}
 
 
 def section_models() -> dict[str, type[BaseModel]]:

@@ -108,3 +108,12 @@ def register_executors(register: RegisterFn) -> None:
     register("uni", "pagedllm.executors.uni:UniProcExecutor", supports_tensor_parallel=False)
     register("mp", "pagedllm.executors.mp:MultiprocExecutor", supports_tensor_parallel=True)
     register("ray", "pagedllm.executors.ray_executor:RayExecutor", supports_tensor_parallel=True, requires=["ray"])
+
+
+@hookimpl
+def register_routers(register: RegisterFn) -> None:
+    # Where a request goes among data-parallel engines: in turn; vLLM's load
+    # score; the replica caching the longest prefix of its prompt (default).
+    register("round_robin", "pagedllm.routers.round_robin:RoundRobinPolicy")
+    register("least_loaded", "pagedllm.routers.least_loaded:LeastLoadedPolicy")
+    register("prefix_aware", "pagedllm.routers.prefix_aware:PrefixAwarePolicy")

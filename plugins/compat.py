@@ -45,6 +45,8 @@ from packaging.version import Version
 #      `KVConnectorOutput`; `get_finished` runs on the worker side after every
 #      step and names each finished request once (1.3 connectors that keep
 #      blocks until a save finishes track the ids they are given).
+#      The router kind (`register_routers`, `RoutingPolicy`, `RouterInfo`,
+#      `pm.routers`) and the prefix cache's KV events (`core.kv_cache.events`).
 API_VERSION = "1.4.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"

@@ -38,7 +38,7 @@ hook receives a ``register`` function and calls it once per component::
 Each kind is a :class:`pagedllm.plugins.kinds.PluginKind`; its registry is
 ``get_plugin_manager().registry(kind)``, or typed: ``.platforms``,
 ``.attention_backends``, ``.models``, ``.drafters``, ``.grammar_backends``,
-``.kv_connectors``, ``.model_sources``, ``.executors``.
+``.kv_connectors``, ``.model_sources``, ``.executors``, ``.routers``.
 
 None of these hooks is ``firstresult``: every plugin gets called, and the
 return value is ignored.
@@ -250,6 +250,26 @@ def register_executors(register: RegisterFn) -> None:
     Called lazily when the executor registry is first needed: building an
     engine (engine/builder.py, in the process that runs the engine core),
     ``pagedllm plugins list``. Built-in: ``uni`` (one in-process worker).
+    """
+
+
+@hookspec
+def register_routers(register: RegisterFn) -> None:
+    """Register routing policies (kind ``router``, plugin API 1.4): which of
+    several data-parallel engines serves a request.
+
+    :param register: call ``register(name, "pkg.mod:PolicyCls")``; ``name`` is
+        what ``parallel.routing_policy`` selects. The target must be a subclass
+        of :class:`pagedllm.routers.base.RoutingPolicy`, built with no
+        arguments once per front end; its ``route(request, replicas)`` picks a
+        live replica. No metadata keys
+        (:class:`pagedllm.plugins.metadata.RouterInfo`).
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the router registry is first needed: starting a front
+    end over ``data_parallel_size`` > 1 engines, ``pagedllm plugins list``.
+    Built-in: ``round_robin``, ``least_loaded`` (vLLM's score) and
+    ``prefix_aware`` (the default: the replica caching the longest prefix).
     """
 
 

@@ -25,6 +25,7 @@ class PluginKind(enum.StrEnum):
     KV_CONNECTOR = "kv_connector"
     MODEL_SOURCE = "model_source"
     EXECUTOR = "executor"
+    ROUTER = "router"
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,12 @@ KIND_SPECS: dict[PluginKind, KindSpec] = {
             "register_executors",
             "pagedllm.executors.base:Executor",
             f"{_METADATA}:ExecutorInfo",
+        ),
+        KindSpec(
+            PluginKind.ROUTER,
+            "register_routers",
+            "pagedllm.routers.base:RoutingPolicy",
+            f"{_METADATA}:RouterInfo",
         ),
     )
 }

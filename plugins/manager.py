@@ -38,7 +38,9 @@ if TYPE_CHECKING:
         ModelInfo,
         ModelSourceInfo,
         PlatformInfo,
+        RouterInfo,
     )
+    from pagedllm.routers.base import RoutingPolicy
     from pagedllm.spec_decode.interface import Drafter
     from pagedllm.structured_output.interface import GrammarBackend
 
@@ -316,6 +318,10 @@ class PluginManager:
     @property
     def executors(self) -> Registry[Executor, ExecutorInfo]:
         return self.registry(PluginKind.EXECUTOR)
+
+    @property
+    def routers(self) -> Registry[RoutingPolicy, RouterInfo]:
+        return self.registry(PluginKind.ROUTER)
 
     def _collect(self, spec: KindSpec) -> Registry[Any, Any]:
         registry: Registry[Any, Any] = Registry(spec.kind, spec.interface)

@@ -197,6 +197,11 @@ class ExecutorInfo:
     requires: tuple[str, ...] = parsed(names, ())  # import names of the packages it needs
 
 
+@dataclass(frozen=True)
+class RouterInfo:
+    """``register_routers`` metadata: none (the policy's class says what it reads)."""
+
+
 __all__ = [
     "DrafterInfo",
     "ExecutorInfo",
@@ -206,6 +211,7 @@ __all__ = [
     "ModelInfo",
     "ModelSourceInfo",
     "PlatformInfo",
+    "RouterInfo",
     "build_info",
     "capability",
     "count",

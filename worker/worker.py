@@ -138,9 +138,14 @@ class Worker:
         self.world_size = config.parallel.tensor_parallel_size
         # NOTE: this rank's KV heads, the layers' split: its cache holds only these.
         self.num_kv_heads = self.model_facts.heads_per_rank(self.world_size).num_kv_heads
-        if distributed_init_method is not None:
-            # A rank in its own process: its device (CUDA) or share of the cores (CPU).
-            self.platform.init_rank(local_rank, self.world_size)
+        parallel = config.parallel
+        if distributed_init_method is not None or parallel.data_parallel_size > 1:
+            # A rank in its own process: its device (CUDA) or share of the
+            # cores (CPU), among the ranks of every data-parallel engine on this host.
+            self.platform.init_rank(
+                parallel.data_parallel_rank * self.world_size + local_rank,
+                parallel.data_parallel_size * self.world_size,
+            )
         self.device: torch.device = self.platform.device()
         logger.info(
             "attention backend: %s (rejected: %s; rank %d)",

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pagedllm.core.kv_cache.events import KVEventRecorder
     from pagedllm.core.request import BlockHash, Request
 
 
@@ -111,6 +112,8 @@ class BlockPool:
         # (block id, hash) of cached blocks reallocated to new contents, kept
         # only while someone (a KV connector's offload tier) reads them.
         self.evicted_for_reuse: list[tuple[int, BlockHash]] | None = None
+        # Hashes gained and lost, for a router that mirrors this cache (None: not recorded).
+        self.kv_events: KVEventRecorder | None = None
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -180,6 +183,8 @@ class BlockPool:
                 continue  # duplicate content; keep the existing block
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
+            if self.kv_events is not None:
+                self.kv_events.stored(block_hash)
 
     def evict(self, block_ids: Iterable[int]) -> int:
         """Drop these blocks from the prefix cache (their data stays where it is,
@@ -193,6 +198,8 @@ class BlockPool:
         block.block_hash = None
         if self.cached_block_hash_to_block.get(block_hash) is block:
             del self.cached_block_hash_to_block[block_hash]
+            if self.kv_events is not None:
+                self.kv_events.removed(block_hash)
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -203,6 +210,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return True
 
     def get_num_free_blocks(self) -> int:

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 
 from pagedllm.core.errors import ConfigError, PagedLLMError
 from pagedllm.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_cache.events import KVEventRecorder
 from pagedllm.core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
 
 if TYPE_CHECKING:
+    from pagedllm.core.kv_cache.events import KVCacheEvent
     from pagedllm.core.request import BlockHash, Request
 
 DEBUG_ENV_VAR = "PAGEDLLM_DEBUG_KV"
@@ -272,6 +274,17 @@ class KVCacheManager:
         if self.block_pool.evicted_for_reuse is not None:
             self.block_pool.evicted_for_reuse = []
         return evicted
+
+    def record_kv_events(self) -> None:
+        """From now on record the hashes the prefix cache gains and loses;
+        `take_kv_events` hands them over (a router mirrors them)."""
+        if self.block_pool.kv_events is None:
+            self.block_pool.kv_events = KVEventRecorder()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The events since the last call, in order (none when not recorded)."""
+        recorder = self.block_pool.kv_events
+        return [] if recorder is None else recorder.take()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (False) while any block is in use."""

@@ -71,7 +71,9 @@ ALWAYS_OPEN_PATHS = frozenset({"/health"})
 GRACEFUL_SHUTDOWN_S = 5
 # /health documents what it answers: no body on 200, the error JSON on 503.
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"description": "The engine core answered a ping in time (no body)", "content": None},
+    200: {"description": "The engine core answered a ping in time (no body; with data-parallel replicas "
+                         "of which some died: `{\"status\": \"degraded\", \"replicas\": [...]}`)",
+          "content": None},
     503: {"description": "The engine core died or did not answer within server.health_timeout_s",
           "model": ErrorResponse},
 }
@@ -259,7 +261,13 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
         `server.health_timeout_s`; 503 with an error body when it died or
         did not answer."""
         problem = await _health_problem(engine)
-        return Response(status_code=200) if problem is None else _error_response(503, problem)
+        if problem is not None:
+            return _error_response(503, problem)
+        replicas = engine.replica_health()
+        if replicas is not None and not all(replica["alive"] for replica in replicas):
+            # Some data-parallel replicas died, the others serve: degraded, still 200.
+            return JSONResponse({"status": "degraded", "replicas": replicas})
+        return Response(status_code=200)
 
     @app.head("/health", response_class=Response, responses=HEALTH_HEAD_RESPONSES)
     async def health_head() -> Response:
@@ -281,7 +289,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
         """Process ids (for supervisors and tests) and the served model."""
         return ServerInfoResponse(
             version=pagedllm.__version__, model=model_name, max_model_len=engine.max_model_len,
-            api_pid=os.getpid(), engine_pid=engine.engine_pid,
+            api_pid=os.getpid(), engine_pid=engine.engine_pid, engine_pids=engine.engine_pids,
         )
 
     @app.get("/v1/models", response_model=ModelList)

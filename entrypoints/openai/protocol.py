@@ -482,6 +482,8 @@ class ServerInfoResponse(BaseModel):
     api_pid: int
     # None when the engine core runs in the server's process.
     engine_pid: int | None
+    # Every data-parallel replica's engine core, by replica index ([engine_pid] for one).
+    engine_pids: list[int | None] = []
 
 
 class ErrorInfo(BaseModel):

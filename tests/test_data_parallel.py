@@ -1,0 +1,177 @@
+"""Data-parallel engines behind one front end (issue 16): `LLM(...,
+data_parallel_size=2)` and `pagedllm serve -dp 2` give a single engine's
+greedy tokens; with 8 prompt families arriving in random order,
+`prefix_aware` sends each family's repeats to the replica that cached it
+(its predicted hit tokens equal the replicas' reported ones) and its
+prefix-cache hit count beats `round_robin`'s and `least_loaded`'s (exact
+counts read from /metrics' text); a replica killed mid-run fails the
+request it held with a clear error while the other serves, and /health says
+degraded."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+from typing import Any
+
+import httpx
+import pytest
+from helpers.server import is_alive, start_server, wait_until
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.config import EngineConfig
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.outputs import RequestOutputKind
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+NUM_KV_BLOCKS = 96  # per replica: enough for every family it caches
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _prompts(num: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 4000) for _ in range(length)] for _ in range(num)]
+
+
+def _single_engine(prompts: list[list[int]], texts: bool = False) -> list[Any]:
+    """A single engine's greedy tokens (or texts) for `prompts`."""
+    llm = LLM("tiny", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+        return [o.outputs[0].text if texts else list(o.outputs[0].token_ids) for o in outputs]
+    finally:
+        llm.shutdown()
+
+
+def test_llm_with_two_replicas_gives_a_single_engines_tokens() -> None:
+    prompts = _prompts(6, 40, seed=1)
+    expected = _single_engine(prompts)
+    llm = LLM("tiny", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, data_parallel_size=2)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+        router = llm.engine_core.router  # type: ignore[attr-defined]
+        assert [book.num_routed for book in router.books] == [3, 3]  # a batch at once: spread by load
+        pids = [client.engine_pid for client in llm.engine_core.clients]  # type: ignore[attr-defined]
+        assert len(set(pids)) == 2
+    finally:
+        llm.shutdown()
+
+
+# ------------------------------------------------------------ the policies
+
+NUM_FAMILIES = 8
+REPEATS = 3  # requests per family
+PREFIX_BLOCKS = 3
+
+
+def _family_workload() -> list[list[int]]:
+    """8 families of a 3-block prefix, each asked 3 times with its own
+    2-token suffix, in a seeded random order."""
+    prefixes = _prompts(NUM_FAMILIES, PREFIX_BLOCKS * BLOCK, seed=2)
+    workload = [prefix + [20 + family, 30 + repeat] for family, prefix in enumerate(prefixes) for repeat in
+                range(REPEATS)]
+    random.Random(3).shuffle(workload)
+    return workload
+
+
+def _metric(text: str, name: str, replica: int | None = None) -> float:
+    """The sum of `name`'s samples (of one replica when given)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and (replica is None or f'replica="{replica}"' in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _serve_workload(policy: str, workload: list[list[int]]) -> tuple[list[list[int]], str]:
+    config = EngineConfig.from_flat(model="tiny", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS,
+                                    data_parallel_size=2, routing_policy=policy)
+    llm = await AsyncLLM.create(config)
+    try:
+        tokens = []
+        for index, prompt in enumerate(workload):  # one at a time: the decisions are deterministic
+            async for output in llm.generate(prompt, PARAMS, f"{policy}-{index}",
+                                             output_kind=RequestOutputKind.FINAL_ONLY):
+                last = output
+            tokens.append(list(last.outputs[0].token_ids))
+        return tokens, llm.stat_logger.render().decode()
+    finally:
+        llm.shutdown()
+
+
+def test_prefix_aware_routes_each_family_to_its_cache_and_beats_load_only_routing() -> None:
+    workload = _family_workload()
+    expected = _single_engine(workload)
+    runs = {policy: asyncio.run(_serve_workload(policy, workload))
+            for policy in ("prefix_aware", "round_robin", "least_loaded")}
+    hits = {policy: _metric(text, "pagedllm:prefix_cache_hits_total") for policy, (_, text) in runs.items()}
+    for policy, (tokens, text) in runs.items():
+        assert tokens == expected, policy
+        assert _metric(text, "pagedllm:prefix_cache_queries_total") == sum(len(p) for p in workload)
+        assert _metric(text, "pagedllm:router_requests_total") == len(workload)
+        # The router's view of the replicas' caches is exact.
+        assert _metric(text, "pagedllm:router_predicted_hit_tokens_total") == hits[policy], policy
+        assert _metric(text, "pagedllm:router_actual_hit_tokens_total") == hits[policy], policy
+    prefix_text = runs["prefix_aware"][1]
+    repeats = NUM_FAMILIES * (REPEATS - 1)
+    # Every repeat went where its family's prefix was cached, and hit all of it.
+    assert _metric(prefix_text, "pagedllm:router_prefix_routed_requests_total") == repeats
+    assert hits["prefix_aware"] == repeats * PREFIX_BLOCKS * BLOCK
+    # New families spread over both replicas.
+    assert all(_metric(prefix_text, "pagedllm:router_requests_total", replica) > 0 for replica in (0, 1))
+    assert hits["prefix_aware"] > hits["round_robin"] and hits["prefix_aware"] > hits["least_loaded"]
+
+
+# ---------------------------------------------------------------- the server
+
+
+def _complete(server: Any, prompt: list[int], max_tokens: int = 6, **extra: Any) -> httpx.Response:
+    body = {"model": "pagedllm-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, **extra}
+    return httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60.0)
+
+
+def test_serve_dp2_gives_a_single_engines_tokens_and_survives_a_dead_replica() -> None:
+    prompts = _prompts(4, 40, seed=4)
+    expected = _single_engine(prompts, texts=True)
+    with start_server("tiny", "--dtype", "float32", "--num-kv-blocks", str(NUM_KV_BLOCKS), "-dp", "2",
+                      "--routing-policy", "round_robin") as server:
+        for _ in range(2):  # each prompt on each replica (round robin)
+            for prompt, text in zip(prompts, expected, strict=True):
+                response = _complete(server, prompt)
+                assert response.status_code == 200, response.text
+                assert response.json()["choices"][0]["text"] == text
+        info = httpx.get(f"{server.base_url}/server_info").json()
+        pids = info["engine_pids"]
+        assert len(pids) == 2 and all(is_alive(pid) for pid in pids)
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        assert [_metric(metrics, "pagedllm:router_requests_total", r) for r in (0, 1)] == [4, 4]
+
+        # A long request on replica 0 (round robin: the 9th request), then replica 0 dies.
+        async def long_request_then_kill() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=60.0) as client:
+                body = {"model": "pagedllm-tiny", "prompt": prompts[0], "max_tokens": 1400,
+                        "temperature": 0.0, "ignore_eos": True}
+                pending = asyncio.ensure_future(client.post(f"{server.base_url}/v1/completions", json=body))
+                await asyncio.sleep(1.0)
+                os.kill(pids[0], signal.SIGKILL)
+                return await pending
+
+        failed = asyncio.run(long_request_then_kill())
+        assert failed.status_code == 503, failed.text
+        assert "engine core died" in failed.json()["error"]["message"]
+        assert wait_until(lambda: httpx.get(f"{server.base_url}/health").status_code == 200, 10.0)
+        health = httpx.get(f"{server.base_url}/health").json()
+        assert health["status"] == "degraded"
+        assert [(r["replica"], r["alive"]) for r in health["replicas"]] == [(0, False), (1, True)]
+        for prompt in prompts:  # every new request goes to the survivor
+            assert _complete(server, prompt).status_code == 200
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        assert _metric(metrics, "pagedllm:replica_healthy", 0) == 0
+        assert _metric(metrics, "pagedllm:replica_healthy", 1) == 1
+
