@@ -187,6 +187,9 @@ def test_parallel_defaults() -> None:
         "placement_strategy": "PACK",
         "master_addr": "127.0.0.1",
         "master_port": None,
+        "data_parallel_size": 1,
+        "data_parallel_rank": 0,
+        "routing_policy": "prefix_aware",
     }
 
 
@@ -206,6 +209,9 @@ def test_parallel_from_vllm_flat_names() -> None:
         "placement_strategy": "SPREAD",
         "master_addr": "127.0.0.1",
         "master_port": 29500,
+        "data_parallel_size": 1,
+        "data_parallel_rank": 0,
+        "routing_policy": "prefix_aware",
     }
 
 

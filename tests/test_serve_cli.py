@@ -52,6 +52,10 @@ def _sample_argv(flag: str, field: Any) -> tuple[list[str], Any]:
     return [flag, "some-name"], "some-name"
 
 
+# Flags a field's sample value needs beside it (a value checked against another field).
+_CONTEXT_ARGV = {("parallel", "data_parallel_rank"): ["--data-parallel-size", "2"]}
+
+
 def test_every_engine_config_field_has_a_working_flag() -> None:
     names = flag_names()
     checked = 0
@@ -61,6 +65,7 @@ def test_every_engine_config_field_has_a_working_flag() -> None:
                 continue  # the MODEL positional
             flag = "--" + names[(section, key)].replace("_", "-")
             argv, expected = _sample_argv(flag, field)
+            argv += _CONTEXT_ARGV.get((section, key), [])
             assert getattr(getattr(config_for(*argv), section), key) == expected, argv
             checked += 1
     assert checked >= 25
