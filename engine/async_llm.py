@@ -36,6 +36,7 @@ from pagedllm.core.errors import (
 from pagedllm.engine.core_client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient
 from pagedllm.engine.dp_client import DPAsyncMPClient, ReplicaFailure
 from pagedllm.engine.input_processor import InputProcessor
+from pagedllm.engine.kv_event_log import KVEventLog
 from pagedllm.engine.metrics import StatLoggerManager
 from pagedllm.engine.model_source import resolve_model_path
 from pagedllm.engine.output_processor import OutputProcessor
@@ -145,9 +146,16 @@ class AsyncLLM:
             max_model_len=ready.max_model_len,
             world_size=ready.world_size,
         )
+        # What the prefix caches hold, for a router in front of this server
+        # (GET /v1/kv_events); None unless the engines report it.
+        self.kv_event_log: KVEventLog | None = None
+        if config.cache.enable_kv_events:
+            self.kv_event_log = KVEventLog(config.parallel.data_parallel_size, block_size=config.cache.block_size,
+                                           hash_algo=config.cache.prefix_caching_hash_algo)
         if isinstance(self.engine_core, DPAsyncMPClient):
             self.stat_logger.prometheus.add_router_metrics(len(self.engine_core.clients))
             self.engine_core.router.observer = self.stat_logger.prometheus
+            self.engine_core.router.event_log = self.kv_event_log
         logger.info(
             "engine ready: executor %s, %d rank(s), collectives %s, attention backend %s, %d KV blocks",
             ready.executor, ready.world_size, ready.communicator, ready.attention_backend, ready.num_kv_blocks,
@@ -437,6 +445,8 @@ class AsyncLLM:
             self._fail_all(dead)
 
     async def _process_engine_outputs(self, message: EngineCoreOutputs) -> None:
+        if self.kv_event_log is not None and isinstance(self.engine_core, AsyncMPClient):
+            self.kv_event_log.apply(0, message.kv_events)  # (a data-parallel router applies each replica's)
         outputs = message.outputs
         now = time.time()
         iteration_stats = IterationStats(iteration_timestamp=now) if outputs else None

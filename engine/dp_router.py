@@ -21,6 +21,7 @@ from pagedllm.routers.cache_mirror import PromptHasher, ReplicaCacheMirror
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.stats import SchedulerStats
+    from pagedllm.engine.kv_event_log import KVEventLog
     from pagedllm.engine.wire import EngineCoreOutputs, EngineCoreRequest
     from pagedllm.routers.base import RoutingDecision, RoutingPolicy
 
@@ -85,6 +86,8 @@ class ReplicaRouter:
             self.hasher = PromptHasher(cache.block_size, cache.prefix_caching_hash_algo)
         self.books = [ReplicaBook(index) for index in range(parallel.data_parallel_size)]
         self.observer: RoutingObserver | None = None
+        # The server's log of what every replica caches (GET /v1/kv_events), when kept.
+        self.event_log: KVEventLog | None = None
         self.dead_error: EngineDeadError | None = None
         # The replicas' scheduler stats merged (the latest of each).
         self.scheduler_stats: SchedulerStats | None = None
@@ -173,6 +176,8 @@ class ReplicaRouter:
         message with the stats merged over the replicas."""
         book = self.books[replica]
         book.mirror.apply(message.kv_events)
+        if self.event_log is not None:
+            self.event_log.apply(replica, message.kv_events)
         for output in message.outputs:
             if output.finish_reason is None or output.request_id not in book.in_flight:
                 continue

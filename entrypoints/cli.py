@@ -285,6 +285,16 @@ def cmd_disagg_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.router.app import run_router
+
+    with contextlib.suppress(KeyboardInterrupt):
+        run_router(args.backend, policy=args.policy, host=args.host, port=args.port,
+                   api_key=args.api_key or os.environ.get("PAGEDLLM_ROUTER_API_KEY"),
+                   backend_api_key=args.backend_api_key)
+    return 0
+
+
 # ---- parser ------------------------------------------------------------
 
 
@@ -338,6 +348,20 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--host", default="127.0.0.1")
     proxy.add_argument("--port", type=int, default=8000)
     proxy.set_defaults(func=cmd_disagg_proxy)
+
+    router = sub.add_parser(
+        "router", help="an OpenAI-compatible front door over several `pagedllm serve` backends, cache-aware",
+    )
+    router.add_argument("--backend", action="append", required=True, metavar="URL",
+                        help="a `pagedllm serve` backend (repeat the flag for each; run them with --enable-kv-events)")
+    router.add_argument("--policy", default="prefix_aware", metavar="NAME",
+                        help="a registered routing policy: prefix_aware (default), least_loaded, round_robin, ...")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--api-key", default=None, help="the key clients of the router must send "
+                        "(also PAGEDLLM_ROUTER_API_KEY)")
+    router.add_argument("--backend-api-key", default=None, help="the key the backends require, if any")
+    router.set_defaults(func=cmd_router)
     add_bench_parser(sub)
     add_spec_parser(sub)
     return parser

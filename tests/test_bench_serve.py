@@ -314,6 +314,21 @@ def test_random_dataset_is_seeded_with_a_shared_prefix() -> None:
         sample_random_requests(1, input_len=0, output_len=1)
 
 
+def test_prompt_families_share_one_of_several_prefixes_in_random_order() -> None:
+    pool = list(range(100, 400))
+    requests = sample_random_requests(64, input_len=3, output_len=2, prefix_len=8, seed=5, token_ids=pool,
+                                      num_prefixes=4)
+    prefixes = [tuple(r.prompt_token_ids[:8]) for r in requests]
+    assert len(set(prefixes)) == 4 and all(len(r.prompt_token_ids) == 11 for r in requests)
+    first_seen = list(dict.fromkeys(prefixes))
+    assert [first_seen.index(prefix) for prefix in prefixes[:8]] != sorted(first_seen.index(p) for p in prefixes[:8])
+    # One prefix draws nothing more: a seed keeps the prompts it gave before families existed.
+    assert sample_random_requests(5, 6, 9, 4, seed=11, token_ids=pool, num_prefixes=1) == sample_random_requests(
+        5, 6, 9, 4, seed=11, token_ids=pool)
+    with pytest.raises(ConfigError, match="--num-prefixes"):
+        sample_random_requests(1, 1, 1, num_prefixes=0)
+
+
 def test_token_id_pool_is_the_tokenizer_vocabulary_without_special_tokens() -> None:
     from pagedllm.model_registry.tiny import get_tokenizer_dir
     from pagedllm.model_registry.tiny.tokenizer import SPECIAL_TOKENS, VOCAB_SIZE

@@ -290,3 +290,27 @@ def test_each_replica_gets_its_rank_and_kv_events_when_caches_are_mirrored() -> 
     assert not replica_configs(config, mirror_caches=False)[0].cache.enable_kv_events
     assert _router("round_robin").mirrors_caches and _router().mirrors_caches
     assert not _router(enable_prefix_caching=False).mirrors_caches
+
+
+# --------------------------------------------------- the server's event log
+
+
+def test_the_servers_log_numbers_changes_across_replicas_and_snapshots_late_readers() -> None:
+    from pagedllm.engine.kv_event_log import KVEventLog
+
+    log = KVEventLog(2, block_size=16, hash_algo="sha256", window=4)
+    assert log.read(None) == {"seq": 0, "block_size": 16, "hash_algo": "sha256", "snapshot": True,
+                              "block_hashes": []}
+    log.apply(0, [BlockStored([b"\x01", b"\x02"])])
+    log.apply(1, [BlockStored([b"\x02", b"\x03"])])  # 02 is held already: no change
+    assert log.read(0)["events"] == [("stored", "01"), ("stored", "02"), ("stored", "03")]
+    log.apply(0, [BlockRemoved([b"\x02"])])  # replica 1 still holds it
+    assert log.read(3) == {"seq": 3, "block_size": 16, "hash_algo": "sha256", "snapshot": False, "events": []}
+    log.apply(1, [AllBlocksCleared()])  # 02 and 03 are gone from the server
+    assert log.read(3)["events"] == [("removed", "02"), ("removed", "03")]
+    assert log.read(5)["events"] == []
+    # Changes 1 and 2 fell out of the 4-change window: a reader at 0 gets a snapshot.
+    assert log.read(0) == {"seq": 5, "block_size": 16, "hash_algo": "sha256", "snapshot": True,
+                           "block_hashes": ["01"]}
+    assert log.read(1)["snapshot"] is False  # changes 2..5 are all kept
+    assert log.read(99)["snapshot"] is True  # from another life of the server

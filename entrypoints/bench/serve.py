@@ -49,6 +49,8 @@ class BenchServeConfig:
     input_len: int = 128
     output_len: int = 128
     prefix_len: int = 0
+    # Distinct shared prefixes (families), one drawn at random per prompt.
+    num_prefixes: int = 1
     request_rate: float = math.inf
     max_concurrency: int | None = None
     seed: int = 0
@@ -239,7 +241,7 @@ async def run_benchmark(config: BenchServeConfig) -> BenchmarkResult:
     config.validate()
     pool = token_id_pool(config.tokenizer)
     requests = sample_random_requests(config.num_prompts, config.input_len, config.output_len,
-                                      config.prefix_len, config.seed, pool)
+                                      config.prefix_len, config.seed, pool, config.num_prefixes)
     offsets = arrival_offsets(len(requests), config.request_rate, config.seed)
     headers = _headers(config.api_key)
     url = config.base_url.rstrip("/") + "/" + config.endpoint.lstrip("/")
@@ -384,6 +386,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     serve.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens (with ignore_eos)")
     serve.add_argument("--prefix-len", type=_non_negative_int, default=0,
                        help="tokens of a prefix shared by every prompt")
+    serve.add_argument("--num-prefixes", type=_positive_int, default=1,
+                       help="distinct prefixes of --prefix-len tokens, one drawn at random per prompt "
+                            "(prompt families: what cache-aware routing is measured on)")
     serve.add_argument("--request-rate", type=_request_rate, default=math.inf,
                        help="Poisson arrival rate in requests/s; inf sends all at once (default)")
     serve.add_argument("--max-concurrency", type=_positive_int, default=None,
@@ -410,6 +415,7 @@ def config_from_args(args: argparse.Namespace) -> BenchServeConfig:
         input_len=args.input_len,
         output_len=args.output_len,
         prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
         request_rate=args.request_rate,
         max_concurrency=args.max_concurrency,
         seed=args.seed,

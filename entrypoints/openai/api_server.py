@@ -15,9 +15,9 @@ import logging
 import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -279,6 +279,17 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(engine.stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/kv_events")
+    async def kv_events(after: Annotated[int | None, Query(ge=0)] = None) -> Response:
+        """The block hashes this server's prefix caches gained and lost after
+        change number `after` (a snapshot of all it holds without it, or when
+        `after` fell out of the kept window), with the block size and hash
+        algorithm they were made with: what `pagedllm router` mirrors."""
+        log = engine.kv_event_log
+        if log is None:
+            return _error_response(404, "KV events are off: start the server with --enable-kv-events")
+        return JSONResponse(log.read(after))
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
