@@ -291,7 +291,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         run_router(args.backend, policy=args.policy, host=args.host, port=args.port,
                    api_key=args.api_key or os.environ.get("PAGEDLLM_ROUTER_API_KEY"),
-                   backend_api_key=args.backend_api_key)
+                   backend_api_key=args.backend_api_key, max_body_bytes=args.max_body_bytes)
     return 0
 
 
@@ -361,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--api-key", default=None, help="the key clients of the router must send "
                         "(also PAGEDLLM_ROUTER_API_KEY)")
     router.add_argument("--backend-api-key", default=None, help="the key the backends require, if any")
+    router.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                        help="larger request bodies are refused (413) before any parsing")
     router.set_defaults(func=cmd_router)
     add_bench_parser(sub)
     add_spec_parser(sub)

@@ -22,11 +22,10 @@ key (`--api-key`); backends may have theirs (`--backend-api-key`).
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
+from pagedllm.entrypoints.openai.middleware import AuthMiddleware, BodySizeLimitMiddleware
 from pagedllm.entrypoints.router.backend_pool import Backend, BackendPool
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.routers.base import ReplicaState, RouteRequest, RoutingPolicy
@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 OPEN_PATHS = frozenset({"/health"})
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # a server's default (server.max_body_bytes)
 # Fields of a chat request that shape its prompt (what /tokenize takes).
 _CHAT_PROMPT_FIELDS = ("messages", "add_generation_prompt", "chat_template", "chat_template_kwargs")
 
@@ -242,7 +243,8 @@ class Router:
 
 
 def build_app(backend_urls: list[str], *, policy: str = "prefix_aware", api_key: str | None = None,
-              backend_api_key: str | None = None, health_interval_s: float = 1.0) -> FastAPI:
+              backend_api_key: str | None = None, health_interval_s: float = 1.0,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     plugin_manager = get_plugin_manager()
     plugin_manager.load()
     policy_cls = plugin_manager.routers.load(policy)  # UnknownComponentError lists the names
@@ -258,13 +260,10 @@ def build_app(backend_urls: list[str], *, policy: str = "prefix_aware", api_key:
     app = FastAPI(title="pagedllm router", lifespan=lifespan)
     app.state.router = router
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if api_key is not None and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(401, "a valid API key is required (Authorization: Bearer <key>)")
-        return await call_next(request)
+    # The server's own middleware: the same key semantics, and no body parsed past the limit.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes, limit_name="--max-body-bytes")
+    if api_key is not None:
+        app.add_middleware(AuthMiddleware, api_key=api_key, open_paths=OPEN_PATHS)
 
     async def proxy(request: Request) -> Response:
         try:
@@ -311,10 +310,11 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def run_router(backend_urls: list[str], *, policy: str, host: str, port: int, api_key: str | None,
-               backend_api_key: str | None) -> None:
+               backend_api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
     import uvicorn
 
-    app = build_app(backend_urls, policy=policy, api_key=api_key, backend_api_key=backend_api_key)
+    app = build_app(backend_urls, policy=policy, api_key=api_key, backend_api_key=backend_api_key,
+                    max_body_bytes=max_body_bytes)
     uvicorn.run(app, host=host, port=port, log_level="info")
 
 
