@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from pagedllm.core.errors import ConfigError
 from pagedllm.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,12 @@ class CudaPlatform(Platform):
         return torch.device("cuda", self.device_index)
 
     def init_rank(self, local_rank: int, local_world_size: int) -> None:
-        """Rank `local_rank` on this host runs on GPU `local_rank`."""
+        """Rank `local_rank` on this host runs on GPU `local_rank` (the ranks
+        of every data-parallel engine on the host numbered together, so
+        replicas get disjoint GPUs)."""
+        num_devices = torch.cuda.device_count()
+        if local_world_size > num_devices:
+            raise ConfigError("parallel", f"{local_world_size} ranks on this host (data_parallel_size x "
+                              "tensor_parallel_size)", f"at most {num_devices}: one GPU per rank")
         self.device_index = local_rank
         torch.cuda.set_device(local_rank)

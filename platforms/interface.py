@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -14,6 +14,17 @@ from pagedllm.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+def cores_for_rank(cores: Sequence[int], local_rank: int, local_world_size: int) -> list[int]:
+    """Rank `local_rank`'s share of `cores`: a contiguous run, the runs as
+    even as the count allows (the first ranks take the remainder). With fewer
+    cores than ranks, each rank gets one core and ranks share them in turn."""
+    if len(cores) < local_world_size:
+        return [cores[local_rank % len(cores)]]
+    base, extra = divmod(len(cores), local_world_size)
+    start = local_rank * base + min(local_rank, extra)
+    return list(cores[start : start + base + (1 if local_rank < extra else 0)])
+
 
 # Accepted spellings of --dtype (vLLM's, plus short forms).
 DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -145,13 +156,19 @@ class Platform(ABC):
 
     def init_rank(self, local_rank: int, local_world_size: int) -> None:
         """Make this process one of `local_world_size` ranks on this host
-        (plugin API 1.3; a multi-rank executor's worker calls it before it
-        asks for `device()`). Default: the cores split evenly between the
-        ranks (one torch thread pool per rank), unless OMP_NUM_THREADS set them."""
+        (plugin API 1.3; a multi-rank executor's worker, or a data-parallel
+        engine, calls it before it asks for `device()`). Default: the process
+        is pinned to its own share of the cores (`cores_for_rank`) with one
+        torch thread per core, unless OMP_NUM_THREADS says the operator placed
+        the ranks already."""
         if "OMP_NUM_THREADS" in os.environ:
             return
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(max(1, cores // local_world_size))
+        if not hasattr(os, "sched_setaffinity"):  # no pinning here: split the thread count only
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+            return
+        share = cores_for_rank(sorted(os.sched_getaffinity(0)), local_rank, local_world_size)
+        os.sched_setaffinity(0, share)
+        torch.set_num_threads(len(share))
 
     def kv_cache_budget_bytes(self, utilization: float, profile_run: Callable[[], None]) -> int:
         """Bytes the KV cache may take, the model already loaded.

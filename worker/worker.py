@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from pagedllm.attention_backends.base import AttentionBackend
     from pagedllm.attention_backends.selector import BackendSelection
-    from pagedllm.core.config import EngineConfig, SpeculativeConfig
+    from pagedllm.core.config import EngineConfig, ParallelConfig, SpeculativeConfig
     from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
     from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.model_registry.interface import ModelForCausalLM
@@ -112,6 +112,14 @@ def check_tensor_parallel(config: EngineConfig, facts: ModelFacts, plugin_manage
     check_kv_connector_supports(config, plugin_manager)
 
 
+def rank_on_host(parallel: ParallelConfig, local_rank: int) -> tuple[int, int]:
+    """(this rank's index, the number of ranks) among the ranks of every
+    data-parallel engine on this host: `-dp 2 -tp 2` is ranks 0-1 (replica
+    0) and 2-3 (replica 1), which the platform places apart."""
+    return (parallel.data_parallel_rank * parallel.tensor_parallel_size + local_rank,
+            parallel.data_parallel_size * parallel.tensor_parallel_size)
+
+
 class Worker:
     """One rank. `rank` is its place in the world, `local_rank` its device
     index on this host; `distributed_init_method` (``tcp://addr:port``) is
@@ -138,14 +146,9 @@ class Worker:
         self.world_size = config.parallel.tensor_parallel_size
         # NOTE: this rank's KV heads, the layers' split: its cache holds only these.
         self.num_kv_heads = self.model_facts.heads_per_rank(self.world_size).num_kv_heads
-        parallel = config.parallel
-        if distributed_init_method is not None or parallel.data_parallel_size > 1:
-            # A rank in its own process: its device (CUDA) or share of the
-            # cores (CPU), among the ranks of every data-parallel engine on this host.
-            self.platform.init_rank(
-                parallel.data_parallel_rank * self.world_size + local_rank,
-                parallel.data_parallel_size * self.world_size,
-            )
+        if distributed_init_method is not None or config.parallel.data_parallel_size > 1:
+            # A rank in its own process: its device (CUDA) or share of the cores (CPU).
+            self.platform.init_rank(*rank_on_host(config.parallel, local_rank))
         self.device: torch.device = self.platform.device()
         logger.info(
             "attention backend: %s (rejected: %s; rank %d)",
