@@ -43,6 +43,7 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    KVEventsResponse,
     ModelCard,
     ModelList,
     ServerInfoResponse,
@@ -184,7 +185,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
 
         return Response(engine.stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/kv_events")
+    @app.get("/v1/kv_events", response_model=KVEventsResponse, responses=ERROR_RESPONSES)
     async def kv_events(after: Annotated[int | None, Query(ge=0)] = None) -> Response:
         """The block hashes this server's prefix caches gained and lost after
         change number `after` (a snapshot of all it holds without it, or when

@@ -475,6 +475,19 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class KVEventsResponse(BaseModel):
+    """GET /v1/kv_events: what the server's prefix caches hold, for a router."""
+
+    # The number of the latest change; ask with after=seq next time.
+    seq: int
+    block_size: int
+    hash_algo: str
+    # True: `block_hashes` lists every hash held; False: `events` lists the changes after `after`.
+    snapshot: bool
+    block_hashes: list[str] | None = None  # hex
+    events: list[tuple[Literal["stored", "removed"], str]] | None = None  # (change, hex hash)
+
+
 class ServerInfoResponse(BaseModel):
     version: str
     model: str
