@@ -62,6 +62,26 @@ def test_llm_with_two_replicas_gives_a_single_engines_tokens() -> None:
         llm.shutdown()
 
 
+def test_two_replicas_of_two_ranks_are_four_rank_processes_with_a_single_engines_tokens() -> None:
+    from helpers.processes import rank_processes, wait_gone
+
+    prompts = _prompts(4, 40, seed=5)
+    expected = _single_engine(prompts)
+    llm = LLM("tiny", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, data_parallel_size=2, tensor_parallel_size=2)
+    ranks: dict[int, int] = {}
+    try:
+        engine_pids = [client.engine_pid for client in llm.engine_core.clients]  # type: ignore[attr-defined]
+        per_replica = [rank_processes(pid) for pid in engine_pids]
+        assert [sorted(found.values()) for found in per_replica] == [[0, 1], [0, 1]]
+        ranks = {pid: rank for found in per_replica for pid, rank in found.items()}
+        assert len(ranks) == 4  # each replica its own executor and ranks
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    finally:
+        llm.shutdown()
+    assert wait_gone(set(ranks), 30.0) == []
+
+
 # ------------------------------------------------------------ the policies
 
 NUM_FAMILIES = 8
