@@ -160,7 +160,7 @@ def test_serve_dp2_gives_a_single_engines_tokens_and_survives_a_dead_replica() -
     prompts = _prompts(4, 40, seed=4)
     expected = _single_engine(prompts, texts=True)
     with start_server("tiny", "--dtype", "float32", "--num-kv-blocks", str(NUM_KV_BLOCKS), "-dp", "2",
-                      "--routing-policy", "round_robin") as server:
+                      "--routing-policy", "round_robin", "--keep-alive-on-engine-death") as server:
         for _ in range(2):  # each prompt on each replica (round robin)
             for prompt, text in zip(prompts, expected, strict=True):
                 response = _complete(server, prompt)
@@ -195,3 +195,9 @@ def test_serve_dp2_gives_a_single_engines_tokens_and_survives_a_dead_replica() -
         assert _metric(metrics, "pagedllm:replica_healthy", 0) == 0
         assert _metric(metrics, "pagedllm:replica_healthy", 1) == 1
 
+        # The last replica dies too: /health is 503 and names both causes.
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_until(lambda: httpx.get(f"{server.base_url}/health").status_code == 503, 10.0)
+        message = httpx.get(f"{server.base_url}/health").json()["error"]["message"]
+        assert "every engine replica died" in message and "replica 0" in message and "replica 1" in message
+        assert _complete(server, prompts[0]).status_code == 503
