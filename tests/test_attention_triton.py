@@ -80,6 +80,43 @@ def test_pure_decode_and_pure_prefill_batches() -> None:
 # ------------------------------------------------------------- split-KV
 
 
+@pytest.mark.parametrize("head_size", [32, 48, 72, 112, 160, 192])
+def test_every_head_size_up_to_256_is_padded_and_masked(head_size: int) -> None:
+    """What the registration declares (max_head_size=256): sizes below the
+    minimum tile and between powers of two, in a mixed batch and in the
+    split-KV decode path."""
+    from pagedllm.attention_backends.triton.unified_attention import unified_attention
+
+    assert_same_as_torch_native(seq_lens=[21, 18, 40], query_lens=[21, 3, 1], head_size=head_size, num_heads=2,
+                                num_kv_heads=1, dtype=torch.float32)
+    case = build_case(seq_lens=[40, 7], query_lens=[1, 1], head_size=head_size, num_heads=2, num_kv_heads=1,
+                      dtype=torch.float32, seed=4)
+    expected, cache = run_backend(TorchNativeBackend, case)
+    out = torch.zeros_like(case.query)
+    meta = case.metadata
+    unified_attention(
+        out, case.query, cache[0], cache[1], meta.block_table, meta.seq_lens, meta.query_start_loc,
+        num_reqs=meta.num_reqs, max_query_len=1, scale=head_size**-0.5, num_segments=3,
+    )
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+def test_the_registration_declares_what_the_kernel_serves() -> None:
+    from pagedllm.attention_backends.selector import check_backend
+    from pagedllm.platforms.cpu import CpuPlatform
+    from pagedllm.plugins import get_plugin_manager
+
+    registration = get_plugin_manager().attention_backends.get("triton")
+    platform = CpuPlatform()
+
+    def reasons(head_size: int) -> list[str]:
+        return [reason for reason in check_backend(registration, platform, head_size=head_size,
+                                                   dtype=torch.float32, block_size=16) if "head size" in reason]
+
+    assert all(reasons(size) == [] for size in (32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256))
+    assert reasons(320) == ["head size 320 > 256 maximum"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("num_segments", [2, 3, 5])
 def test_split_kv_decode_equals_one_segment(dtype: torch.dtype, num_segments: int) -> None:

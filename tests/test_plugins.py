@@ -473,7 +473,7 @@ def test_builtin_metadata_becomes_typed_values(monkeypatch: pytest.MonkeyPatch) 
         device_types=("cuda",),
         min_capability=(7, 0),
         dtypes=("float32", "float16", "bfloat16"),
-        head_sizes=(64, 80, 96, 128, 256),
+        max_head_size=256,
         block_size_multiple=16,
         requires=("triton",),
         supports_sliding_window=True,
