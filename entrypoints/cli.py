@@ -110,15 +110,11 @@ def cmd_plugins_new(args: argparse.Namespace) -> int:
 # ---- env ---------------------------------------------------------------
 
 
-def _env_dtype(platform: Platform, requested: str) -> torch.dtype:
+def _env_dtype(platform: Platform, requested: str) -> tuple[torch.dtype, str]:
+    """The dtype a typical (bfloat16) checkpoint would run in here, and why."""
     import torch
 
-    if requested != "auto":
-        return platform.resolve_dtype(requested, torch.float32)
-    # What a typical half-precision checkpoint would run in here.
-    if platform.device_type == "cpu":
-        return torch.float32
-    return platform.resolve_dtype("auto", torch.bfloat16)
+    return platform.resolve_dtype(requested, torch.bfloat16), platform.explain_dtype(requested, torch.bfloat16)
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -130,7 +126,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     from pagedllm.plugins import get_plugin_manager
 
     platform = resolve_platform(args.platform)
-    dtype = _env_dtype(platform, args.dtype)
+    dtype, dtype_reason = _env_dtype(platform, args.dtype)
     checks: dict[str, Any] = dict(head_size=args.head_size, dtype=dtype, block_size=args.block_size)
     selection = select_attention_backend(platform, args.attention_backend, load=False, **checks)
     registry = get_plugin_manager().attention_backends
@@ -145,6 +141,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         "rejected": selection.rejected,
         "backends": backends,
         "dtype": dtype_name(dtype),
+        "dtype_reason": dtype_reason,
         "head_size": args.head_size,
         "block_size": args.block_size,
         "torch": torch.__version__,
@@ -159,6 +156,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         ("device", payload["device"]),
         ("compute capability", cap),
         ("torch", payload["torch"]),
+        ("dtype", f"{payload['dtype']} ({dtype_reason})"),
         ("checked for", f"dtype={payload['dtype']} head_size={args.head_size} block_size={args.block_size}"),
         ("attention backend", selection.name),
         ("executor", payload["executor"]),

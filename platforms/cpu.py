@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.platforms.interface import Platform
+from pagedllm.platforms.interface import Platform, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +18,24 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit
+
+# CPU flags that mean bfloat16 arithmetic in hardware: x86's AMX tiles and
+# AVX-512 BF16 (/proc/cpuinfo "flags"), Arm's BF16 and SVE BF16 ("Features").
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16", "svebf16")
+
+
+def read_cpu_flags() -> set[str]:
+    """The first CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                name, _, value = line.partition(":")
+                if name.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
 
 # Without an explicit size the CPU pool gets this much memory (vLLM's CPU
 # backend reserves a fixed KV space the same way: VLLM_CPU_KVCACHE_SPACE).
@@ -56,6 +74,34 @@ class CpuPlatform(Platform):
 
     def supported_dtypes(self) -> list[torch.dtype]:
         return [torch.float32, torch.bfloat16, torch.float16]
+
+    def native_bf16_flags(self) -> list[str]:
+        """This CPU's flags that compute bfloat16 in hardware ([] = none: it would be emulated)."""
+        flags = read_cpu_flags()
+        return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
+
+    def resolve_dtype(self, requested: str, model_dtype: torch.dtype) -> torch.dtype:
+        """``"auto"`` (vLLM's CPU rule): a bfloat16 or float16 checkpoint runs
+        in bfloat16 where the CPU computes it natively (AMX, AVX-512 BF16,
+        Arm BF16), everything else in float32 (float16 has no fast CPU path;
+        emulated bfloat16 is slower than float32). An explicit dtype is kept."""
+        if requested != "auto":
+            return super().resolve_dtype(requested, model_dtype)
+        half = model_dtype in (torch.bfloat16, torch.float16)
+        return torch.bfloat16 if half and self.native_bf16_flags() else torch.float32
+
+    def explain_dtype(self, requested: str, model_dtype: torch.dtype) -> str:
+        if requested != "auto":
+            return super().explain_dtype(requested, model_dtype)
+        checkpoint = dtype_name(model_dtype)
+        flags = self.native_bf16_flags()
+        if model_dtype not in (torch.bfloat16, torch.float16):
+            return f"auto: a {checkpoint} checkpoint runs in float32"
+        if flags:
+            return (f"auto: a {checkpoint} checkpoint runs in bfloat16, which this CPU computes natively "
+                    f"({', '.join(flags)})")
+        return (f"auto: a {checkpoint} checkpoint runs in float32: this CPU has no native bfloat16 "
+                f"(none of {', '.join(NATIVE_BF16_FLAGS)})")
 
     def get_attention_backend_priority(self) -> list[str]:
         return ["torch_native"]

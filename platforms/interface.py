@@ -216,6 +216,17 @@ class Platform(ABC):
             )
         return dtype
 
+    def explain_dtype(self, requested: str, model_dtype: torch.dtype) -> str:
+        """Why `resolve_dtype(requested, model_dtype)` chose what it did, in
+        words (`pagedllm env`, the engine's log)."""
+        chosen = dtype_name(self.resolve_dtype(requested, model_dtype))
+        if requested != "auto":
+            return f"{requested}: asked for, runs in {chosen}"
+        checkpoint = dtype_name(model_dtype)
+        if chosen == checkpoint:
+            return f"auto: the checkpoint's {checkpoint}, which {self.describe()} supports"
+        return f"auto: a {checkpoint} checkpoint runs in {chosen} ({self.describe()} has no {checkpoint})"
+
     def get_device_communicator(self, group: ProcessGroup, device: torch.device) -> DeviceCommunicator:
         """The collectives of `group` on `device` (plugin API 1.3). Default:
         torch.distributed's own over the group's backend."""

@@ -89,7 +89,17 @@ def test_plugins_list_reports_load_errors(monkeypatch: pytest.MonkeyPatch, capsy
     assert "attention_backend:" in text and "kv_connector:" in text
 
 
-def test_env_json_on_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("flags", "dtype", "reason"), [
+    ({"avx512f", "amx_bf16", "avx512_bf16"}, "bfloat16",
+     "auto: a bfloat16 checkpoint runs in bfloat16, which this CPU computes natively (amx_bf16, avx512_bf16)"),
+    ({"avx2", "avx512f"}, "float32", "auto: a bfloat16 checkpoint runs in float32: this CPU has no native "
+     "bfloat16 (none of amx_bf16, avx512_bf16, bf16, svebf16)"),
+])
+def test_env_json_on_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                         flags: set[str], dtype: str, reason: str) -> None:
+    from pagedllm.platforms import cpu
+
+    monkeypatch.setattr(cpu, "read_cpu_flags", lambda: flags)
     simulate_device(monkeypatch, None)
     payload = run_json(capsys, ["env", "--json"])
     assert payload["platform"] == "cpu"
@@ -99,7 +109,7 @@ def test_env_json_on_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capture
     # Under the Triton interpreter (this suite) triton may run on CPU, so only "auto" skips it.
     if os.environ.get("TRITON_INTERPRET") != "1":
         assert payload["backends"]["triton"][0] == "device type 'cpu' is not supported (needs cuda)"
-    assert payload["dtype"] == "float32"
+    assert (payload["dtype"], payload["dtype_reason"]) == (dtype, reason)
 
 
 def test_env_shows_the_executor_world_size_and_communicator(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,8 +116,6 @@ def test_available_plugin_platform_wins_auto_over_the_builtins(
 @pytest.mark.parametrize(
     ("capability", "requested", "model_dtype", "expected"),
     [
-        (None, "auto", torch.bfloat16, torch.bfloat16),  # bf16 on CPU is fine
-        (None, "auto", torch.float32, torch.float32),
         (None, "half", torch.float32, torch.float16),
         ((7, 5), "auto", torch.bfloat16, torch.float16),  # Turing has no bf16
         ((7, 5), "auto", torch.float32, torch.float32),
@@ -134,6 +133,50 @@ def test_resolve_dtype(
     simulate_cuda(monkeypatch, capability)
     platform = CpuPlatform() if capability is None else CudaPlatform()
     assert platform.resolve_dtype(requested, model_dtype) == expected
+
+
+# A Sapphire Rapids core's bfloat16 flags, an AVX-512 core without them, a
+# Neoverse V1's (Arm), an AVX2 laptop.
+SAPPHIRE_RAPIDS = {"avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
+SKYLAKE = {"avx2", "avx512f", "avx512bw"}
+NEOVERSE_V1 = {"fp", "asimd", "sve", "bf16", "svebf16"}
+HASWELL = {"avx", "avx2", "fma"}
+
+
+@pytest.mark.parametrize(("flags", "model_dtype", "expected"), [
+    (SAPPHIRE_RAPIDS, torch.bfloat16, torch.bfloat16),
+    (SAPPHIRE_RAPIDS, torch.float16, torch.bfloat16),  # float16 has no fast CPU path: bfloat16 instead
+    (SAPPHIRE_RAPIDS, torch.float32, torch.float32),  # a float32 checkpoint stays float32
+    (NEOVERSE_V1, torch.float16, torch.bfloat16),
+    (SKYLAKE, torch.bfloat16, torch.float32),  # AVX-512 alone emulates bfloat16: float32 is faster
+    (HASWELL, torch.float16, torch.float32),
+    (set(), torch.bfloat16, torch.float32),  # no /proc/cpuinfo
+])
+def test_auto_on_cpu_is_bfloat16_only_for_half_checkpoints_on_native_bf16_cpus(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], model_dtype: torch.dtype, expected: torch.dtype
+) -> None:
+    from pagedllm.platforms import cpu
+
+    monkeypatch.setattr(cpu, "read_cpu_flags", lambda: flags)
+    assert CpuPlatform().resolve_dtype("auto", model_dtype) == expected
+    # An explicit dtype is what runs, whatever the flags.
+    assert CpuPlatform().resolve_dtype("float16", torch.bfloat16) == torch.float16
+    assert CpuPlatform().resolve_dtype("bfloat16", torch.float32) == torch.bfloat16
+
+
+def test_cpu_flags_come_from_proc_cpuinfo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import builtins
+
+    from pagedllm.platforms import cpu
+
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu avx512f amx_bf16\n\nprocessor\t: 1\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(fake if path == "/proc/cpuinfo" else path,
+                                                                          *a, **k))
+    assert cpu.read_cpu_flags() == {"fpu", "avx512f", "amx_bf16"}
+    fake.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
+    assert cpu.read_cpu_flags() == {"fp", "asimd", "bf16"}
 
 
 def test_explicit_bf16_below_capability_8_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
