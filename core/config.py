@@ -55,6 +55,9 @@ class ModelConfig(_Section):
     seed: int = 0
     # Overrides config.json's architectures[0].
     architecture: str | None = None
+    # A registered quantization method (plugin kind `quantization_method`):
+    # how the linear layers' weights are stored and multiplied. None = as loaded.
+    quantization: str | None = None
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -290,6 +293,7 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "max_model_len": ("model", "max_model_len"),
     "seed": ("model", "seed"),
     "architecture": ("model", "architecture"),
+    "quantization": ("model", "quantization"),
     "block_size": ("cache", "block_size"),
     "num_kv_blocks": ("cache", "num_kv_blocks"),
     "num_gpu_blocks_override": ("cache", "num_kv_blocks"),

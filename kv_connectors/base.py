@@ -72,11 +72,13 @@ def model_fingerprint(
     *,
     tp_size: int = 1,
     tp_rank: int = 0,
+    quantization: str | None = None,
 ) -> str:
     """A short name for "these KV blocks are interchangeable": the model's
     config.json, its weight files' names and sizes, the dtype, the cache
     layout and the tensor-parallel layout (a rank's blocks hold only its KV
-    heads: a TP=2 rank never loads TP=1 blocks, nor another rank's).
+    heads: a TP=2 rank never loads TP=1 blocks, nor another rank's) and the
+    quantization method (its weights compute other keys and values).
     (Weights are not read: sizes stand in for a checksum, so two
     checkpoints of one architecture with equal file sizes must not share
     a directory.)"""
@@ -93,6 +95,8 @@ def model_fingerprint(
     digest.update(f"{dtype}|{block_size}|{num_layers}|{num_kv_heads}|{head_size}".encode())
     if tp_size > 1:  # NOTE: TP=1 fingerprints (and the blocks stored under them) stay as they were
         digest.update(f"|tp={tp_size}|rank={tp_rank}".encode())
+    if quantization is not None:  # other weights, other keys and values
+        digest.update(f"|quantization={quantization}".encode())
     return digest.hexdigest()[:16]
 
 

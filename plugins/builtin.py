@@ -119,3 +119,9 @@ def register_routers(register: RegisterFn) -> None:
     register("round_robin", "pagedllm.routers.round_robin:RoundRobinPolicy")
     register("least_loaded", "pagedllm.routers.least_loaded:LeastLoadedPolicy")
     register("prefix_aware", "pagedllm.routers.prefix_aware:PrefixAwarePolicy")
+
+
+@hookimpl
+def register_quantization_methods(register: RegisterFn) -> None:
+    # Weight-only int8, per output channel, quantized from the float checkpoint at load.
+    register("int8", "pagedllm.quantization.int8:Int8WeightOnlyMethod")

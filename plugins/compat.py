@@ -47,7 +47,10 @@ from packaging.version import Version
 #      blocks until a save finishes track the ids they are given).
 #      The router kind (`register_routers`, `RoutingPolicy`, `RouterInfo`,
 #      `pm.routers`) and the prefix cache's KV events (`core.kv_cache.events`).
-API_VERSION = "1.4.0"
+# 1.5: the quantization-method kind (`register_quantization_methods`,
+#      `QuantizationMethod`, `QuantizationInfo`, `pm.quantization_methods`,
+#      `model.quantization`).
+API_VERSION = "1.5.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

@@ -38,7 +38,8 @@ hook receives a ``register`` function and calls it once per component::
 Each kind is a :class:`pagedllm.plugins.kinds.PluginKind`; its registry is
 ``get_plugin_manager().registry(kind)``, or typed: ``.platforms``,
 ``.attention_backends``, ``.models``, ``.drafters``, ``.grammar_backends``,
-``.kv_connectors``, ``.model_sources``, ``.executors``, ``.routers``.
+``.kv_connectors``, ``.model_sources``, ``.executors``, ``.routers``,
+``.quantization_methods``.
 
 None of these hooks is ``firstresult``: every plugin gets called, and the
 return value is ignored.
@@ -270,6 +271,30 @@ def register_routers(register: RegisterFn) -> None:
     end over ``data_parallel_size`` > 1 engines, ``pagedllm plugins list``.
     Built-in: ``round_robin``, ``least_loaded`` (vLLM's score) and
     ``prefix_aware`` (the default: the replica caching the longest prefix).
+    """
+
+
+@hookspec
+def register_quantization_methods(register: RegisterFn) -> None:
+    """Register quantization methods (kind ``quantization_method``, plugin API
+    1.5): how a model's linear layers store and multiply their weights.
+
+    :param register: call ``register(name, "pkg.mod:MethodCls", **metadata)``;
+        ``name`` is what ``model.quantization`` (``--quantization``,
+        ``LLM(quantization=...)``) selects. The target must be a subclass of
+        :class:`pagedllm.quantization.base.QuantizationMethod`, built with no
+        arguments once per rank after the model's weights are loaded; its
+        ``quantize_linear(layer, prefix)`` converts one linear layer (its
+        storage and its ``apply_linear`` GEMM). Metadata
+        (:class:`pagedllm.plugins.metadata.QuantizationInfo`):
+        ``device_types``, ``dtypes`` (compute dtypes it runs) and
+        ``requires``; a configuration outside them is a ConfigError before
+        any weight is loaded.
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the registry is first needed: a worker loading a model
+    with ``model.quantization`` set, ``pagedllm plugins list``. Built-in:
+    ``int8`` (weight-only, per output channel, quantized at load).
     """
 
 

@@ -26,6 +26,7 @@ class PluginKind(enum.StrEnum):
     MODEL_SOURCE = "model_source"
     EXECUTOR = "executor"
     ROUTER = "router"
+    QUANTIZATION_METHOD = "quantization_method"
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,12 @@ KIND_SPECS: dict[PluginKind, KindSpec] = {
             "register_routers",
             "pagedllm.routers.base:RoutingPolicy",
             f"{_METADATA}:RouterInfo",
+        ),
+        KindSpec(
+            PluginKind.QUANTIZATION_METHOD,
+            "register_quantization_methods",
+            "pagedllm.quantization.base:QuantizationMethod",
+            f"{_METADATA}:QuantizationInfo",
         ),
     )
 }

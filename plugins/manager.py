@@ -38,8 +38,10 @@ if TYPE_CHECKING:
         ModelInfo,
         ModelSourceInfo,
         PlatformInfo,
+        QuantizationInfo,
         RouterInfo,
     )
+    from pagedllm.quantization.base import QuantizationMethod
     from pagedllm.routers.base import RoutingPolicy
     from pagedllm.spec_decode.interface import Drafter
     from pagedllm.structured_output.interface import GrammarBackend
@@ -322,6 +324,10 @@ class PluginManager:
     @property
     def routers(self) -> Registry[RoutingPolicy, RouterInfo]:
         return self.registry(PluginKind.ROUTER)
+
+    @property
+    def quantization_methods(self) -> Registry[QuantizationMethod, QuantizationInfo]:
+        return self.registry(PluginKind.QUANTIZATION_METHOD)
 
     def _collect(self, spec: KindSpec) -> Registry[Any, Any]:
         registry: Registry[Any, Any] = Registry(spec.kind, spec.interface)

@@ -202,6 +202,15 @@ class RouterInfo:
     """``register_routers`` metadata: none (the policy's class says what it reads)."""
 
 
+@dataclass(frozen=True)
+class QuantizationInfo:
+    """``register_quantization_methods`` metadata: where the method runs."""
+
+    device_types: tuple[str, ...] | None = parsed(names)  # "cpu", "cuda", ...; None = any
+    dtypes: tuple[str, ...] | None = parsed(dtype_names)  # compute dtypes; None = any
+    requires: tuple[str, ...] = parsed(names, ())  # import names of the packages it needs
+
+
 __all__ = [
     "DrafterInfo",
     "ExecutorInfo",
@@ -211,6 +220,7 @@ __all__ = [
     "ModelInfo",
     "ModelSourceInfo",
     "PlatformInfo",
+    "QuantizationInfo",
     "RouterInfo",
     "build_info",
     "capability",

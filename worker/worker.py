@@ -37,6 +37,7 @@ from pagedllm.worker.kv_cache import allocate_kv_caches
 from pagedllm.worker.memory_profiler import profile_run
 from pagedllm.worker.model_facts import ModelFacts
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.quantize import load_quantization_method, quantize_model
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from pagedllm.model_registry.interface import ModelForCausalLM
     from pagedllm.platforms.interface import Platform
     from pagedllm.plugins.manager import PluginManager
+    from pagedllm.quantization.base import QuantizationMethod
     from pagedllm.spec_decode.interface import Drafter
 
 logger = logging.getLogger(__name__)
@@ -150,12 +152,18 @@ class Worker:
             # A rank in its own process: its device (CUDA) or share of the cores (CPU).
             self.platform.init_rank(*rank_on_host(config.parallel, local_rank))
         self.device: torch.device = self.platform.device()
+        logger.info("dtype %s (%s)", self.model_facts.dtype, self.platform.explain_dtype(
+            config.model.dtype, _config_dtype(self.model_facts.hf_config)))
         logger.info(
             "attention backend: %s (rejected: %s; rank %d)",
             self.attn_selection.name, self.attn_selection.rejected, rank,
         )
         method = config.speculative.method
         self.drafter_cls: type[Drafter] | None = None if method is None else self.plugin_manager.drafters.load(method)
+        quantization = config.model.quantization
+        # Checked here, before any weight is loaded: an unknown or unfit method is a ConfigError.
+        self.quantization_cls: type[QuantizationMethod] | None = None if quantization is None else (
+            load_quantization_method(quantization, self.plugin_manager, self.platform, self.model_facts.dtype))
         # config.speculative with its model name resolved to a folder: drafters
         # get a folder, whatever name the config gave.
         speculative = config.speculative
@@ -225,6 +233,9 @@ class Worker:
             device=self.device,
             hf_config=facts.hf_config,
         ))
+        if self.quantization_cls is not None:
+            converted = quantize_model(model, self.quantization_cls())
+            logger.info("quantization %s: %d linear layers converted", self.config.model.quantization, converted)
         self.platform.optimize_model(model)
         if self.config.device.compile_model:
             compile_outside_attention(model)
@@ -383,7 +394,7 @@ class Worker:
             model_path=facts.path,
             model_fingerprint=model_fingerprint(
                 facts.path, facts.dtype, block_size, self.num_layers, self.num_kv_heads, facts.head_size,
-                tp_size=self.world_size, tp_rank=self.rank,
+                tp_size=self.world_size, tp_rank=self.rank, quantization=self.config.model.quantization,
             ),
             block_size=block_size,
             num_layers=self.num_layers,

@@ -1,0 +1,34 @@
+"""The quantization-method interface (plugin kind ``quantization_method``):
+how a model's linear layers store and multiply their weights.
+
+A method is built once per rank, after the model's weights are loaded (in
+the checkpoint's precision, each rank's slice). The worker hands it every
+linear layer of the model but the LM head, with the layer's dotted name
+(``model.layers.0.self_attn.qkv_proj``), and the method converts the layer
+in place: it replaces the layer's storage (``layer.weight``, extra buffers
+such as scales) and its GEMM, ``layer.apply_linear(x, bias)``. The layer's
+tensor-parallel collectives stay outside the GEMM, so a method never sees
+them: at tensor_parallel_size > 1 it quantizes each rank's slice as a whole
+matrix. A layer the method leaves alone (``quantize_linear`` returns False)
+runs as loaded.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+class QuantizationMethod(ABC):
+    """Built as ``MethodCls()``; `quantize_linear` runs once per layer at load."""
+
+    @abstractmethod
+    def quantize_linear(self, layer: nn.Linear, prefix: str) -> bool:
+        """Convert `layer` (an ``nn.Linear`` with ``apply_linear(x, bias)``,
+        its float weight loaded) in place; True when it was converted."""
+
+
+__all__ = ["QuantizationMethod"]

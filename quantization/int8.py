@@ -1,0 +1,64 @@
+"""int8: weight-only quantization, per output channel, at load.
+
+Each row (output channel) of a float weight W is stored as int8 with one
+scale, s = max|W_row| / 127, q = round(W_row / s) (symmetric, no zero
+point): a quarter of float32's bytes, half of bfloat16's. The GEMM keeps
+the activations in the compute dtype: ``torch._weight_int8pack_mm`` (torch's
+int8 weight-packed matmul: x @ q^T, each output column times its scale) on
+the CPU (for shapes on its grid), the same product with q cast to the
+activations' dtype elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.quantization.base import QuantizationMethod
+
+INT8_MAX = 127
+# NOTE: torch's CPU kernel (AVX-512 / AMX for bfloat16) crashed on shapes off
+# this grid (K = 20 or 24, N = 17 in bfloat16): it runs only on multiples of it.
+PACKED_MM_MULTIPLE = 16
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale float32 [N]) with weight ~= q * scale[:, None]."""
+    weight = weight.detach().float()
+    scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
+    q = torch.round(weight / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def _int8_gemm(q: torch.Tensor, scale: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    packed_mm = q.device.type == "cpu" and all(size % PACKED_MM_MULTIPLE == 0 for size in q.shape)
+
+    def apply_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if packed_mm:
+            out = torch._weight_int8pack_mm(rows.contiguous(), q, scale)
+        else:
+            out = F.linear(rows, q.to(rows.dtype)) * scale
+        out = out.reshape(*x.shape[:-1], q.shape[0])
+        return out if bias is None else out + bias
+
+    return apply_linear
+
+
+class Int8WeightOnlyMethod(QuantizationMethod):
+    def quantize_linear(self, layer: nn.Linear, prefix: str) -> bool:
+        compute_dtype = layer.weight.dtype
+        q, scale = quantize_per_channel(layer.weight)
+        # NOTE: the float weight is dropped (the memory is the point); the
+        # int8 one takes its name, so the layer's parameter list stays the same.
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        weight_scale = scale.to(compute_dtype)
+        layer.register_buffer("weight_scale", weight_scale)
+        layer.apply_linear = _int8_gemm(layer.weight, weight_scale)  # type: ignore[assignment]  # a per-instance GEMM
+        return True
+
+
+__all__ = ["Int8WeightOnlyMethod", "quantize_per_channel"]

@@ -1,0 +1,191 @@
+"""The quantization-method kind (issue 17 point 3): the built-in weight-only
+`int8` against plain-torch references (per-channel rounding, the GEMM), on
+the shipped model (greedy tokens agree with float, validation perplexity
+within 2 % of float's, the linear weights stored as int8), a method
+registered by a test plugin selected by name, and the errors for a method
+that is unknown or cannot run here."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.errors import ConfigError, UnknownComponentError
+from pagedllm.kv_connectors.base import model_fingerprint
+from pagedllm.model_registry.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
+from pagedllm.quantization.base import QuantizationMethod
+from pagedllm.quantization.int8 import Int8WeightOnlyMethod, quantize_per_channel
+
+PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "import os\nimport sys\n",
+           "for i in range(10):", "# Read the file\nwith open(path) as f:", "x = [1, 2, 3]\ny ="]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def test_each_output_channel_is_rounded_to_int8_with_its_own_scale() -> None:
+    weight = torch.randn(6, 10, generator=torch.Generator().manual_seed(0)) * torch.arange(1, 7)[:, None]
+    weight[3] = 0.0  # an all-zero row keeps a usable scale
+    q, scale = quantize_per_channel(weight)
+    assert q.dtype == torch.int8 and scale.shape == (6,)
+    expected_scale = weight.abs().amax(dim=1) / 127
+    torch.testing.assert_close(scale[[0, 1, 2, 4, 5]], expected_scale[[0, 1, 2, 4, 5]], rtol=0, atol=0)
+    assert q[3].eq(0).all() and scale[3] > 0
+    # Each row's largest magnitude is exactly +-127; every value within half a step.
+    assert q[[0, 1, 2, 4, 5]].abs().amax(dim=1).eq(127).all()
+    assert ((q.float() * scale[:, None] - weight).abs() <= scale[:, None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("layer_cls", [ColumnParallelLinear, RowParallelLinear])
+@pytest.mark.parametrize("in_features", [32, 24], ids=["packed-mm", "off-its-grid"])
+def test_the_int8_gemm_is_x_times_the_dequantized_weight(
+    layer_cls: type[nn.Linear], dtype: torch.dtype, in_features: int
+) -> None:
+    torch.manual_seed(1)
+    layer = layer_cls(in_features, 16, bias=True).to(dtype)  # type: ignore[call-arg]
+    q, scale = quantize_per_channel(layer.weight)
+    bias = layer.bias.detach().clone()
+    assert Int8WeightOnlyMethod().quantize_linear(layer, "proj")
+    assert layer.weight.dtype == torch.int8 and layer.weight_scale.dtype == dtype
+    x = torch.randn(2, 5, in_features).to(dtype)
+    reference = x.float() @ (q.float() * scale[:, None]).T + bias.float()
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
+    torch.testing.assert_close(layer(x).float(), reference, atol=tolerance, rtol=tolerance)
+
+
+def _greedy_tokens(**engine: object) -> tuple[list[list[int]], LLM]:
+    llm = LLM("tiny", dtype="float32", **engine)  # type: ignore[arg-type]
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], llm
+
+
+def _model(llm: LLM) -> nn.Module:
+    return llm.engine_core.engine_core.model_executor.driver_worker.model  # type: ignore[attr-defined,no-any-return]
+
+
+def test_int8_stores_every_linear_but_the_lm_head_as_int8_and_agrees_with_float() -> None:
+    expected, reference = _greedy_tokens()
+    reference.shutdown()
+    tokens, llm = _greedy_tokens(quantization="int8")
+    try:
+        model = _model(llm)
+        linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        assert {name for name, m in linears.items() if m.weight.dtype == torch.int8} == {
+            name for name in linears if not name.endswith("lm_head")}
+        assert linears["lm_head"].weight.dtype == torch.float32
+    finally:
+        llm.shutdown()
+    # The first tokens are the same everywhere; rounding may flip a near-tie later.
+    assert [t[0] for t in tokens] == [t[0] for t in expected]
+    same = sum(a == b for got, want in zip(tokens, expected, strict=True) for a, b in zip(got, want, strict=True))
+    assert same >= 0.9 * len(PROMPTS) * GREEDY.max_tokens, (same, tokens, expected)
+
+
+def _validation_perplexity(llm: LLM, windows: list[list[int]], bos_id: int) -> float:
+    """exp(mean NLL) of every window token but the first (and BOS), from prompt logprobs."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+    nll, count = 0.0, 0
+    for window, output in zip(windows, outputs, strict=True):
+        assert output.prompt_logprobs is not None
+        for token, entry in zip(window[1:], output.prompt_logprobs[1:], strict=True):
+            if token != bos_id:
+                nll -= entry[token].logprob
+                count += 1
+    return math.exp(nll / count)
+
+
+@pytest.mark.slow
+def test_int8_validation_perplexity_is_within_2_percent_of_float() -> None:
+    from pagedllm.model_registry import tiny
+    from pagedllm.model_registry.tiny.evaluate import validation_windows
+
+    all_windows, bos_id = validation_windows(tiny.get_tokenizer_dir())
+    step = len(all_windows) // 32
+    windows = [w.tolist() for w in all_windows[::step][:32]]  # 32 x 256 tokens from across the files
+    perplexities = {}
+    for quantization in (None, "int8"):
+        llm = LLM("tiny", dtype="float32", quantization=quantization)
+        try:
+            perplexities[quantization] = _validation_perplexity(llm, windows, bos_id)
+        finally:
+            llm.shutdown()
+    assert perplexities[None] < 45.0, perplexities  # the trained model, not noise
+    assert perplexities["int8"] <= 1.02 * perplexities[None], perplexities
+
+
+# ------------------------------------------------------------- the kind
+
+
+class RecordingMethod(QuantizationMethod):
+    """Leaves every layer as loaded and records which ones it was offered."""
+
+    offered: ClassVar[list[str]] = []
+
+    def quantize_linear(self, layer: nn.Linear, prefix: str) -> bool:
+        RecordingMethod.offered.append(prefix)
+        return False
+
+
+class TestQuantizationPlugin:
+    @hookimpl
+    def register_quantization_methods(self, register: RegisterFn) -> None:
+        register("recording", RecordingMethod)
+        register("cuda_only", RecordingMethod, device_types=["cuda"], dtypes=["float16"])
+
+
+@pytest.fixture
+def quantization_plugin() -> Iterator[None]:
+    pm = get_plugin_manager()
+    pm.register(TestQuantizationPlugin(), name="test-quantization")
+    RecordingMethod.offered = []
+    yield
+    pm.unregister(name="test-quantization")
+
+
+def test_a_method_registered_by_a_plugin_is_selected_by_name(quantization_plugin: None) -> None:
+    expected, reference = _greedy_tokens()
+    reference.shutdown()
+    tokens, llm = _greedy_tokens(quantization="recording")
+    try:
+        linears = [name for name, m in _model(llm).named_modules()
+                   if isinstance(m, nn.Linear) and not name.endswith("lm_head")]
+    finally:
+        llm.shutdown()
+    assert RecordingMethod.offered == linears and len(linears) > 0
+    assert tokens == expected  # nothing converted: float's tokens exactly
+
+
+def test_a_method_that_cannot_run_here_is_a_config_error_before_loading(quantization_plugin: None) -> None:
+    refused = (r"model.quantization='cuda_only' is invalid; allowed: a method that runs here "
+               r"\(cuda_only runs on cuda, not cpu; computes in float16, not float32\)")
+    with pytest.raises(ConfigError, match=refused):
+        LLM("tiny", dtype="float32", quantization="cuda_only")
+    assert RecordingMethod.offered == []
+
+
+def test_an_unknown_method_lists_the_registered_ones() -> None:
+    with pytest.raises(UnknownComponentError, match=r"no quantization_method named 'gptq'; registered: int8"):
+        LLM("tiny", dtype="float32", quantization="gptq")
+
+
+def test_the_builtin_method_is_registered_and_serve_takes_the_flag() -> None:
+    from pagedllm.entrypoints.cli import build_parser, serve_config
+
+    registry = get_plugin_manager().quantization_methods
+    assert {name: registry.get(name).target for name in registry.names()} == {
+        "int8": "pagedllm.quantization.int8:Int8WeightOnlyMethod"}
+    args = build_parser().parse_args(["serve", "tiny", "--quantization", "int8"])
+    assert serve_config(args).model.quantization == "int8"
+
+
+def test_kv_blocks_of_another_quantization_are_another_fingerprint(tmp_path: object) -> None:
+    facts = (str(tmp_path), torch.float32, 16, 2, 2, 8)
+    plain, int8 = model_fingerprint(*facts), model_fingerprint(*facts, quantization="int8")
+    assert plain != int8 and int8 == model_fingerprint(*facts, quantization="int8")
