@@ -144,7 +144,9 @@ def test_bf16_on_turing_rejects_triton_through_the_platform(monkeypatch: pytest.
 
 
 @pytest.mark.parametrize(
-    ("head_size", "triton_ok", "flash_ok"), [(64, True, True), (72, False, True), (48, False, True)]
+    ("head_size", "triton_ok", "flash_ok"),
+    # Triton pads and masks any head up to 256; FlashAttention needs multiples of 8.
+    [(64, True, True), (72, True, True), (48, True, True), (36, True, False), (320, False, False)],
 )
 def test_head_size_rules(monkeypatch: pytest.MonkeyPatch, head_size: int, triton_ok: bool, flash_ok: bool) -> None:
     simulate_device(monkeypatch, (8, 0), installed=("triton", "flash_attn"))

@@ -182,7 +182,7 @@ def test_from_flat_maps_vllm_names_to_sections(tmp_path: Path) -> None:
     )
     d = c.to_dict()
     assert d["model"] == {"model": "/models/x", "tokenizer": None, "dtype": "float16", "max_model_len": 512,
-                          "seed": 3, "architecture": None}
+                          "seed": 3, "architecture": None, "quantization": None}
     cache = d["cache"]
     assert (cache["block_size"], cache["num_kv_blocks"], cache["enable_prefix_caching"]) == (32, 64, False)
     assert (d["scheduler"]["max_num_seqs"], d["scheduler"]["max_num_batched_tokens"]) == (4, 256)
