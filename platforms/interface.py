@@ -15,6 +15,7 @@ from pagedllm.core.errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+
 def cores_for_rank(cores: Sequence[int], local_rank: int, local_world_size: int) -> list[int]:
     """Rank `local_rank`'s share of `cores`: a contiguous run, the runs as
     even as the count allows (the first ranks take the remainder). With fewer
