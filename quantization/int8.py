@@ -5,8 +5,8 @@ scale, s = max|W_row| / 127, q = round(W_row / s) (symmetric, no zero
 point): a quarter of float32's bytes, half of bfloat16's. The GEMM keeps
 the activations in the compute dtype: ``torch._weight_int8pack_mm`` (torch's
 int8 weight-packed matmul: x @ q^T, each output column times its scale) on
-the CPU (for shapes on its grid), the same product with q cast to the
-activations' dtype elsewhere.
+the CPU for shapes on its grid and decode-sized batches, the same product
+with q cast to the activations' dtype elsewhere.
 """
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ INT8_MAX = 127
 # NOTE: torch's CPU kernel (AVX-512 / AMX for bfloat16) crashed on shapes off
 # this grid (K = 20 or 24, N = 17 in bfloat16): it runs only on multiples of it.
 PACKED_MM_MULTIPLE = 16
+# That kernel is a matrix-vector product per row: ~3x faster than a bfloat16
+# GEMM for one row (it reads a quarter of the bytes), but its time grows with
+# the rows, past the dequantized GEMM's from about 8 rows (K=768, N=4096, 2
+# cores). Larger batches cast the weight and use the dtype's own GEMM.
+PACKED_MM_MAX_ROWS = 8
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +43,7 @@ def _int8_gemm(q: torch.Tensor, scale: torch.Tensor) -> Callable[[torch.Tensor, 
 
     def apply_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if packed_mm:
+        if packed_mm and rows.shape[0] <= PACKED_MM_MAX_ROWS:
             out = torch._weight_int8pack_mm(rows.contiguous(), q, scale)
         else:
             out = F.linear(rows, q.to(rows.dtype)) * scale

@@ -43,20 +43,27 @@ def test_each_output_channel_is_rounded_to_int8_with_its_own_scale() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("layer_cls", [ColumnParallelLinear, RowParallelLinear])
-@pytest.mark.parametrize("in_features", [32, 24], ids=["packed-mm", "off-its-grid"])
+@pytest.mark.parametrize(("in_features", "num_rows"), [(32, 1), (32, 8), (32, 10), (24, 1)],
+                         ids=["packed-mm", "packed-mm-8-rows", "dequantized-gemm", "off-its-grid"])
 def test_the_int8_gemm_is_x_times_the_dequantized_weight(
-    layer_cls: type[nn.Linear], dtype: torch.dtype, in_features: int
+    layer_cls: type[nn.Linear], dtype: torch.dtype, in_features: int, num_rows: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    packed_calls: list[int] = []
+    packed_mm = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, q, s: packed_calls.append(len(x)) or packed_mm(x, q, s))
     torch.manual_seed(1)
     layer = layer_cls(in_features, 16, bias=True).to(dtype)  # type: ignore[call-arg]
     q, scale = quantize_per_channel(layer.weight)
     bias = layer.bias.detach().clone()
     assert Int8WeightOnlyMethod().quantize_linear(layer, "proj")
     assert layer.weight.dtype == torch.int8 and layer.weight_scale.dtype == dtype
-    x = torch.randn(2, 5, in_features).to(dtype)
+    x = torch.randn(num_rows, 1, in_features).to(dtype)
     reference = x.float() @ (q.float() * scale[:, None]).T + bias.float()
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
     torch.testing.assert_close(layer(x).float(), reference, atol=tolerance, rtol=tolerance)
+    # torch's packed kernel on its grid at decode-sized batches; the dequantized GEMM otherwise.
+    assert packed_calls == ([num_rows] if in_features % 16 == 0 and num_rows <= 8 else [])
 
 
 def _greedy_tokens(**engine: object) -> tuple[list[list[int]], LLM]:
