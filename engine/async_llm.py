@@ -146,16 +146,7 @@ class AsyncLLM:
             max_model_len=ready.max_model_len,
             world_size=ready.world_size,
         )
-        # What the prefix caches hold, for a router in front of this server
-        # (GET /v1/kv_events); None unless the engines report it.
-        self.kv_event_log: KVEventLog | None = None
-        if config.cache.enable_kv_events:
-            self.kv_event_log = KVEventLog(config.parallel.data_parallel_size, block_size=config.cache.block_size,
-                                           hash_algo=config.cache.prefix_caching_hash_algo)
-        if isinstance(self.engine_core, DPAsyncMPClient):
-            self.stat_logger.prometheus.add_router_metrics(len(self.engine_core.clients))
-            self.engine_core.router.observer = self.stat_logger.prometheus
-            self.engine_core.router.event_log = self.kv_event_log
+        self.kv_event_log = self._connect_routing(config)
         logger.info(
             "engine ready: executor %s, %d rank(s), collectives %s, attention backend %s, %d KV blocks",
             ready.executor, ready.world_size, ready.communicator, ready.attention_backend, ready.num_kv_blocks,
@@ -443,6 +434,20 @@ class AsyncLLM:
             dead = EngineDeadError(f"the engine's output handler failed: {type(exc).__name__}: {exc}")
             self.engine_core.dead_error = dead
             self._fail_all(dead)
+
+    def _connect_routing(self, config: EngineConfig) -> KVEventLog | None:
+        """The log of what the prefix caches hold, for a router in front of
+        this server (GET /v1/kv_events; None unless the engines report it),
+        and the data-parallel router's metrics and log."""
+        log = None
+        if config.cache.enable_kv_events:
+            log = KVEventLog(config.parallel.data_parallel_size, block_size=config.cache.block_size,
+                             hash_algo=config.cache.prefix_caching_hash_algo)
+        if isinstance(self.engine_core, DPAsyncMPClient):
+            self.stat_logger.prometheus.add_router_metrics(len(self.engine_core.clients))
+            self.engine_core.router.observer = self.stat_logger.prometheus
+            self.engine_core.router.event_log = log
+        return log
 
     async def _process_engine_outputs(self, message: EngineCoreOutputs) -> None:
         if self.kv_event_log is not None and isinstance(self.engine_core, AsyncMPClient):
