@@ -16,11 +16,13 @@ of the optional parts.
 
 from __future__ import annotations
 
-from abc import ABC, ABCMeta, abstractmethod
+from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, ClassVar, cast
 
 from torch import nn
+
+from pagedllm.model_registry.source import ModelSource
 
 if TYPE_CHECKING:
     import torch
@@ -77,17 +79,4 @@ class ModelForCausalLM(nn.Module, metaclass=ABCMeta):
         return cast(bool, NotImplemented)  # ABCMeta's usual check decides
 
 
-class ModelSource(ABC):
-    """Names that stand for a model folder (kind ``model_source``, plugin API
-    1.2): ``model: tiny`` is the shipped model because the built-in source
-    knows the name. Registered with ``register_model_sources``; the engine asks
-    each source in registration order and the first answer wins; a name that
-    no source knows is a folder or a hub id. Built with no arguments."""
-
-    @abstractmethod
-    def resolve(self, name: str) -> str | None:
-        """The folder (or hub id) ``name`` stands for; None when this source
-        does not know the name."""
-
-
-__all__ = ["ModelForCausalLM", "ModelSource"]
+__all__ = ["ModelForCausalLM", "ModelSource"]  # ModelSource: re-exported, as in plugin API 1.2

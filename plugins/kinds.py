@@ -81,7 +81,7 @@ KIND_SPECS: dict[PluginKind, KindSpec] = {
         KindSpec(
             PluginKind.MODEL_SOURCE,
             "register_model_sources",
-            "pagedllm.model_registry.interface:ModelSource",
+            "pagedllm.model_registry.source:ModelSource",
             f"{_METADATA}:ModelSourceInfo",
         ),
         KindSpec(

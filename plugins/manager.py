@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend, AttentionCapabilities
     from pagedllm.executors.base import Executor
     from pagedllm.kv_connectors.base import KVConnectorBase
-    from pagedllm.model_registry.interface import ModelForCausalLM, ModelSource
+    from pagedllm.model_registry.interface import ModelForCausalLM
+    from pagedllm.model_registry.source import ModelSource
     from pagedllm.platforms.interface import Platform
     from pagedllm.plugins.metadata import (
         DrafterInfo,

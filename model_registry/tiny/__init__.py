@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pagedllm.model_registry.interface import ModelSource
+from pagedllm.model_registry.source import ModelSource
 from pagedllm.model_registry.tiny.cache import build_once, get_cache_root
 
 TARGET_MODEL_NAME = "pagedllm-tiny"
