@@ -22,6 +22,8 @@ _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit
 # CPU flags that mean bfloat16 arithmetic in hardware: x86's AMX tiles and
 # AVX-512 BF16 (/proc/cpuinfo "flags"), Arm's BF16 and SVE BF16 ("Features").
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16", "svebf16")
+# Checkpoints that "auto" runs in bfloat16 on such a CPU.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def read_cpu_flags() -> set[str]:
@@ -87,19 +89,17 @@ class CpuPlatform(Platform):
         emulated bfloat16 is slower than float32). An explicit dtype is kept."""
         if requested != "auto":
             return super().resolve_dtype(requested, model_dtype)
-        half = model_dtype in (torch.bfloat16, torch.float16)
-        return torch.bfloat16 if half and self.native_bf16_flags() else torch.float32
+        return torch.bfloat16 if model_dtype in HALF_DTYPES and self.native_bf16_flags() else torch.float32
 
     def explain_dtype(self, requested: str, model_dtype: torch.dtype) -> str:
         if requested != "auto":
             return super().explain_dtype(requested, model_dtype)
         checkpoint = dtype_name(model_dtype)
-        flags = self.native_bf16_flags()
-        if model_dtype not in (torch.bfloat16, torch.float16):
+        if model_dtype not in HALF_DTYPES:
             return f"auto: a {checkpoint} checkpoint runs in float32"
-        if flags:
+        if self.resolve_dtype(requested, model_dtype) == torch.bfloat16:
             return (f"auto: a {checkpoint} checkpoint runs in bfloat16, which this CPU computes natively "
-                    f"({', '.join(flags)})")
+                    f"({', '.join(self.native_bf16_flags())})")
         return (f"auto: a {checkpoint} checkpoint runs in float32: this CPU has no native bfloat16 "
                 f"(none of {', '.join(NATIVE_BF16_FLAGS)})")
 
