@@ -88,6 +88,11 @@ class SchedulerConfig(_Section):
     long_prefill_token_threshold: int = Field(0, ge=0)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     enable_chunked_prefill: bool = True
+    # vLLM's async scheduling: step k+1 is scheduled and launched while step
+    # k's forward runs, and step k's outputs are processed after that. Steps
+    # holding a request that needs its previous token first (a grammar) run
+    # synchronously; with a drafter or a KV connector every step does.
+    async_scheduling: bool = False
 
 
 class DeviceConfig(_Section):
@@ -306,6 +311,7 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "long_prefill_token_threshold": ("scheduler", "long_prefill_token_threshold"),
     "scheduling_policy": ("scheduler", "scheduling_policy"),
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
+    "async_scheduling": ("scheduler", "async_scheduling"),
     "platform": ("device", "platform"),
     "attention_backend": ("device", "attention_backend"),
     "enforce_eager": ("device", "enforce_eager"),

@@ -1,5 +1,9 @@
 """EngineCore: add and abort requests, and step: schedule -> execute -> update.
 
+With async scheduling (vLLM's batch queue) a step schedules and launches the
+next batch before it processes the previous batch's outputs, so scheduling,
+output processing and the API's I/O overlap the forward in flight.
+
 It receives its parts (scheduler, KV cache manager, model executor, grammar
 manager) from the builder (engine/builder.py), which alone turns a config into
 platform, attention backend, model, drafter and KV connector; this module
@@ -9,6 +13,7 @@ names none of them.
 from __future__ import annotations
 
 import os
+from collections import deque
 from typing import TYPE_CHECKING
 
 from pagedllm.core.errors import InvalidRequestError
@@ -16,6 +21,8 @@ from pagedllm.core.int_limits import short_value
 from pagedllm.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.executor import ModelExecutor
     from pagedllm.core.grammar import GrammarManager
@@ -23,7 +30,7 @@ if TYPE_CHECKING:
     from pagedllm.core.kv_cache.manager import KVCacheManager
     from pagedllm.core.outputs import EngineCoreOutput
     from pagedllm.core.scheduler import Scheduler
-    from pagedllm.core.scheduler_output import SchedulerOutput
+    from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
     from pagedllm.core.stats import SchedulerStats
     from pagedllm.kv_connectors.base import KVConnectorBase
 
@@ -59,6 +66,11 @@ class EngineCore:
         # False after a step that ran nothing and finished nothing: every
         # unfinished request waits for its grammar (see wait_for_work).
         self.made_progress = True
+        # Async scheduling: the steps launched and not yet processed, oldest
+        # first (at most two: one running, one scheduled behind it).
+        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] | None = (
+            deque() if scheduler.async_scheduling else None
+        )
 
     @property
     def kv_connector(self) -> KVConnectorBase | None:
@@ -83,11 +95,42 @@ class EngineCore:
     # ------------------------------------------------------------------ loop
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.batch_queue is not None:
+            return self.step_with_batch_queue(self.batch_queue)
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._record_step(scheduler_output, outputs)
         return outputs
+
+    def step_with_batch_queue(
+        self, batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]]
+    ) -> list[EngineCoreOutput]:
+        """Launch the next step if there is room, then process the oldest
+        one, so its outputs come back while the step behind it runs. Returns
+        nothing when it only launched (a pipeline's first step)."""
+        if self._may_schedule_ahead(batch_queue):
+            scheduler_output = self.scheduler.schedule()
+            # NOTE: an empty schedule still goes out when it tells the runner
+            # of finished or preempted requests.
+            if not batch_queue or not scheduler_output.is_empty or scheduler_output.finished_req_ids \
+                    or scheduler_output.preempted_req_ids:
+                future = self.model_executor.execute_model_async(scheduler_output)
+                batch_queue.append((scheduler_output, future))
+                if len(batch_queue) == 1 and not scheduler_output.sync_required and not scheduler_output.is_empty:
+                    self.made_progress = True
+                    return []
+        scheduler_output, future = batch_queue.popleft()
+        outputs = self.scheduler.update_from_output(scheduler_output, future.result())
+        self._record_step(scheduler_output, outputs)
+        return outputs
+
+    def _may_schedule_ahead(self, batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]]) -> bool:
+        """Room for one more step, something to schedule, and no step in
+        flight whose outputs the next schedule needs."""
+        if len(batch_queue) >= 2 or not self.scheduler.has_unfinished_requests():
+            return False
+        return not batch_queue or not batch_queue[-1][0].sync_required
 
     def _record_step(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
         self.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens  # for iteration stats
@@ -106,7 +149,8 @@ class EngineCore:
         self.kv_cache_manager.check_invariants(self.scheduler.requests_holding_blocks())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        # A step in flight counts: its outputs are still to be processed.
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

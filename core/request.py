@@ -91,6 +91,9 @@ class Request:
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         # Tokens whose KV is in the cache (prompt and output alike).
         self.num_computed_tokens = 0
+        # Async scheduling: tokens sampled by steps in flight whose outputs
+        # the scheduler has not seen yet (the runner already knows them).
+        self.num_output_placeholders = 0
         # Prompt tokens served from the prefix cache on first scheduling.
         self.num_cached_tokens = -1
         # Draft tokens to verify in the next step (speculative decoding).

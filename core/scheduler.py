@@ -119,6 +119,9 @@ class Scheduler:
         self.num_spec_tokens = num_spec_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decoding_stats = SpecDecodingStats.new(num_spec_tokens) if num_spec_tokens else None
+        # A request may be scheduled before its last step's output is seen; not
+        # with drafts or a KV connector (they need each step's results first).
+        self.async_scheduling = scheduler_config.async_scheduling and not num_spec_tokens and kv_connector is None
         # Since start (the interval stats above are taken by make_stats).
         self.total_spec_decoding_stats = SpecDecodingStats.new(num_spec_tokens) if num_spec_tokens else None
         self.structured_output_manager = structured_output_manager
@@ -129,15 +132,7 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
-            # Else a long prompt, or a preempted request's recompute of prompt +
-            # outputs, could never be scheduled (vLLM has the same rule).
-            raise ConfigError(
-                "scheduler.max_num_batched_tokens",
-                self.max_num_batched_tokens,
-                f">= max_model_len ({max_model_len}) when scheduler.enable_chunked_prefill is false; "
-                "enable chunked prefill or lower model.max_model_len",
-            )
+        self._check_budget_fits_a_sequence(max_model_len)
 
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
@@ -151,6 +146,17 @@ class Scheduler:
         # Requests finished inside schedule() (a grammar that failed to
         # compile); reported by the next update_from_output.
         self._finished_outputs: list[EngineCoreOutput] = []
+
+    def _check_budget_fits_a_sequence(self, max_model_len: int) -> None:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            # Else a long prompt, or a preempted request's recompute of prompt +
+            # outputs, could never be scheduled (vLLM has the same rule).
+            raise ConfigError(
+                "scheduler.max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                f">= max_model_len ({max_model_len}) when scheduler.enable_chunked_prefill is false; "
+                "enable chunked prefill or lower model.max_model_len",
+            )
 
     # ---------------------------------------------------------------- intake
 
@@ -217,8 +223,13 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_computed_tokens = request.num_computed_tokens
+            num_placeholders = request.num_output_placeholders
+            if num_placeholders and not self._may_run_ahead(request, num_placeholders):
+                continue
             num_new_tokens = self._cap_new_tokens(
-                request.num_tokens_with_spec - num_computed_tokens, batch.token_budget, num_computed_tokens
+                request.num_tokens_with_spec + num_placeholders - num_computed_tokens,
+                batch.token_budget,
+                num_computed_tokens,
             )
             if num_new_tokens == 0:
                 continue
@@ -241,6 +252,17 @@ class Scheduler:
                 num_spec = num_new_tokens + num_computed_tokens - request.num_tokens
                 if num_spec > 0:
                     batch.spec_tokens[request_id] = request.spec_token_ids[:num_spec]
+
+    def _may_run_ahead(self, request: Request, num_placeholders: int) -> bool:
+        """Async scheduling: may `request` compute another token before the
+        `num_placeholders` tokens in flight are known here? Not if they may
+        end it by length, nor under a grammar (its bitmask needs them)."""
+        max_tokens = request.sampling_params.max_tokens
+        return (
+            request.structured_output_request is None
+            and request.num_tokens + num_placeholders < self.max_model_len
+            and (max_tokens is None or request.num_output_tokens + num_placeholders < max_tokens)
+        )
 
     def _preempt_for_blocks(self, batch: _ScheduledBatch) -> Request:
         """Preempt the policy's victim so others get its blocks; returns it."""
@@ -363,6 +385,7 @@ class Scheduler:
             ),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=batch.preempted_req_ids,
+            sync_required=bool(structured_output_request_ids),
         )
         if self.kv_connector is not None:
             if self.kv_connector.wants_eviction_events:
@@ -387,9 +410,10 @@ class Scheduler:
         return structured_output_request_ids
 
     def _update_after_schedule(self, num_scheduled_tokens: dict[str, int]) -> None:
-        # The tokens are as good as computed: the runner executes this output
-        # before the next schedule() (NOTE: rejected drafts are subtracted in
-        # update_from_output).
+        # The tokens are as good as computed: the runner executes the steps
+        # in order, this one before the next (NOTE: rejected drafts are
+        # subtracted in update_from_output).
+        async_scheduling = self.async_scheduling
         for request_id, num_new_tokens in num_scheduled_tokens.items():
             request = self.requests[request_id]
             if request.num_computed_tokens < request.num_prompt_tokens:
@@ -397,6 +421,8 @@ class Scheduler:
                     num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens
                 )
             request.num_computed_tokens += num_new_tokens
+            if async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # it samples this step
 
     def _external_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """Tokens the connector loads past the local hit (None: ask again later)."""
@@ -467,6 +493,11 @@ class Scheduler:
             sampled = sampled_token_ids.get(request_id, ())
             if spec_tokens and sampled and request_id in spec_tokens:
                 self._account_drafts(request, len(spec_tokens[request_id]), len(sampled))
+            if sampled and self.async_scheduling:
+                request.num_output_placeholders -= 1
+            # Async scheduling: a request preempted while its step ran still
+            # gets that step's token (it was computed from its own KV).
+            preempted = request.status == RequestStatus.PREEMPTED
             num_new_tokens, stopped = self._append_sampled_tokens(request, sampled)
             if sampled:
                 # The drafts the next step verifies (none while prefilling).
@@ -474,7 +505,7 @@ class Scheduler:
             logprobs = all_logprobs.get(request_id) if all_logprobs else None
             prompt_logprobs = all_prompt_logprobs.get(request_id) if all_prompt_logprobs else None
             if stopped:
-                self.running.remove(request)
+                (self.waiting if preempted else self.running).remove(request)
                 self._free_request(request)
             if num_new_tokens or stopped or prompt_logprobs:
                 outputs.append(
@@ -487,14 +518,16 @@ class Scheduler:
                         stop_reason=request.stop_reason,
                         num_cached_tokens=request.num_cached_tokens,
                         first_scheduled_time=request.first_scheduled_time,
-                        spec_counts=(
-                            (request.spec_num_drafts, request.spec_num_draft_tokens, request.spec_num_accepted_tokens)
-                            if self.num_spec_tokens
-                            else None
-                        ),
+                        spec_counts=self._spec_counts(request),
                     )
                 )
         return outputs
+
+    def _spec_counts(self, request: Request) -> tuple[int, int, int] | None:
+        """The request's drafting figures so far (None without a drafter)."""
+        if not self.num_spec_tokens:
+            return None
+        return request.spec_num_drafts, request.spec_num_draft_tokens, request.spec_num_accepted_tokens
 
     def _account_drafts(self, request: Request, num_draft_tokens: int, num_sampled: int) -> None:
         # Drafts past the accepted prefix were not computed for real.

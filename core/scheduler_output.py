@@ -124,7 +124,8 @@ class SchedulerOutput:
     structured_output_request_ids: list[str] = field(default_factory=list)
     # int32 [rows, ceil(vocab_size / 32)] on the CPU, bit set = token allowed
     # (structured_output/interface.py); None when no request needs one.
-    # NOTE: a view of a buffer the next schedule() overwrites: use it this step.
+    # NOTE: a view of a buffer the next schedule() overwrites: use it this step
+    # (a step with a bitmask is `sync_required`, so async scheduling waits for it).
     grammar_bitmask: torch.Tensor | None = None
     # Requests the runner must forget (finished or aborted since last step).
     finished_req_ids: set[str] = field(default_factory=set)
@@ -134,6 +135,9 @@ class SchedulerOutput:
     # The KV connector's instructions for this step (loads, saves, spills);
     # None without a connector.
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # Async scheduling: the next schedule() needs this step's sampled tokens
+    # (a grammar advances on them), so this step's outputs are processed first.
+    sync_required: bool = False
 
     @property
     def is_empty(self) -> bool:

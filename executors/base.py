@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
@@ -68,6 +69,8 @@ class Executor(ABC):
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Async scheduling: the thread that runs the steps, one at a time.
+        self._step_thread: ThreadPoolExecutor | None = None
         self._init_executor()
 
     @abstractmethod
@@ -81,6 +84,27 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; rank 0's result (core's `ModelExecutor`)."""
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Start one step and return at once (async scheduling): `execute_model`
+        on the executor's step thread, so the steps run one at a time, in order,
+        while the engine schedules the next one and processes the last one's
+        outputs (torch and socket waits release the GIL)."""
+        if self._step_thread is None:
+            self._step_thread = ThreadPoolExecutor(
+                1, thread_name_prefix="pagedllm-step", initializer=self._init_step_thread
+            )
+        return self._step_thread.submit(self.execute_model, scheduler_output)
+
+    def _init_step_thread(self) -> None:  # noqa: B027 - a hook: most executors keep no per-thread state
+        """Per-thread state the steps need (a CUDA rank's current device)."""
+
+    def _join_step_thread(self) -> None:
+        """Let a step in flight finish before the ranks stop (each
+        `shutdown` calls this first)."""
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True)
+            self._step_thread = None
 
     # ---- facts the builder, READY and `pagedllm env` report (rank 0's) ----
 
@@ -119,6 +143,8 @@ class Executor(ABC):
         if method not in self.RPC_METHODS:
             raise ValueError(f"collective_rpc: {method!r} is not a Worker method; allowed: "
                              + ", ".join(sorted(self.RPC_METHODS)))
+        if self._step_thread is not None:  # after the steps in flight, never beside them
+            return self._step_thread.submit(self._run_workers, method, args, kwargs or {}).result()
         return self._run_workers(method, args, kwargs or {})
 
     def determine_num_kv_blocks(self) -> int:
@@ -136,6 +162,7 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         """Stop the workers (and release what they hold); safe to call twice."""
+        self._join_step_thread()
         self.collective_rpc("shutdown")
 
 

@@ -173,6 +173,7 @@ class MultiprocExecutor(RemoteRanksExecutor):
     # ----------------------------------------------------------- shutdown
 
     def shutdown(self) -> None:
+        self._join_step_thread()
         if self._context.closed:
             return
         if self._failure is None and all(proc.poll() is None for proc in self._procs):

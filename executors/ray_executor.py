@@ -266,6 +266,7 @@ class RayExecutor(RemoteRanksExecutor):
     # ----------------------------------------------------------- shutdown
 
     def shutdown(self) -> None:
+        self._join_step_thread()
         if self._shut_down:
             return
         self._shut_down = True

@@ -32,6 +32,14 @@ class UniProcExecutor(Executor):
         # NOTE: called every step: straight to the worker, no RPC indirection.
         return self.driver_worker.execute_model(scheduler_output)
 
+    def _init_step_thread(self) -> None:
+        # The current CUDA device is per thread; the worker set it on this one.
+        device = self.driver_worker.device
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
+
     @property
     def model_facts(self) -> ModelFacts:
         return self.driver_worker.model_facts

@@ -4,6 +4,7 @@ the idle wait do, without a model."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -17,25 +18,35 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 class FakeScheduler:
     """Schedules `num_tokens` tokens each step and reports `outputs`."""
 
-    def __init__(self, calls: list[str], num_tokens: int, outputs: list[EngineCoreOutput]) -> None:
+    def __init__(
+        self, calls: list[str], num_tokens: int, outputs: list[EngineCoreOutput], *, async_scheduling: bool = False
+    ) -> None:
         self.calls = calls
         self.num_tokens = num_tokens
         self.outputs = outputs
-        self.scheduler_output: SchedulerOutput | None = None
+        self.scheduled: list[SchedulerOutput] = []
         self.kv_connector = None
+        self.async_scheduling = async_scheduling
+        # The steps scheduled from now on need their outputs processed first.
+        self.sync_required = False
+        self.num_unfinished = 1
 
     def schedule(self) -> SchedulerOutput:
-        self.calls.append("schedule")
+        self.calls.append(f"schedule {len(self.scheduled) + 1}")
         num_scheduled = {"r": self.num_tokens} if self.num_tokens else {}
-        self.scheduler_output = SchedulerOutput([], [], num_scheduled, self.num_tokens)
-        return self.scheduler_output
+        scheduler_output = SchedulerOutput([], [], num_scheduled, self.num_tokens, sync_required=self.sync_required)
+        self.scheduled.append(scheduler_output)
+        return scheduler_output
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        assert scheduler_output is self.scheduler_output
-        self.calls.append(f"update {runner_output.sampled_token_ids}")
+        step = next(i for i, scheduled in enumerate(self.scheduled, 1) if scheduled is scheduler_output)
+        self.calls.append(f"update {step} {runner_output.sampled_token_ids}")
         return self.outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_unfinished > 0
 
 
 class FakeExecutor:
@@ -45,6 +56,14 @@ class FakeExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.calls.append(f"execute {scheduler_output.total_num_scheduled_tokens}")
         return ModelRunnerOutput(sampled_token_ids={req_id: [7] for req_id in scheduler_output.num_scheduled_tokens})
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Launched, not yet run: it runs when its result is asked for."""
+        self.calls.append(f"launch {scheduler_output.total_num_scheduled_tokens}")
+        future: Future[ModelRunnerOutput] = Future()
+        sampled = {"r": [7]} if scheduler_output.num_scheduled_tokens else {}
+        future.set_result(ModelRunnerOutput(sampled_token_ids=sampled))
+        return future
 
 
 class FakeGrammarManager:
@@ -56,10 +75,10 @@ class FakeGrammarManager:
 
 
 def _core(
-    num_tokens: int, outputs: list[EngineCoreOutput], *, with_grammars: bool = True
+    num_tokens: int, outputs: list[EngineCoreOutput], *, with_grammars: bool = True, async_scheduling: bool = False
 ) -> tuple[EngineCore, list[str]]:
     calls: list[str] = []
-    scheduler: Any = FakeScheduler(calls, num_tokens, outputs)
+    scheduler: Any = FakeScheduler(calls, num_tokens, outputs, async_scheduling=async_scheduling)
     core = EngineCore(
         EngineConfig.load(),
         scheduler=scheduler,
@@ -76,7 +95,7 @@ def test_step_is_schedule_execute_update() -> None:
     output = EngineCoreOutput(request_id="r", new_token_ids=[7])
     core, calls = _core(3, [output])
     assert core.step() == [output]
-    assert calls == ["schedule", "execute 3", "update {'r': [7]}"]
+    assert calls == ["schedule 1", "execute 3", "update 1 {'r': [7]}"]
     assert core.num_scheduled_tokens == 3
 
 
@@ -108,3 +127,51 @@ def test_without_a_grammar_manager_the_idle_loop_returns_at_once() -> None:
     del calls[:]
     core.wait_for_work(5.0)
     assert calls == []
+
+
+# ------------------------------------------------------- async scheduling
+
+
+def test_async_scheduling_launches_the_next_step_before_processing_the_last() -> None:
+    output = EngineCoreOutput(request_id="r", new_token_ids=[7])
+    core, calls = _core(3, [output], async_scheduling=True)
+    assert core.step() == []  # the first step only launches
+    assert calls == ["schedule 1", "launch 3"]
+    assert core.step() == [output]
+    assert calls[2:] == ["schedule 2", "launch 3", "update 1 {'r': [7]}"]
+    assert core.step() == [output]
+    assert calls[5:] == ["schedule 3", "launch 3", "update 2 {'r': [7]}"]
+    assert "execute" not in " ".join(calls)
+
+
+def test_a_step_in_flight_keeps_the_engine_stepping_until_its_outputs_are_processed() -> None:
+    output = EngineCoreOutput(request_id="r", new_token_ids=[7])
+    core, calls = _core(3, [output], async_scheduling=True)
+    core.step()
+    core.scheduler.num_unfinished = 0  # type: ignore[attr-defined]  # e.g. aborted meanwhile
+    assert core.has_unfinished_requests()
+    assert core.step() == [output]
+    assert calls[2:] == ["update 1 {'r': [7]}"]  # nothing new is scheduled
+    assert not core.has_unfinished_requests()
+
+
+def test_a_step_that_needs_its_outputs_first_is_processed_before_the_next_schedule() -> None:
+    output = EngineCoreOutput(request_id="r", new_token_ids=[7])
+    core, calls = _core(3, [output], async_scheduling=True)
+    core.step()
+    core.scheduler.sync_required = True  # type: ignore[attr-defined]  # e.g. a grammar request samples
+    assert core.step() == [output]  # step 2 (sync) launched, step 1 processed
+    assert core.step() == [output]  # step 2 processed before step 3 is scheduled
+    assert core.step() == [output]  # step 3 launched and processed at once
+    assert calls[2:] == [
+        "schedule 2", "launch 3", "update 1 {'r': [7]}",
+        "update 2 {'r': [7]}",
+        "schedule 3", "launch 3", "update 3 {'r': [7]}",
+    ]
+
+
+def test_async_scheduling_processes_an_empty_schedule_at_once_when_nothing_is_in_flight() -> None:
+    core, calls = _core(0, [], async_scheduling=True)
+    assert core.step() == []
+    assert calls == ["schedule 1", "launch 0", "update 1 {}"]
+    assert not core.made_progress  # only grammars compiling: the loop may wait

@@ -7,6 +7,9 @@ copy agrees with the scheduler's state. It samples one token for each request
 whose scheduled tokens reach the end of its known tokens (none for a partial
 prefill chunk): by default `1000 + index of the output`, or the next token of a
 per-request script.
+
+`run_async` drives the same pieces the way async scheduling does: step k+1 is
+scheduled before step k's outputs are processed, and runs after them.
 """
 
 from __future__ import annotations
@@ -123,7 +126,9 @@ class FakeRunner:
         sampled: dict[str, list[int]] = {}
         for request_id, num_new_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self.states[request_id]
-            request = self.scheduler.requests[request_id]
+            request = self.scheduler.requests.get(request_id)
+            if request is None:  # async scheduling: it finished after this step was scheduled
+                continue
             assert num_new_tokens > 0
             assert state.token_ids == request.all_token_ids, f"{request_id}: runner tokens diverged"
             assert state.block_ids == manager.get_block_ids(request_id), f"{request_id}: block table diverged"
@@ -149,3 +154,22 @@ class FakeRunner:
 
     def check_invariants(self) -> None:
         self.scheduler.kv_cache_manager.check_invariants(self.scheduler.running)
+
+    def run_async(self, max_steps: int = 1000) -> list[StepResult]:
+        """Async scheduling's order, serialized: schedule(k + 1), then
+        update_from_output(k), then step k + 1 runs. Returns each processed
+        step, in order, until nothing is left."""
+        results: list[StepResult] = []
+        pending: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests() and pending is None:
+                return results
+            scheduler_output = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
+            if pending is not None:
+                outputs = self.scheduler.update_from_output(*pending)
+                results.append(StepResult(*pending, {output.request_id: output for output in outputs}))
+                pending = None
+            if scheduler_output is not None:
+                self.check_invariants()
+                pending = scheduler_output, self.execute(scheduler_output)
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")

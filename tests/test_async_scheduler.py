@@ -1,0 +1,139 @@
+"""The scheduler under async scheduling: step k + 1 is scheduled before step
+k's sampled tokens are known (placeholders), and step k's outputs arrive after.
+
+`FakeRunner.run_async` serializes the engine's order (schedule k + 1, update
+k, run k + 1) and checks on every step that the runner's tokens and block
+tables agree with the scheduler's.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from pagedllm.core.config import SchedulerConfig
+from pagedllm.core.kv_cache.manager import KVCacheManager
+from pagedllm.core.scheduler import Scheduler
+from tests.helpers.scheduler_utils import EOS, FakeRunner, make_request, make_scheduler, prompt
+
+
+def _outputs(results: list[Any], request_id: str) -> tuple[list[int], str | None]:
+    """A request's tokens as reported by the processed steps, and its finish reason."""
+    token_ids: list[int] = []
+    finish_reason = None
+    for result in results:
+        output = result.outputs.get(request_id)
+        if output is not None:
+            token_ids.extend(output.new_token_ids)
+            finish_reason = output.finish_reason or finish_reason
+    return token_ids, finish_reason
+
+
+def test_a_decoding_request_is_scheduled_again_before_its_token_is_known() -> None:
+    scheduler = make_scheduler(async_scheduling=True)
+    runner = FakeRunner(scheduler)
+    request = make_request("r", prompt(10, 4), max_tokens=3)
+    scheduler.add_request(request)
+    first = scheduler.schedule()
+    assert (first.num_scheduled_tokens, request.num_output_placeholders) == ({"r": 4}, 1)
+    first_output = runner.execute(first)
+    second = scheduler.schedule()  # step 1's token is not known here yet
+    assert (second.num_scheduled_tokens, request.num_output_placeholders) == ({"r": 1}, 2)
+    assert (request.num_tokens, request.num_computed_tokens) == (4, 5)
+    outputs = scheduler.update_from_output(first, first_output)
+    assert [o.new_token_ids for o in outputs] == [[1000]]
+    assert (request.num_output_placeholders, request.num_tokens) == (1, 5)
+
+
+def test_max_tokens_is_never_overshot_by_steps_in_flight() -> None:
+    scheduler = make_scheduler(async_scheduling=True)
+    runner = FakeRunner(scheduler)
+    scheduler.add_request(make_request("r", prompt(10, 4), max_tokens=3))
+    results = runner.run_async()
+    # The 4th schedule sees 2 tokens known and 1 in flight: max_tokens is reached.
+    assert [r.scheduled for r in results] == [{"r": 4}, {"r": 1}, {"r": 1}, {}]
+    assert _outputs(results, "r") == ([1000, 1001, 1002], "length")
+
+
+def test_eos_in_flight_drops_the_step_scheduled_behind_it() -> None:
+    scheduler = make_scheduler(async_scheduling=True)
+    runner = FakeRunner(scheduler, scripts={"r": [1000, EOS, 1002, 1003]})
+    scheduler.add_request(make_request("r", prompt(10, 4), max_tokens=10))
+    results = runner.run_async()
+    # Step 3 was scheduled before step 2's EOS was seen; its token is dropped.
+    assert [r.scheduled for r in results] == [{"r": 4}, {"r": 1}, {"r": 1}]
+    assert _outputs(results, "r") == ([1000, EOS], "stop")
+    assert scheduler.kv_cache_manager.usage == 0
+    assert scheduler.schedule().finished_req_ids == {"r"}  # the runner forgets it next step
+
+
+def test_a_request_preempted_with_its_last_token_in_flight_finishes_from_the_waiting_queue() -> None:
+    # 4 blocks of 4 tokens: two 4-token prompts take two blocks each by
+    # position 7; r1's position 8 needs a fifth, so the newest (r2) is
+    # preempted while its 5th and last token (max_tokens=5) is in flight.
+    scheduler = make_scheduler(async_scheduling=True, num_blocks=4)
+    runner = FakeRunner(scheduler)
+    scheduler.add_request(make_request("r1", prompt(10, 4), max_tokens=8))
+    scheduler.add_request(make_request("r2", prompt(20, 4), max_tokens=5))
+    results = runner.run_async()
+    preempting = [i for i, r in enumerate(results) if r.scheduler_output.preempted_req_ids]
+    assert preempting == [5]
+    assert results[5].scheduled == {"r1": 1}
+    assert "r2" in results[4].runner_output.sampled_token_ids  # its step was in flight
+    assert _outputs(results, "r2") == ([1000, 1001, 1002, 1003, 1004], "length")
+    assert _outputs(results, "r1") == ([1000 + i for i in range(8)], "length")
+    assert scheduler.get_num_unfinished_requests() == 0
+
+
+def test_a_preempted_request_keeps_the_token_its_step_in_flight_sampled() -> None:
+    # As above with r2 unbounded: it resumes after r1 and recomputes its
+    # prompt plus every output, the in-flight one included (the runner checks
+    # its tokens against the scheduler's on every step).
+    scheduler = make_scheduler(async_scheduling=True, num_blocks=4)
+    runner = FakeRunner(scheduler)
+    scheduler.add_request(make_request("r1", prompt(10, 4), max_tokens=8))
+    scheduler.add_request(make_request("r2", prompt(20, 4), max_tokens=9))
+    results = runner.run_async()
+    assert results[5].scheduler_output.preempted_req_ids == {"r2"}
+    assert "r2" in results[4].runner_output.sampled_token_ids
+    resumed = next(r for r in results[6:] if "r2" in r.scheduled)
+    # Prompt + the 5 outputs known by then, less its prompt block (a prefix hit).
+    assert resumed.scheduled["r2"] == 4 + 5 - 4
+    assert _outputs(results, "r2") == ([1000 + i for i in range(9)], "length")
+
+
+def test_async_and_sync_scheduling_report_the_same_tokens() -> None:
+    def run(async_scheduling: bool) -> list[tuple[list[int], str | None]]:
+        scheduler = make_scheduler(async_scheduling=async_scheduling, num_blocks=12, max_num_batched_tokens=10)
+        runner = FakeRunner(scheduler, scripts={"b": [1000 + i if i != 6 else EOS for i in range(20)]})
+        for index, request_id in enumerate("abcde"):
+            scheduler.add_request(make_request(request_id, prompt(100 * index, 5 + 3 * index), max_tokens=9 + index))
+        if async_scheduling:
+            results = runner.run_async()
+        else:
+            results = []
+            while scheduler.has_unfinished_requests():
+                results.append(runner.step())
+        return [_outputs(results, request_id) for request_id in "abcde"]
+
+    assert run(True) == run(False)
+
+
+def test_a_grammar_request_waits_for_its_token_in_flight() -> None:
+    scheduler = make_scheduler(async_scheduling=True)
+    runner = FakeRunner(scheduler)
+    request = make_request("r", prompt(10, 4), max_tokens=5)
+    scheduler.add_request(request)
+    runner.execute(scheduler.schedule())
+    request.structured_output_request = object()  # type: ignore[assignment]  # its bitmask needs the token
+    assert scheduler.schedule().num_scheduled_tokens == {}
+
+
+def test_drafts_or_a_kv_connector_turn_async_scheduling_off() -> None:
+    config = SchedulerConfig(async_scheduling=True)
+    manager = KVCacheManager(16, 4)
+    assert Scheduler(config, manager, 64).async_scheduling
+    assert not Scheduler(config, manager, 64, num_spec_tokens=2).async_scheduling
+    connector = SimpleNamespace(wants_eviction_events=False)
+    assert not Scheduler(config, manager, 64, kv_connector=connector).async_scheduling  # type: ignore[arg-type]
+    assert not Scheduler(SchedulerConfig(), manager, 64).async_scheduling
