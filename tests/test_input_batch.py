@@ -8,14 +8,13 @@ import numpy as np
 import torch
 
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
-from pagedllm.worker.input_batch import InputBatch, block_table_from_ids
+from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_cache import allocate_kv_caches, unbind_kv_caches
 
 
 def test_a_step_of_a_decode_and_a_prefill_chunk_maps_every_row_to_its_slot() -> None:
     # Request 0 has 3 tokens computed and computes 2 more; request 1 prefills 3.
-    block_table = block_table_from_ids([[7, 4, 9], [5, 1]])
-    np.testing.assert_array_equal(block_table, [[7, 4, 9], [5, 1, 0]])
+    block_table = np.array([[7, 4, 9], [5, 1, 0]], dtype=np.int32)
     batch = InputBatch.from_computed(np.array([3, 0]), np.array([2, 3]), block_table, block_size=2)
     np.testing.assert_array_equal(batch.query_start_loc, [0, 2, 5])
     np.testing.assert_array_equal(batch.positions, [3, 4, 0, 1, 2])
@@ -35,7 +34,8 @@ def test_draft_steps_at_given_positions_end_each_context_there() -> None:
 
 
 def test_attention_metadata_carries_the_batch_in_the_backends_dtypes() -> None:
-    batch = InputBatch.from_computed(np.array([3, 0]), np.array([2, 3]), block_table_from_ids([[7, 4, 9], [5, 1]]), 2)
+    block_table = np.array([[7, 4, 9], [5, 1, 0]], dtype=np.int32)
+    batch = InputBatch.from_computed(np.array([3, 0]), np.array([2, 3]), block_table, 2)
     positions, metadata = batch.to_device(TorchNativeBackend, 2, torch.device("cpu"))
     assert positions.tolist() == [3, 4, 0, 1, 2] and positions.dtype == torch.int64
     assert (metadata.num_actual_tokens, metadata.num_reqs, metadata.max_query_len, metadata.max_seq_len) == (5, 2, 3, 5)

@@ -9,12 +9,12 @@ at its context length ``seq_lens[r]``, each row writing its KV at
 numpy arrays and is the one place that turns them into device tensors and
 `AttentionMetadata`.
 
-`CachedRequestState` is the runner's copy of one request across steps.
+`CachedRequestState` is the runner's copy of one request across steps (its
+block table and computed count live in worker/persistent_batch.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,8 +37,6 @@ class CachedRequestState:
     token_ids: list[int]  # prompt + output
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    block_ids: list[int]
-    num_computed_tokens: int
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     # The drafter's q for the drafts it last proposed ([n, V]); None: one-hot.
@@ -133,10 +131,3 @@ class InputBatch:
         # Backend-specific per-batch work, once for all layers.
         return positions, attn_backend.build_metadata(self.attn_metadata(device), block_size)
 
-
-def block_table_from_ids(block_ids: Sequence[Sequence[int]]) -> np.ndarray:
-    """[B, longest] int32 block table, each request's ids then zeros."""
-    block_table = np.zeros((len(block_ids), max(len(ids) for ids in block_ids)), dtype=np.int32)
-    for row, ids in enumerate(block_ids):
-        block_table[row, : len(ids)] = ids
-    return block_table

@@ -23,7 +23,8 @@ from pagedllm.core.scheduler_output import (
 )
 from pagedllm.spec_decode.interface import DraftInputs, TargetStep
 from pagedllm.spec_decode.verify import verify_drafts
-from pagedllm.worker.input_batch import CachedRequestState, InputBatch, block_table_from_ids
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.persistent_batch import PersistentBatch
 from pagedllm.worker.sampler import (
     SampledTokens,
     Sampler,
@@ -50,6 +51,8 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         vocab_size: int,
+        max_model_len: int,
+        max_num_reqs: int,
         seed: int = 0,
         drafter: Drafter | None = None,
         kv_connector: KVConnectorBase | None = None,
@@ -77,16 +80,22 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
+        # Their token ids, block tables and computed counts, row per request.
+        self.input_batch = PersistentBatch(max_num_reqs, max_model_len, block_size)
+        # The last step's sampling requests and their tensors, while reusable.
+        self._cached_sampling: tuple[list[CachedRequestState], SamplingMetadata] | None = None
 
     # ----------------------------------------------------------------- state
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        input_batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            input_batch.remove_request(req_id)
         for req_id in scheduler_output.preempted_req_ids:
             # Keep tokens and RNG state: the request resumes where it was.
             if req_id in self.requests:
-                self.requests[req_id].block_ids = []
+                input_batch.set_block_ids(req_id, [])
         for new_req in scheduler_output.scheduled_new_reqs:
             params = new_req.sampling_params
             generator = None
@@ -99,17 +108,17 @@ class ModelRunner:
                 token_ids=list(new_req.prompt_token_ids),
                 sampling_params=params,
                 generator=generator,
-                block_ids=list(new_req.block_ids),
-                num_computed_tokens=new_req.num_computed_tokens,
                 eos_token_id=new_req.eos_token_id,
             )
+            input_batch.add_request(
+                new_req.req_id, new_req.prompt_token_ids, new_req.block_ids, new_req.num_computed_tokens
+            )
         for cached in scheduler_output.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
             if cached.resumed_from_preemption:
-                state.block_ids = list(cached.new_block_ids)
+                input_batch.set_block_ids(cached.req_id, cached.new_block_ids)
             else:
-                state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+                input_batch.append_block_ids(cached.req_id, cached.new_block_ids)
+            input_batch.set_num_computed_tokens(cached.req_id, cached.num_computed_tokens)
 
     # --------------------------------------------------------------- execute
 
@@ -149,17 +158,12 @@ class ModelRunner:
         self, scheduler_output: SchedulerOutput, states: list[CachedRequestState], drafts: list[list[int]]
     ) -> tuple[InputBatch, torch.Tensor]:
         """The step's batch and its input ids (each request's next known
-        tokens, then the drafts to verify)."""
-        num_scheduled = np.array([scheduler_output.num_scheduled_tokens[s.req_id] for s in states], dtype=np.int64)
-        num_computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
-        block_table = block_table_from_ids([s.block_ids for s in states])
-        batch = InputBatch.from_computed(num_computed, num_scheduled, block_table, self.block_size)
-        input_ids: list[int] = []
-        starts, counts = num_computed.tolist(), num_scheduled.tolist()
-        for state, request_drafts, start, count in zip(states, drafts, starts, counts, strict=True):
-            input_ids.extend(state.token_ids[start : start + count - len(request_drafts)])
-            input_ids.extend(request_drafts)
-        return batch, torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        tokens, then the drafts to verify), from the persistent rows."""
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        batch, input_ids = self.input_batch.prepare(
+            list(num_scheduled), np.fromiter(num_scheduled.values(), dtype=np.int64, count=len(states)), drafts
+        )
+        return batch, torch.from_numpy(input_ids).to(self.device)
 
     def _forward_with_kv_transfer(
         self, input_ids: torch.Tensor, batch: InputBatch, connector_metadata: KVConnectorMetadata | None
@@ -236,27 +240,43 @@ class ModelRunner:
         """One token per sampling request, from its last position."""
         last_rows = [int(batch.query_start_loc[row + 1]) - 1 for row in sampling_rows]
         logits = self.model.compute_logits(hidden_states[torch.tensor(last_rows, device=self.device)])
-        metadata = SamplingMetadata.build(
-            params=[s.sampling_params for s in sampling_states],
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in sampling_states],
-            output_token_ids=[s.output_token_ids for s in sampling_states],
-            generators={i: s.generator for i, s in enumerate(sampling_states) if s.generator is not None},
-            vocab_size=logits.shape[-1],
-            device=self.device,
-            eos_token_ids=[s.eos_token_id for s in sampling_states],
-            default_generator=self.generator,
-        )
+        metadata = self._sampling_metadata(sampling_states, logits.shape[-1])
         metadata.grammar_bitmask = _grammar_rows(scheduler_output, sampling_states)
         sampler_output = self.sampler(logits, metadata)
         token_ids = [[token_id] for token_id in sampler_output.sampled_token_ids.tolist()]
         tensors = sampler_output.logprobs_tensors
         return SampledTokens(token_ids, None if tensors is None else [[e] for e in to_logprob_entries(tensors)])
 
-    @staticmethod
+    def _sampling_metadata(self, sampling_states: list[CachedRequestState], vocab_size: int) -> SamplingMetadata:
+        """The sampling tensors of these rows: built when the sampling requests
+        change, reused while the same requests sample in the same order (a
+        decode batch in steady state) unless they depend on the requests'
+        outputs (penalties, a min_tokens still ahead)."""
+        cached = self._cached_sampling
+        if cached is not None and len(cached[0]) == len(sampling_states) and all(
+            state is cached_state for state, cached_state in zip(sampling_states, cached[0], strict=True)
+        ):
+            return cached[1]
+        metadata = SamplingMetadata.build(
+            params=[s.sampling_params for s in sampling_states],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in sampling_states],
+            output_token_ids=[s.output_token_ids for s in sampling_states],
+            generators={i: s.generator for i, s in enumerate(sampling_states) if s.generator is not None},
+            vocab_size=vocab_size,
+            device=self.device,
+            eos_token_ids=[s.eos_token_id for s in sampling_states],
+            default_generator=self.generator,
+        )
+        reusable = metadata.no_penalties and metadata.min_tokens_mask is None
+        self._cached_sampling = (sampling_states, metadata) if reusable else None
+        return metadata
+
     def _record_sampled(
-        sampling_states: list[CachedRequestState], sampled: SampledTokens, output: ModelRunnerOutput
+        self, sampling_states: list[CachedRequestState], sampled: SampledTokens, output: ModelRunnerOutput
     ) -> None:
+        input_batch = self.input_batch
         for i, (state, token_ids) in enumerate(zip(sampling_states, sampled.token_ids, strict=True)):
+            input_batch.append_token_ids(state.req_id, token_ids)
             state.token_ids.extend(token_ids)
             state.output_token_ids.extend(token_ids)
             output.sampled_token_ids[state.req_id] = token_ids

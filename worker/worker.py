@@ -317,6 +317,8 @@ class Worker:
             block_size=block_size,
             device=self.device,
             vocab_size=facts.hf_config.vocab_size,
+            max_model_len=max_model_len,
+            max_num_reqs=self.config.scheduler.max_num_seqs,
             seed=self.config.model.seed,
             drafter=self.drafter,
             kv_connector=self.kv_connector,
