@@ -15,21 +15,25 @@ show only the wall time per token. Each row its own process, median of
 `--reps` runs, in alternating order.
 
     .venv/bin/python benchmarks/decode_step.py [--reps 5] [--num-new-tokens 128] [--model tiny] [--threads 1]
+        [--rows 0,2]   # only the sync rows: these also run with an older tree's python, for a before/after
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
 
+# (name, LLM keyword arguments, in the engine-core process); the sync rows
+# pass nothing, so they also run on a tree from before async scheduling.
 ROWS = [
-    ("sync, in-process", {"async_scheduling": False}, False),
+    ("sync, in-process", {}, False),
     ("async, in-process", {"async_scheduling": True}, False),
-    ("sync, engine-core process", {"async_scheduling": False}, True),
+    ("sync, engine-core process", {}, True),
     ("async, engine-core process", {"async_scheduling": True}, True),
 ]
 
@@ -78,30 +82,36 @@ def main() -> None:
     parser.add_argument("--num-new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", default="0,1,2,3", help="which rows to run (indexes into ROWS)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    rows = [int(row) for row in args.rows.split(",")]
     if args.child is not None:
         print(json.dumps(measure(args.child, args)))
         return
-    results: dict[int, list[dict[str, float]]] = {row: [] for row in range(len(ROWS))}
+    results: dict[int, list[dict[str, float]]] = {row: [] for row in rows}
+    # The engine-core process gets the same torch thread count as this side.
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     for rep in range(args.reps):
-        order = range(len(ROWS)) if rep % 2 == 0 else reversed(range(len(ROWS)))
-        for row in order:
+        for row in rows if rep % 2 == 0 else reversed(rows):
             command = [sys.executable, __file__, "--child", str(row), "--model", args.model,
                        "--num-new-tokens", str(args.num_new_tokens), "--threads", str(args.threads)]
-            out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+            out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
             results[row].append(json.loads(out.strip().splitlines()[-1]))
     print(f"\nsingle-request decode, {args.model}, {args.num_new_tokens} tokens, {args.threads} torch thread(s), "
           f"median of {args.reps}\n")
     print("| row | ms/token | vs sync | forward ms | runner other ms | engine other ms |")
     print("|---|---|---|---|---|---|")
     base = {multiprocess: statistics.median(r["total"] for r in results[row])
-            for row, (_, kwargs, multiprocess) in enumerate(ROWS) if not kwargs["async_scheduling"]}
+            for row, (_, kwargs, multiprocess) in enumerate(ROWS) if not kwargs and row in rows}
     for row, (name, _, multiprocess) in enumerate(ROWS):
+        if row not in rows:
+            continue
         med = {key: statistics.median(r[key] for r in results[row]) for key in ("total", "forward", "runner")}
         split = "| - | - | - |" if multiprocess else (
             f"| {med['forward']:.2f} | {med['runner'] - med['forward']:.2f} | {med['total'] - med['runner']:.2f} |")
-        print(f"| {name} | {med['total']:.2f} | {base[multiprocess] / med['total']:.2f}x {split}")
+        ratio = f"{base[multiprocess] / med['total']:.2f}x" if multiprocess in base else "-"
+        print(f"| {name} | {med['total']:.2f} | {ratio} {split}")
 
 
 if __name__ == "__main__":
