@@ -58,6 +58,11 @@ class ModelConfig(_Section):
     # A registered quantization method (plugin kind `quantization_method`):
     # how the linear layers' weights are stored and multiplied. None = as loaded.
     quantization: str | None = None
+    # How the weights are read (vLLM's names): auto = safetensors when the
+    # folder has them, else PyTorch .bin files; safetensors / pt = only that
+    # format; dummy = random weights of the checkpoint's shapes, no weight file
+    # read (benchmarks, start-up measurements).
+    load_format: Literal["auto", "safetensors", "pt", "dummy"] = "auto"
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -299,6 +304,7 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "seed": ("model", "seed"),
     "architecture": ("model", "architecture"),
     "quantization": ("model", "quantization"),
+    "load_format": ("model", "load_format"),
     "block_size": ("cache", "block_size"),
     "num_kv_blocks": ("cache", "num_kv_blocks"),
     "num_gpu_blocks_override": ("cache", "num_kv_blocks"),

@@ -1,10 +1,14 @@
-"""Hugging Face checkpoints: config.json and (sharded) safetensors.
+"""Hugging Face checkpoints: config.json and (sharded) safetensors or
+PyTorch .bin weights.
 
 `load_model` builds the model on the device in the requested dtype and loads
 every weight with a strict check: each missing and each unexpected
 checkpoint name is reported, in checkpoint names (``...q_proj.weight``, not
 the stacked ``qkv_proj``), so the message matches what the user sees in the
-files. Checkpoint tensors are memory-mapped views: a tensor-parallel layer's
+files. `load_format` (vLLM's names) picks the weight files: `auto`
+(safetensors when present, else .bin), `safetensors`, `pt`, or `dummy`
+(random weights of the checkpoint's shapes, no weight file read). Checkpoint
+tensors are memory-mapped views: a tensor-parallel layer's
 weight loader narrows each to its rank's slice, so only that slice is copied.
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import pickle
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +33,11 @@ if TYPE_CHECKING:
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+PT_SINGLE = "pytorch_model.bin"
+PT_INDEX = "pytorch_model.bin.index.json"
+# Dummy weights are uniform in +-DUMMY_WEIGHT_RANGE (vLLM's range): small
+# enough that activations stay finite through any number of layers.
+DUMMY_WEIGHT_RANGE = 1e-3
 
 
 class ModelLoadError(PagedLLMError):
@@ -122,19 +132,83 @@ def mmap_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, flat.view(info["shape"])
 
 
+def _weight_files(path: Path, single: str, index: str) -> list[str] | None:
+    """The files of one format: the shards its index lists, or its single
+    file; None when the folder has neither."""
+    if (path / index).is_file():
+        weight_map: dict[str, str] = json.loads((path / index).read_text())["weight_map"]
+        return sorted(set(weight_map.values()))
+    if (path / single).is_file():
+        return [single]
+    return None
+
+
 def iterate_safetensors(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of model.safetensors or of the shards
     listed in model.safetensors.index.json; memory-mapped (`mmap_safetensors`)."""
     path = Path(model_path)
-    if (path / SAFETENSORS_INDEX).is_file():
-        weight_map: dict[str, str] = json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (path / SAFETENSORS_SINGLE).is_file():
-        files = [SAFETENSORS_SINGLE]
-    else:
+    files = _weight_files(path, SAFETENSORS_SINGLE, SAFETENSORS_INDEX)
+    if files is None:
         raise ModelLoadError(path, detail=f"neither {SAFETENSORS_SINGLE} nor {SAFETENSORS_INDEX} found")
     for file_name in files:
         yield from mmap_safetensors(path / file_name)
+
+
+def iterate_pt(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of pytorch_model.bin or of the shards
+    listed in pytorch_model.bin.index.json, by name within each file.
+    `weights_only`: a pickle may hold tensors and plain containers, never code."""
+    path = Path(model_path)
+    files = _weight_files(path, PT_SINGLE, PT_INDEX)
+    if files is None:
+        raise ModelLoadError(path, detail=f"load_format 'pt': neither {PT_SINGLE} nor {PT_INDEX} found")
+    for file_name in files:
+        try:
+            state = torch.load(path / file_name, map_location="cpu", weights_only=True, mmap=True)
+        except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as err:
+            raise ModelLoadError(path, detail=f"{file_name} is not a readable PyTorch weights file ({err})") from err
+        if not isinstance(state, dict):
+            raise ModelLoadError(path, detail=f"{file_name} holds a {type(state).__name__}, not a name -> tensor dict")
+        for name in sorted(state):
+            yield name, state[name]
+
+
+def resolve_load_format(model_path: str | Path, load_format: str) -> str:
+    """`auto` resolved: safetensors when the folder has them, else pt when it
+    has .bin weights, else safetensors (whose error names the missing files)."""
+    if load_format != "auto":
+        return load_format
+    path = Path(model_path)
+    if _weight_files(path, SAFETENSORS_SINGLE, SAFETENSORS_INDEX) is None and (
+        _weight_files(path, PT_SINGLE, PT_INDEX) is not None
+    ):
+        return "pt"
+    return "safetensors"
+
+
+def iterate_checkpoint(model_path: str | Path, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every weight file `load_format` names (not `dummy`:
+    it reads none)."""
+    resolved = resolve_load_format(model_path, load_format)
+    if resolved == "safetensors":
+        return iterate_safetensors(model_path)
+    if resolved == "pt":
+        return iterate_pt(model_path)
+    raise ValueError(f"load_format {load_format!r} reads no weight files")
+
+
+def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Every parameter uniform in +-DUMMY_WEIGHT_RANGE (a tied one once),
+    seeded, on its own device: the checkpoint's shapes, none of its values."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.is_floating_point():
+                continue
+            generator = generators.get(param.device)
+            if generator is None:
+                generator = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
 
 
 def check_weight_shape(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -202,11 +276,17 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device,
     hf_config: PretrainedConfig | None = None,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> nn.Module:
-    """Build ``model_cls`` on ``device`` in ``dtype`` and load the checkpoint strictly."""
+    """Build ``model_cls`` on ``device`` in ``dtype`` and load the checkpoint
+    strictly (``load_format`` ``dummy``: random weights, seeded by ``seed``)."""
     if hf_config is None:
         hf_config = load_hf_config(model_path)
     with torch.device(device):
         model = model_cls(hf_config, attn_backend, dtype=dtype)
-    load_weights_strict(model, iterate_safetensors(model_path), model_path)
+    if load_format == "dummy":
+        initialize_dummy_weights(model, seed)
+    else:
+        load_weights_strict(model, iterate_checkpoint(model_path, load_format), model_path)
     return model.eval()

@@ -232,6 +232,8 @@ class Worker:
             dtype=facts.dtype,
             device=self.device,
             hf_config=facts.hf_config,
+            load_format=self.config.model.load_format,
+            seed=self.config.model.seed,
         ))
         if self.quantization_cls is not None:
             converted = quantize_model(model, self.quantization_cls())
