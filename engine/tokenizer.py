@@ -4,18 +4,58 @@ Shared by the offline LLM and AsyncLLM (the server's front end)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from pagedllm.core.errors import InvalidRequestError
 
+# tokenizer_config.json's names for transformers' generic fast tokenizer (a
+# tokenizer.json and nothing model-specific).
+GENERIC_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+# config.json model types for which AutoTokenizer loads a generic class as
+# declared (no model-specific override; "" = a folder without config.json).
+# tests/test_tokenizer_loading.py compares the two on each.
+GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama", ""})
+
 
 def load_tokenizer(path: str) -> Any:
-    """`path` is a folder, a hub id or a name a model source knows (`tiny`)."""
-    from transformers import AutoTokenizer
+    """`path` is a folder, a hub id or a name a model source knows (`tiny`).
 
+    A local folder that declares transformers' generic fast tokenizer loads
+    it directly: AutoTokenizer would come to the same class, but first imports
+    transformers' config machinery and torch (~2 s of a server's start, in a
+    process that needs neither)."""
     from pagedllm.engine.model_source import resolve_model_path
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(path))
+    resolved = resolve_model_path(path)
+    if declares_generic_tokenizer(resolved):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(resolved)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolved)
+
+
+def declares_generic_tokenizer(folder: str) -> bool:
+    """True for a local folder whose tokenizer is transformers' generic fast
+    one, by its tokenizer_config.json (no custom code) and config.json."""
+    tokenizer_config = _read_json(Path(folder) / "tokenizer_config.json")
+    if tokenizer_config is None or "auto_map" in tokenizer_config or not (Path(folder) / "tokenizer.json").is_file():
+        return False
+    if tokenizer_config.get("tokenizer_class") not in GENERIC_TOKENIZER_CLASSES:
+        return False
+    model_config = _read_json(Path(folder) / "config.json") if (Path(folder) / "config.json").exists() else {}
+    return model_config is not None and model_config.get("model_type", "") in GENERIC_TOKENIZER_MODEL_TYPES
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def check_token_ids(token_ids: Any) -> list[int]:
