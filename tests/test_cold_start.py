@@ -1,4 +1,6 @@
-"""`pagedllm serve`'s API process starts the engine core without importing
+"""`pagedllm serve` starts without the imports it does not need. The engine
+core reads the shipped model's config.json without transformers (AutoConfig
+costs ~2 s). The API process starts the engine core without importing
 torch (issue 17 point 4): torch costs ~0.85 s here, and the engine core
 process imports it anyway, so importing it first only delays the start.
 Checked in a fresh interpreter: the server's modules, resolving the shipped
@@ -43,3 +45,25 @@ def test_the_api_process_starts_the_engine_core_without_torch() -> None:
     assert heavy == "heavy: []"
     assert tokenizer == "TokenizersBackend 1"
     assert heavy_after == "heavy after the tokenizer: []"
+
+
+CORE_CHECK = """
+import sys
+from pagedllm.core.config import EngineConfig
+from pagedllm.engine.core_proc import _build_engine, ready_message
+
+parts = _build_engine(EngineConfig.from_flat(model="tiny", num_kv_blocks=64).model_dump_json(exclude={"server"}))
+print(ready_message(parts).eos_token_id, type(parts.model.hf_config).__name__)
+heavy = sorted(name for name in ("transformers", "xgrammar") if name in sys.modules)
+print("heavy:", heavy)
+parts.executor.shutdown()
+"""
+
+
+def test_the_engine_core_builds_the_shipped_model_without_transformers() -> None:
+    # Its config.json is read directly (model_registry/plain_config.py), not by AutoConfig.
+    completed = subprocess.run([sys.executable, "-c", CORE_CHECK], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    ready, heavy = completed.stdout.strip().splitlines()[-2:]
+    assert ready == "1 PlainConfig"
+    assert heavy == "heavy: []"
