@@ -82,8 +82,10 @@ import os, pagedllm
 root = os.path.dirname(os.path.realpath(pagedllm.__file__)) + os.sep
 rows = []
 for (file, line, name), (_, _, _, cumulative, _) in stats.items():
+    if "<" in file or "<" in name:
+        continue
     file = os.path.realpath(file)
-    if file.startswith(root) and ".venv" not in file and "<" not in name:
+    if file.startswith(root) and ".venv" not in file:
         rows.append((cumulative, f"{file[len(root):]}:{name}"))
 for cumulative, label in sorted(rows, reverse=True)[:14]:
     print(f"FUNC {cumulative:.3f} {label}")

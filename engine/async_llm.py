@@ -34,6 +34,7 @@ from pagedllm.core.errors import (
     ServerShuttingDownError,
 )
 from pagedllm.engine.core_client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient
+from pagedllm.engine.core_start import start_async_engine_core
 from pagedllm.engine.dp_client import DPAsyncMPClient, ReplicaFailure
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.kv_event_log import KVEventLog
@@ -43,7 +44,6 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from pagedllm.engine.stats import IterationStats
 from pagedllm.engine.tokenizer import load_tokenizer
-from pagedllm.plugins import get_plugin_manager
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
@@ -109,23 +109,18 @@ class AsyncLLM:
         *,
         in_process: bool = False,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        engine_core: AsyncMPClient | DPAsyncMPClient | None = None,
     ) -> None:
+        """`engine_core`: a core `start_async_engine_core(config)` started
+        (the server starts it before importing its HTTP stack); this
+        AsyncLLM owns it from here on. None: start one now."""
         self.config = config
-        # Plugins load in this process too (the core loads its own): a plugin
-        # that fails in strict mode fails here first, and API-side plugin code
-        # (tokenizers, hooks) is available to the front end.
-        get_plugin_manager().load(
-            enabled=config.plugins.enabled, disabled=config.plugins.disabled, strict=config.plugins.strict
-        )
-        # Built here (not raced by the core) when it is the embedded default.
-        model_path = resolve_model_path(config.model.model)
         self.engine_core: AsyncMPClient | DPAsyncMPClient = (
-            DPAsyncMPClient(config, in_thread=in_process) if config.parallel.data_parallel_size > 1
-            else AsyncMPClient(config, in_thread=in_process)
+            engine_core if engine_core is not None else start_async_engine_core(config, in_process=in_process)
         )
         try:
             # The tokenizer loads while the core loads the model.
-            self.tokenizer = load_tokenizer(config.model.tokenizer or model_path)
+            self.tokenizer = load_tokenizer(config.model.tokenizer or resolve_model_path(config.model.model))
             ready = self.engine_core.wait_for_ready(startup_timeout_s)
         except BaseException:
             self.engine_core.shutdown()

@@ -246,14 +246,23 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagedllm.entrypoints.openai.api_server import run_server
+    from pagedllm.engine.core_start import start_async_engine_core
 
     config = serve_config(args)
     if "PAGEDLLM_LOG_LEVEL" not in os.environ:
         # The periodic stats line and the startup banner are INFO.
         logging.getLogger("pagedllm").setLevel(logging.INFO)
+    # NOTE: the engine core starts first, before the HTTP stack is imported:
+    # it imports torch and loads the model while this process imports fastapi
+    # and uvicorn and loads the tokenizer (two cores, one start).
+    engine_core = start_async_engine_core(config)
+    try:
+        from pagedllm.entrypoints.openai.api_server import run_server
+    except BaseException:
+        engine_core.shutdown()
+        raise
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
-        run_server(config)
+        run_server(config, engine_core)
     return 0
 
 

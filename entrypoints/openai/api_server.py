@@ -310,7 +310,7 @@ async def _health_problem(engine: AsyncLLM) -> str | None:
     return None
 
 
-async def serve(config: EngineConfig) -> None:
+async def serve(config: EngineConfig, engine_core: Any = None) -> None:
     """Start the engine core, then serve HTTP until a shutdown signal.
 
     Shutdown (SIGTERM / SIGINT): new connections are refused, requests in
@@ -325,13 +325,20 @@ async def serve(config: EngineConfig) -> None:
     `server.keep_alive_on_engine_death` it stays up answering 503 until it
     is stopped. Either way no process is left behind: the core is reaped,
     and a core whose API process dies exits on its own (PR_SET_PDEATHSIG).
+
+    `engine_core`: a core started already (`start_async_engine_core`), which
+    the AsyncLLM takes over; None: the AsyncLLM starts it.
     """
-    import uvicorn
+    try:
+        import uvicorn
 
-    from pagedllm.engine.async_llm import AsyncLLM
-    from pagedllm.entrypoints.openai.draining_server import DrainingServer
-
-    engine = await _start_engine(AsyncLLM, config)
+        from pagedllm.engine.async_llm import AsyncLLM
+        from pagedllm.entrypoints.openai.draining_server import DrainingServer
+    except BaseException:
+        if engine_core is not None:
+            engine_core.shutdown()
+        raise
+    engine = await _start_engine(AsyncLLM, config, engine_core)
     server: DrainingServer | None = None
     try:
         app = build_app(engine, config)
@@ -353,11 +360,12 @@ async def serve(config: EngineConfig) -> None:
                               "restart it (server.keep_alive_on_engine_death keeps it up instead)")
 
 
-async def _start_engine(async_llm_cls: Any, config: EngineConfig) -> AsyncLLM:
+async def _start_engine(async_llm_cls: Any, config: EngineConfig, engine_core: Any = None) -> AsyncLLM:
+    kwargs = {} if engine_core is None else {"engine_core": engine_core}
     create = getattr(async_llm_cls, "create", None)
     if create is not None:
-        return await create(config)
-    engine = async_llm_cls(config)
+        return await create(config, **kwargs)
+    engine = async_llm_cls(config, **kwargs)
     start = getattr(engine, "start", None)
     if start is not None:
         await start()
@@ -369,5 +377,5 @@ def _uvicorn_log_level() -> str:
     return level if level in ("critical", "error", "warning", "info", "debug", "trace") else "info"
 
 
-def run_server(config: EngineConfig) -> None:
-    asyncio.run(serve(config))
+def run_server(config: EngineConfig, engine_core: Any = None) -> None:
+    asyncio.run(serve(config, engine_core))
