@@ -67,3 +67,27 @@ def test_the_engine_core_builds_the_shipped_model_without_transformers() -> None
     ready, heavy = completed.stdout.strip().splitlines()[-2:]
     assert ready == "1 PlainConfig"
     assert heavy == "heavy: []"
+
+
+SERVE_ORDER_CHECK = """
+import sys
+import pagedllm.engine.core_start as core_start
+from pagedllm.core.errors import PagedLLMError
+from pagedllm.entrypoints.cli import main
+
+
+def record(config, **kwargs):
+    print("http stack imported:", sorted(name for name in ("fastapi", "uvicorn", "starlette") if name in sys.modules))
+    raise PagedLLMError("stopped after the start of the engine core")
+
+
+core_start.start_async_engine_core = record
+print("exit code", main(["serve", "tiny", "--port", "0"]))
+"""
+
+
+def test_serve_starts_the_engine_core_before_importing_its_http_stack() -> None:
+    # The core imports torch and loads the model while this process imports fastapi and uvicorn.
+    completed = subprocess.run([sys.executable, "-c", SERVE_ORDER_CHECK], capture_output=True, text=True, timeout=120)
+    assert completed.stdout.strip().splitlines()[-2:] == ["http stack imported: []", "exit code 1"], completed.stderr
+    assert "stopped after the start of the engine core" in completed.stderr
