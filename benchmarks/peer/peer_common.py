@@ -1,0 +1,185 @@
+"""What the peer scripts share: the placement both engines get (same cores,
+same KV cache bytes), child processes that answer one JSON line, and the
+markdown ratio table.
+
+Standard library only: offline.py imports this module in vLLM's scratch
+virtualenv too, where pagedllm is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_VLLM_PYTHON = "/work/peer-venv/bin/python"
+PEER_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PEER_DIR.parents[1]
+ENGINES = ("pagedllm", "vllm")
+RESULT_PREFIX = "PEER-RESULT "
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and with how much memory both engines run: the same cores (the
+    whole process tree pinned there; vLLM's OpenMP threads bound to them
+    too) and the same KV cache size."""
+
+    cores: tuple[int, ...]
+    kv_cache_gib: int
+    vllm_python: str
+    vllm_env: tuple[tuple[str, str], ...] = ()  # extra KEY=VALUE for vLLM's processes
+
+    def env(self, engine: str) -> dict[str, str]:
+        env = dict(os.environ)
+        if engine == "vllm":
+            # VLLM_CPU_OMP_THREADS_BIND: vLLM's worker runs one OpenMP thread
+            # per listed core, bound to it ("auto" would keep one core back for
+            # its scheduler process, so the forward gets one core of two).
+            # VLLM_CPU_KVCACHE_SPACE: GiB of KV cache (vLLM's default is 4).
+            env["VLLM_CPU_OMP_THREADS_BIND"] = format_cores(self.cores)
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+            env.update(dict(self.vllm_env))
+        return env
+
+    def python(self, engine: str) -> str:
+        return self.vllm_python if engine == "vllm" else sys.executable
+
+    def pin(self) -> None:
+        """preexec_fn: the child (and everything it starts) runs on `cores`."""
+        os.sched_setaffinity(0, self.cores)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache_gib << 30
+
+
+def parse_cores(spec: str) -> tuple[int, ...]:
+    """'0-1' or '0,2-3' -> (0, 1) / (0, 2, 3), in vLLM's VLLM_CPU_OMP_THREADS_BIND syntax."""
+    cores: list[int] = []
+    for part in spec.split(","):
+        first, dash, last = part.strip().partition("-")
+        last = last if dash else first
+        if not (first.isdigit() and last.isdigit() and int(first) <= int(last)):
+            raise ValueError(f"--cores={spec!r}: expected core ids like '0-1' or '0,2-3'")
+        cores.extend(range(int(first), int(last) + 1))
+    if not cores or len(set(cores)) != len(cores):
+        raise ValueError(f"--cores={spec!r}: expected distinct core ids")
+    return tuple(cores)
+
+
+def format_cores(cores: Sequence[int]) -> str:
+    return ",".join(str(core) for core in cores)
+
+
+def parse_env_pairs(pairs: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    parsed = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--vllm-env {pair!r}: expected KEY=VALUE")
+        parsed.append((key, value))
+    return tuple(parsed)
+
+
+def add_placement_args(parser: object) -> None:
+    add = parser.add_argument  # type: ignore[attr-defined]
+    add("--python-vllm", default=DEFAULT_VLLM_PYTHON, help="python of the scratch venv with vllm-cpu (%(default)s)")
+    add("--cores", default="0-1", help="cores both engines run on, pinned (default %(default)s)")
+    add("--kv-cache-gib", type=int, default=1, help="KV cache of both engines, GiB (default %(default)s)")
+    add("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+        help="extra environment for vLLM only, e.g. VLLM_ENABLE_V1_MULTIPROCESSING=0 or LD_PRELOAD=...")
+
+
+def placement_from_args(args: object) -> Placement:
+    return Placement(
+        cores=parse_cores(args.cores),  # type: ignore[attr-defined]
+        kv_cache_gib=args.kv_cache_gib,  # type: ignore[attr-defined]
+        vllm_python=args.python_vllm,  # type: ignore[attr-defined]
+        vllm_env=parse_env_pairs(args.vllm_env),  # type: ignore[attr-defined]
+    )
+
+
+def engine_order(rep: int) -> tuple[str, str]:
+    """Rep 0 runs pagedllm first, rep 1 vLLM first, and so on: neither engine
+    always gets the warmer (or the quieter) half of the machine's time."""
+    return ENGINES if rep % 2 == 0 else ENGINES[::-1]
+
+
+def run_json_child(cmd: list[str], env: dict[str, str], placement: Placement, timeout: float, label: str) -> dict:
+    """Run `cmd` pinned to the placement's cores; its answer is the last
+    stdout line print_result wrote."""
+    child = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=placement.pin,
+                           timeout=timeout, check=False)
+    if child.returncode != 0:
+        raise RuntimeError(f"{label} failed (rc={child.returncode}): {' '.join(cmd)}\n{child.stderr[-4000:]}")
+    answers = [line for line in child.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if not answers:
+        raise RuntimeError(f"{label} printed no {RESULT_PREFIX!r} line:\n{child.stdout[-2000:]}\n"
+                           f"{child.stderr[-4000:]}")
+    return json.loads(answers[-1][len(RESULT_PREFIX):])
+
+
+def print_result(answer: dict) -> None:
+    """The child's answer: one line, marked (engines print to stdout too)."""
+    print(RESULT_PREFIX + json.dumps(answer), flush=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Stop a server started with start_new_session=True: its own process
+    group (the server and the workers it forked), by its id, SIGTERM then SIGKILL."""
+    if process.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def speedup(pagedllm: float, vllm: float, higher_is_better: bool) -> float:
+    """pagedllm's advantage, > 1 when pagedllm is better: pagedllm/vLLM for a
+    rate, vLLM/pagedllm for a time."""
+    if not (pagedllm > 0 and vllm > 0):
+        return float("nan")
+    return pagedllm / vllm if higher_is_better else vllm / pagedllm
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt(value: float, digits: int = 1) -> str:
+    return "n/a" if value != value else f"{value:,.{digits}f}"  # NaN != NaN
+
+
+def fmt_ratio(value: float) -> str:
+    return "n/a" if value != value else f"{value:.2f}x"
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

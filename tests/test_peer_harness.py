@@ -1,0 +1,140 @@
+"""benchmarks/peer/'s own logic, without vLLM: the checkpoints both engines
+load, the placement that gives vLLM the same cores and KV cache as pagedllm,
+and the ratio tables built from the results the children report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+PEER_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "peer"
+
+
+def _load(name: str) -> ModuleType:
+    """A script of benchmarks/peer, importable the way the scripts import each other."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, PEER_DIR / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up; the scripts import peer_common by name
+    spec.loader.exec_module(module)
+    return module
+
+
+peer_common = _load("peer_common")
+checkpoints = _load("checkpoints")
+offline = _load("offline")
+serving = _load("serving")
+
+
+def test_cores_parse_like_vllms_thread_bind_variable() -> None:
+    assert peer_common.parse_cores("0-1") == (0, 1)
+    assert peer_common.parse_cores("0,2-3") == (0, 2, 3)
+    for bad in ("", "a-b", "0-1,1", "1-", "3-1"):
+        with pytest.raises(ValueError, match="--cores"):
+            peer_common.parse_cores(bad)
+
+
+def test_vllm_gets_the_same_cores_and_kv_cache_as_pagedllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.delenv(key, raising=False)
+    placement = peer_common.Placement(cores=(0, 1), kv_cache_gib=2, vllm_python="/venv/bin/python",
+                                      vllm_env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),))
+    vllm_env = placement.env("vllm")
+    assert vllm_env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert int(vllm_env["VLLM_CPU_KVCACHE_SPACE"]) << 30 == placement.kv_cache_bytes == 2 << 30
+    assert vllm_env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert not any(key.startswith("VLLM_") for key in placement.env("pagedllm"))  # vLLM's knobs stay vLLM's
+    assert placement.python("vllm") == "/venv/bin/python" and placement.python("pagedllm") == sys.executable
+    # The same pagedllm server flag carries the same bytes.
+    command = serving.server_command("pagedllm", placement, "/m", "float32", 8001)
+    assert command[command.index("--kv-cache-memory-bytes") + 1] == str(2 << 30)
+
+
+def test_engine_order_alternates_between_reps() -> None:
+    assert [peer_common.engine_order(rep) for rep in range(3)] == [
+        ("pagedllm", "vllm"), ("vllm", "pagedllm"), ("pagedllm", "vllm")]
+
+
+def test_offline_table_takes_medians_over_all_runs_and_counts_identical_outputs() -> None:
+    result = offline.WorkloadResult(
+        name="7m-float32", num_prompts=2, num_new_tokens=10,
+        times={"pagedllm": [1.0, 4.0, 2.0], "vllm": [5.0, 4.0, 3.0]},
+        load_s={"pagedllm": [1.0], "vllm": [9.0]},
+        tokens={"pagedllm": [[1, 2], [3, 4]], "vllm": [[1, 2], [3, 5]]},
+    )
+    assert result.seconds("pagedllm") == 2.0 and result.tokens_per_s("pagedllm") == 10.0
+    assert result.tokens_per_s("vllm") == 5.0
+    row = offline.results_table([result]).splitlines()[2]
+    assert row == "| 7m-float32, 2 prompts x 10 | 2.000 | 4.000 | 10.0 | 5.0 | 2.00x | 1/2 |"
+
+
+def test_serving_table_puts_pagedllm_ahead_when_its_rate_is_higher_or_its_latency_lower() -> None:
+    results = serving.ServingResults()
+    results.startup_s = {"pagedllm": [2.0, 4.0], "vllm": [60.0]}
+    results.levels["pagedllm"][8] = [
+        {"output_throughput": 600.0, "median_ttft_ms": 100.0, "median_itl_ms": 5.0, "failed": 0},
+        {"output_throughput": 800.0, "median_ttft_ms": 300.0, "median_itl_ms": 7.0, "failed": 1},
+    ]
+    results.levels["vllm"][8] = [{"output_throughput": 350.0, "median_ttft_ms": 400.0, "median_itl_ms": 12.0,
+                                  "failed": 0}]
+    lines = serving.results_table(results, [8]).splitlines()
+    assert lines[2] == "| 8 | 700.0 | 350.0 | 2.00x | 200.0 | 400.0 | 6.00 | 12.00 | 2.00x | 1/0 |"
+    assert lines[3].startswith("| start to first completion (s) | 3.00 | 60.00 | 20.00x |")
+
+
+def test_a_missing_level_shows_as_not_available_instead_of_a_ratio() -> None:
+    results = serving.ServingResults()
+    results.levels["pagedllm"][1] = [{"output_throughput": 100.0, "median_ttft_ms": 10.0, "median_itl_ms": 5.0}]
+    row = serving.results_table(results, [1]).splitlines()[2]
+    assert row.startswith("| 1 | 100.0 | n/a | n/a |")
+
+
+def test_child_answer_is_the_marked_line_whatever_else_the_engine_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    print("INFO engine chatter")
+    peer_common.print_result({"times": [1.5]})
+    print("shutdown chatter")
+    answers = [line for line in capsys.readouterr().out.splitlines() if line.startswith(peer_common.RESULT_PREFIX)]
+    assert [json.loads(line[len(peer_common.RESULT_PREFIX):]) for line in answers] == [{"times": [1.5]}]
+
+
+def test_bfloat16_checkpoint_is_the_float32_one_rounded_and_pagedllm_loads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from pagedllm import LLM, SamplingParams
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    float32_dir = checkpoints.checkpoint_dir("7m", "float32")
+    bfloat16_dir = checkpoints.checkpoint_dir("7m", "bfloat16")
+    assert checkpoints.checkpoint_dir("7m", "bfloat16") == bfloat16_dir  # built once
+    float32_weights, bfloat16_weights = (load_file(d / "model.safetensors") for d in (float32_dir, bfloat16_dir))
+    assert float32_weights.keys() == bfloat16_weights.keys()
+    for name, weight in bfloat16_weights.items():
+        assert weight.dtype == torch.bfloat16
+        assert torch.equal(weight, float32_weights[name].to(torch.bfloat16)), name
+    # What dtype="auto" reads, in vLLM (through transformers' config) and in pagedllm.
+    assert AutoConfig.from_pretrained(bfloat16_dir).dtype == torch.bfloat16
+    assert AutoConfig.from_pretrained(float32_dir).dtype == torch.float32
+    assert json.loads((bfloat16_dir / "config.json").read_text())["hidden_size"] == 256
+
+    # pagedllm serves the folder (tokenizer included): greedy tokens equal HF's on the same weights.
+    prompt = "def add(a, b):"
+    prompt_ids = AutoTokenizer.from_pretrained(bfloat16_dir)(prompt)["input_ids"]
+    hf_model = AutoModelForCausalLM.from_pretrained(bfloat16_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False,
+                                     eos_token_id=None, pad_token_id=2)[0, len(prompt_ids):].tolist()
+    llm = LLM(model=str(bfloat16_dir), dtype="float32", num_kv_blocks=16)
+    output = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert list(output[0].prompt_token_ids) == prompt_ids
+    assert list(output[0].outputs[0].token_ids) == expected
