@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -43,15 +45,18 @@ def test_cores_parse_like_vllms_thread_bind_variable() -> None:
 
 
 def test_vllm_gets_the_same_cores_and_kv_cache_as_pagedllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+    for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                "OMP_PROC_BIND"):
         monkeypatch.delenv(key, raising=False)
     placement = peer_common.Placement(cores=(0, 1), kv_cache_gib=2, vllm_python="/venv/bin/python",
-                                      vllm_env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),))
+                                      vllm_env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),),
+                                      pagedllm_env=(("OMP_PROC_BIND", "true"),))
     vllm_env = placement.env("vllm")
     assert vllm_env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
     assert int(vllm_env["VLLM_CPU_KVCACHE_SPACE"]) << 30 == placement.kv_cache_bytes == 2 << 30
     assert vllm_env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert not any(key.startswith("VLLM_") for key in placement.env("pagedllm"))  # vLLM's knobs stay vLLM's
+    assert placement.env("pagedllm")["OMP_PROC_BIND"] == "true" and "OMP_PROC_BIND" not in vllm_env
     assert placement.python("vllm") == "/venv/bin/python" and placement.python("pagedllm") == sys.executable
     # The same pagedllm server flag carries the same bytes.
     command = serving.server_command("pagedllm", placement, "/m", "float32", 8001)
@@ -103,6 +108,31 @@ def test_child_answer_is_the_marked_line_whatever_else_the_engine_prints(capsys:
     print("shutdown chatter")
     answers = [line for line in capsys.readouterr().out.splitlines() if line.startswith(peer_common.RESULT_PREFIX)]
     assert [json.loads(line[len(peer_common.RESULT_PREFIX):]) for line in answers] == [{"times": [1.5]}]
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Processes of group `pgid` that are not zombies (read from /proc)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process groups from /proc")
+def test_stopping_a_child_also_stops_what_it_forked() -> None:
+    # A stand-in for vLLM: a leader that forks a worker and waits on it.
+    child = subprocess.Popen(["bash", "-c", "sleep 300 & wait"], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while len(_live_members(child.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_live_members(child.pid)) == 2
+    peer_common.stop_process_group(child, grace_s=5.0)
+    assert child.returncode is not None and _live_members(child.pid) == []
 
 
 def test_bfloat16_checkpoint_is_the_float32_one_rounded_and_pagedllm_loads_it(

@@ -8,6 +8,8 @@ virtualenv too, where pagedllm is not installed.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +17,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +39,7 @@ class Placement:
     kv_cache_gib: int
     vllm_python: str
     vllm_env: tuple[tuple[str, str], ...] = ()  # extra KEY=VALUE for vLLM's processes
+    pagedllm_env: tuple[tuple[str, str], ...] = ()  # and for pagedllm's
 
     def env(self, engine: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -47,6 +51,8 @@ class Placement:
             env["VLLM_CPU_OMP_THREADS_BIND"] = format_cores(self.cores)
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
             env.update(dict(self.vllm_env))
+        elif engine == "pagedllm":
+            env.update(dict(self.pagedllm_env))
         return env
 
     def python(self, engine: str) -> str:
@@ -84,27 +90,25 @@ def parse_env_pairs(pairs: Sequence[str]) -> tuple[tuple[str, str], ...]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--vllm-env {pair!r}: expected KEY=VALUE")
+            raise ValueError(f"{pair!r}: expected KEY=VALUE")
         parsed.append((key, value))
     return tuple(parsed)
 
 
-def add_placement_args(parser: object) -> None:
-    add = parser.add_argument  # type: ignore[attr-defined]
+def add_placement_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
     add("--python-vllm", default=DEFAULT_VLLM_PYTHON, help="python of the scratch venv with vllm-cpu (%(default)s)")
     add("--cores", default="0-1", help="cores both engines run on, pinned (default %(default)s)")
     add("--kv-cache-gib", type=int, default=1, help="KV cache of both engines, GiB (default %(default)s)")
     add("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
         help="extra environment for vLLM only, e.g. VLLM_ENABLE_V1_MULTIPROCESSING=0 or LD_PRELOAD=...")
+    add("--pagedllm-env", action="append", default=[], metavar="KEY=VALUE",
+        help="extra environment for pagedllm only, e.g. OMP_PROC_BIND=true")
 
 
-def placement_from_args(args: object) -> Placement:
-    return Placement(
-        cores=parse_cores(args.cores),  # type: ignore[attr-defined]
-        kv_cache_gib=args.kv_cache_gib,  # type: ignore[attr-defined]
-        vllm_python=args.python_vllm,  # type: ignore[attr-defined]
-        vllm_env=parse_env_pairs(args.vllm_env),  # type: ignore[attr-defined]
-    )
+def placement_from_args(args: argparse.Namespace) -> Placement:
+    return Placement(cores=parse_cores(args.cores), kv_cache_gib=args.kv_cache_gib, vllm_python=args.python_vllm,
+                     vllm_env=parse_env_pairs(args.vllm_env), pagedllm_env=parse_env_pairs(args.pagedllm_env))
 
 
 def engine_order(rep: int) -> tuple[str, str]:
@@ -114,16 +118,20 @@ def engine_order(rep: int) -> tuple[str, str]:
 
 
 def run_json_child(cmd: list[str], env: dict[str, str], placement: Placement, timeout: float, label: str) -> dict:
-    """Run `cmd` pinned to the placement's cores; its answer is the last
-    stdout line print_result wrote."""
-    child = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=placement.pin,
-                           timeout=timeout, check=False)
+    """Run `cmd` pinned to the placement's cores, in its own process group
+    (stopped whole if anything goes wrong here: vLLM forks an engine core and
+    a worker); its answer is the last stdout line print_result wrote."""
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             preexec_fn=placement.pin, start_new_session=True)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    finally:
+        stop_process_group(child, grace_s=10.0)
     if child.returncode != 0:
-        raise RuntimeError(f"{label} failed (rc={child.returncode}): {' '.join(cmd)}\n{child.stderr[-4000:]}")
-    answers = [line for line in child.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+        raise RuntimeError(f"{label} failed (rc={child.returncode}): {' '.join(cmd)}\n{stderr[-4000:]}")
+    answers = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if not answers:
-        raise RuntimeError(f"{label} printed no {RESULT_PREFIX!r} line:\n{child.stdout[-2000:]}\n"
-                           f"{child.stderr[-4000:]}")
+        raise RuntimeError(f"{label} printed no {RESULT_PREFIX!r} line:\n{stdout[-2000:]}\n{stderr[-4000:]}")
     return json.loads(answers[-1][len(RESULT_PREFIX):])
 
 
@@ -139,20 +147,31 @@ def free_port() -> int:
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """Stop a server started with start_new_session=True: its own process
-    group (the server and the workers it forked), by its id, SIGTERM then SIGKILL."""
-    if process.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+    """Stop a process started with start_new_session=True and everything it
+    forked (its process group, by its id): SIGTERM, then SIGKILL to whatever
+    is left after `grace_s` (the leader) or 5 more seconds (its workers)."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
         try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait_s)
-            return
+            process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    deadline = time.monotonic() + 5.0
+    while _group_alive(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def median(values: Sequence[float]) -> float:
