@@ -18,10 +18,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from pagedllm.core.errors import AttentionBackendError
-from pagedllm.plugins.metadata import capability, count, counts, dtype_names, flag, names, parsed
+from pagedllm.plugins.metadata import (
+    capability,
+    count,
+    counts,
+    dtype_capabilities,
+    dtype_names,
+    flag,
+    names,
+    parsed,
+)
 
 if TYPE_CHECKING:
     import torch
+
+
+# The per-tensor scale of an fp8 KV cache (vLLM's k_scale / v_scale) where
+# the checkpoint provides none: every checkpoint pagedllm loads today.
+DEFAULT_KV_SCALE = 1.0
 
 
 @dataclass
@@ -65,6 +79,13 @@ class AttentionCapabilities:
     block_size_multiple: int | None = parsed(count)
     requires: tuple[str, ...] = parsed(names, ())  # import names that must be installed
     supports_sliding_window: bool = parsed(flag, False)
+    # KV cache storage dtypes besides the compute dtype ("float8_e4m3fn",
+    # "float8_e5m2"; attention_backends/kv_cache_dtype.py): the impl converts
+    # on write and read. () = its cache must be in the compute dtype.
+    kv_cache_dtypes: tuple[str, ...] = parsed(dtype_names, ())
+    # A storage dtype that needs a newer device than the backend itself:
+    # {dtype name: minimum compute capability}, kept as (name, capability) pairs.
+    kv_cache_dtype_min_capability: tuple[tuple[str, tuple[int, int]], ...] = parsed(dtype_capabilities, ())
 
 
 class AttentionImpl(ABC):
@@ -85,6 +106,10 @@ class AttentionImpl(ABC):
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # An fp8 KV cache holds K / k_scale and V / v_scale (kv_cache_dtype.py);
+        # ignored by a cache in the compute dtype.
+        self.k_scale = DEFAULT_KV_SCALE
+        self.v_scale = DEFAULT_KV_SCALE
 
     @abstractmethod
     def forward(
@@ -96,6 +121,11 @@ class AttentionImpl(ABC):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads, head_size]
         """Write key/value into kv_cache at slot_mapping, then attend.
+
+        The cache's dtype is its storage dtype: the compute dtype, or an fp8
+        dtype the backend declared in ``kv_cache_dtypes`` (then write and
+        read through attention_backends/kv_cache_dtype.py, with
+        `k_scale` / `v_scale`).
 
         NOTE: the write happens before any read so that a request whose
         prefix-cache hit covers blocks another request in the same batch is
@@ -128,12 +158,17 @@ class KVCacheLayout:
     def gather_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """A copy of blocks `block_ids` (int64, on the cache's device) of
         one layer's cache: [n, 2, block_size, num_kv_heads, head_size]."""
-        return kv_cache.index_select(1, block_ids).transpose(0, 1)
+        from pagedllm.attention_backends.kv_cache_dtype import as_bytes
+
+        # Through bytes: torch lacks some index ops for float8 caches (bit-exact either way).
+        return as_bytes(kv_cache).index_select(1, block_ids).transpose(0, 1).view(kv_cache.dtype)
 
     def scatter_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
         """Write `blocks` [n, 2, block_size, num_kv_heads, head_size] (on the
         cache's device, in its dtype) into blocks `block_ids` of one layer's cache."""
-        kv_cache.index_copy_(1, block_ids, blocks.transpose(0, 1))
+        from pagedllm.attention_backends.kv_cache_dtype import as_bytes
+
+        as_bytes(kv_cache).index_copy_(1, block_ids, as_bytes(blocks).transpose(0, 1))
 
     def ensure_blocks_movable(self) -> None:
         """Raise AttentionBackendError if blocks of this layout cannot be

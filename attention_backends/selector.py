@@ -60,8 +60,10 @@ def check_backend(
     dtype: torch.dtype,
     block_size: int,
     sliding_window: int | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> list[str]:
-    """Every reason the backend cannot run this configuration here ([] = it can)."""
+    """Every reason the backend cannot run this configuration here ([] = it
+    can). `kv_cache_dtype`: what the KV cache stores (None = `dtype`)."""
     caps = registration.info
     reasons = _device_reasons(caps, platform)
     name_of_dtype = dtype_name(dtype)
@@ -69,6 +71,8 @@ def check_backend(
         reasons.append(f"dtype {name_of_dtype} is not supported (supports {', '.join(caps.dtypes)})")
     if dtype not in platform.supported_dtypes():
         reasons.append(f"dtype {name_of_dtype} is not supported by {platform.describe()}")
+    if kv_cache_dtype is not None and kv_cache_dtype != dtype:
+        reasons += _kv_cache_dtype_reasons(caps, platform, dtype_name(kv_cache_dtype))
 
     if caps.head_sizes is not None and head_size not in caps.head_sizes:
         reasons.append(f"head size {head_size} is not supported (supports {', '.join(map(str, caps.head_sizes))})")
@@ -84,6 +88,18 @@ def check_backend(
         if not _is_importable(package):
             reasons.append(f"package {package!r} is not installed")
     return reasons
+
+
+def _kv_cache_dtype_reasons(caps: AttentionCapabilities, platform: Platform, cache_dtype: str) -> list[str]:
+    if cache_dtype not in caps.kv_cache_dtypes:
+        stores = ", ".join(caps.kv_cache_dtypes) if caps.kv_cache_dtypes else "none besides the compute dtype"
+        return [f"KV cache dtype {cache_dtype} is not supported (cache dtypes: {stores})"]
+    needed = dict(caps.kv_cache_dtype_min_capability).get(cache_dtype)
+    capability = platform.get_device_capability()
+    if needed is not None and capability is not None and tuple(capability) < needed:
+        return [f"KV cache dtype {cache_dtype} needs compute capability >= {_fmt_capability(needed)} "
+                f"(have {_fmt_capability(capability)})"]
+    return []
 
 
 def _device_reasons(caps: AttentionCapabilities, platform: Platform) -> list[str]:
@@ -109,16 +125,20 @@ def select_attention_backend(
     dtype: torch.dtype,
     block_size: int,
     sliding_window: int | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
     load: bool = True,
     plugin_manager: PluginManager | None = None,
 ) -> BackendSelection:
     """Pick the attention backend; ``load=False`` leaves the import for later
-    (``pagedllm env`` reports without importing any backend)."""
+    (``pagedllm env`` reports without importing any backend). `kv_cache_dtype`
+    is what the KV cache stores (None = `dtype`): a backend that does not
+    declare it in ``kv_cache_dtypes`` is rejected."""
     from pagedllm.plugins import get_plugin_manager
 
     registry = (plugin_manager or get_plugin_manager()).attention_backends
     checks: dict[str, Any] = dict(
-        head_size=head_size, dtype=dtype, block_size=block_size, sliding_window=sliding_window
+        head_size=head_size, dtype=dtype, block_size=block_size, sliding_window=sliding_window,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
     if requested != "auto":

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
+from pagedllm.attention_backends.kv_cache_dtype import read_kv, write_kv
 
 
 @dataclass
@@ -176,12 +177,13 @@ class TorchNativeAttentionImpl(AttentionImpl):
         # [2, num_blocks, block_size, Hkv, D] -> flat slots [num_blocks * block_size, Hkv, D]
         key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
         value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
+        # write_kv / read_kv: an fp8 cache converts on the way in and out.
         if plan.write_rows is None:
-            key_cache.index_copy_(0, plan.write_slots, key)
-            value_cache.index_copy_(0, plan.write_slots, value)
+            write_kv(key_cache, plan.write_slots, key, self.k_scale)
+            write_kv(value_cache, plan.write_slots, value, self.v_scale)
         else:
-            key_cache.index_copy_(0, plan.write_slots, key[plan.write_rows])
-            value_cache.index_copy_(0, plan.write_slots, value[plan.write_rows])
+            write_kv(key_cache, plan.write_slots, key[plan.write_rows], self.k_scale)
+            write_kv(value_cache, plan.write_slots, value[plan.write_rows], self.v_scale)
 
         if len(plan.groups) == 1 and plan.groups[0].token_rows is None:
             return self._attend_group(query, key_cache, value_cache, plan.groups[0])
@@ -211,8 +213,8 @@ class TorchNativeAttentionImpl(AttentionImpl):
         # [B * S, Hkv, D] -> [B, Hkv, S, D]; index_select is ~8x faster than
         # advanced indexing with a 2-D index on CPU.
         kv_shape = (num_reqs, group.max_seq_len, num_kv_heads, head_size)
-        k = key_cache.index_select(0, group.flat_key_slots).view(kv_shape).transpose(1, 2)
-        v = value_cache.index_select(0, group.flat_key_slots).view(kv_shape).transpose(1, 2)
+        k = read_kv(key_cache, group.flat_key_slots, query.dtype, self.k_scale).view(kv_shape).transpose(1, 2)
+        v = read_kv(value_cache, group.flat_key_slots, query.dtype, self.v_scale).view(kv_shape).transpose(1, 2)
         mask = group.mask(self.sliding_window)
 
         if self.logits_soft_cap is None:

@@ -74,6 +74,11 @@ class ModelConfig(_Section):
 
 class CacheConfig(_Section):
     block_size: int = Field(16, ge=1, le=256)
+    # What the KV cache stores keys and values in (vLLM's --kv-cache-dtype):
+    # "auto" = the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2" = one
+    # byte per value with scale 1.0 (attention_backends/kv_cache_dtype.py),
+    # where the platform and the attention backend support it.
+    cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     # Overrides the number of KV blocks computed from memory.
     num_kv_blocks: int | None = Field(None, ge=1)
     # Overrides gpu_memory_utilization: bytes given to the KV cache.
@@ -306,6 +311,7 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "quantization": ("model", "quantization"),
     "load_format": ("model", "load_format"),
     "block_size": ("cache", "block_size"),
+    "kv_cache_dtype": ("cache", "cache_dtype"),
     "num_kv_blocks": ("cache", "num_kv_blocks"),
     "num_gpu_blocks_override": ("cache", "num_kv_blocks"),
     "kv_cache_memory_bytes": ("cache", "kv_cache_memory_bytes"),

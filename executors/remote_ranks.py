@@ -93,7 +93,7 @@ class RemoteRanksExecutor(Executor):
             num_layers=shards[0]["num_layers"],
             num_kv_heads=shards[0]["num_kv_heads"],
             head_size=facts.head_size,
-            dtype=facts.dtype,
+            dtype=facts.kv_cache_dtype,
             device=self.device,
             kv_cache_layout=self._attn_selection.backend_cls.get_kv_cache_layout(),
             side="scheduler",

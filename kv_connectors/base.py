@@ -73,12 +73,15 @@ def model_fingerprint(
     tp_size: int = 1,
     tp_rank: int = 0,
     quantization: str | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> str:
     """A short name for "these KV blocks are interchangeable": the model's
     config.json, its weight files' names and sizes, the dtype, the cache
     layout and the tensor-parallel layout (a rank's blocks hold only its KV
     heads: a TP=2 rank never loads TP=1 blocks, nor another rank's) and the
-    quantization method (its weights compute other keys and values).
+    quantization method (its weights compute other keys and values) and the
+    KV cache's storage dtype where it is not `dtype` (an fp8 cache's blocks
+    never load into a bfloat16 one, nor the other way).
     (Weights are not read: sizes stand in for a checksum, so two
     checkpoints of one architecture with equal file sizes must not share
     a directory.)"""
@@ -97,6 +100,8 @@ def model_fingerprint(
         digest.update(f"|tp={tp_size}|rank={tp_rank}".encode())
     if quantization is not None:  # other weights, other keys and values
         digest.update(f"|quantization={quantization}".encode())
+    if kv_cache_dtype is not None and kv_cache_dtype != dtype:  # NOTE: "auto" caches keep their fingerprint
+        digest.update(f"|kv_cache_dtype={kv_cache_dtype}".encode())
     return digest.hexdigest()[:16]
 
 
@@ -112,7 +117,7 @@ class KVConnectorContext:
     num_layers: int
     num_kv_heads: int  # this rank's (all of the model's at tensor_parallel_size 1)
     head_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the KV cache's (cache.cache_dtype resolved; fp8 or the compute dtype)
     device: torch.device
     # The attention backend's: connectors read and write blocks through it
     # (kv_connectors/block_io.py), never assuming the cache's shape.

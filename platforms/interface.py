@@ -228,6 +228,33 @@ class Platform(ABC):
             return f"auto: the checkpoint's {checkpoint}, which {self.describe()} supports"
         return f"auto: a {checkpoint} checkpoint runs in {chosen} ({self.describe()} has no {checkpoint})"
 
+    def supports_kv_cache_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether a KV cache can be stored in `dtype` here (a compute dtype
+        always can). Default: torch converts a tensor on this device to
+        `dtype` and back (float8 on the CPU and CUDA)."""
+        if dtype in self.supported_dtypes():
+            return True
+        try:
+            probe = torch.ones(2, device=self.device())
+            return bool((probe.to(dtype).to(torch.float32) == probe).all())
+        except (RuntimeError, TypeError, NotImplementedError):
+            return False
+
+    def resolve_kv_cache_dtype(self, requested: str, compute_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's storage dtype for `cache.cache_dtype` (``"auto"``:
+        the compute dtype); a ConfigError naming `cache.cache_dtype` where
+        this device cannot store it."""
+        from pagedllm.attention_backends.kv_cache_dtype import resolve_kv_cache_dtype
+
+        cache_dtype = resolve_kv_cache_dtype(requested, compute_dtype)
+        if not self.supports_kv_cache_dtype(cache_dtype):
+            raise ConfigError(
+                "cache.cache_dtype",
+                requested,
+                f"auto: torch cannot store {dtype_name(cache_dtype)} on {self.describe()}",
+            )
+        return cache_dtype
+
     def get_device_communicator(self, group: ProcessGroup, device: torch.device) -> DeviceCommunicator:
         """The collectives of `group` on `device` (plugin API 1.3). Default:
         torch.distributed's own over the group's backend."""

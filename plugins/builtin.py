@@ -11,6 +11,9 @@ import os
 from pagedllm.plugins.hookspecs import RegisterFn, hookimpl
 
 ALL_FLOAT_DTYPES = ["float32", "float16", "bfloat16"]
+# fp8 KV cache storage (cache.cache_dtype fp8 / fp8_e5m2); flash_attn declares
+# none: its kernel reads the cache in the compute dtype.
+FP8_KV_CACHE_DTYPES = ["float8_e4m3fn", "float8_e5m2"]
 
 
 def _triton_device_types() -> list[str]:
@@ -35,6 +38,7 @@ def register_attention_backends(register: RegisterFn) -> None:
         device_types=["cpu", "cuda"],
         dtypes=ALL_FLOAT_DTYPES,
         supports_sliding_window=True,
+        kv_cache_dtypes=FP8_KV_CACHE_DTYPES,
     )
     register(
         "triton",
@@ -48,6 +52,9 @@ def register_attention_backends(register: RegisterFn) -> None:
         block_size_multiple=16,
         requires=["triton"],
         supports_sliding_window=True,
+        kv_cache_dtypes=FP8_KV_CACHE_DTYPES,
+        # Triton compiles float8e4nv for Ada/Hopper (8.9) and newer only.
+        kv_cache_dtype_min_capability={"float8_e4m3fn": (8, 9)},
     )
     register(
         "flash_attn",

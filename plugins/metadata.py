@@ -133,6 +133,14 @@ def dtype_names(value: object) -> tuple[str, ...]:
     return names(value)
 
 
+def dtype_capabilities(value: object) -> tuple[tuple[str, tuple[int, int]], ...]:
+    """A mapping of dtype name (or ``torch.dtype``) -> compute capability,
+    kept as sorted (name, (major, minor)) pairs (hashable, frozen)."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"expected a mapping of dtype -> (major, minor), got {type(value).__name__}")
+    return tuple(sorted((dtype_names([key])[0], capability(cap)) for key, cap in value.items()))
+
+
 def name(value: object) -> str:
     if not isinstance(value, str) or not value:
         raise TypeError("expected a non-empty string")

@@ -40,6 +40,15 @@ class DrafterContext:
     # the same geometry and addresses it by the same block tables.
     num_blocks: int
     block_size: int
+    # What the target's KV cache stores (cache.cache_dtype resolved); a model
+    # drafter's own cache uses it too. None (a context built by a plugin for
+    # API 1.x): `dtype`.
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype a drafter's own KV cache is allocated in."""
+        return self.kv_cache_dtype or self.dtype
 
 
 @dataclass
@@ -100,7 +109,8 @@ class Drafter(ABC):
 
     @classmethod
     def kv_cache_bytes_per_block(cls, config: SpeculativeConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of the drafter's own KV cache per target block on this rank
+        """Bytes of the drafter's own KV cache per target block on this rank,
+        `dtype` being the KV cache's (`DrafterContext.cache_dtype`)
         (0: none; at tensor_parallel_size > 1 only this rank's KV heads, read
         from `get_tp_group()`, which the Worker has joined when it asks);
         the engine sizes the shared block pool with it."""

@@ -127,7 +127,8 @@ class ModelDrafter(Drafter):
         context = self.context
         return allocate_kv_caches(
             model, context.attn_backend, num_blocks=context.num_blocks, block_size=context.block_size,
-            num_kv_heads=layer.num_kv_heads, head_size=layer.head_size, dtype=context.dtype, device=context.device,
+            num_kv_heads=layer.num_kv_heads, head_size=layer.head_size, dtype=context.cache_dtype,
+            device=context.device,
         )
 
     def _to_device(self, batch: InputBatch) -> tuple[torch.Tensor, AttentionMetadata]:

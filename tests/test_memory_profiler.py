@@ -47,5 +47,6 @@ def test_profile_run_unbinds_its_throwaway_cache() -> None:
         layer.kv_cache = None
     facts = parts.model
     profile_run(model, parts.attn_selection.backend_cls, num_tokens=40, num_logit_rows=4, block_size=16,
-                num_kv_heads=facts.num_kv_heads, head_size=facts.head_size, dtype=facts.dtype, device=parts.device)
+                num_kv_heads=facts.num_kv_heads, head_size=facts.head_size, kv_cache_dtype=facts.kv_cache_dtype,
+                device=parts.device)
     assert all(layer.kv_cache is None for layer in model.get_attention_layers())

@@ -31,7 +31,7 @@ def profile_run(
     block_size: int,
     num_kv_heads: int,
     head_size: int,
-    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype,
     device: torch.device,
 ) -> None:
     """Prefill `num_tokens` tokens of one request, then compute logits for
@@ -39,7 +39,7 @@ def profile_run(
     num_blocks = -(-num_tokens // block_size)
     allocate_kv_caches(
         model, attn_backend, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
-        head_size=head_size, dtype=dtype, device=device,
+        head_size=head_size, dtype=kv_cache_dtype, device=device,
     )
     try:
         batch = InputBatch.from_computed(

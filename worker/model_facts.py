@@ -22,7 +22,9 @@ class ModelFacts:
     path: str  # the model folder (a model source's name resolved) or hub id
     hf_config: PretrainedConfig
     architecture: str
-    dtype: torch.dtype
+    dtype: torch.dtype  # the compute dtype
+    # What the KV cache stores (cache.cache_dtype resolved): `dtype`, or an fp8 dtype.
+    kv_cache_dtype: torch.dtype
     head_size: int
     num_kv_heads: int  # the whole model's; a rank holds heads_per_rank(tp).num_kv_heads
     sliding_window: int | None

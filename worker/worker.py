@@ -61,11 +61,13 @@ def read_model_facts(config: EngineConfig, platform: Platform, plugin_manager: P
     path = resolve_model_path(config.model.model, plugin_manager)
     hf = load_hf_config(path)
     sliding_window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
+    dtype = platform.resolve_dtype(config.model.dtype, _config_dtype(hf))
     return ModelFacts(
         path=path,
         hf_config=hf,
         architecture=get_architecture(hf, config.model.architecture),
-        dtype=platform.resolve_dtype(config.model.dtype, _config_dtype(hf)),
+        dtype=dtype,
+        kv_cache_dtype=platform.resolve_kv_cache_dtype(config.cache.cache_dtype, dtype),
         head_size=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
         sliding_window=sliding_window,
@@ -88,6 +90,7 @@ def plan_ranks(
         dtype=facts.dtype,
         block_size=config.cache.block_size,
         sliding_window=facts.sliding_window,
+        kv_cache_dtype=facts.kv_cache_dtype,
         plugin_manager=plugin_manager,
     )
     check_tensor_parallel(config, facts, plugin_manager)
@@ -251,13 +254,14 @@ class Worker:
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         layout = self.attn_backend.get_kv_cache_layout()
+        # NOTE: in the cache's dtype: an fp8 cache fits twice the bfloat16 blocks.
         bytes_per_block = self.num_layers * layout.bytes_per_block(
-            cache.block_size, self.num_kv_heads, facts.head_size, facts.dtype
+            cache.block_size, self.num_kv_heads, facts.head_size, facts.kv_cache_dtype
         )
         if self.drafter_cls is not None:
-            # A model drafter's cache has as many blocks as the target's.
+            # A model drafter's cache has as many blocks as the target's, in the same dtype.
             bytes_per_block += self.drafter_cls.kv_cache_bytes_per_block(
-                self.speculative, cache.block_size, facts.dtype
+                self.speculative, cache.block_size, facts.kv_cache_dtype
             )
         budget = cache.kv_cache_memory_bytes
         if budget is None:
@@ -283,7 +287,7 @@ class Worker:
             block_size=self.config.cache.block_size,
             num_kv_heads=self.num_kv_heads,
             head_size=facts.head_size,
-            dtype=facts.dtype,
+            kv_cache_dtype=facts.kv_cache_dtype,
             device=self.device,
         )
 
@@ -302,7 +306,7 @@ class Worker:
             block_size=block_size,
             num_kv_heads=self.num_kv_heads,
             head_size=facts.head_size,
-            dtype=facts.dtype,
+            dtype=facts.kv_cache_dtype,
             device=self.device,
         )
         if self.config.kv_transfer.connector is not None:
@@ -373,6 +377,7 @@ class Worker:
             attn_backend=self.attn_backend,
             device=self.device,
             dtype=self.model_facts.dtype,
+            kv_cache_dtype=self.model_facts.kv_cache_dtype,
             vocab_size=self.model_facts.hf_config.vocab_size,
             max_model_len=max_model_len,
             num_blocks=num_blocks,
@@ -399,12 +404,13 @@ class Worker:
             model_fingerprint=model_fingerprint(
                 facts.path, facts.dtype, block_size, self.num_layers, self.num_kv_heads, facts.head_size,
                 tp_size=self.world_size, tp_rank=self.rank, quantization=self.config.model.quantization,
+                kv_cache_dtype=facts.kv_cache_dtype,
             ),
             block_size=block_size,
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_size=facts.head_size,
-            dtype=facts.dtype,
+            dtype=facts.kv_cache_dtype,
             device=self.device,
             kv_cache_layout=self.attn_backend.get_kv_cache_layout(),
             side=side,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
+from pagedllm.attention_backends.kv_cache_dtype import quantize_kv
 from pagedllm.attention_backends.triton.reshape_and_cache import reshape_and_cache
 from pagedllm.attention_backends.triton.unified_attention import unified_attention
 
@@ -48,7 +49,13 @@ class TritonAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         num_tokens = attn_metadata.num_actual_tokens
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        reshape_and_cache(key[:num_tokens], value[:num_tokens], key_cache, value_cache, attn_metadata.slot_mapping)
+        # NOTE: an fp8 cache's values are converted by torch (round to nearest
+        # even, saturated), not in the kernel: bit-identical to the
+        # torch-native backend's on every device (Triton's interpreter rounds
+        # float8_e5m2 otherwise). The kernel then copies bytes.
+        key = quantize_kv(key[:num_tokens], key_cache.dtype, self.k_scale)
+        value = quantize_kv(value[:num_tokens], value_cache.dtype, self.v_scale)
+        reshape_and_cache(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
         num_segments = attn_metadata.num_segments if isinstance(attn_metadata, TritonMetadata) else 1
         # Rows past num_actual_tokens (padding of a captured batch) stay as they are.
         output = torch.zeros_like(query)
@@ -66,6 +73,8 @@ class TritonAttentionImpl(AttentionImpl):
             sliding_window=self.sliding_window,
             soft_cap=self.logits_soft_cap,
             num_segments=num_segments,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return output
 

@@ -66,6 +66,8 @@ def _unified_attention_kernel(
     num_reqs,
     scale,
     soft_cap,
+    k_scale,  # an fp8 cache holds K / k_scale, V / v_scale
+    v_scale,
     stride_q_t,
     stride_q_h,
     stride_o_t,
@@ -88,6 +90,7 @@ def _unified_attention_kernel(
     USE_SOFT_CAP: tl.constexpr,
     IEEE_DOT: tl.constexpr,  # float32 inputs: exact products, not TF32
     NUM_SEGMENTS: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache is fp8: dequantize each tile to the query's dtype
 ):
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -161,6 +164,9 @@ def _unified_attention_kernel(
             mask=key_ok[:, None] & dim_ok[None, :],
             other=0.0,
         )  # [TILE, D_PAD]
+        if KV_FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
 
         if IEEE_DOT:  # noqa: SIM108 - a constexpr branch: each compiled kernel keeps one dot
             scores = tl.dot(q, k, input_precision="ieee")
@@ -279,8 +285,13 @@ def unified_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     num_segments: int = 1,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention for every query row of a flattened batch; writes `out`.
+
+    A cache of another dtype than the query (fp8) is read as
+    ``cache.to(query dtype) * scale`` (`k_scale`, `v_scale`).
 
     `num_segments > 1` takes the split-KV path (meant for decode batches).
     Only `num_reqs` and `max_query_len` (host integers) shape the launch.
@@ -309,6 +320,7 @@ def unified_attention(
         SLIDING_WINDOW=sliding_window or 0,
         USE_SOFT_CAP=soft_cap is not None,
         IEEE_DOT=query.dtype == torch.float32,
+        KV_FP8=key_cache.dtype != query.dtype,
     )
     args = (
         query,
@@ -320,6 +332,8 @@ def unified_attention(
         num_reqs,
         scale,
         soft_cap or 1.0,
+        k_scale,
+        v_scale,
         query.stride(0),
         query.stride(1),
     )

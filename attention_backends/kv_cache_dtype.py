@@ -1,0 +1,105 @@
+"""The KV cache's storage dtype (`cache.cache_dtype`, vLLM's `--kv-cache-dtype`).
+
+``auto`` stores keys and values in the model's compute dtype. ``fp8`` (=
+``fp8_e4m3``, torch.float8_e4m3fn, range +-448, 3 mantissa bits) and
+``fp8_e5m2`` (torch.float8_e5m2, range +-57344, 2 mantissa bits) store them
+in one byte: a block takes half the bytes of a bfloat16 one (a quarter of a
+float32 one), so the same memory holds twice (four times) the blocks.
+
+Like vLLM, an fp8 cache has a per-tensor scale for keys and one for values
+(`k_scale`, `v_scale`): the cache holds ``(x / scale)`` converted to fp8,
+saturated at the format's largest finite value, and attention reads
+``cache.to(compute dtype) * scale``. No checkpoint pagedllm loads carries
+scales yet, so both are 1.0 (vLLM's default for a checkpoint without them).
+
+A backend that stores an fp8 cache declares it (the ``kv_cache_dtypes``
+registration key); its impl writes with `quantize_kv` and reads with
+`dequantize_kv`. Indexing ops that torch lacks for float8 on some devices
+(``index_copy_`` on the CPU) go through `as_bytes`, a uint8 view of the same
+memory (bit-exact).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention_backends.base import DEFAULT_KV_SCALE
+from pagedllm.core.errors import ConfigError
+
+# cache.cache_dtype value -> the storage dtype; "auto" is the compute dtype.
+FP8_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,  # vLLM's "fp8" is E4M3
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+KV_CACHE_DTYPE_NAMES = ("auto", *FP8_CACHE_DTYPES)
+FP8_DTYPES = frozenset(FP8_CACHE_DTYPES.values())
+
+
+def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV cache tensors are allocated in."""
+    if cache_dtype == "auto":
+        return model_dtype
+    try:
+        return FP8_CACHE_DTYPES[cache_dtype]
+    except KeyError:
+        raise ConfigError("cache.cache_dtype", cache_dtype, ", ".join(KV_CACHE_DTYPE_NAMES)) from None
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = DEFAULT_KV_SCALE) -> torch.Tensor:
+    """`x` as the cache stores it: unchanged in a compute-dtype cache, else
+    ``(x / scale)`` saturated to the fp8 range and converted (a value past
+    the range would otherwise be NaN in E4M3, inf in E5M2)."""
+    if x.dtype == cache_dtype:
+        return x
+    if scale != 1.0:
+        x = x / scale
+    limit = torch.finfo(cache_dtype).max
+    return x.clamp(-limit, limit).to(cache_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = DEFAULT_KV_SCALE) -> torch.Tensor:
+    """Cache contents `x` back in the compute dtype."""
+    if x.dtype == dtype:
+        return x
+    x = x.to(dtype)
+    return x if scale == 1.0 else x * scale
+
+
+def as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of an fp8 tensor (the same memory), for the index ops
+    torch does not implement for float8; any other tensor as it is."""
+    return x.view(torch.uint8) if x.dtype in FP8_DTYPES else x
+
+
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float = DEFAULT_KV_SCALE) -> None:
+    """``cache[slots] = x`` as the cache stores it (`quantize_kv`); `cache`
+    is one of K or V viewed as flat slots [num_slots, Hkv, D]."""
+    as_bytes(cache).index_copy_(0, slots, as_bytes(quantize_kv(x, cache.dtype, scale)))
+
+
+def read_kv(
+    cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, scale: float = DEFAULT_KV_SCALE
+) -> torch.Tensor:
+    """``cache[slots]`` in the compute dtype `dtype` (`dequantize_kv`)."""
+    if not is_fp8(cache.dtype):
+        return cache.index_select(0, slots)
+    return dequantize_kv(as_bytes(cache).index_select(0, slots).view(cache.dtype), dtype, scale)
+
+
+__all__ = [
+    "DEFAULT_KV_SCALE",
+    "FP8_CACHE_DTYPES",
+    "KV_CACHE_DTYPE_NAMES",
+    "as_bytes",
+    "dequantize_kv",
+    "is_fp8",
+    "quantize_kv",
+    "read_kv",
+    "resolve_kv_cache_dtype",
+    "write_kv",
+]
