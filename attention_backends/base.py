@@ -33,11 +33,6 @@ if TYPE_CHECKING:
     import torch
 
 
-# The per-tensor scale of an fp8 KV cache (vLLM's k_scale / v_scale) where
-# the checkpoint provides none: every checkpoint pagedllm loads today.
-DEFAULT_KV_SCALE = 1.0
-
-
 @dataclass
 class AttentionMetadata:
     """Describes one flattened batch: B requests, T = sum of query lengths.
@@ -106,6 +101,8 @@ class AttentionImpl(ABC):
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        from pagedllm.attention_backends.kv_cache_dtype import DEFAULT_KV_SCALE
+
         # An fp8 KV cache holds K / k_scale and V / v_scale (kv_cache_dtype.py);
         # ignored by a cache in the compute dtype.
         self.k_scale = DEFAULT_KV_SCALE

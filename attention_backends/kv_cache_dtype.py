@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention_backends.base import DEFAULT_KV_SCALE
 from pagedllm.core.errors import ConfigError
 
 # cache.cache_dtype value -> the storage dtype; "auto" is the compute dtype.
@@ -34,6 +33,10 @@ FP8_CACHE_DTYPES: dict[str, torch.dtype] = {
 }
 KV_CACHE_DTYPE_NAMES = ("auto", *FP8_CACHE_DTYPES)
 FP8_DTYPES = frozenset(FP8_CACHE_DTYPES.values())
+
+# The per-tensor scale of an fp8 KV cache (vLLM's k_scale / v_scale) where
+# the checkpoint provides none: every checkpoint pagedllm loads today.
+DEFAULT_KV_SCALE = 1.0
 
 
 def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
