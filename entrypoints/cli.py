@@ -127,7 +127,10 @@ def cmd_env(args: argparse.Namespace) -> int:
 
     platform = resolve_platform(args.platform)
     dtype, dtype_reason = _env_dtype(platform, args.dtype)
-    checks: dict[str, Any] = dict(head_size=args.head_size, dtype=dtype, block_size=args.block_size)
+    kv_cache_dtype = platform.resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    checks: dict[str, Any] = dict(
+        head_size=args.head_size, dtype=dtype, block_size=args.block_size, kv_cache_dtype=kv_cache_dtype
+    )
     selection = select_attention_backend(platform, args.attention_backend, load=False, **checks)
     registry = get_plugin_manager().attention_backends
     capability = platform.get_device_capability()
@@ -142,6 +145,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         "backends": backends,
         "dtype": dtype_name(dtype),
         "dtype_reason": dtype_reason,
+        "kv_cache_dtype": dtype_name(kv_cache_dtype),
         "head_size": args.head_size,
         "block_size": args.block_size,
         "torch": torch.__version__,
@@ -157,7 +161,9 @@ def cmd_env(args: argparse.Namespace) -> int:
         ("compute capability", cap),
         ("torch", payload["torch"]),
         ("dtype", f"{payload['dtype']} ({dtype_reason})"),
-        ("checked for", f"dtype={payload['dtype']} head_size={args.head_size} block_size={args.block_size}"),
+        ("kv cache dtype", f"{payload['kv_cache_dtype']} (cache_dtype {args.kv_cache_dtype})"),
+        ("checked for", f"dtype={payload['dtype']} kv_cache_dtype={payload['kv_cache_dtype']} "
+                        f"head_size={args.head_size} block_size={args.block_size}"),
         ("attention backend", selection.name),
         ("executor", payload["executor"]),
         ("world size", payload["world_size"]),
@@ -340,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--platform", default="auto")
     env.add_argument("--attention-backend", default="auto")
     env.add_argument("--dtype", default="auto")
+    env.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                     help="the KV cache's storage dtype to check the backends for")
     env.add_argument("--head-size", type=int, default=128)
     env.add_argument("--block-size", type=int, default=16)
     env.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")

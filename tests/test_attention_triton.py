@@ -77,6 +77,38 @@ def test_pure_decode_and_pure_prefill_batches() -> None:
     assert_same_as_torch_native(seq_lens=[7, 30, 3], query_lens=[7, 30, 3], dtype=torch.float16)
 
 
+# ------------------------------------------------------------- fp8 KV cache
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_an_fp8_cache_is_written_and_read_as_torch_native_does(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """The kernel loads fp8 tiles and converts them to the query's dtype;
+    the new K/V are stored bit for bit as torch_native stores them (which
+    tests/test_kv_cache_dtype.py checks against a plain-torch reference)."""
+    case = build_case(**MIXED, dtype=dtype, kv_cache_dtype=cache_dtype)  # type: ignore[arg-type]
+    expected, expected_cache = run_backend(TorchNativeBackend, case)
+    out, cache = run_backend(TritonBackend, case)
+    assert out.dtype == dtype and cache.dtype == cache_dtype
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
+
+
+def test_an_fp8_cache_in_the_split_kv_decode_path() -> None:
+    from pagedllm.attention_backends.triton.unified_attention import unified_attention
+
+    case = build_case(seq_lens=[40, 7], query_lens=[1, 1], dtype=torch.float16, seed=4,
+                      kv_cache_dtype=torch.float8_e4m3fn)
+    expected, cache = run_backend(TorchNativeBackend, case)
+    out = torch.zeros_like(case.query)
+    meta = case.metadata
+    unified_attention(
+        out, case.query, cache[0], cache[1], meta.block_table, meta.seq_lens, meta.query_start_loc,
+        num_reqs=meta.num_reqs, max_query_len=1, scale=case.head_size**-0.5, num_segments=3,
+    )
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float16])
+
+
 # ------------------------------------------------------------- split-KV
 
 
@@ -220,13 +252,14 @@ PROMPTS = ["def main():\n", "import os\nimport sys\n", "class Stack:\n    def pu
 
 
 @pytest.mark.slow
-def test_tiny_model_greedy_tokens_with_triton_forced_equal_torch_native() -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_tiny_model_greedy_tokens_with_triton_forced_equal_torch_native(kv_cache_dtype: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = {}
     for backend in ("torch_native", "triton"):
         # A small token budget makes steps that mix prefill chunks with decodes.
         llm = LLM(model="tiny", dtype="float32", attention_backend=backend, num_kv_blocks=32,
-                  max_num_batched_tokens=16, enable_chunked_prefill=True)
+                  max_num_batched_tokens=16, enable_chunked_prefill=True, kv_cache_dtype=kv_cache_dtype)
         assert llm.engine_core.ready.attention_backend == backend
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert outputs["triton"] == outputs["torch_native"]

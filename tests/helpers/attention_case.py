@@ -54,7 +54,12 @@ def build_case(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     seed: int = 0,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> AttentionCase:
+    """`kv_cache_dtype` (an fp8 dtype): the cache is stored in it (the
+    cached context converted by plain torch, unwritten slots NaN), and the
+    reference's keys and values are converted to it and back, as an fp8
+    cache with scale 1.0 holds them."""
     gen = torch.Generator().manual_seed(seed)
     num_reqs = len(seq_lens)
     blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
@@ -82,11 +87,16 @@ def build_case(
         for pos in range(seq_len - q_len):  # cached context, written by earlier steps
             flat_k[slot(r, pos)] = keys[pos]
             flat_v[slot(r, pos)] = values[pos]
-        requests.append((queries[-1], keys, values))
+        if kv_cache_dtype is None:
+            requests.append((queries[-1], keys, values))
+        else:  # what the reference attends over: the values round-tripped through the cache's dtype
+            requests.append((queries[-1], keys.to(kv_cache_dtype).to(dtype), values.to(kv_cache_dtype).to(dtype)))
         new_keys.append(keys[seq_len - q_len :])
         new_values.append(values[seq_len - q_len :])
         slots += [slot(r, pos) for pos in range(seq_len - q_len, seq_len)]
 
+    if kv_cache_dtype is not None:
+        kv_cache = kv_cache.to(kv_cache_dtype)  # NaN stays NaN
     query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
     metadata = AttentionMetadata(
