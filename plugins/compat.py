@@ -50,7 +50,13 @@ from packaging.version import Version
 # 1.5: the quantization-method kind (`register_quantization_methods`,
 #      `QuantizationMethod`, `QuantizationInfo`, `pm.quantization_methods`,
 #      `model.quantization`).
-API_VERSION = "1.5.0"
+# 1.6: fp8 KV cache storage (`cache.cache_dtype`): `AttentionCapabilities.
+#      kv_cache_dtypes` / `kv_cache_dtype_min_capability` (a backend that
+#      declares none is not chosen for an fp8 cache), `AttentionImpl.k_scale`
+#      / `v_scale`, `DrafterContext.kv_cache_dtype`, `Platform.
+#      supports_kv_cache_dtype` / `resolve_kv_cache_dtype`; `KVConnectorContext.
+#      dtype` and `Drafter.kv_cache_bytes_per_block`'s dtype are the cache's.
+API_VERSION = "1.6.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

@@ -371,3 +371,19 @@ def test_cpu_offload_brings_back_fp8_blocks() -> None:
     assert again.num_cached_tokens == 64  # A's 4 full blocks, from CPU memory
     assert list(again.outputs[0].token_ids) == list(first[0].outputs[0].token_ids)
     assert block_bytes == 6 * 2 * 16 * 2 * 64  # layers x (K, V) x tokens x KV heads x head size, 1 byte each
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_each_store_their_kv_heads_in_fp8_with_tp1s_tokens() -> None:
+    tokens, usage = {}, {}
+    for tp_size in (1, 2):
+        llm = LLM("tiny", dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64, tensor_parallel_size=tp_size)
+        try:
+            tokens[tp_size] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+            executor = llm.engine_core.engine_core.model_executor  # type: ignore[attr-defined]
+            usage[tp_size] = [rank["kv_cache_bytes"] for rank in executor.collective_rpc("memory_usage")]
+        finally:
+            llm.shutdown()
+    assert tokens[2] == tokens[1]
+    # 64 blocks x 6 layers x (K, V) x 16 tokens x head size 64, one byte each: 2 KV heads, one per rank at TP=2.
+    assert usage == {1: [64 * 6 * 2 * 16 * 2 * 64], 2: [64 * 6 * 2 * 16 * 1 * 64] * 2}
