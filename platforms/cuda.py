@@ -49,6 +49,16 @@ class CudaPlatform(Platform):
             return [torch.bfloat16, torch.float16, torch.float32]
         return [torch.float16, torch.float32]
 
+    def supports_kv_cache_dtype(self, dtype: torch.dtype) -> bool:
+        """torch's CUDA build converts to and from float8 on every device it
+        runs on (the attention backend's own limits are its registration's,
+        e.g. Triton's E4M3 from 8.9). Answered without a tensor: a probe on
+        the device would open a CUDA context on GPU 0 in every rank's
+        process before the rank picks its own device."""
+        from pagedllm.attention_backends.kv_cache_dtype import is_fp8
+
+        return is_fp8(dtype) or dtype in self.supported_dtypes()
+
     def resolve_dtype(self, requested: str, model_dtype: torch.dtype) -> torch.dtype:
         """As the base rule; a bfloat16 checkpoint under "auto" below 8.0
         runs in float16, with a warning (asking for bfloat16 by name there is

@@ -142,13 +142,18 @@ class NoFp8Platform(CpuPlatform):
         return torch.device("mps")
 
 
-def test_a_platform_that_cannot_store_fp8_is_a_config_error_naming_cache_dtype() -> None:
+def test_a_platform_that_cannot_store_fp8_is_a_config_error_naming_cache_dtype(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert CpuPlatform().resolve_kv_cache_dtype("fp8", torch.bfloat16) is torch.float8_e4m3fn
     assert CpuPlatform().resolve_kv_cache_dtype("auto", torch.bfloat16) is torch.bfloat16
     with pytest.raises(ConfigError) as info:
         NoFp8Platform().resolve_kv_cache_dtype("fp8_e5m2", torch.bfloat16)
     assert info.value.key == "cache.cache_dtype"
     assert info.value.allowed == "auto: torch cannot store float8_e5m2 on no_fp8"
+    # CUDA answers without a tensor on the device (none exists here: this torch has no CUDA).
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert CudaPlatform().resolve_kv_cache_dtype("fp8", torch.float16) is torch.float8_e4m3fn
 
 
 def test_a_backend_that_does_not_declare_fp8_is_rejected_with_the_reason() -> None:

@@ -155,8 +155,9 @@ class Worker:
             # A rank in its own process: its device (CUDA) or share of the cores (CPU).
             self.platform.init_rank(*rank_on_host(config.parallel, local_rank))
         self.device: torch.device = self.platform.device()
-        logger.info("dtype %s (%s)", self.model_facts.dtype, self.platform.explain_dtype(
-            config.model.dtype, _config_dtype(self.model_facts.hf_config)))
+        logger.info("dtype %s (%s); KV cache %s (cache_dtype %s)", self.model_facts.dtype, self.platform.explain_dtype(
+            config.model.dtype, _config_dtype(self.model_facts.hf_config)), self.model_facts.kv_cache_dtype,
+            config.cache.cache_dtype)
         logger.info(
             "attention backend: %s (rejected: %s; rank %d)",
             self.attn_selection.name, self.attn_selection.rejected, rank,
