@@ -69,8 +69,27 @@ def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = DEFAULT_KV
     """Cache contents `x` back in the compute dtype."""
     if x.dtype == dtype:
         return x
-    x = x.to(dtype)
+    if x.device.type == "cpu" and is_fp8(x.dtype):
+        # NOTE: torch converts float8 on the CPU one element at a time; a
+        # 256-entry table of its own conversions, indexed by the bytes, is
+        # the same values (bit for bit) at a fraction of the time.
+        table = _dequantize_table(x.dtype, dtype)
+        x = table.index_select(0, x.view(torch.uint8).reshape(-1).long()).view(x.shape)
+    else:
+        x = x.to(dtype)
     return x if scale == 1.0 else x * scale
+
+
+_DEQUANTIZE_TABLES: dict[tuple[torch.dtype, torch.dtype], torch.Tensor] = {}
+
+
+def _dequantize_table(fp8_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """Every byte value of `fp8_dtype` converted to `dtype` by torch (on the CPU)."""
+    table = _DEQUANTIZE_TABLES.get((fp8_dtype, dtype))
+    if table is None:
+        table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).to(dtype)
+        _DEQUANTIZE_TABLES[fp8_dtype, dtype] = table
+    return table
 
 
 def as_bytes(x: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,19 @@ def test_values_past_the_fp8_range_saturate_instead_of_becoming_nan(cache_dtype:
     assert dequantize_kv(quantize_kv(x[2:], cache_dtype, scale=2.0), torch.float32, scale=2.0).tolist() == [3.0, 0.0]
 
 
+@pytest.mark.parametrize("cache_dtype", list(FP8.values()), ids=list(FP8))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_reading_every_fp8_byte_gives_torchs_own_conversion_bit_for_bit(
+    cache_dtype: torch.dtype, dtype: torch.dtype
+) -> None:
+    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(cache_dtype).reshape(4, 64)
+    expected = every_byte.to(dtype)
+    got = dequantize_kv(every_byte, dtype)
+    assert got.shape == expected.shape and got.dtype == dtype
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.view(bits), expected.view(bits))  # NaNs included
+
+
 def test_a_float_cache_is_written_and_read_unchanged() -> None:
     x = torch.randn(5, 2, 4)
     assert quantize_kv(x, torch.float32) is x and dequantize_kv(x, torch.float32) is x
