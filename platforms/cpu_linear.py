@@ -3,8 +3,13 @@
 MKL's plain sgemm re-lays the weight out for every call; oneDNN can do it
 once at load time. For the small, skinny GEMMs of decode (64 x 256 x 8192 for
 a tiny model's lm_head) that is 1.2-1.7x faster. vLLM's CPU backend prepacks
-the same way. Only float32 is prepacked, and only after a probe shows the
-oneDNN op exists and agrees with F.linear; otherwise nothing changes.
+the same way. bfloat16 GEMMs already run on oneDNN (AMX / AVX-512 BF16), but
+prepacked they skip the per-call reorder too: 1.2-2.8x faster at decode sizes
+(1-32 rows, K=768, N=768-8192, one thread), the same at prefill sizes, and
+bit-identical to F.linear. A dtype is prepacked only after a probe shows
+the oneDNN op exists and agrees with F.linear; otherwise nothing changes.
+Layers whose weight is of another dtype (int8 from quantization/) keep
+their own GEMM.
 """
 
 from __future__ import annotations
@@ -19,19 +24,26 @@ logger = logging.getLogger(__name__)
 
 # The batch size oneDNN tunes the packed layout for; any size still works.
 _PACK_BATCH_HINT = 64
+PREPACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _onednn_linear_available() -> bool:
+def onednn_linear_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear runs here in `dtype` and agrees with F.linear."""
     if not torch.backends.mkldnn.is_available():
         return False
     ops = torch.ops.mkldnn
     if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False  # emulated bfloat16: F.linear's own path is as good
     try:  # a build can list the op and still lack the kernel
-        weight, x = torch.randn(8, 16), torch.randn(3, 16)
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(8, 16, generator=generator).to(dtype)
+        x = torch.randn(3, 16, generator=generator).to(dtype)
         packed = ops._reorder_linear_weight(weight, _PACK_BATCH_HINT)
         out = ops._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.allclose(out, nn.functional.linear(x, weight), atol=1e-5))
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        return bool(torch.allclose(out.float(), nn.functional.linear(x, weight).float(), atol=tolerance))
     except RuntimeError:
         return False
 
@@ -55,13 +67,15 @@ def _prepacked_gemm(module: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor |
 
 
 def prepack_linear_layers(model: nn.Module) -> int:
-    """Switch every float32 nn.Linear of `model` to a prepacked oneDNN GEMM.
+    """Switch every float32 or bfloat16 nn.Linear of `model` to a prepacked oneDNN GEMM.
 
     The original weight stays registered (the model's parameters and tied
     embeddings keep working); returns how many layers were switched.
     """
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32]
-    if not linears or not _onednn_linear_available():
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.dtype in PREPACKED_DTYPES]
+    runnable = {dtype: onednn_linear_available(dtype) for dtype in {m.weight.dtype for m in linears}}
+    linears = [m for m in linears if runnable[m.weight.dtype]]
+    if not linears:
         return 0
     with torch.no_grad():
         for module in linears:

@@ -1,0 +1,76 @@
+"""The CPU platform's oneDNN-prepacked GEMMs compute what F.linear computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.model_registry.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pagedllm.platforms.cpu_linear import onednn_linear_available, prepack_linear_layers
+from pagedllm.quantization.int8 import Int8WeightOnlyMethod
+
+
+def _skip_without(dtype: torch.dtype) -> None:
+    if not onednn_linear_available(dtype):
+        pytest.skip(f"oneDNN's prepacked linear does not run in {dtype} here")
+
+
+def _model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 96, bias=True),
+        MergedColumnParallelLinear(96, [48, 48]),
+        RowParallelLinear(96, 80, bias=True),
+    )
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 32, 300])
+def test_prepacked_bfloat16_linear_is_bit_identical_to_f_linear(num_rows: int) -> None:
+    _skip_without(torch.bfloat16)
+    model = _model(torch.bfloat16)
+    x = torch.randn(num_rows, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = [x]
+        for layer in model:
+            expected.append(F.linear(expected[-1], layer.weight, layer.bias))
+        assert prepack_linear_layers(model) == 3
+        out = x
+        for layer, want in zip(model, expected[1:], strict=True):
+            out = layer(out)
+            assert out.dtype == torch.bfloat16
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_prepacked_float32_linear_matches_f_linear() -> None:
+    _skip_without(torch.float32)
+    model = _model(torch.float32)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = F.linear(F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight), model[2].weight,
+                            model[2].bias)
+        assert prepack_linear_layers(model) == 3
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_layers_swap_only_their_gemm() -> None:
+    _skip_without(torch.bfloat16)
+    model = _model(torch.bfloat16)
+    prepack_linear_layers(model)
+    # nn.Linear gets a per-instance forward; the TP layers keep their forward
+    # (the collectives) and get a per-instance apply_linear.
+    assert "forward" in vars(model[0])
+    for layer in model[1:]:
+        assert "forward" not in vars(layer) and "apply_linear" in vars(layer)
+
+
+def test_int8_quantized_layers_keep_their_own_gemm() -> None:
+    _skip_without(torch.bfloat16)
+    model = _model(torch.bfloat16)
+    Int8WeightOnlyMethod().quantize_linear(model[1], "1")
+    int8_gemm = model[1].apply_linear
+    assert prepack_linear_layers(model) == 2
+    assert model[1].apply_linear is int8_gemm
+    assert model[1].weight.dtype == torch.int8
