@@ -127,7 +127,8 @@ def profile(args: argparse.Namespace) -> None:
 
 def print_table(args: argparse.Namespace, steps: dict[str, list[dict[str, float]]]) -> None:
     names = sorted({name for kind in steps.values() for step in kind for name in step} - {"step", "tokens"})
-    print(f"\n{args.model}, {args.dtype}, {args.threads} threads, {args.clock} time, batch of {MODELS[args.model][1]} requests; "
+    batch = MODELS[args.model][1]
+    print(f"\n{args.model}, {args.dtype}, {args.threads} threads, {args.clock} time, batch of {batch} requests; "
           f"median ms per step ({len(steps['prefill'])} prefill steps, {len(steps['decode'])} decode steps)")
     print(f"{'phase':<34}{'prefill ms':>12}{'share':>8}{'decode ms':>12}{'share':>8}")
     medians = {kind: {name: statistics.median(s.get(name, 0.0) for s in kind_steps) * 1e3 for name in

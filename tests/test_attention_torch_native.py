@@ -7,7 +7,7 @@ import torch
 from helpers.attention_case import build_case, run_backend
 
 from pagedllm.attention_backends.base import AttentionMetadata
-from pagedllm.attention_backends.torch_native import TorchNativeBackend, build_batch_plan
+from pagedllm.attention_backends.torch_native import TorchNativeBackend, build_batch_plan, split_by_length
 
 
 def reference_attention(
@@ -133,16 +133,77 @@ def test_kv_written_at_slot_mapping_and_minus_one_skipped() -> None:
 
 def test_batch_plan_splits_decodes_from_prefills() -> None:
     query_start_loc = torch.tensor([0, 1, 6, 7], dtype=torch.int32)
-    seq_lens = torch.tensor([4, 5, 9], dtype=torch.int32)
+    seq_lens = torch.tensor([8, 6, 9], dtype=torch.int32)  # decodes of close lengths: one group
     metadata = AttentionMetadata(7, 3, 5, 9, query_start_loc, seq_lens, torch.tensor([[0, 1], [2, 3], [4, 5]]),
                                  torch.arange(7), query_start_loc.clone(), seq_lens.clone())
     plan = build_batch_plan(metadata, block_size=8)
     decodes, prefills = plan.groups
     assert decodes.token_rows.tolist() == [0, 6] and decodes.padded_rows is None
     assert prefills.token_rows.tolist() == [1, 2, 3, 4, 5]
-    assert prefills.query_pos.tolist() == [[0, 1, 2, 3, 4]]
+    assert prefills.query_pos.tolist() == [[1, 2, 3, 4, 5]]
+    assert plan.fresh_prefill_rows == []
     # Request 2 (decode, seq_len 9): keys at positions 0..7 in block 4, 8 in block 5.
     assert decodes.key_slots[1].tolist() == [32, 33, 34, 35, 36, 37, 38, 39, 40]
+
+
+def test_fresh_prefills_are_planned_per_request_without_cache_reads() -> None:
+    # Requests: decode, fresh prefill (5 of 5), chunk with context (2 of 6), fresh prefill (3 of 3).
+    query_start_loc = torch.tensor([0, 1, 6, 8, 11], dtype=torch.int32)
+    seq_lens = torch.tensor([4, 5, 6, 3], dtype=torch.int32)
+    metadata = AttentionMetadata(11, 4, 5, 6, query_start_loc, seq_lens, torch.arange(8).view(4, 2),
+                                 torch.arange(11), query_start_loc.clone(), seq_lens.clone())
+    plan = build_batch_plan(metadata, block_size=8)
+    assert plan.fresh_prefill_rows == [(1, 6), (8, 11)]
+    decodes, chunks = plan.groups
+    assert decodes.token_rows.tolist() == [0] and chunks.token_rows.tolist() == [6, 7]
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (4, None), (None, 3.0), (64, None)])
+def test_fresh_prefills_beside_decodes_and_chunks_match_reference(
+    dtype: torch.dtype, atol: float, sliding_window: int | None, soft_cap: float | None
+) -> None:
+    out, ref = run_case(seq_lens=[9, 23, 40, 17, 5], query_lens=[1, 23, 7, 17, 5], dtype=dtype,
+                        sliding_window=sliding_window, soft_cap=soft_cap, num_heads=6, num_kv_heads=2)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
+
+
+def test_fresh_prefill_equals_the_padded_masked_path_it_replaces() -> None:
+    """Same dtype, same kernel family: the per-request causal call agrees with
+    one masked call over the request's keys read back from the cache."""
+    gen = torch.Generator().manual_seed(3)
+    impl = TorchNativeBackend.get_impl_cls()(num_heads=6, head_size=32, scale=32**-0.5, num_kv_heads=2)
+    for dtype, atol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        q = torch.randn(37, 6, 32, generator=gen).to(dtype)
+        k, v = (torch.randn(37, 2, 32, generator=gen).to(dtype) for _ in range(2))
+        fresh = impl._attend_fresh_prefill(q, k, v)
+        mask = torch.ones(37, 37, dtype=torch.bool).tril()
+        padded = impl._attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask)
+        torch.testing.assert_close(fresh, padded[0].transpose(0, 1), atol=atol, rtol=0)
+
+
+def test_decodes_of_very_different_lengths_are_split_in_two_groups() -> None:
+    req_ids = torch.arange(6)
+    seq_lens = torch.tensor([300, 20, 310, 25, 18, 290])
+    short, long = split_by_length(req_ids, seq_lens)
+    assert short.tolist() == [1, 3, 4] and long.tolist() == [0, 2, 5]
+    # 6 x 310 padded keys against 3 x 25 + 3 x 310: more than 25 % saved.
+    close = torch.tensor([300, 280, 310, 295, 305, 290])
+    assert [ids.tolist() for ids in split_by_length(req_ids, close)] == [[0, 1, 2, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_split_decode_groups_match_reference(dtype: torch.dtype, atol: float) -> None:
+    seq_lens = [70, 3, 66, 5, 40, 2]
+    query_lens = [1, 1, 1, 1, 12, 1]
+    case_plan = build_batch_plan(
+        AttentionMetadata(17, 6, 12, 70, torch.tensor([0, 1, 2, 3, 4, 16, 17], dtype=torch.int32),
+                          torch.tensor(seq_lens, dtype=torch.int32), torch.zeros(6, 5, dtype=torch.int32),
+                          torch.arange(17), torch.tensor([0, 1, 2, 3, 4, 16, 17], dtype=torch.int32),
+                          torch.tensor(seq_lens, dtype=torch.int32)), block_size=16)
+    assert len(case_plan.groups) == 3  # short decodes, long decodes, the chunk with context
+    out, ref = run_case(seq_lens=seq_lens, query_lens=query_lens, dtype=dtype)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
 
 
 def test_build_metadata_attaches_the_plan_every_layer_reuses() -> None:
