@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
-from pagedllm.attention_backends.kv_cache_dtype import read_kv, write_kv
+from pagedllm.attention_backends.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv, read_kv, write_kv
 
 
 @dataclass
@@ -225,6 +225,10 @@ class TorchNativeAttentionImpl(AttentionImpl):
         # NOTE: every row belongs to one group or one fresh prefill, so every
         # row of `output` is written below.
         output = torch.empty_like(query)
+        if plan.fresh_prefill_rows and is_fp8(key_cache.dtype):
+            # Attend over what the cache holds, as every other row does.
+            key = dequantize_kv(quantize_kv(key, key_cache.dtype, self.k_scale), query.dtype, self.k_scale)
+            value = dequantize_kv(quantize_kv(value, value_cache.dtype, self.v_scale), query.dtype, self.v_scale)
         for start, end in plan.fresh_prefill_rows:
             output[start:end] = self._attend_fresh_prefill(query[start:end], key[start:end], value[start:end])
         for group in plan.groups:  # at most three: decodes (in one or two groups), prefill chunks with context
