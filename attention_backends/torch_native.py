@@ -173,7 +173,9 @@ def build_batch_plan(attn_metadata: AttentionMetadata, block_size: int) -> Torch
     seq_lens_cpu = attn_metadata.seq_lens_cpu[: attn_metadata.num_reqs]
     query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
     is_decode = query_lens == 1
-    is_fresh_prefill = ~is_decode & (query_lens == seq_lens_cpu)
+    # A fresh prefill attends over its own rows' K/V, not the cache: only when
+    # every row is written (a row with slot -1 is not in the cache to attend to).
+    is_fresh_prefill = ~is_decode & (query_lens == seq_lens_cpu) & (write_rows is None)
     fresh_ids = is_fresh_prefill.nonzero().squeeze(1)
     fresh_prefill_rows = list(zip(query_start_loc_cpu[fresh_ids].tolist(), query_start_loc_cpu[fresh_ids + 1].tolist(),
                                   strict=True))
