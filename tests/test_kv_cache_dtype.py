@@ -8,13 +8,13 @@ The Triton kernel's fp8 path: tests/test_attention_triton.py."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import torch
 from helpers.attention_case import build_case, run_backend
+from helpers.validation import validation_sample, validation_score
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention_backends.kv_cache_dtype import dequantize_kv, quantize_kv
@@ -248,27 +248,6 @@ def test_the_shipped_model_with_an_fp8_cache_agrees_with_the_float_cache(cache_d
     assert same >= MIN_AGREEMENT[cache_dtype] * len(PROMPTS) * GREEDY.max_tokens, (same, tokens, expected)
 
 
-class ValidationScore(NamedTuple):
-    perplexity: float
-    top1: list[int]  # the most likely next token at every scored position
-
-
-def _validation_score(llm: LLM, windows: list[list[int]], bos_id: int) -> ValidationScore:
-    """exp(mean NLL) of every window token but the first (and BOS), from
-    prompt logprobs, and the argmax next token at each of those positions."""
-    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
-    outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
-    nll, count, top1 = 0.0, 0, []
-    for window, output in zip(windows, outputs, strict=True):
-        assert output.prompt_logprobs is not None
-        for token, entry in zip(window[1:], output.prompt_logprobs[1:], strict=True):
-            if token != bos_id:
-                nll -= entry[token].logprob
-                count += 1
-                top1.append(next(t for t, logprob in entry.items() if logprob.rank == 1))
-    return ValidationScore(math.exp(nll / count), top1)
-
-
 # Measured on the 32 windows below (float32 compute, 8,159 scored positions):
 # perplexity 35.643 (E4M3) and 35.696 (E5M2) against 35.599 for the float
 # cache (1.0012x, 1.0027x); next-token argmax equal at 96.1 % and 93.0 % of
@@ -279,17 +258,12 @@ MIN_TOP1_AGREEMENT = {"fp8": 0.93, "fp8_e5m2": 0.90}
 
 @pytest.mark.slow
 def test_fp8_cache_validation_perplexity_and_next_token_agree_with_the_float_cache() -> None:
-    from pagedllm.model_registry import tiny
-    from pagedllm.model_registry.tiny.evaluate import validation_windows
-
-    all_windows, bos_id = validation_windows(tiny.get_tokenizer_dir())
-    step = len(all_windows) // 32
-    windows = [w.tolist() for w in all_windows[::step][:32]]  # 32 x 256 tokens from across the files
+    windows, bos_id = validation_sample()
     scores = {}
     for cache_dtype in ("auto", "fp8", "fp8_e5m2"):
         llm = LLM("tiny", dtype="float32", kv_cache_dtype=cache_dtype)
         try:
-            scores[cache_dtype] = _validation_score(llm, windows, bos_id)
+            scores[cache_dtype] = validation_score(llm, windows, bos_id)
         finally:
             llm.shutdown()
     reference = scores["auto"]

@@ -7,12 +7,12 @@ that is unknown or cannot run here."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import ClassVar
 
 import pytest
 import torch
+from helpers.validation import validation_sample, validation_score
 from torch import nn
 
 from pagedllm import LLM, SamplingParams
@@ -94,33 +94,14 @@ def test_int8_stores_every_linear_but_the_lm_head_as_int8_and_agrees_with_float(
     assert same >= 0.9 * len(PROMPTS) * GREEDY.max_tokens, (same, tokens, expected)
 
 
-def _validation_perplexity(llm: LLM, windows: list[list[int]], bos_id: int) -> float:
-    """exp(mean NLL) of every window token but the first (and BOS), from prompt logprobs."""
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
-    nll, count = 0.0, 0
-    for window, output in zip(windows, outputs, strict=True):
-        assert output.prompt_logprobs is not None
-        for token, entry in zip(window[1:], output.prompt_logprobs[1:], strict=True):
-            if token != bos_id:
-                nll -= entry[token].logprob
-                count += 1
-    return math.exp(nll / count)
-
-
 @pytest.mark.slow
 def test_int8_validation_perplexity_is_within_2_percent_of_float() -> None:
-    from pagedllm.model_registry import tiny
-    from pagedllm.model_registry.tiny.evaluate import validation_windows
-
-    all_windows, bos_id = validation_windows(tiny.get_tokenizer_dir())
-    step = len(all_windows) // 32
-    windows = [w.tolist() for w in all_windows[::step][:32]]  # 32 x 256 tokens from across the files
+    windows, bos_id = validation_sample()
     perplexities = {}
     for quantization in (None, "int8"):
         llm = LLM("tiny", dtype="float32", quantization=quantization)
         try:
-            perplexities[quantization] = _validation_perplexity(llm, windows, bos_id)
+            perplexities[quantization] = validation_score(llm, windows, bos_id).perplexity
         finally:
             llm.shutdown()
     assert perplexities[None] < 45.0, perplexities  # the trained model, not noise

@@ -1,0 +1,41 @@
+"""The shipped tiny model's held-out text, scored through the engine's own
+prompt logprobs: what the quality bounds of int8 weights and fp8 KV caches
+are measured on."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from pagedllm import LLM, SamplingParams
+
+
+class ValidationScore(NamedTuple):
+    perplexity: float
+    top1: list[int]  # the most likely next token at every scored position
+
+
+def validation_sample(num_windows: int = 32) -> tuple[list[list[int]], int]:
+    """`num_windows` windows of 256 tokens from across the validation files, and the BOS id."""
+    from pagedllm.model_registry import tiny
+    from pagedllm.model_registry.tiny.evaluate import validation_windows
+
+    all_windows, bos_id = validation_windows(tiny.get_tokenizer_dir())
+    step = len(all_windows) // num_windows
+    return [w.tolist() for w in all_windows[::step][:num_windows]], bos_id
+
+
+def validation_score(llm: LLM, windows: list[list[int]], bos_id: int) -> ValidationScore:
+    """exp(mean NLL) of every window token but the first (and BOS), from
+    prompt logprobs, and the argmax next token at each of those positions."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+    nll, count, top1 = 0.0, 0, []
+    for window, output in zip(windows, outputs, strict=True):
+        assert output.prompt_logprobs is not None
+        for token, entry in zip(window[1:], output.prompt_logprobs[1:], strict=True):
+            if token != bos_id:
+                nll -= entry[token].logprob
+                count += 1
+                top1.append(next(t for t, logprob in entry.items() if logprob.rank == 1))
+    return ValidationScore(math.exp(nll / count), top1)
