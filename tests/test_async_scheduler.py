@@ -67,15 +67,18 @@ def test_eos_in_flight_drops_the_step_scheduled_behind_it() -> None:
     assert scheduler.schedule().finished_req_ids == {"r"}  # the runner forgets it next step
 
 
-def test_a_request_preempted_with_its_last_token_in_flight_finishes_from_the_waiting_queue() -> None:
-    # 4 blocks of 4 tokens: two 4-token prompts take two blocks each by
-    # position 7; r1's position 8 needs a fifth, so the newest (r2) is
-    # preempted while its 5th and last token (max_tokens=5) is in flight.
+def _r2_preempted_with_a_step_in_flight(r2_max_tokens: int) -> tuple[Scheduler, list[Any]]:
+    """4 blocks of 4 tokens: two 4-token prompts take two blocks each by
+    position 7; r1's position 8 needs a fifth, so at the 6th step the newest
+    (r2) is preempted while its 5th token is in flight."""
     scheduler = make_scheduler(async_scheduling=True, num_blocks=4)
-    runner = FakeRunner(scheduler)
     scheduler.add_request(make_request("r1", prompt(10, 4), max_tokens=8))
-    scheduler.add_request(make_request("r2", prompt(20, 4), max_tokens=5))
-    results = runner.run_async()
+    scheduler.add_request(make_request("r2", prompt(20, 4), max_tokens=r2_max_tokens))
+    return scheduler, FakeRunner(scheduler).run_async()
+
+
+def test_a_request_preempted_with_its_last_token_in_flight_finishes_from_the_waiting_queue() -> None:
+    scheduler, results = _r2_preempted_with_a_step_in_flight(r2_max_tokens=5)  # the 5th is its last
     preempting = [i for i, r in enumerate(results) if r.scheduler_output.preempted_req_ids]
     assert preempting == [5]
     assert results[5].scheduled == {"r1": 1}
@@ -86,14 +89,10 @@ def test_a_request_preempted_with_its_last_token_in_flight_finishes_from_the_wai
 
 
 def test_a_preempted_request_keeps_the_token_its_step_in_flight_sampled() -> None:
-    # As above with r2 unbounded: it resumes after r1 and recomputes its
-    # prompt plus every output, the in-flight one included (the runner checks
-    # its tokens against the scheduler's on every step).
-    scheduler = make_scheduler(async_scheduling=True, num_blocks=4)
-    runner = FakeRunner(scheduler)
-    scheduler.add_request(make_request("r1", prompt(10, 4), max_tokens=8))
-    scheduler.add_request(make_request("r2", prompt(20, 4), max_tokens=9))
-    results = runner.run_async()
+    # r2 resumes after r1 and recomputes its prompt plus every output, the
+    # in-flight one included (the runner checks its tokens against the
+    # scheduler's on every step).
+    _, results = _r2_preempted_with_a_step_in_flight(r2_max_tokens=9)
     assert results[5].scheduler_output.preempted_req_ids == {"r2"}
     assert "r2" in results[4].runner_output.sampled_token_ids
     resumed = next(r for r in results[6:] if "r2" in r.scheduled)
