@@ -1,0 +1,1 @@
+"""One conformance suite per plugin kind: ``<kind>.py`` defines ``SUITE``."""
