@@ -296,6 +296,12 @@ class ServerConfig(_Section):
     # Longest a chat template may render (the model's own template included);
     # past it the render is stopped and the request gets a 400.
     chat_template_timeout_s: float = Field(5.0, gt=0.0, le=600.0)
+    # The registered tool-call parser (kind tool_parser, e.g. "hermes") that
+    # reads calls out of the model's text for chat tool_choice="auto"; with
+    # enable_auto_tool_choice (vLLM's two flags). Without them "auto" is a 400;
+    # "required" and named functions need neither (the grammar backend forces them).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
 
 # vLLM's flat keyword names (LLM(model=..., block_size=...)) -> (section, key).

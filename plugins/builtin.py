@@ -132,3 +132,9 @@ def register_routers(register: RegisterFn) -> None:
 def register_quantization_methods(register: RegisterFn) -> None:
     # Weight-only int8, per output channel, quantized from the float checkpoint at load.
     register("int8", "pagedllm.quantization.int8:Int8WeightOnlyMethod")
+
+
+@hookimpl
+def register_tool_parsers(register: RegisterFn) -> None:
+    # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes 2 Pro, Qwen2.5, Qwen3).
+    register("hermes", "pagedllm.tool_parsers.hermes:HermesToolParser")

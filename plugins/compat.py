@@ -56,7 +56,9 @@ from packaging.version import Version
 #      / `v_scale`, `DrafterContext.kv_cache_dtype`, `Platform.
 #      supports_kv_cache_dtype` / `resolve_kv_cache_dtype`; `KVConnectorContext.
 #      dtype` and `Drafter.kv_cache_bytes_per_block`'s dtype are the cache's.
-API_VERSION = "1.6.0"
+# 1.7: the tool-call parser kind (`register_tool_parsers`, `ToolParser`,
+#      `ToolParserInfo`, `pm.tool_parsers`, `server.tool_call_parser`).
+API_VERSION = "1.7.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

@@ -39,7 +39,7 @@ Each kind is a :class:`pagedllm.plugins.kinds.PluginKind`; its registry is
 ``get_plugin_manager().registry(kind)``, or typed: ``.platforms``,
 ``.attention_backends``, ``.models``, ``.drafters``, ``.grammar_backends``,
 ``.kv_connectors``, ``.model_sources``, ``.executors``, ``.routers``,
-``.quantization_methods``.
+``.quantization_methods``, ``.tool_parsers``.
 
 None of these hooks is ``firstresult``: every plugin gets called, and the
 return value is ignored.
@@ -295,6 +295,30 @@ def register_quantization_methods(register: RegisterFn) -> None:
     Called lazily when the registry is first needed: a worker loading a model
     with ``model.quantization`` set, ``pagedllm plugins list``. Built-in:
     ``int8`` (weight-only, per output channel, quantized at load).
+    """
+
+
+@hookspec
+def register_tool_parsers(register: RegisterFn) -> None:
+    """Register tool-call parsers (kind ``tool_parser``, plugin API 1.7): how
+    a model writes function calls, for chat requests with ``tool_choice="auto"``.
+
+    :param register: call ``register(name, "pkg.mod:ParserCls")``; ``name`` is
+        what ``server.tool_call_parser`` (``--tool-call-parser``) selects. The
+        target must be a subclass of
+        :class:`pagedllm.tool_parsers.base.ToolParser`, built as
+        ``ParserCls(tokenizer)`` once per choice of a chat request; its
+        ``extract_tool_calls(model_output, request)`` splits a whole output
+        into content and calls, and ``extract_tool_calls_streaming(
+        previous_text, current_text, delta_text, request)`` (then
+        ``finish_streaming``) does the same incrementally. No metadata keys
+        (:class:`pagedllm.plugins.metadata.ToolParserInfo`).
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the tool-parser registry is first needed: the API
+    server starting with ``--tool-call-parser`` (an unknown name is a
+    ConfigError listing the registered ones), ``pagedllm plugins list``.
+    Built-in: ``hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``).
     """
 
 

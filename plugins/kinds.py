@@ -27,6 +27,7 @@ class PluginKind(enum.StrEnum):
     EXECUTOR = "executor"
     ROUTER = "router"
     QUANTIZATION_METHOD = "quantization_method"
+    TOOL_PARSER = "tool_parser"
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,12 @@ KIND_SPECS: dict[PluginKind, KindSpec] = {
             "register_quantization_methods",
             "pagedllm.quantization.base:QuantizationMethod",
             f"{_METADATA}:QuantizationInfo",
+        ),
+        KindSpec(
+            PluginKind.TOOL_PARSER,
+            "register_tool_parsers",
+            "pagedllm.tool_parsers.base:ToolParser",
+            f"{_METADATA}:ToolParserInfo",
         ),
     )
 }

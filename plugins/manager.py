@@ -41,11 +41,13 @@ if TYPE_CHECKING:
         PlatformInfo,
         QuantizationInfo,
         RouterInfo,
+        ToolParserInfo,
     )
     from pagedllm.quantization.base import QuantizationMethod
     from pagedllm.routers.base import RoutingPolicy
     from pagedllm.spec_decode.interface import Drafter
     from pagedllm.structured_output.interface import GrammarBackend
+    from pagedllm.tool_parsers.base import ToolParser
 
 logger = logging.getLogger("pagedllm.plugins")
 
@@ -329,6 +331,10 @@ class PluginManager:
     @property
     def quantization_methods(self) -> Registry[QuantizationMethod, QuantizationInfo]:
         return self.registry(PluginKind.QUANTIZATION_METHOD)
+
+    @property
+    def tool_parsers(self) -> Registry[ToolParser, ToolParserInfo]:
+        return self.registry(PluginKind.TOOL_PARSER)
 
     def _collect(self, spec: KindSpec) -> Registry[Any, Any]:
         registry: Registry[Any, Any] = Registry(spec.kind, spec.interface)

@@ -219,6 +219,11 @@ class QuantizationInfo:
     requires: tuple[str, ...] = parsed(names, ())  # import names of the packages it needs
 
 
+@dataclass(frozen=True)
+class ToolParserInfo:
+    """``register_tool_parsers`` metadata: none (the parser reads the text itself)."""
+
+
 __all__ = [
     "DrafterInfo",
     "ExecutorInfo",
@@ -230,6 +235,7 @@ __all__ = [
     "PlatformInfo",
     "QuantizationInfo",
     "RouterInfo",
+    "ToolParserInfo",
     "build_info",
     "capability",
     "count",

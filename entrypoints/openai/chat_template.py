@@ -104,8 +104,9 @@ def render_chat_template(
     template_kwargs: dict[str, Any] | None,
     timeout_s: float,
     max_chars: int,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """`tokenizer.apply_chat_template(..., tokenize=False)` stopped past
+    """`tokenizer.apply_chat_template(..., tools=tools, tokenize=False)` stopped past
     `timeout_s` or `max_chars` (InvalidRequestError naming the template's
     field and the limit). Blocking: call it in a worker thread.
 
@@ -118,7 +119,7 @@ def render_chat_template(
     try:
         text = tokenizer.apply_chat_template(
             conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-            tokenize=False, **(template_kwargs or {}),
+            tokenize=False, tools=tools, **(template_kwargs or {}),
         )
     except _RenderStopped as stopped:
         raise _limit_error(stopped.reason, field, chat_template, timeout_s, max_chars) from None

@@ -275,6 +275,50 @@ class CompletionRequest(SamplingFields):
         return super().sampling_params(max_tokens, logprobs, prompt_logprobs, extra_stop_token_ids)
 
 
+# ---- tools (function calling); the logic is in tool_calls.py
+
+# OpenAI's limits: at most 128 tools, names of letters, digits, _ and -, up to 64.
+MAX_TOOLS = 128
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+# A tool call id we accept back in messages (ours are "call_" + 24 hex digits).
+MAX_TOOL_CALL_ID_CHARS = 256
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    # A JSON schema of the arguments (an object); None = no arguments.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(OpenAIBaseModel):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    type: Literal["function"]
+    function: ChatCompletionNamedFunction
+
+
+class FunctionCallParam(OpenAIBaseModel):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    arguments: str  # JSON text of an object, as the API returned it
+
+
+class ToolCallParam(OpenAIBaseModel):
+    """A call in an assistant message the client sends back."""
+
+    id: str = Field(min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)
+    type: Literal["function"]
+    function: FunctionCallParam
+
+
 class TextContentPart(OpenAIBaseModel):
     type: Literal["text"]
     text: str
@@ -284,6 +328,9 @@ class ChatMessage(OpenAIBaseModel, RefusedMessageFields):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    # An assistant message's calls; a tool message's answer names its call.
+    tool_calls: list[ToolCallParam] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)
 
     _content_parts = field_validator("content", mode="before")(check_content_parts)
 
@@ -308,6 +355,11 @@ class ChatCompletionRequest(SamplingFields, RefusedChatFields):
     # unless the server trusts request templates (--trust-request-chat-template).
     chat_template: str | None = Field(None, min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None
+    # Function calling (entrypoints/openai/tool_calls.py). tool_choice omitted:
+    # "auto" with tools, "none" without (OpenAI's defaults).
+    tools: list[ChatCompletionToolsParam] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -400,9 +452,36 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatCompletionLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: the first has id, type and name; later
+    ones append to arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -427,6 +506,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

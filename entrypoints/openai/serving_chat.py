@@ -21,7 +21,6 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatCompletionTopLogprob,
-    ChatResponseMessage,
     DeltaMessage,
     usage_info,
 )
@@ -34,21 +33,34 @@ from pagedllm.entrypoints.openai.serving_engine import (
     run_until_disconnect,
     sse_lines,
 )
+from pagedllm.entrypoints.openai.tool_calls import (
+    ChoiceToolCalls,
+    ToolCallPlan,
+    load_tool_parser,
+    plan_tool_calls,
+)
 
 if TYPE_CHECKING:
     from fastapi import Request
 
     from pagedllm.core.sampling_params import SamplingParams
+    from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.engine.outputs import Logprob, RequestOutput, SampleLogprobs
+    from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: AsyncLLM, pool: RequestWorkerPool | None = None) -> None:
+        super().__init__(engine, pool)
+        # ConfigError at start for --enable-auto-tool-choice without a known parser.
+        self.tool_parser_cls = load_tool_parser(self.server_config)
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
         self.check_stream_options(request.stream, request.stream_options)
         self.check_chat_template_allowed(request.chat_template, request.chat_template_kwargs)
         try:
-            text, token_ids, params = await self.pool.run(self._prepare, request)
+            text, token_ids, params, tools = await self.pool.run(self._prepare, request)
         finally:
             self.pool.note_request_size(request_body_size(raw_request))
 
@@ -60,30 +72,36 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             first, rest = await first_and_rest(generator)
             return StreamingResponse(
-                sse_lines(self._stream(request, request_id, len(token_ids), first, rest)),
+                sse_lines(self._stream(request, request_id, len(token_ids), first, rest, tools)),
                 media_type="text/event-stream",
             )
-        response = await run_until_disconnect(raw_request, self._collect(request, request_id, generator))
+        response = await run_until_disconnect(raw_request, self._collect(request, request_id, generator, tools))
         if response is None:
             return Response(status_code=499)
         return JSONResponse(response.model_dump())
 
-    def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
+    def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams, ToolCallPlan]:
         """Render and tokenize, build the sampling parameters, validate.
         Blocking (the template, a long prompt, a grammar check): runs in the pool."""
+        tools = plan_tool_calls(request, self.tool_parser_cls)
         text, token_ids = self.render_chat(
             request.messages, request.add_generation_prompt, request.chat_template, request.chat_template_kwargs,
-            max_num_tokens=self.max_model_len - 1,
+            max_num_tokens=self.max_model_len - 1, tools=tools.template_tools(),
         )
+        forced = tools.structured_outputs()
         try:
             params = self.build_sampling_params(request)
+            if forced is not None:  # required / named: the grammar writes the calls
+                params.structured_outputs = forced
             self.validate_prompt(token_ids, params, request)
         except InvalidRequestError as exc:
             # Name the field the client sent.
             if exc.field == "max_tokens" and request.max_completion_tokens is not None:
                 raise InvalidRequestError("max_completion_tokens", exc.value, exc.limit) from None
+            if forced is not None and exc.field.startswith("structured_outputs"):
+                raise InvalidRequestError("tools", exc.value, exc.limit) from None
             raise
-        return text, token_ids, params
+        return text, token_ids, params, tools
 
     def build_sampling_params(self, request: ChatCompletionRequest) -> SamplingParams:
         top_logprobs = request.top_logprobs
@@ -102,23 +120,26 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def _collect(
-        self, request: ChatCompletionRequest, request_id: str, generator: AsyncGenerator[RequestOutput, None]
+        self, request: ChatCompletionRequest, request_id: str, generator: AsyncGenerator[RequestOutput, None],
+        tools: ToolCallPlan,
     ) -> ChatCompletionResponse:
         final: RequestOutput | None = None
         async for _, output in merge_async_iterators(generator):
             final = output  # FINAL_ONLY: one output
         if final is None:  # the engine always ends a request with an output
             raise RuntimeError(f"request {request_id} ended without an output")
-        choices = [
-            ChatCompletionResponseChoice(
-                index=completion.index,
-                message=ChatResponseMessage(content=completion.text),
-                logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
+        choices = []
+        for completion in sorted(final.outputs, key=lambda c: c.index):
+            message, finish_reason = ChoiceToolCalls(tools, self.tokenizer).complete(
+                completion.text, completion.finish_reason
             )
-            for completion in sorted(final.outputs, key=lambda c: c.index)
-        ]
+            choices.append(ChatCompletionResponseChoice(
+                index=completion.index,
+                message=message,
+                logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
+                finish_reason=finish_reason,
+                stop_reason=completion.stop_reason,
+            ))
         num_generated = sum(len(c.token_ids) for c in final.outputs)
         return ChatCompletionResponse(
             id=request_id, model=self.model_name, choices=choices,
@@ -127,7 +148,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(
         self, request: ChatCompletionRequest, request_id: str, num_prompt_tokens: int,
-        first: RequestOutput | None, rest: AsyncGenerator[RequestOutput, None],
+        first: RequestOutput | None, rest: AsyncGenerator[RequestOutput, None], tools: ToolCallPlan,
     ) -> AsyncGenerator[str, None]:
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         # The role goes in the first delta of every choice, before any content.
@@ -137,6 +158,7 @@ class OpenAIServingChat(OpenAIServing):
             ))
         num_generated = 0
         num_cached = 0
+        choice_tools = [ChoiceToolCalls(tools, self.tokenizer) for _ in range(request.n)]
 
         async def outputs() -> AsyncGenerator[RequestOutput, None]:
             if first is not None:
@@ -148,19 +170,26 @@ class OpenAIServingChat(OpenAIServing):
             num_cached = max(num_cached, output.num_cached_tokens)
             for completion in output.outputs:
                 num_generated += len(completion.token_ids)
+                choice_tool_calls = choice_tools[completion.index]
+                deltas = choice_tool_calls.stream(completion.text, completion.finish_reason is not None)
                 # A token whose text is held back (a partial character, a
-                # possible stop string) makes a chunk only to carry its logprobs.
-                if not completion.text and completion.finish_reason is None and not (
+                # possible stop string, possible tool-call markup) makes a
+                # chunk only to carry its logprobs.
+                if not deltas and completion.finish_reason is None and not (
                     request.logprobs and completion.token_ids
                 ):
                     continue
-                yield self._chunk(request_id, ChatCompletionStreamChoice(
-                    index=completion.index,
-                    delta=DeltaMessage(content=completion.text) if completion.text else DeltaMessage(),
-                    logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                ))
+                deltas = deltas or [DeltaMessage()]
+                for position, delta in enumerate(deltas):
+                    last = position == len(deltas) - 1
+                    yield self._chunk(request_id, ChatCompletionStreamChoice(
+                        index=completion.index,
+                        delta=delta,
+                        logprobs=self._logprobs(request, completion.token_ids, completion.logprobs)
+                        if position == 0 else None,
+                        finish_reason=choice_tool_calls.finish_reason(completion.finish_reason) if last else None,
+                        stop_reason=completion.stop_reason if last else None,
+                    ))
         if include_usage:
             usage_chunk = ChatCompletionStreamResponse(
                 id=request_id, model=self.model_name, choices=[],

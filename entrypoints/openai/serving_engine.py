@@ -21,6 +21,7 @@ from pagedllm.entrypoints.openai.errors import OpenAIServingError, error_body, i
 from pagedllm.entrypoints.openai.fast_tokenizer import encode_text
 from pagedllm.entrypoints.openai.protocol import ChatMessage, SamplingFields
 from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool, shared_request_pool
+from pagedllm.entrypoints.openai.tool_calls import check_tool_messages, template_message
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -107,18 +108,21 @@ class OpenAIServing:
     def render_chat(
         self, messages: list[ChatMessage], add_generation_prompt: bool, chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None, max_num_tokens: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
         """The rendered prompt and its token ids (at most `max_num_tokens` of
         them, else a 400). Blocking: run it in `self.pool` (after
         check_chat_template_allowed)."""
         if not messages:
             raise OpenAIServingError(400, "messages: at least one message is required", "messages")
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        check_tool_messages(messages)
+        conversation = [template_message(m) for m in messages]
         try:
             text = render_chat_template(
                 self.tokenizer, conversation, chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt, template_kwargs=chat_template_kwargs,
                 timeout_s=self.server_config.chat_template_timeout_s, max_chars=self.max_rendered_chars,
+                tools=tools,
             )
         except InvalidRequestError:
             raise  # a limit, named

@@ -1,8 +1,8 @@
 """OpenAI request fields pagedllm does not implement yet, and the ones it
 accepts and ignores on purpose. Both lists are explicit.
 
-A client that sends `tools` and gets plain text back cannot tell its tools
-were never seen, so every field of UNSUPPORTED_CHAT_FIELDS with a value is a
+A client that sends `audio` and gets plain text back cannot tell it
+was never seen, so every field of UNSUPPORTED_CHAT_FIELDS with a value is a
 400 naming it (until it is implemented). Fields some client libraries add on
 their own (IGNORED_FIELDS) change nothing about the answer and are accepted;
 any other unknown field is ignored too (`extra="ignore"`), as OpenAI does.
@@ -21,11 +21,10 @@ from pydantic_core import PydanticCustomError
 
 # Chat-completion body fields with no implementation yet.
 UNSUPPORTED_CHAT_FIELDS = (
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio", "modalities",
-    "prediction", "web_search_options", "reasoning_effort",
+    "functions", "function_call", "audio", "modalities", "prediction", "web_search_options", "reasoning_effort",
 )
-# Message fields that only make sense with tool calling or audio output.
-UNSUPPORTED_MESSAGE_FIELDS = ("tool_calls", "function_call", "audio")
+# Message fields of the deprecated function calling (use tool_calls) and audio output.
+UNSUPPORTED_MESSAGE_FIELDS = ("function_call", "audio")
 # Accepted and ignored: bookkeeping for OpenAI's own platform, no effect on the output.
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 # Content-part types of OpenAI's chat messages that pagedllm cannot read (it serves text models).
@@ -42,11 +41,8 @@ def refuse(value: Any, field: str) -> Any:
 
 
 class RefusedChatFields(BaseModel):
-    tools: SkipJsonSchema[Any] = None
-    tool_choice: SkipJsonSchema[Any] = None
     functions: SkipJsonSchema[Any] = None
     function_call: SkipJsonSchema[Any] = None
-    parallel_tool_calls: SkipJsonSchema[Any] = None
     audio: SkipJsonSchema[Any] = None
     modalities: SkipJsonSchema[Any] = None
     prediction: SkipJsonSchema[Any] = None
@@ -60,7 +56,6 @@ class RefusedChatFields(BaseModel):
 
 
 class RefusedMessageFields(BaseModel):
-    tool_calls: SkipJsonSchema[Any] = None
     function_call: SkipJsonSchema[Any] = None
     audio: SkipJsonSchema[Any] = None
 
