@@ -258,7 +258,8 @@ class ChoiceToolCalls:
     def complete(self, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
         content, calls = self._split_whole(text)
         tool_calls = [ToolCall(id=make_tool_call_id(), function=call) for call in calls]
-        return ChatResponseMessage(content=content, tool_calls=tool_calls), self._finish(finish_reason, bool(calls))
+        message = ChatResponseMessage(content=content, tool_calls=tool_calls or None)
+        return message, self._finish(finish_reason, bool(calls))
 
     def _split_whole(self, text: str) -> tuple[str | None, list[FunctionCall]]:
         if self.plan.mode == "named":
