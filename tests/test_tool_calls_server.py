@@ -134,6 +134,29 @@ def test_tool_choice_none_answers_in_text_and_tool_messages_render(client: opena
     assert response.usage.completion_tokens >= 1
 
 
+def test_auto_with_the_parser_flags_returns_the_models_text(model: str) -> None:
+    # pagedllm-tiny writes Python, never <tool_call>: under "auto" the answer
+    # is exactly its "none" answer (greedy), whole and streamed.
+    flags = ("--num-kv-blocks", "64", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    with start_server(None, *flags) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        request = dict(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=24, temperature=0)
+        plain = client.chat.completions.create(**request, tool_choice="none").choices[0]
+        auto = client.chat.completions.create(**request, tool_choice="auto").choices[0]
+        assert "<tool_call>" not in (plain.message.content or "")
+        assert (auto.message.content, auto.message.tool_calls) == (plain.message.content, None)
+        assert auto.finish_reason == plain.finish_reason
+        streamed, content, finish_reason = _streamed_calls(list(client.chat.completions.create(**request,
+                                                                                                stream=True)))
+        assert (streamed, content, finish_reason) == ([], plain.message.content, plain.finish_reason)
+
+
+def test_auto_tool_choice_without_a_parser_stops_the_server_at_start() -> None:
+    with pytest.raises(RuntimeError, match="only together with --tool-call-parser NAME"):
+        with start_server(None, "--enable-auto-tool-choice"):
+            pass
+
+
 def _body(**fields: Any) -> dict[str, Any]:
     return {"messages": MESSAGES, "max_tokens": 4, "tools": TOOLS, **fields}
 

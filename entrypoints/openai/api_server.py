@@ -53,6 +53,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.request_body import add_model_schemas, body_openapi, parse_body
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.tool_calls import load_tool_parser
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 
@@ -334,6 +335,8 @@ async def serve(config: EngineConfig, engine_core: Any = None) -> None:
 
         from pagedllm.engine.async_llm import AsyncLLM
         from pagedllm.entrypoints.openai.draining_server import DrainingServer
+
+        load_tool_parser(config.server)  # a bad --tool-call-parser fails before the engine starts
     except BaseException:
         if engine_core is not None:
             engine_core.shutdown()
