@@ -37,7 +37,8 @@ def _whole(text: str) -> tuple[str | None, list[tuple[str, str]]]:
     ('<tool_call>{"name": "add"}</tool_call>', None, [("add", "{}")]),
     # the newlines between blocks are not content; text around calls is, as written
     ('Sure: <tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>\n\n<tool_call>{"name": "get_weather", '
-     '"arguments": {"city": "Zürich"}}</tool_call>\n', "Sure: ", [("add", "{}"), ("get_weather", '{"city": "Zürich"}')]),
+     '"arguments": {"city": "Zürich"}}</tool_call>\n', "Sure: ",
+     [("add", "{}"), ("get_weather", '{"city": "Zürich"}')]),
     ('<tool_call>{"name": "add", "arguments": {}}</tool_call> then more', " then more", [("add", "{}")]),
     # not calls: bad JSON, a list, no name, an unknown tool, non-object arguments, unclosed
     ("<tool_call>{bad}</tool_call>", "<tool_call>{bad}</tool_call>", []),

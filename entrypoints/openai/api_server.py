@@ -53,9 +53,9 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.request_body import add_model_schemas, body_openapi, parse_body
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.tool_calls import load_tool_parser
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.tool_calls import load_tool_parser
 
 if TYPE_CHECKING:
 

@@ -10,6 +10,7 @@ and seeded random cuts), and must give what ``extract_tool_calls`` gives.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import random
 from dataclasses import dataclass
@@ -84,10 +85,12 @@ def _whole(parser_cls: type[ToolParser], text: str) -> ExtractedToolCalls:
 def stream(parser_cls: type[ToolParser], text: str, cuts: list[int], rule: str) -> Streamed:
     """`text` cut at `cuts` through a fresh parser; call pieces checked as they come."""
     parser = parser_cls(_tokenizer())
-    content, calls, content_so_far = "", [], []
+    content = ""
+    calls: list[tuple[str, str]] = []
+    content_so_far: list[str] = []
     bounds = [0, *sorted(set(cuts)), len(text)]
     previous = ""
-    for step, (start, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
+    for step, (start, end) in enumerate(itertools.pairwise(bounds)):
         current = text[:end]
         released = [parser.extract_tool_calls_streaming(previous, current, text[start:end], SUITE_TOOLS)]
         if step == len(bounds) - 2:
