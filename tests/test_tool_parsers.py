@@ -12,8 +12,9 @@ from typing import Any
 import jsonschema
 import pytest
 
+from pagedllm.entrypoints.openai.forced_tool_calls import ForcedCallsReader, read_forced_calls
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.tool_calls import MAX_PARALLEL_TOOL_CALLS, forced_calls, plan_tool_calls
+from pagedllm.entrypoints.openai.tool_calls import MAX_PARALLEL_TOOL_CALLS, plan_tool_calls
 from pagedllm.plugins import PluginKind, get_plugin_manager, hookimpl
 from pagedllm.plugins.hookspecs import RegisterFn
 from pagedllm.testing import ConformanceError, load_suite, run_suite
@@ -167,10 +168,35 @@ def test_required_schema_accepts_exactly_calls_of_the_offered_tools() -> None:
     assert schema["maxItems"] == MAX_PARALLEL_TOOL_CALLS
     single = _plan(tool_choice="required", parallel_tool_calls=False).structured_outputs().json
     assert (single["minItems"], single["maxItems"]) == (1, 1)
-    assert forced_calls(json.dumps(good)) is not None
-    assert [(c.name, c.arguments) for c in forced_calls(json.dumps(good)) or []] == [("add", '{"a": 1}'),
-                                                                                       ("now", "{}")]
-    assert forced_calls('[{"name": "add", "parameters": {"a": ') is None  # cut by max_tokens
+    assert read_forced_calls(json.dumps(good)) == [("add", '{"a": 1}'), ("now", "{}")]
+
+
+@pytest.mark.parametrize(("text", "calls"), [
+    ('[{"name": "add", "parameters": {"a": 1}}]', [("add", '{"a": 1}')]),
+    # whitespace the grammar allows: kept inside the arguments, dropped around them
+    ('[ {\n "name" : "add" ,\n "parameters" :  {\n  "a" : [1, {"b": "}]\\""}]\n }  } ,'
+     '{"name":"now","parameters":{}}\n]',
+     [("add", '{\n  "a" : [1, {"b": "}]\\""}]\n }'), ("now", "{}")]),
+    # a name with escapes; scalar parameters (a schema without "type": "object")
+    ('[{"name": "a\\"b", "parameters": 5 }, {"name": "s", "parameters": "x,}"}]', [('a"b', "5"), ("s", '"x,}"')]),
+    # cut by max_tokens: the calls started so far, the last one unfinished
+    ('[{"name": "add", "parameters": {"a": ', [("add", '{"a": ')]),
+    ('[{"name": "ad', []),
+    ("", []),
+])
+def test_forced_calls_read_whole_and_streamed_alike(text: str, calls: list[tuple[str, str]]) -> None:
+    assert read_forced_calls(text) == calls
+    for size in (1, 2, 5):
+        reader = ForcedCallsReader()
+        streamed: dict[int, list[str]] = {}
+        for start in range(0, len(text), size):
+            reader.feed(text[start:start + size])
+            for index, name, arguments in reader.take_pieces():
+                if name is not None:
+                    assert index == len(streamed) and arguments == ""
+                    streamed[index] = [name, ""]
+                streamed[index][1] += arguments or ""
+        assert [tuple(call) for call in streamed.values()] == calls
 
 
 def test_named_schema_is_the_functions_parameters() -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pagedllm.core.errors import ConfigError, InvalidRequestError
 from pagedllm.core.int_limits import short_value
 from pagedllm.core.sampling_params import StructuredOutputsParams
+from pagedllm.entrypoints.openai.forced_tool_calls import ForcedCallsReader, read_forced_calls
 from pagedllm.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
@@ -252,6 +253,7 @@ class ChoiceToolCalls:
         self.parser = plan.parser_cls(tokenizer) if plan.parser_cls is not None else None
         self.text = ""
         self.call_ids: list[str] = []
+        self.forced_reader = ForcedCallsReader()
 
     # ---- a whole output ----------------------------------------------------
 
@@ -265,8 +267,8 @@ class ChoiceToolCalls:
         if self.plan.mode == "named":
             return None, [FunctionCall(name=self.plan.named or "", arguments=text)]
         if self.plan.mode == "required":
-            calls = forced_calls(text)
-            return (text, []) if calls is None else (None, calls)
+            calls = [FunctionCall(name=name, arguments=arguments) for name, arguments in read_forced_calls(text)]
+            return (None, calls) if calls else (text, [])
         if self.parser is not None:
             result = self.parser.extract_tool_calls(text, self.plan.tool_request)
             return result.content, [FunctionCall(name=c.name, arguments=c.arguments) for c in result.tool_calls]
@@ -286,7 +288,7 @@ class ChoiceToolCalls:
                 self._piece(0, name=self.plan.named, arguments="")]
             return pieces + ([self._piece(0, arguments=delta_text)] if delta_text else [])
         if self.plan.mode == "required":
-            return self._required_at_end() if finished else []
+            return self._required(delta_text, finished)
         if self.parser is None:
             return [DeltaMessage(content=delta_text)] if delta_text else []
         released = self.parser.extract_tool_calls_streaming(
@@ -300,14 +302,11 @@ class ChoiceToolCalls:
     def finish_reason(self, finish_reason: str | None) -> str | None:
         return self._finish(finish_reason, bool(self.call_ids)) if finish_reason is not None else None
 
-    def _required_at_end(self) -> list[DeltaMessage]:
-        # NOTE: the forced array is sent once complete: a cut (unparsable) one goes out as content.
-        calls = forced_calls(self.text)
-        if calls is None:
-            return [DeltaMessage(content=self.text)] if self.text else []
-        deltas = []
-        for index, call in enumerate(calls):
-            deltas += [self._piece(index, name=call.name, arguments=""), self._piece(index, arguments=call.arguments)]
+    def _required(self, delta_text: str, finished: bool) -> list[DeltaMessage]:
+        self.forced_reader.feed(delta_text)
+        deltas = [self._piece(index, name, arguments) for index, name, arguments in self.forced_reader.take_pieces()]
+        if finished and not self.forced_reader.calls and self.text:
+            deltas.append(DeltaMessage(content=self.text))  # no call even started: the text, as whole responses do
         return deltas
 
     def _deltas(self, released: ToolParserDelta | None) -> list[DeltaMessage]:
@@ -328,18 +327,3 @@ class ChoiceToolCalls:
             call = DeltaToolCall(index=index, function=function)
         return DeltaMessage(tool_calls=[call])
 
-
-def forced_calls(text: str) -> list[FunctionCall] | None:
-    """The calls of a `required` output (`[{"name": ..., "parameters": {...}}]`),
-    or None when it does not parse (cut by max_tokens)."""
-    try:
-        items = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(items, list) or not all(
-        isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("parameters"), dict)
-        for item in items
-    ):
-        return None
-    return [FunctionCall(name=item["name"], arguments=json.dumps(item["parameters"], ensure_ascii=False))
-            for item in items]
