@@ -64,10 +64,13 @@ def partial_tag_length(text: str, tag: str = TOOL_CALL_START) -> int:
     return 0
 
 
-def split_tool_calls(text: str, request: ToolRequest, final: bool) -> tuple[str, list[FunctionCall]]:
+def split_tool_calls(
+    text: str, request: ToolRequest, final: bool, parsed: dict[str, FunctionCall | None] | None = None
+) -> tuple[str, list[FunctionCall]]:
     """(content, calls) of ``text``. With ``final`` False the text may go on:
     only what no continuation can change is returned, so the result for a
-    prefix is always a prefix of the result for the whole text."""
+    prefix is always a prefix of the result for the whole text. ``parsed``
+    caches block bodies already read (a stream re-reads its text every step)."""
     runs: list[str] = []  # runs[i] is the content just before calls[i]; the last one, after them all
     calls: list[FunctionCall] = []
     run: list[str] = []
@@ -77,7 +80,13 @@ def split_tool_calls(text: str, request: ToolRequest, final: bool) -> tuple[str,
         if end < 0:
             break  # an unclosed block: content if the text ends here, held back if not
         run.append(text[position:start])
-        call = parse_call_body(text[start + len(TOOL_CALL_START):end], request)
+        body = text[start + len(TOOL_CALL_START):end]
+        if parsed is None:
+            call = parse_call_body(body, request)
+        else:
+            if body not in parsed:
+                parsed[body] = parse_call_body(body, request)
+            call = parsed[body]
         if call is None:
             run.append(text[start:end + len(TOOL_CALL_END)])
         else:
@@ -112,6 +121,7 @@ class HermesToolParser(ToolParser):
         super().__init__(tokenizer)
         self.num_content_chars_sent = 0
         self.num_calls_sent = 0
+        self.parsed_bodies: dict[str, FunctionCall | None] = {}
 
     def extract_tool_calls(self, model_output: str, request: ToolRequest) -> ExtractedToolCalls:
         content, calls = split_tool_calls(model_output, request, final=True)
@@ -126,7 +136,7 @@ class HermesToolParser(ToolParser):
         return self._release(current_text, request, final=True)
 
     def _release(self, text: str, request: ToolRequest, final: bool) -> ToolParserDelta | None:
-        content, calls = split_tool_calls(text, request, final)
+        content, calls = split_tool_calls(text, request, final, self.parsed_bodies)
         new_content = content[self.num_content_chars_sent:]
         pieces: list[DeltaFunctionCall] = []
         for index in range(self.num_calls_sent, len(calls)):
