@@ -33,12 +33,8 @@ from pagedllm.entrypoints.openai.serving_engine import (
     run_until_disconnect,
     sse_lines,
 )
-from pagedllm.entrypoints.openai.tool_calls import (
-    ChoiceToolCalls,
-    ToolCallPlan,
-    load_tool_parser,
-    plan_tool_calls,
-)
+from pagedllm.entrypoints.openai.tool_call_output import ChoiceToolCalls
+from pagedllm.entrypoints.openai.tool_calls import ToolCallPlan, load_tool_parser, plan_tool_calls
 
 if TYPE_CHECKING:
     from fastapi import Request
