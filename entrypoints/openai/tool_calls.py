@@ -105,9 +105,8 @@ class ToolCallPlan:
 
 
 def plan_tool_calls(request: ChatCompletionRequest, parser_cls: type[ToolParser] | None) -> ToolCallPlan:
-    """Check `tools`, `tool_choice` and the messages' calls; InvalidRequestError names the field."""
-    tools = _tool_specs(request)
-    check_tool_messages(request.messages)
+    """Check `tools` and `tool_choice`; InvalidRequestError names the field."""
+    tools = _tool_specs(request)  # the messages' calls are checked where they are rendered (render_chat)
     choice = request.tool_choice
     if choice is not None and not tools:
         raise InvalidRequestError("tool_choice", _choice_value(choice), "is only allowed when tools are given")
