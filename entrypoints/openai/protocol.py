@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from pagedllm.core.errors import InvalidRequestError
@@ -481,15 +481,8 @@ class DeltaToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_absent_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # OpenAI sends the key only with calls.
-        data: dict[str, Any] = handler(self)
-        if self.tool_calls is None:
-            data.pop("tool_calls", None)
-        return data
+    # OpenAI sends the key only with calls.
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: calls is None)
 
 
 class ChatCompletionResponseChoice(BaseModel):
