@@ -132,3 +132,9 @@ def register_routers(register: RegisterFn) -> None:
 def register_quantization_methods(register: RegisterFn) -> None:
     # Weight-only int8, per output channel, quantized from the float checkpoint at load.
     register("int8", "pagedllm.quantization.int8:Int8WeightOnlyMethod")
+
+
+@hookimpl
+def register_reasoning_parsers(register: RegisterFn) -> None:
+    # <think>...</think> (vLLM's deepseek_r1; Qwen3 and QwQ write the same tags).
+    register("think", "pagedllm.reasoning.think:ThinkReasoningParser")

@@ -27,6 +27,7 @@ class PluginKind(enum.StrEnum):
     EXECUTOR = "executor"
     ROUTER = "router"
     QUANTIZATION_METHOD = "quantization_method"
+    REASONING_PARSER = "reasoning_parser"
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,12 @@ KIND_SPECS: dict[PluginKind, KindSpec] = {
             "register_quantization_methods",
             "pagedllm.quantization.base:QuantizationMethod",
             f"{_METADATA}:QuantizationInfo",
+        ),
+        KindSpec(
+            PluginKind.REASONING_PARSER,
+            "register_reasoning_parsers",
+            "pagedllm.reasoning.interface:ReasoningParser",
+            f"{_METADATA}:ReasoningParserInfo",
         ),
     )
 }

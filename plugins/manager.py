@@ -40,9 +40,11 @@ if TYPE_CHECKING:
         ModelSourceInfo,
         PlatformInfo,
         QuantizationInfo,
+        ReasoningParserInfo,
         RouterInfo,
     )
     from pagedllm.quantization.base import QuantizationMethod
+    from pagedllm.reasoning.interface import ReasoningParser
     from pagedllm.routers.base import RoutingPolicy
     from pagedllm.spec_decode.interface import Drafter
     from pagedllm.structured_output.interface import GrammarBackend
@@ -329,6 +331,10 @@ class PluginManager:
     @property
     def quantization_methods(self) -> Registry[QuantizationMethod, QuantizationInfo]:
         return self.registry(PluginKind.QUANTIZATION_METHOD)
+
+    @property
+    def reasoning_parsers(self) -> Registry[ReasoningParser, ReasoningParserInfo]:
+        return self.registry(PluginKind.REASONING_PARSER)
 
     def _collect(self, spec: KindSpec) -> Registry[Any, Any]:
         registry: Registry[Any, Any] = Registry(spec.kind, spec.interface)

@@ -219,6 +219,11 @@ class QuantizationInfo:
     requires: tuple[str, ...] = parsed(names, ())  # import names of the packages it needs
 
 
+@dataclass(frozen=True)
+class ReasoningParserInfo:
+    """``register_reasoning_parsers`` metadata: none (the parser reads its tags from the tokenizer)."""
+
+
 __all__ = [
     "DrafterInfo",
     "ExecutorInfo",
@@ -229,6 +234,7 @@ __all__ = [
     "ModelSourceInfo",
     "PlatformInfo",
     "QuantizationInfo",
+    "ReasoningParserInfo",
     "RouterInfo",
     "build_info",
     "capability",

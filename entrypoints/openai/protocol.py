@@ -403,6 +403,9 @@ class ChatCompletionLogProbs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # The reasoning section (--reasoning-parser); vLLM's field, kept by the
+    # openai client in `model_extra`.
+    reasoning_content: str | None = None
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -427,6 +430,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

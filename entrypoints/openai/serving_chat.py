@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (
     DeltaMessage,
     usage_info,
 )
+from pagedllm.entrypoints.openai.reasoning import ReasoningStream, server_reasoning_parser, split_reply
 from pagedllm.entrypoints.openai.serving_completion import MIN_LOGPROB
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -39,10 +40,17 @@ if TYPE_CHECKING:
     from fastapi import Request
 
     from pagedllm.core.sampling_params import SamplingParams
-    from pagedllm.engine.outputs import Logprob, RequestOutput, SampleLogprobs
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+    from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: AsyncLLM, pool: RequestWorkerPool | None = None) -> None:
+        super().__init__(engine, pool)
+        # NOTE: at start-up, so an unknown --reasoning-parser fails the server, not a request.
+        self.reasoning_parser = server_reasoning_parser(engine)
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
         self.check_stream_options(request.stream, request.stream_options)
@@ -112,7 +120,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = [
             ChatCompletionResponseChoice(
                 index=completion.index,
-                message=ChatResponseMessage(content=completion.text),
+                message=ChatResponseMessage(**self._message_fields(request, completion.text)),
                 logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
@@ -137,6 +145,8 @@ class OpenAIServingChat(OpenAIServing):
             ))
         num_generated = 0
         num_cached = 0
+        parser = self.reasoning_parser
+        reasoning = {index: ReasoningStream(parser, request) for index in range(request.n)} if parser else {}
 
         async def outputs() -> AsyncGenerator[RequestOutput, None]:
             if first is not None:
@@ -150,13 +160,15 @@ class OpenAIServingChat(OpenAIServing):
                 num_generated += len(completion.token_ids)
                 # A token whose text is held back (a partial character, a
                 # possible stop string) makes a chunk only to carry its logprobs.
-                if not completion.text and completion.finish_reason is None and not (
+                # (or held back by the reasoning parser: a tag may be completing)
+                delta = _delta(completion, reasoning.get(completion.index))
+                if delta == DeltaMessage() and completion.finish_reason is None and not (
                     request.logprobs and completion.token_ids
                 ):
                     continue
                 yield self._chunk(request_id, ChatCompletionStreamChoice(
                     index=completion.index,
-                    delta=DeltaMessage(content=completion.text) if completion.text else DeltaMessage(),
+                    delta=delta,
                     logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
@@ -167,6 +179,10 @@ class OpenAIServingChat(OpenAIServing):
                 usage=usage_info(num_prompt_tokens, num_generated, num_cached),
             )
             yield f"data: {usage_chunk.model_dump_json()}\n\n"
+
+    def _message_fields(self, request: ChatCompletionRequest, text: str) -> dict[str, str | None]:
+        reasoning_content, content = split_reply(self.reasoning_parser, text, request)
+        return {"content": content, "reasoning_content": reasoning_content}
 
     def _chunk(self, request_id: str, choice: ChatCompletionStreamChoice) -> str:
         chunk = ChatCompletionStreamResponse(id=request_id, model=self.model_name, choices=[choice])
@@ -195,6 +211,16 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionTopLogprob(
             token=token, logprob=max(logprob.logprob, MIN_LOGPROB), bytes=list(token.encode("utf-8"))
         )
+
+
+def _delta(completion: CompletionOutput, reasoning: ReasoningStream | None) -> DeltaMessage:
+    """The delta of one streamed output: its text, split by the reasoning parser when there is one."""
+    if reasoning is None:
+        return DeltaMessage(content=completion.text) if completion.text else DeltaMessage()
+    piece = reasoning.delta(completion.text, completion.token_ids, completion.finish_reason is not None)
+    if piece is None:
+        return DeltaMessage()
+    return DeltaMessage(reasoning_content=piece.reasoning_content, content=piece.content)
 
 
 def _unset_delta_keys(delta: DeltaMessage) -> list[Any]:
