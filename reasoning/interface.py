@@ -19,7 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,11 @@ class ReasoningParser(ABC):
     """Splits reasoning from content. Registered under the plugin kind
     ``reasoning_parser``; selected by ``structured_output.reasoning_parser``
     (``--reasoning-parser NAME``)."""
+
+    #: The tags that open and close the reasoning section: the conformance
+    #: suite (pagedllm.testing.suites.reasoning_parser) scripts replies with them.
+    start_tag: ClassVar[str] = "<think>"
+    end_tag: ClassVar[str] = "</think>"
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

@@ -50,8 +50,7 @@ def _partial_tag_suffix(text: str, tag: str) -> int:
 
 
 class ThinkReasoningParser(ReasoningParser):
-    start_tag = "<think>"
-    end_tag = "</think>"
+    # The interface's default tags, <think> and </think>; a subclass may set others.
 
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
