@@ -11,6 +11,7 @@ sequence of distinct ids into such a table.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ def chain_script(token_ids: Sequence[int], end: Sequence[int]) -> dict[int, list
     """Each token of `token_ids` -> the next one; the last -> `end`. The ids
     must be distinct (the script is keyed by the current token only)."""
     assert len(set(token_ids)) == len(token_ids), f"a scripted chain needs distinct tokens: {list(token_ids)}"
-    script = {token: [following] for token, following in zip(token_ids, token_ids[1:], strict=False)}
+    script = {token: [following] for token, following in itertools.pairwise(token_ids)}
     script[token_ids[-1]] = list(end)
     return script
 
