@@ -70,7 +70,7 @@ def _stream(parser: ReasoningParser, reply: str, rng: random.Random, rule: str) 
     token_ids = tokenizer.encode(reply, add_special_tokens=False)
     whole_reasoning, whole_content = parser.extract_reasoning_content(reply)
     reasoning, content, pieces = "", "", []
-    previous_text, previous_ids = "", []
+    previous_text, previous_ids = "", list[int]()
     position = 0
     while position < len(token_ids):
         position = min(len(token_ids), position + rng.randint(1, 3))
@@ -141,7 +141,7 @@ def check_token_ids(name: str) -> None:
     encode = functools.partial(tokenizer.encode, add_special_tokens=False)
     reasoning_ids, content_ids = encode(REASONINGS[0]), encode(CONTENTS[0])
     start_ids, end_ids = encode(parser.start_tag), encode(parser.end_tag)
-    expectations: list[tuple[list[int], bool, list[int]]] = [
+    expectations: list[tuple[list[int], bool, list[int] | None]] = [
         (start_ids + reasoning_ids, False, []),
         (reasoning_ids, False, []),
         (start_ids + reasoning_ids + end_ids, True, []),
