@@ -81,6 +81,18 @@ def test_the_grammar_applies_only_after_the_reasoning_section(model_dir: Path) -
     assert _text(without, "Question?\n", _json_params()) == JSON_ANSWER
 
 
+def test_async_scheduling_waits_for_the_end_of_reasoning_too(model_dir: Path) -> None:
+    # A step of a request still reasoning is sync_required: the next step's
+    # bitmask depends on whether that step wrote </think>.
+    llm = LLM(str(model_dir), num_kv_blocks=64, max_model_len=256, reasoning_parser="think", async_scheduling=True)
+    assert llm.engine_core.engine_core.scheduler.async_scheduling
+    outputs = llm.generate(["Question?\n", "Other question?\n"], [_json_params(), SamplingParams(
+        temperature=0.0, max_tokens=40)], use_tqdm=False)
+    assert [output.outputs[0].text for output in outputs] == [
+        f"<think>{REASONING}</think>{JSON_ANSWER}", f"<think>{REASONING}</think>{SCRIPTED_ANSWER}"
+    ]
+
+
 def test_drafts_that_cross_the_end_tag_are_constrained_after_it(model_dir: Path) -> None:
     # The prompt holds the whole scripted reply, so n-gram drafts propose
     # "</think>hello" from it; the schema must reject "hello" after "</think>".
