@@ -16,6 +16,8 @@ models never write <think>): the model writes
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ import jsonschema
 import openai
 import pytest
 from helpers.scripted_model import build_scripted_model, chain_script, scripted_tokenizer
-from helpers.server import ServerProcess, start_server
+from helpers.server import ServerProcess, free_port, start_server
 
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.sampling_params import StructuredOutputsParams as SO
@@ -182,3 +184,13 @@ def test_structured_output_parses_after_the_reasoning_streamed_and_not(client: o
                                               response_format={"type": "json_object"})
     assert response.choices[0].message.model_extra["reasoning_content"] == REASONING
     assert json.loads(response.choices[0].message.content) == {"answer": 42}
+
+
+def test_serve_with_an_unknown_parser_fails_at_start_naming_the_key(model_dir: Path) -> None:
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(model_dir), "--reasoning-parser",
+               "deepseek", "--host", "127.0.0.1", "--port", str(free_port())]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    message = "structured_output.reasoning_parser='deepseek' is invalid; allowed: a registered reasoning parser: "
+    assert message in result.stderr
+    assert "think" in result.stderr.split(message, 1)[1].splitlines()[0]
