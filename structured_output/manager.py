@@ -168,7 +168,10 @@ class StructuredOutputManager:
         self.stats = CacheStats()
         # Reused every step; grows when a step needs more rows (drafts).
         self._bitmask = allocate_token_bitmask(max_num_rows, vocab_size)
-        self.reasoning = ReasoningGate(config.reasoning_parser, lambda: self.tokenizer)
+        self.reasoning = ReasoningGate(config.reasoning_parser, self._locked_tokenizer)
+        if config.reasoning_parser is not None:
+            # Now, at start-up: not on the engine loop when the first request comes.
+            _ = self.reasoning.parser
 
     # ------------------------------------------------------------- compile
 
@@ -256,6 +259,10 @@ class StructuredOutputManager:
                 backend = backend_class(name)(self.tokenizer, self.vocab_size, self.eos_token_id, self.config)
                 self._backends[name] = backend
             return backend
+
+    def _locked_tokenizer(self) -> Any:
+        with self._lock:  # a compile thread may be loading it
+            return self.tokenizer
 
     @property
     def tokenizer(self) -> Any:
