@@ -118,17 +118,22 @@ def _check_streaming(name: str, tags_as_tokens: bool, rule: str) -> None:
                 raise ConformanceError(rule, f"{name}: streaming {reply!r} sent a tag in {leaked!r}")
 
 
-def _rule(rule: str, check: Callable[[str, bool, str], None], tags_as_tokens: bool) -> None:
-    @SUITE.rule(rule)
+def _rule(rule: str, check: Callable[[str, bool, str], None], tags_as_tokens: bool, doc: str) -> None:
     def run(name: str) -> None:
         check(name, tags_as_tokens, rule)
 
-    run.__doc__ = check.__doc__
+    run.__doc__ = doc
+    SUITE.rule(rule)(run)
 
 
-_rule("split-exact", _check_split, True)
-_rule("streaming-prefix-of-whole", _check_streaming, True)
-_rule("tag-split-across-deltas", _check_streaming, False)
+_rule("split-exact", _check_split, True,
+      "A whole reply splits into exactly its reasoning and content: start tag present or absent, end tag "
+      "present (content after it, or none) or absent (all reasoning).")
+_rule("streaming-prefix-of-whole", _check_streaming, True,
+      "Streamed in random token deltas, what has been sent is always a prefix of the whole reply's split, "
+      "no piece holds a tag, and at the end at most a possible tag is held back.")
+_rule("tag-split-across-deltas", _check_streaming, False,
+      "The same, with each tag spelt in several tokens, so deltas cut tags apart.")
 
 
 @SUITE.rule("token-ids")
