@@ -179,7 +179,11 @@ def test_structured_output_parses_after_the_reasoning_streamed_and_not(client: o
     assert json.loads(message.content) == {"answer": 42}
     reasoning, content, finish_reason, _ = _streamed(client, response_format=_response_format())
     assert (reasoning, json.loads(content), finish_reason) == (REASONING, {"answer": 42}, "stop")
-    # json_object too (the `response_format` vLLM users send for "any JSON").
+    # vLLM's structured_outputs body field, and json_object (what vLLM users send for "any JSON").
+    response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=0.0, max_tokens=40,
+                                              extra_body={"structured_outputs": {"json": SCHEMA}})
+    assert response.choices[0].message.model_extra["reasoning_content"] == REASONING
+    assert json.loads(response.choices[0].message.content) == {"answer": 42}
     response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=0.0, max_tokens=40,
                                               response_format={"type": "json_object"})
     assert response.choices[0].message.model_extra["reasoning_content"] == REASONING

@@ -147,6 +147,13 @@ class _LeakyStreaming(ThinkReasoningParser):
         return DeltaReasoning(reasoning_content=delta_text)
 
 
+class _NoHoldBack(ThinkReasoningParser):
+    """Broken: streams text that may still become a tag (fine while tags are one token each)."""
+
+    def _split(self, text: str, final: bool) -> tuple[str, str | None]:
+        return super()._split(text, final=True)
+
+
 class _BracketParser(ThinkReasoningParser):
     """Other tags, same rules: the suite scripts with the parser's own tags."""
 
@@ -160,6 +167,7 @@ class _TestReasoningPlugin:
         register("start_tag_required", _StartTagRequired)
         register("leaky_streaming", _LeakyStreaming)
         register("brackets", _BracketParser)
+        register("no_hold_back", _NoHoldBack)
 
 
 @pytest.fixture
@@ -184,7 +192,12 @@ def test_a_plugin_parser_with_its_own_tags_passes_the_suite(test_parsers: Any) -
 
 
 @pytest.mark.parametrize(
-    ("name", "rule"), [("start_tag_required", "split-exact"), ("leaky_streaming", "streaming-prefix-of-whole")]
+    ("name", "rule"),
+    [
+        ("start_tag_required", "split-exact"),
+        ("leaky_streaming", "streaming-prefix-of-whole"),
+        ("no_hold_back", "tag-split-across-deltas"),
+    ],
 )
 def test_broken_parsers_fail_the_rule_they_break(test_parsers: Any, name: str, rule: str) -> None:
     with pytest.raises(ConformanceError) as failure:
