@@ -182,6 +182,11 @@ class StructuredOutputConfig(_Section):
     # engine core fails the request whose compile runs longer. Typical specs
     # compile in milliseconds; the largest real ones in about a second.
     compile_timeout_s: float = Field(10.0, gt=0, le=600)
+    # A registered `reasoning_parser` name (`think`, or a plugin's), vLLM's
+    # --reasoning-parser: chat replies carry `reasoning_content`, and a
+    # request's grammar applies only once its reasoning section has ended.
+    # None = replies are all content, grammars apply from the first token.
+    reasoning_parser: str | None = None
 
 
 class SpeculativeConfig(_Section):
@@ -339,6 +344,7 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "disabled_plugins": ("plugins", "disabled"),
     "strict_plugins": ("plugins", "strict"),
     "structured_outputs_config": ("structured_output", None),
+    "reasoning_parser": ("structured_output", "reasoning_parser"),
     "speculative_config": ("speculative", None),
     "speculative_method": ("speculative", "method"),
     "speculative_model": ("speculative", "model"),

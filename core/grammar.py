@@ -7,6 +7,7 @@ A request's own grammar state is `core.request.StructuredOutputRequest`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -29,6 +30,17 @@ class GrammarManager(Protocol):
     ) -> torch.Tensor | None:
         """The token bitmask rows of this step's sampled positions, in batch
         order (1 + len(drafts) rows per listed request)."""
+        ...
+
+    def is_reasoning_ended(self, request: Request) -> bool:
+        """False while the request is still in its reasoning section (a
+        reasoning parser is configured and has not seen it end): its grammar
+        waits, and its sampled positions get no bitmask rows."""
+        ...
+
+    def grammar_token_ids(self, request: Request, new_token_ids: Sequence[int]) -> Sequence[int]:
+        """Of the tokens just appended to the request, those its grammar
+        advances on (the ones after the end of reasoning)."""
         ...
 
     def wait_for_compiles(self, timeout_s: float) -> None:

@@ -368,7 +368,7 @@ class Scheduler:
     def _make_scheduler_output(self, batch: _ScheduledBatch) -> SchedulerOutput:
         """Phase 3: what the runner needs for this step."""
         num_scheduled_tokens = batch.num_scheduled_tokens
-        structured_output_request_ids = self._structured_output_request_ids(num_scheduled_tokens)
+        structured_output_request_ids = self._structured_output_request_ids(num_scheduled_tokens, batch.spec_tokens)
         scheduler_output = SchedulerOutput(
             scheduled_new_reqs=batch.new_reqs,
             scheduled_cached_reqs=list(batch.cached_reqs.values()),
@@ -385,7 +385,9 @@ class Scheduler:
             ),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=batch.preempted_req_ids,
-            sync_required=bool(structured_output_request_ids),
+            # NOTE: a request still reasoning needs this step's tokens too:
+            # they say whether its next step samples under its grammar.
+            sync_required=self._samples_under_grammar(num_scheduled_tokens),
         )
         if self.kv_connector is not None:
             if self.kv_connector.wants_eviction_events:
@@ -396,18 +398,34 @@ class Scheduler:
         self.finished_req_ids = set()
         return scheduler_output
 
-    def _structured_output_request_ids(self, num_scheduled_tokens: dict[str, int]) -> list[str]:
-        """Requests that sample this step and follow a grammar: they get bitmask rows."""
-        structured_output_request_ids: list[str] = []
-        if self.structured_output_manager is not None:
-            for request_id, num_new_tokens in num_scheduled_tokens.items():
-                request = self.requests[request_id]
-                if (
-                    request.structured_output_request is not None
-                    and request.num_computed_tokens + num_new_tokens >= request.num_tokens
-                ):
-                    structured_output_request_ids.append(request_id)
-        return structured_output_request_ids
+    def _structured_output_request_ids(
+        self, num_scheduled_tokens: dict[str, int], spec_tokens: dict[str, list[int]]
+    ) -> list[str]:
+        """Requests that sample this step and follow a grammar: they get
+        bitmask rows. Not one still reasoning, unless a draft may end it."""
+        manager = self.structured_output_manager
+        if manager is None:
+            return []
+        return [
+            request_id
+            for request_id, num_new_tokens in num_scheduled_tokens.items()
+            if self._samples_with_grammar(self.requests[request_id], num_new_tokens)
+            and (spec_tokens.get(request_id) or manager.is_reasoning_ended(self.requests[request_id]))
+        ]
+
+    def _samples_with_grammar(self, request: Request, num_new_tokens: int) -> bool:
+        return (
+            request.structured_output_request is not None
+            and request.num_computed_tokens + num_new_tokens >= request.num_tokens
+        )
+
+    def _samples_under_grammar(self, num_scheduled_tokens: dict[str, int]) -> bool:
+        if self.structured_output_manager is None:
+            return False
+        return any(
+            self._samples_with_grammar(self.requests[request_id], num_new_tokens)
+            for request_id, num_new_tokens in num_scheduled_tokens.items()
+        )
 
     def _update_after_schedule(self, num_scheduled_tokens: dict[str, int]) -> None:
         # The tokens are as good as computed: the runner executes the steps
@@ -550,9 +568,12 @@ class Scheduler:
                 stopped = True
                 break
         so_request = request.structured_output_request
-        if num_new_tokens and so_request is not None and so_request.grammar is not None:
+        manager = self.structured_output_manager
+        if num_new_tokens and so_request is not None and so_request.grammar is not None and manager is not None:
             grammar = so_request.grammar
-            grammar.accept_tokens(request.request_id, sampled[:num_new_tokens])
+            grammar_token_ids = manager.grammar_token_ids(request, sampled[:num_new_tokens])
+            if grammar_token_ids:
+                grammar.accept_tokens(request.request_id, grammar_token_ids)
             if not stopped and grammar.is_terminated():
                 # e.g. ignore_eos: the grammar has ended, so has the request.
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -568,7 +589,11 @@ class Scheduler:
             # The last allowed token is the step's bonus/recovered one.
             drafts = drafts[: max(0, max_tokens - request.num_output_tokens - 1)]
         so_request = request.structured_output_request
-        if drafts and so_request is not None and so_request.grammar is not None:
+        manager = self.structured_output_manager
+        if (
+            drafts and so_request is not None and so_request.grammar is not None
+            and manager is not None and manager.is_reasoning_ended(request)
+        ):
             # Drafts the grammar rejects would be rejected by sampling anyway.
             drafts = so_request.grammar.validate_tokens(drafts)
         return list(drafts)

@@ -28,6 +28,7 @@ from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.tokenizer import config_eos_token_id
 from pagedllm.plugins import get_plugin_manager
+from pagedllm.reasoning.select import reasoning_parser_class
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
@@ -70,6 +71,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     plugin_manager = get_plugin_manager()
     plugins = config.plugins
     plugin_manager.load(enabled=plugins.enabled, disabled=plugins.disabled, strict=plugins.strict)
+    if config.structured_output.reasoning_parser is not None:
+        # Before any model loads: an unknown name is a ConfigError at start, not at the first request.
+        reasoning_parser_class(config.structured_output.reasoning_parser)
     executor = select_executor(config, plugin_manager)(config)
     try:
         facts = executor.model_facts

@@ -138,3 +138,9 @@ def register_quantization_methods(register: RegisterFn) -> None:
 def register_tool_parsers(register: RegisterFn) -> None:
     # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes 2 Pro, Qwen2.5, Qwen3).
     register("hermes", "pagedllm.tool_parsers.hermes:HermesToolParser")
+
+
+@hookimpl
+def register_reasoning_parsers(register: RegisterFn) -> None:
+    # <think>...</think> (vLLM's deepseek_r1; Qwen3 and QwQ write the same tags).
+    register("think", "pagedllm.reasoning.think:ThinkReasoningParser")

@@ -57,7 +57,9 @@ from packaging.version import Version
 #      supports_kv_cache_dtype` / `resolve_kv_cache_dtype`; `KVConnectorContext.
 #      dtype` and `Drafter.kv_cache_bytes_per_block`'s dtype are the cache's.
 # 1.7: the tool-call parser kind (`register_tool_parsers`, `ToolParser`,
-#      `ToolParserInfo`, `pm.tool_parsers`, `server.tool_call_parser`).
+#      `ToolParserInfo`, `pm.tool_parsers`, `server.tool_call_parser`); the
+#      reasoning-parser kind (`register_reasoning_parsers`, `ReasoningParser`,
+#      `ReasoningParserInfo`, `pm.reasoning_parsers`).
 API_VERSION = "1.7.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"

@@ -39,7 +39,7 @@ Each kind is a :class:`pagedllm.plugins.kinds.PluginKind`; its registry is
 ``get_plugin_manager().registry(kind)``, or typed: ``.platforms``,
 ``.attention_backends``, ``.models``, ``.drafters``, ``.grammar_backends``,
 ``.kv_connectors``, ``.model_sources``, ``.executors``, ``.routers``,
-``.quantization_methods``, ``.tool_parsers``.
+``.quantization_methods``, ``.tool_parsers``, ``.reasoning_parsers``.
 
 None of these hooks is ``firstresult``: every plugin gets called, and the
 return value is ignored.
@@ -319,6 +319,29 @@ def register_tool_parsers(register: RegisterFn) -> None:
     server starting with ``--tool-call-parser`` (an unknown name is a
     ConfigError listing the registered ones), ``pagedllm plugins list``.
     Built-in: ``hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``).
+    """
+
+
+@hookspec
+def register_reasoning_parsers(register: RegisterFn) -> None:
+    """Register reasoning parsers (kind ``reasoning_parser``): split a
+    reasoning model's reply into ``reasoning_content`` and ``content``.
+
+    :param register: call ``register(name, "pkg.mod:ParserCls")``; ``name`` is
+        what ``structured_output.reasoning_parser`` (``--reasoning-parser``,
+        ``LLM(reasoning_parser=...)``) selects. The target must be a subclass
+        of :class:`pagedllm.reasoning.interface.ReasoningParser`, built as
+        ``ParserCls(tokenizer)`` (the HF tokenizer) once per process that
+        uses it. No metadata keys
+        (:class:`pagedllm.plugins.metadata.ReasoningParserInfo`).
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the registry is first needed: the API server at
+    start-up (chat replies are split with ``extract_reasoning_content`` and,
+    streamed, ``extract_reasoning_content_streaming``), the engine core on
+    its first structured-output request (``is_reasoning_end`` holds the
+    grammar back until the reasoning section is over), ``pagedllm plugins
+    list``. Built-in: ``think`` (``<think>...</think>``).
     """
 
 

@@ -28,6 +28,7 @@ class PluginKind(enum.StrEnum):
     ROUTER = "router"
     QUANTIZATION_METHOD = "quantization_method"
     TOOL_PARSER = "tool_parser"
+    REASONING_PARSER = "reasoning_parser"
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,12 @@ KIND_SPECS: dict[PluginKind, KindSpec] = {
             "register_tool_parsers",
             "pagedllm.tool_parsers.base:ToolParser",
             f"{_METADATA}:ToolParserInfo",
+        ),
+        KindSpec(
+            PluginKind.REASONING_PARSER,
+            "register_reasoning_parsers",
+            "pagedllm.reasoning.interface:ReasoningParser",
+            f"{_METADATA}:ReasoningParserInfo",
         ),
     )
 }

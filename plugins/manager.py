@@ -40,10 +40,12 @@ if TYPE_CHECKING:
         ModelSourceInfo,
         PlatformInfo,
         QuantizationInfo,
+        ReasoningParserInfo,
         RouterInfo,
         ToolParserInfo,
     )
     from pagedllm.quantization.base import QuantizationMethod
+    from pagedllm.reasoning.interface import ReasoningParser
     from pagedllm.routers.base import RoutingPolicy
     from pagedllm.spec_decode.interface import Drafter
     from pagedllm.structured_output.interface import GrammarBackend
@@ -335,6 +337,10 @@ class PluginManager:
     @property
     def tool_parsers(self) -> Registry[ToolParser, ToolParserInfo]:
         return self.registry(PluginKind.TOOL_PARSER)
+
+    @property
+    def reasoning_parsers(self) -> Registry[ReasoningParser, ReasoningParserInfo]:
+        return self.registry(PluginKind.REASONING_PARSER)
 
     def _collect(self, spec: KindSpec) -> Registry[Any, Any]:
         registry: Registry[Any, Any] = Registry(spec.kind, spec.interface)

@@ -224,6 +224,11 @@ class ToolParserInfo:
     """``register_tool_parsers`` metadata: none (the parser reads the text itself)."""
 
 
+@dataclass(frozen=True)
+class ReasoningParserInfo:
+    """``register_reasoning_parsers`` metadata: none (the parser reads its tags from the tokenizer)."""
+
+
 __all__ = [
     "DrafterInfo",
     "ExecutorInfo",
@@ -234,6 +239,7 @@ __all__ = [
     "ModelSourceInfo",
     "PlatformInfo",
     "QuantizationInfo",
+    "ReasoningParserInfo",
     "RouterInfo",
     "ToolParserInfo",
     "build_info",

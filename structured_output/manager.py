@@ -7,6 +7,10 @@ each step's bitmask.
                 -> grammar_bitmask(...)    # one row per sampled position
     update_from_output -> accept_tokens    # advance with the accepted tokens
 
+With a reasoning parser (structured_output.reasoning_parser) a request's
+grammar waits for its reasoning section to end (structured_output.reasoning):
+no bitmask rows and no grammar advance for the tokens sampled before that.
+
 A compiled grammar is cached once per (backend, kind, spec, whitespace),
 as a never-advanced Grammar that every request forks; in-flight compiles are
 shared too, so a burst of identical schemas compiles once.
@@ -27,6 +31,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,6 +41,7 @@ from pagedllm.structured_output.bitmask import allocate_token_bitmask
 from pagedllm.structured_output.compile_job import CompileJob, CompilePool, GrammarKey
 from pagedllm.structured_output.interface import Grammar, GrammarBackend, StructuredOutputKind
 from pagedllm.structured_output.limits import check_spec_limits, summary
+from pagedllm.structured_output.reasoning import ReasoningGate
 from pagedllm.structured_output.validator import GrammarVocab, get_validator
 from pagedllm.structured_output.whitespace import WhitespaceOptions, backend_kwargs, resolve_whitespace
 
@@ -58,6 +64,8 @@ class StructuredOutputRequest:
     job: CompileJob | None
     grammar: Grammar | None = None
     error: str | None = None
+    # False while the request is still reasoning: its grammar waits.
+    reasoning_ended: bool = True
 
     @property
     def future(self) -> Future[Grammar]:
@@ -160,6 +168,10 @@ class StructuredOutputManager:
         self.stats = CacheStats()
         # Reused every step; grows when a step needs more rows (drafts).
         self._bitmask = allocate_token_bitmask(max_num_rows, vocab_size)
+        self.reasoning = ReasoningGate(config.reasoning_parser, self._locked_tokenizer)
+        if config.reasoning_parser is not None:
+            # Now, at start-up: not on the engine loop when the first request comes.
+            _ = self.reasoning.parser
 
     # ------------------------------------------------------------- compile
 
@@ -195,6 +207,7 @@ class StructuredOutputManager:
                 while len(self._cache) > self.config.cache_size:
                     self._cache.popitem(last=False)
         request.structured_output_request = StructuredOutputRequest(key, job)
+        request.structured_output_request.reasoning_ended = self.reasoning.ended_in_prompt(request)
 
     def _submit(self, job: CompileJob) -> None:
         if self._pool is None:
@@ -247,6 +260,10 @@ class StructuredOutputManager:
                 self._backends[name] = backend
             return backend
 
+    def _locked_tokenizer(self) -> Any:
+        with self._lock:  # a compile thread may be loading it
+            return self.tokenizer
+
     @property
     def tokenizer(self) -> Any:
         # NOTE: called under self._lock (first backend build), on a compile thread.
@@ -263,6 +280,26 @@ class StructuredOutputManager:
             pending = [job.future for job in self._pending]
         if pending:
             wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    # ------------------------------------------------------------- reasoning
+
+    def is_reasoning_ended(self, request: Request) -> bool:
+        so_request = request.structured_output_request
+        return not isinstance(so_request, StructuredOutputRequest) or so_request.reasoning_ended
+
+    def grammar_token_ids(self, request: Request, new_token_ids: Sequence[int]) -> Sequence[int]:
+        """Of the tokens just appended to `request`, those its grammar
+        advances on: all of them once its reasoning has ended; while it has
+        not, only those after its end (none while it goes on)."""
+        so_request = request.structured_output_request
+        if not isinstance(so_request, StructuredOutputRequest) or so_request.reasoning_ended:
+            return new_token_ids
+        content_ids = self.reasoning.content_ids(request.output_token_ids)
+        if content_ids is None:
+            return ()
+        so_request.reasoning_ended = True
+        # NOTE: reasoning was not over before this step, so every content token is a new one.
+        return content_ids[max(0, len(content_ids) - len(new_token_ids)) :]
 
     # ------------------------------------------------------------- bitmask
 
@@ -287,10 +324,18 @@ class StructuredOutputManager:
         for request_id in structured_output_request_ids:
             so_request = requests[request_id].structured_output_request
             grammar = so_request.grammar if so_request is not None else None
-            drafts = scheduled_spec_decode_tokens.get(request_id, ())
+            drafts: Sequence[int] = scheduled_spec_decode_tokens.get(request_id, ())
             if grammar is None:
                 row += 1 + len(drafts)
                 continue
+            if not self.is_reasoning_ended(requests[request_id]):
+                # Rows sampled while reasoning stay all-allowed; a draft may
+                # end it, and the rows after that follow the grammar.
+                num_free_rows = self.reasoning.num_free_rows(requests[request_id].output_token_ids, drafts)
+                row += num_free_rows
+                if num_free_rows > len(drafts):
+                    continue
+                drafts = drafts[num_free_rows:]
             # Drafts past the first one the grammar rejects get the state
             # after the valid prefix (they are rejected by sampling anyway).
             valid_drafts = grammar.validate_tokens(drafts) if drafts else []

@@ -266,3 +266,25 @@ def test_auto_tool_choice_needs_a_known_parser(tokenizer: Any) -> None:
     with pytest.raises(ConfigError, match="hermes") as caught:
         build_app(ScriptedEngine(tokenizer, unknown), unknown)  # type: ignore[arg-type]
     assert caught.value.key == "server.tool_call_parser"
+
+
+def test_reasoning_is_split_off_before_tool_calls_are_read(tokenizer: Any) -> None:
+    # As vLLM: the reasoning parser takes its section first, the tool parser reads the content.
+    config = EngineConfig.load(server={"tool_call_parser": "hermes", "enable_auto_tool_choice": True},
+                               structured_output={"reasoning_parser": "think"})
+    engine = ScriptedEngine(tokenizer, config)
+    reply = "<think>The user wants <tool_call> use.</think>Sure.\n" + TWO_CALLS.split("\n", 1)[1]
+    engine.script = _deltas(reply, 4)
+    whole = _post(engine, {"model": MODEL_NAME, "messages": MESSAGES, "tools": TOOLS})
+    choice = ChatCompletion.model_validate(whole.json()).choices[0]
+    assert choice.message.model_extra["reasoning_content"] == "The user wants <tool_call> use."
+    assert choice.message.content == "Sure.\n"
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == EXPECTED_TWO_CALLS
+    assert choice.finish_reason == "tool_calls"
+    for size in (1, 3):
+        engine.script = _deltas(reply, size)
+        chunks = _chat_stream(engine, engine.script)
+        reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                            for c in chunks if c.choices)
+        assert reasoning == "The user wants <tool_call> use."
+        assert _rebuild(chunks) == ("Sure.\n", EXPECTED_TWO_CALLS, "tool_calls")

@@ -483,6 +483,9 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
     # OpenAI sends the key only with calls.
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: calls is None)
+    # The reasoning section (--reasoning-parser); vLLM's field, kept by the
+    # openai client in `model_extra`.
+    reasoning_content: str | None = None
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -508,6 +511,7 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

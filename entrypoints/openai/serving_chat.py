@@ -21,9 +21,11 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatCompletionTopLogprob,
+    ChatResponseMessage,
     DeltaMessage,
     usage_info,
 )
+from pagedllm.entrypoints.openai.reasoning import ReasoningStream, server_reasoning_parser, split_reply
 from pagedllm.entrypoints.openai.serving_completion import MIN_LOGPROB
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -41,13 +43,15 @@ if TYPE_CHECKING:
 
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.engine.async_llm import AsyncLLM
-    from pagedllm.engine.outputs import Logprob, RequestOutput, SampleLogprobs
+    from pagedllm.engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
     from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool
 
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLM, pool: RequestWorkerPool | None = None) -> None:
         super().__init__(engine, pool)
+        # NOTE: at start-up, so an unknown --reasoning-parser fails the server, not a request.
+        self.reasoning_parser = server_reasoning_parser(engine)
         # ConfigError at start for --enable-auto-tool-choice without a known parser.
         self.tool_parser_cls = load_tool_parser(self.server_config)
 
@@ -126,9 +130,7 @@ class OpenAIServingChat(OpenAIServing):
             raise RuntimeError(f"request {request_id} ended without an output")
         choices = []
         for completion in sorted(final.outputs, key=lambda c: c.index):
-            message, finish_reason = ChoiceToolCalls(tools, self.tokenizer).complete(
-                completion.text, completion.finish_reason
-            )
+            message, finish_reason = self._message(request, tools, completion)
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index,
                 message=message,
@@ -155,6 +157,8 @@ class OpenAIServingChat(OpenAIServing):
         num_generated = 0
         num_cached = 0
         choice_tools = [ChoiceToolCalls(tools, self.tokenizer) for _ in range(request.n)]
+        parser = self.reasoning_parser
+        reasoning = {index: ReasoningStream(parser, request) for index in range(request.n)} if parser else {}
 
         async def outputs() -> AsyncGenerator[RequestOutput, None]:
             if first is not None:
@@ -167,7 +171,7 @@ class OpenAIServingChat(OpenAIServing):
             for completion in output.outputs:
                 num_generated += len(completion.token_ids)
                 choice_tool_calls = choice_tools[completion.index]
-                deltas = choice_tool_calls.stream(completion.text, completion.finish_reason is not None)
+                deltas = _deltas(completion, reasoning.get(completion.index), choice_tool_calls)
                 # A token whose text is held back (a partial character, a
                 # possible stop string, possible tool-call markup) makes a
                 # chunk only to carry its logprobs.
@@ -192,6 +196,19 @@ class OpenAIServingChat(OpenAIServing):
                 usage=usage_info(num_prompt_tokens, num_generated, num_cached),
             )
             yield f"data: {usage_chunk.model_dump_json()}\n\n"
+
+    def _message(
+        self, request: ChatCompletionRequest, tools: ToolCallPlan, completion: CompletionOutput
+    ) -> tuple[ChatResponseMessage, str | None]:
+        """A finished reply: the reasoning split off first, then the content read for tool calls (as vLLM)."""
+        reasoning_content, content = split_reply(self.reasoning_parser, completion.text, request)
+        message, finish_reason = ChoiceToolCalls(tools, self.tokenizer).complete(
+            content or "", completion.finish_reason
+        )
+        if content is None and message.content == "":
+            message.content = None
+        message.reasoning_content = reasoning_content
+        return message, finish_reason
 
     def _chunk(self, request_id: str, choice: ChatCompletionStreamChoice) -> str:
         chunk = ChatCompletionStreamResponse(id=request_id, model=self.model_name, choices=[choice])
@@ -220,6 +237,24 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionTopLogprob(
             token=token, logprob=max(logprob.logprob, MIN_LOGPROB), bytes=list(token.encode("utf-8"))
         )
+
+
+def _deltas(
+    completion: CompletionOutput, reasoning: ReasoningStream | None, tools: ChoiceToolCalls
+) -> list[DeltaMessage]:
+    """The deltas of one streamed output: its text split by the reasoning
+    parser when there is one, then its content read for tool calls."""
+    finished = completion.finish_reason is not None
+    if reasoning is None:
+        return tools.stream(completion.text, finished)
+    piece = reasoning.delta(completion.text, completion.token_ids, finished)
+    deltas = tools.stream((piece.content or "") if piece is not None else "", finished)
+    if piece is not None and piece.reasoning_content:
+        if deltas and deltas[0].tool_calls is None:
+            deltas[0] = deltas[0].model_copy(update={"reasoning_content": piece.reasoning_content})
+        else:
+            deltas.insert(0, DeltaMessage(reasoning_content=piece.reasoning_content))
+    return deltas
 
 
 def _unset_delta_keys(delta: DeltaMessage) -> list[Any]:

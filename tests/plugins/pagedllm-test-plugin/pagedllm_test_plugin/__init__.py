@@ -10,6 +10,8 @@ from pagedllm.plugins import RegisterFn, hookimpl
 
 BACKEND_NAME = "test_echo"
 ARCHITECTURE = "TestEchoForCausalLM"
+# Next tokens scripted in config.json (scripted.py): what a reasoning model writes.
+SCRIPTED_ARCHITECTURE = "TestScriptedForCausalLM"
 
 
 @hookimpl
@@ -26,6 +28,7 @@ def register_attention_backends(register: RegisterFn) -> None:
 @hookimpl
 def register_models(register: RegisterFn) -> None:
     register(ARCHITECTURE, "pagedllm_test_plugin.model:TestEchoForCausalLM")
+    register(SCRIPTED_ARCHITECTURE, "pagedllm_test_plugin.scripted:TestScriptedForCausalLM")
 
 
 @hookimpl
