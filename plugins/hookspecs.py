@@ -39,7 +39,7 @@ Each kind is a :class:`pagedllm.plugins.kinds.PluginKind`; its registry is
 ``get_plugin_manager().registry(kind)``, or typed: ``.platforms``,
 ``.attention_backends``, ``.models``, ``.drafters``, ``.grammar_backends``,
 ``.kv_connectors``, ``.model_sources``, ``.executors``, ``.routers``,
-``.quantization_methods``, ``.reasoning_parsers``.
+``.quantization_methods``, ``.reasoning_parsers``, ``.logits_processors``.
 
 None of these hooks is ``firstresult``: every plugin gets called, and the
 return value is ignored.
@@ -318,6 +318,34 @@ def register_reasoning_parsers(register: RegisterFn) -> None:
     its first structured-output request (``is_reasoning_end`` holds the
     grammar back until the reasoning section is over), ``pagedllm plugins
     list``. Built-in: ``think`` (``<think>...</think>``).
+    """
+
+
+@hookspec
+def register_logits_processors(register: RegisterFn) -> None:
+    """Register logits processors (kind ``logits_processor``):
+    batch-level transformations of the logits before sampling, with
+    per-request arguments (vLLM V1's ``LogitsProcessor``).
+
+    :param register: call ``register(name, "pkg.mod:ProcessorCls", args=[...])``;
+        ``name`` is what ``model.logits_processors`` (``--logits-processors
+        name,...``, ``LLM(logits_processors=[...])``) loads. The target must
+        be a subclass of
+        :class:`pagedllm.logits_processors.interface.LogitsProcessor`, built
+        once per worker as ``ProcessorCls(engine_config, device)``; each step
+        it receives ``update_state(batch_update)`` (rows added, removed,
+        moved; one row per draft position under speculative decoding) and
+        then ``apply(logits)``. Metadata
+        (:class:`pagedllm.plugins.metadata.LogitsProcessorInfo`): ``args``,
+        the ``SamplingParams.extra_args`` keys (the server's ``vllm_xargs``)
+        that activate it.
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the registry is first needed: a worker building its
+    model runner with ``model.logits_processors`` set, the front end
+    validating a request's ``extra_args`` (``validate_params``), ``pagedllm
+    plugins list``. A loaded processor applies to a request only when the
+    request passes its arguments.
     """
 
 

@@ -28,6 +28,7 @@ class PluginKind(enum.StrEnum):
     ROUTER = "router"
     QUANTIZATION_METHOD = "quantization_method"
     REASONING_PARSER = "reasoning_parser"
+    LOGITS_PROCESSOR = "logits_processor"
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,12 @@ KIND_SPECS: dict[PluginKind, KindSpec] = {
             "register_reasoning_parsers",
             "pagedllm.reasoning.interface:ReasoningParser",
             f"{_METADATA}:ReasoningParserInfo",
+        ),
+        KindSpec(
+            PluginKind.LOGITS_PROCESSOR,
+            "register_logits_processors",
+            "pagedllm.logits_processors.interface:LogitsProcessor",
+            f"{_METADATA}:LogitsProcessorInfo",
         ),
     )
 }

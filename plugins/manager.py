@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend, AttentionCapabilities
     from pagedllm.executors.base import Executor
     from pagedllm.kv_connectors.base import KVConnectorBase
+    from pagedllm.logits_processors.interface import LogitsProcessor
     from pagedllm.model_registry.interface import ModelForCausalLM
     from pagedllm.model_registry.source import ModelSource
     from pagedllm.platforms.interface import Platform
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
         ExecutorInfo,
         GrammarBackendInfo,
         KVConnectorInfo,
+        LogitsProcessorInfo,
         ModelInfo,
         ModelSourceInfo,
         PlatformInfo,
@@ -335,6 +337,10 @@ class PluginManager:
     @property
     def reasoning_parsers(self) -> Registry[ReasoningParser, ReasoningParserInfo]:
         return self.registry(PluginKind.REASONING_PARSER)
+
+    @property
+    def logits_processors(self) -> Registry[LogitsProcessor, LogitsProcessorInfo]:
+        return self.registry(PluginKind.LOGITS_PROCESSOR)
 
     def _collect(self, spec: KindSpec) -> Registry[Any, Any]:
         registry: Registry[Any, Any] = Registry(spec.kind, spec.interface)
