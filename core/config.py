@@ -63,6 +63,17 @@ class ModelConfig(_Section):
     # format; dummy = random weights of the checkpoint's shapes, no weight file
     # read (benchmarks, start-up measurements).
     load_format: Literal["auto", "safetensors", "pt", "dummy"] = "auto"
+    # Registered logits processors (plugin kind `logits_processor`) every
+    # worker loads, in the order they apply (vLLM's --logits-processors); a
+    # request activates one by passing its arguments in extra_args / vllm_xargs.
+    logits_processors: list[str] = Field(default_factory=list)
+
+    @field_validator("logits_processors", mode="before")
+    @classmethod
+    def _comma_separated_names(cls, value: Any) -> Any:
+        if isinstance(value, str):  # PAGEDLLM_MODEL__LOGITS_PROCESSORS=a,b
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -315,6 +326,7 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "architecture": ("model", "architecture"),
     "quantization": ("model", "quantization"),
     "load_format": ("model", "load_format"),
+    "logits_processors": ("model", "logits_processors"),
     "block_size": ("cache", "block_size"),
     "kv_cache_dtype": ("cache", "cache_dtype"),
     "num_kv_blocks": ("cache", "num_kv_blocks"),
