@@ -44,7 +44,9 @@ class LLM:
             self.engine_core = SyncMPClient(self.config) if multiprocess else InprocClient(self.config)
         ready = self.engine_core.ready
         self.tokenizer = load_tokenizer(self.config.model.tokenizer or ready.model_path)
-        self.input_processor = InputProcessor(self.tokenizer, ready, self.config.structured_output)
+        self.input_processor = InputProcessor(
+            self.tokenizer, ready, self.config.structured_output, self.config.model.logits_processors
+        )
         self.eos_token_id = self.input_processor.eos_token_id
         self.max_model_len = ready.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer)
