@@ -35,3 +35,9 @@ def register_models(register: RegisterFn) -> None:
 def register_kv_connectors(register: RegisterFn) -> None:
     register("delayed_free", "pagedllm_test_plugin.connector:DelayedFreeConnector", roles=["both"],
              supports_tensor_parallel=True)
+
+
+@hookimpl
+def register_logits_processors(register: RegisterFn) -> None:
+    # Forbids a request's last `ban_recent_tokens` tokens (tests/test_logits_processors.py).
+    register("ban_recent", "pagedllm_test_plugin.logits_processor:BanRecentTokens", args=["ban_recent_tokens"])
