@@ -26,7 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ class AddedRequest(NamedTuple):
     """A row that joined the batch (vLLM's ``(index, params, prompt_tok_ids,
     output_tok_ids)`` tuple)."""
 
-    index: int  # its row in this step's logits
+    row_index: int  # its row in this step's logits
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # live: see the module docstring
@@ -59,7 +59,7 @@ class BatchUpdate:
     """What changed between the last step's rows and this step's.
 
     ``removed`` and ``moved[i].from_index`` are last step's indices;
-    ``moved[i].to_index`` and ``added[i].index`` are this step's. Rows not
+    ``moved[i].to_index`` and ``added[i].row_index`` are this step's. Rows not
     named anywhere kept their index. Apply the removals and moves together
     (:meth:`remap` does), then the additions: an added row may take an index
     that a removed or moved row left.
@@ -90,6 +90,11 @@ class LogitsProcessor(ABC):
     only for random rows, after the temperature (vLLM's order).
     """
 
+    # The extra_args of a request that activates this processor, for the
+    # conformance kit (pagedllm.testing.suites.logits_processor); None: the
+    # kit runs only the rules that need no active request.
+    example_args: ClassVar[Mapping[str, Any] | None] = None
+
     @abstractmethod
     def __init__(self, config: EngineConfig, device: torch.device) -> None: ...
 
@@ -99,6 +104,7 @@ class LogitsProcessor(ABC):
         is scheduled: raise ``pagedllm.core.errors.InvalidRequestError`` naming
         the argument, its value and the rule (the server answers 400). Called
         in the front end's process for every request; the default accepts all."""
+        return None
 
     @abstractmethod
     def is_argmax_invariant(self) -> bool:

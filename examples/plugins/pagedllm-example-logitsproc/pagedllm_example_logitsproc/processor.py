@@ -5,7 +5,7 @@ Face's ``NoRepeatNGramLogitsProcessor``, per request)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -36,6 +36,8 @@ def banned_tokens(token_ids: Sequence[int], ngram_size: int) -> set[int]:
 
 
 class NoRepeatNGramLogitsProcessor(LogitsProcessor):
+    example_args: ClassVar[dict[str, int]] = {ARG: 2}  # for the conformance kit
+
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         # row -> (n, prompt ids, live output ids) of the rows that passed the argument
         self.rows: dict[int, tuple[int, Sequence[int], Sequence[int]]] = {}
@@ -56,9 +58,9 @@ class NoRepeatNGramLogitsProcessor(LogitsProcessor):
         for added in batch_update.added:
             size = extra_arg(added.params, ARG)
             if size is None:
-                self.rows.pop(added.index, None)
+                self.rows.pop(added.row_index, None)
             else:
-                self.rows[added.index] = (size, added.prompt_token_ids, added.output_token_ids)
+                self.rows[added.row_index] = (size, added.prompt_token_ids, added.output_token_ids)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         rows: list[int] = []

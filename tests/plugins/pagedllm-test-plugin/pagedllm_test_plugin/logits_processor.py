@@ -6,7 +6,7 @@ see the drafts before it (tests/test_logits_processors.py)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -26,6 +26,8 @@ def recent_tokens(prompt: Sequence[int], output: Sequence[int], count: int) -> l
 
 
 class BanRecentTokens(LogitsProcessor):
+    example_args: ClassVar[dict[str, int]] = {ARG: 3}  # for the conformance kit
+
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.rows: dict[int, tuple[int, Sequence[int], Sequence[int]]] = {}
 
@@ -45,9 +47,9 @@ class BanRecentTokens(LogitsProcessor):
         for added in batch_update.added:
             count = extra_arg(added.params, ARG)
             if count is None:
-                self.rows.pop(added.index, None)
+                self.rows.pop(added.row_index, None)
             else:
-                self.rows[added.index] = (count, added.prompt_token_ids, added.output_token_ids)
+                self.rows[added.row_index] = (count, added.prompt_token_ids, added.output_token_ids)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for row, (count, prompt, output) in self.rows.items():
