@@ -132,6 +132,41 @@ def test_greedy_rows_take_the_argmax_after_the_processor_and_logit_bias_comes_fi
     assert logits.tolist() == [[1.0, 4.0, 3.0, 0.0], [1.0, 4.0, 3.0, 0.0]]  # the raw logits are left alone
 
 
+def test_argmax_invariant_processors_run_only_for_random_rows_after_the_temperature() -> None:
+    class KeepTopTwo(RecordingProcessor):
+        """Top-2 truncation: never changes the argmax."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[torch.Tensor] = []
+
+        def is_argmax_invariant(self) -> bool:
+            return True
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            self.seen.append(logits.clone())
+            kth = logits.topk(2, dim=-1).values[:, -1:]
+            return logits.masked_fill(logits < kth, float("-inf"))
+
+    logits = torch.tensor([[1.0, 4.0, 3.0, 0.0], [2.0, 0.0, 6.0, 5.0]])
+    processor = KeepTopTwo()
+    greedy = SamplingMetadata.build([SamplingParams(temperature=0.0)] * 2, [[], []], [[], []], {}, 4, "cpu")
+    greedy.logits_processors = [processor]
+    assert Sampler()(logits, greedy).sampled_token_ids.tolist() == [1, 2]
+    assert processor.seen == []  # all greedy: never asked
+    params = [SamplingParams(temperature=0.5, seed=1), SamplingParams(temperature=2.0, seed=2)]
+    generators = {i: torch.Generator().manual_seed(p.seed or 0) for i, p in enumerate(params)}
+    mixed = SamplingMetadata.build(params, [[], []], [[], []], generators, 4, "cpu")
+    mixed.logits_processors = [processor]
+    probs = Sampler.compute_probs(logits, mixed)
+    assert torch.equal(processor.seen[0], logits / torch.tensor([[0.5], [2.0]]))
+    # Only the top two tokens of each row keep probability: softmax over them.
+    expected = torch.zeros(2, 4)
+    expected[0, [1, 2]] = torch.tensor([8.0, 6.0]).softmax(-1)
+    expected[1, [2, 3]] = torch.tensor([3.0, 2.5]).softmax(-1)
+    assert torch.allclose(probs, expected)
+
+
 # ---------------------------------------------------------------- engine
 
 
@@ -217,11 +252,14 @@ def _follows_ban(prompt: list[int], output: list[int], ban: int) -> bool:
 @pytest.mark.parametrize("engine_kwargs", [
     {"async_scheduling": True},
     {"max_num_batched_tokens": 8, "max_num_seqs": 3},  # chunked prefill, requests join and leave
-], ids=["async-scheduling", "chunked-prefill"])
+    {"num_kv_blocks": 4, "max_model_len": 32},  # preemption: requests leave and come back
+], ids=["async-scheduling", "chunked-prefill", "preemption"])
 def test_rows_follow_the_batch_as_it_changes(mixed_reference: list[list[int]], engine_kwargs: dict[str, Any]) -> None:
     prompts = _prompts(len(MIXED_PARAMS), seed=3)
     llm = _llm(logits_processors=["ban_recent"], **engine_kwargs)
     assert _generate(llm, prompts, MIXED_PARAMS) == mixed_reference
+    if "num_kv_blocks" in engine_kwargs:
+        assert llm.engine_core.engine_core.scheduler.num_preemptions > 0
 
 
 _eagle_dir: list[Path] = []
