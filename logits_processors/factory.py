@@ -50,7 +50,7 @@ class LogitsProcessorArgs:
     that this engine does not load (their declared ``args``)."""
 
     def __init__(self, names: Sequence[str], plugin_manager: PluginManager) -> None:
-        self.classes = load_logits_processor_classes(names, plugin_manager)
+        self.classes = dict(zip(names, load_logits_processor_classes(names, plugin_manager), strict=True))
         registry = plugin_manager.logits_processors
         # extra_args key -> a registered processor that reads it but is not loaded.
         self.not_loaded: dict[str, str] = {}
@@ -70,5 +70,12 @@ class LogitsProcessorArgs:
                     f"it is an argument of logits processor {name!r}, which this engine does not load "
                     "(model.logits_processors, --logits-processors)",
                 )
-        for cls in self.classes:
-            cls.validate_params(params)
+        for name, cls in self.classes.items():
+            try:
+                cls.validate_params(params)
+            except InvalidRequestError:
+                raise
+            except (TypeError, ValueError) as exc:  # a plugin's own error type: still the client's fault
+                raise InvalidRequestError(
+                    "extra_args", sorted(params.extra_args), f"refused by logits processor {name!r}: {exc}"
+                ) from exc

@@ -293,12 +293,20 @@ def test_unknown_processor_name_is_a_config_error_listing_the_registered_ones() 
         _llm(logits_processors=["nope"])
 
 
+class StrictProcessor(RecordingProcessor):
+    @classmethod
+    def validate_params(cls, params: SamplingParams) -> None:
+        if (params.extra_args or {}).get("strict_arg") == "bad":
+            raise ValueError("strict_arg must not be 'bad'")  # not InvalidRequestError: still a 400
+
+
 class ExtraProcessorPlugin:
-    """A processor registered in this process only, never loaded below."""
+    """Processors registered in this process only: one loaded, one never."""
 
     @hookimpl
     def register_logits_processors(self, register: RegisterFn) -> None:
         register("test_unloaded", RecordingProcessor, args=["unloaded_arg"])
+        register("test_strict", StrictProcessor, args=["strict_arg"])
 
 
 @pytest.fixture
@@ -312,8 +320,10 @@ def extra_processor() -> Iterator[None]:
 
 
 def test_bad_args_and_args_of_a_processor_not_loaded_are_refused(extra_processor: None) -> None:
-    llm = _llm(logits_processors=["ban_recent"], num_kv_blocks=32)
+    llm = _llm(logits_processors=["ban_recent", "test_strict"], num_kv_blocks=32)
     prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    with pytest.raises(InvalidRequestError, match=r"refused by logits processor 'test_strict': strict_arg must not"):
+        llm.generate(prompt, SamplingParams(extra_args={"strict_arg": "bad"}), use_tqdm=False)
     for bad in (0, 65, "3", 2.0, True):
         with pytest.raises(InvalidRequestError, match=f"extra_args.{BAN}"):
             llm.generate(prompt, SamplingParams(extra_args={BAN: bad}), use_tqdm=False)
