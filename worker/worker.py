@@ -147,7 +147,9 @@ class Worker:
         # the engine's process this is the builder's call again (a no-op).
         self.plugin_manager = get_plugin_manager()
         plugins = config.plugins
-        self.plugin_manager.load(enabled=plugins.enabled, disabled=plugins.disabled, strict=plugins.strict)
+        self.plugin_manager.load(
+            enabled=plugins.enabled, disabled=plugins.disabled, strict=plugins.strict, config=plugins.config
+        )
         self.platform, self.model_facts, self.attn_selection = plan_ranks(config, self.plugin_manager)
         self.world_size = config.parallel.tensor_parallel_size
         # NOTE: this rank's KV heads, the layers' split: its cache holds only these.

@@ -7,6 +7,11 @@ imported until pagedllm selects one of them.
 from __future__ import annotations
 
 from pagedllm.plugins import RegisterFn, hookimpl
+from pagedllm_test_plugin.options import TestPluginOptions
+
+# The plugin's own options, declared as a module attribute (the
+# register_plugin_config hook is the other way, tested with a fixture plugin).
+PAGEDLLM_PLUGIN_CONFIG = TestPluginOptions
 
 BACKEND_NAME = "test_echo"
 ARCHITECTURE = "TestEchoForCausalLM"
