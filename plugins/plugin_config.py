@@ -22,6 +22,7 @@ reads its own plugin's options with
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Iterable, Mapping
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from pagedllm.core.config import config_error_from_validation
 from pagedllm.core.errors import ConfigError, PagedLLMError, PluginError
@@ -158,11 +160,29 @@ def validate_options(plugin_name: str, model: type[BaseModel], values: Any) -> B
         if key not in known:  # NOTE: whatever the model's own `extra`: a misspelt option fails loudly
             raise ConfigError(f"{prefix}.{key}", value, f"an option of plugin {plugin_name!r}: {', '.join(known)}")
     try:
-        # model_validate, not the constructor: a BaseSettings model must not
-        # read the environment on its own (the env is already in `values`).
-        return model.model_validate(_decode_env_strings(model, values))
+        return _validate(model, _decode_env_strings(model, values))
     except ValidationError as exc:
         raise config_error_from_validation(model, exc, prefix=f"{prefix}.") from None
+
+
+def _validate(model: type[BaseModel], values: dict[str, Any]) -> BaseModel:
+    if not issubclass(model, BaseSettings):
+        return model.model_validate(values)
+    # NOTE: a settings model validates in its __init__, which would also read
+    # the environment (and .env files) of whichever process builds it: a Ray
+    # worker on another host could then see other options. Only `values`
+    # count (the user's env is already in them, as plugins.config).
+    validated = _init_values_only(model).model_validate(values)
+    return model.model_construct(_fields_set=validated.model_fields_set, **dict(validated))
+
+
+@functools.cache
+def _init_values_only(model: type[BaseSettings]) -> type[BaseSettings]:
+    def sources(cls: type[BaseSettings], /, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                **others: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+    return type(model.__name__, (model,), {"settings_customise_sources": classmethod(sources)})
 
 
 def _known_keys(model: type[BaseModel]) -> list[str]:

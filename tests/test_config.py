@@ -190,7 +190,7 @@ def test_from_flat_maps_vllm_names_to_sections(tmp_path: Path) -> None:
     assert d["scheduler"]["scheduling_policy"] == "priority"
     assert d["device"] == {"platform": "auto", "attention_backend": "torch_native", "enforce_eager": False,
                            "cuda_graph_sizes": None, "compile_model": False}
-    assert d["plugins"] == {"enabled": ["a"], "disabled": [], "strict": True}
+    assert d["plugins"] == {"enabled": ["a"], "disabled": [], "strict": True, "config": {}}
 
 
 def test_from_flat_none_means_default_and_file_still_applies(tmp_path: Path) -> None:

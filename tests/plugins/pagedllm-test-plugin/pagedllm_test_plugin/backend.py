@@ -58,10 +58,11 @@ class TestEchoBackend(AttentionBackend):
 
 
 def _record_options() -> None:
-    """Write the plugin options this process handed the backend (and the
-    process id) to ``record_path``, when the user set one."""
+    """Append the plugin options this process handed the backend, with the
+    process id, to ``record_path`` (JSON lines: one per attention layer
+    built, from every process that builds one), when the user set one."""
     options = get_plugin_manager().plugin_config(TestPluginOptions)
     if options.record_path is not None:
         record = {"pid": os.getpid(), "options": options.model_dump(mode="json")}
-        with open(options.record_path, "w", encoding="utf-8") as f:
-            json.dump(record, f)
+        with open(options.record_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
