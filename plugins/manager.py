@@ -169,6 +169,8 @@ class PluginManager:
                 self._config_given = dict(config)
                 self._plugin_configs = None
             self._configs()  # NOTE: every process validates the same options at load, before any use
+            if strict and self._config_declaration_errors():
+                raise PluginError(f"{self._config_declaration_errors()[0].error} (plugins.strict is set)")
 
     def _load_entry_points(self, args: tuple[frozenset[str] | None, frozenset[str], bool]) -> None:
         strict = args[2]
@@ -487,13 +489,21 @@ class PluginManager:
     @property
     def load_errors(self) -> list[PluginLoadError]:
         """Entry points that failed to load, then registrations left out for
-        invalid metadata (every kind is collected to find those)."""
+        invalid metadata (every kind is collected to find those), then
+        plugins whose config model declaration is invalid."""
         with self._lock:
             self._ensure_loaded()
             for kind in KINDS:
                 self.registry(kind)
             rejected = [error for kind in KINDS for error in self._registration_errors.get(kind, [])]
-            return [*self._load_errors.values(), *rejected]
+            return [*self._load_errors.values(), *rejected, *self._config_declaration_errors()]
+
+    def _config_declaration_errors(self) -> list[PluginLoadError]:
+        return [
+            PluginLoadError(name, self._sources.get(name, name), f"PluginError: {error}")
+            for name, error in self._configs().errors.items()
+            if isinstance(error, PluginError)
+        ]
 
     def plugins(self) -> list[PluginInfo]:
         self._ensure_loaded()

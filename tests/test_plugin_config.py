@@ -186,6 +186,24 @@ def test_two_different_models_declared_is_a_plugin_error(pm: PluginManager) -> N
         pm.load(config={"two_models": {"level": "high"}})
 
 
+class NotAModelPlugin:
+    PAGEDLLM_PLUGIN_CONFIG = dict  # not a pydantic model
+
+    @hookimpl
+    def register_routers(self, register: RegisterFn) -> None:
+        register("fixture_router", "pagedllm.routers.round_robin:RoundRobinPolicy")
+
+
+def test_an_invalid_declaration_is_a_load_error_and_fatal_in_strict_mode(pm: PluginManager) -> None:
+    pm.register(NotAModelPlugin(), name="not_a_model")
+    message = ("PluginError: plugin 'not_a_model' declares config model <class 'dict'>, "
+               "not a pydantic BaseModel subclass")
+    assert [(e.plugin, e.error) for e in pm.load_errors] == [("not_a_model", message)]
+    assert "fixture_router" in pm.routers  # its components still load
+    with pytest.raises(PluginError, match=re.escape(message.removeprefix("PluginError: "))):
+        pm.load(strict=True)
+
+
 # ---- the sources: file, env, flag ----------------------------------------
 
 
@@ -261,9 +279,24 @@ def test_llm_hands_the_options_to_the_plugin_backend(tmp_path: Path, process_opt
     assert all(r["options"] == {**DEFAULTS, "record_path": str(record), "label": "llm", "scale": 2} for r in records)
 
 
-def test_llm_with_a_bad_option_fails_at_start_naming_plugin_and_key(process_options: None) -> None:
+def test_llm_engine_core_process_and_front_end_build_the_same_options(tmp_path: Path, process_options: None) -> None:
+    record = tmp_path / "record.jsonl"
+    options = {"record_path": str(record), "label": "two-processes", "mode": "fast"}
+    llm = LLM(**ENGINE_ARGS, multiprocess=True, plugin_config={TEST_PLUGIN: options})
+    try:
+        records = _records(record)
+        assert records and os.getpid() not in {r["pid"] for r in records}  # built in the engine-core process
+        assert all(r["options"] == {**DEFAULTS, **options} for r in records)
+        # The front end's own plugin code (a grammar backend checking requests) sees the same.
+        assert get_plugin_manager().plugin_config(TestPluginOptions).model_dump() == {**DEFAULTS, **options}
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_llm_with_a_bad_option_fails_at_start_naming_plugin_and_key(multiprocess: bool, process_options: None) -> None:
     with pytest.raises(ConfigError) as info:
-        LLM(**ENGINE_ARGS, plugin_config={TEST_PLUGIN: {"scale": 0}})
+        LLM(**ENGINE_ARGS, multiprocess=multiprocess, plugin_config={TEST_PLUGIN: {"scale": 0}})
     assert str(info.value) == f"plugins.config.{TEST_PLUGIN}.scale=0 is invalid; allowed: >= 1 and <= 8"
 
 
