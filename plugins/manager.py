@@ -163,49 +163,51 @@ class PluginManager:
             strict,
         )
         with self._lock:
-            if args != self._load_args:
-                self._load_entry_points(args)
             if config is not None:
                 self._config_given = dict(config)
                 self._plugin_configs = None
-            self._configs()  # NOTE: every process validates the same options at load, before any use
-            if strict and self._config_declaration_errors():
-                raise PluginError(f"{self._config_declaration_errors()[0].error} (plugins.strict is set)")
+            if args == self._load_args:
+                self._check_plugin_configs(strict)
+                return
+            self._load_args = args
+            enabled_set, disabled_set, _ = args
+            entry_points = self._entry_points()
+            known = {ep.name for ep in entry_points} | {BUILTIN_PLUGIN_NAME}
+            for name in sorted(((enabled_set or set()) | disabled_set) - known):
+                logger.warning("plugin %r named in the plugin allow/deny list is not installed", name)
 
-    def _load_entry_points(self, args: tuple[frozenset[str] | None, frozenset[str], bool]) -> None:
-        strict = args[2]
-        self._load_args = args
-        enabled_set, disabled_set, _ = args
-        entry_points = self._entry_points()
-        known = {ep.name for ep in entry_points} | {BUILTIN_PLUGIN_NAME}
-        for name in sorted(((enabled_set or set()) | disabled_set) - known):
-            logger.warning("plugin %r named in the plugin allow/deny list is not installed", name)
+            wanted = [
+                ep
+                for ep in entry_points
+                if (enabled_set is None or ep.name in enabled_set) and ep.name not in disabled_set
+            ]
+            wanted_names = {ep.name for ep in wanted}
+            for name in sorted(self._entry_point_plugins - wanted_names):
+                self._unregister_name(name)
+                self._entry_point_plugins.discard(name)
+            for name in list(self._load_errors):
+                if name not in wanted_names:
+                    del self._load_errors[name]
+            for ep in wanted:
+                if ep.name not in self._entry_point_plugins:
+                    self._load_entry_point(ep)
+            self._invalidate()
+            if strict and self._load_errors:
+                err = next(iter(self._load_errors.values()))
+                raise PluginError(
+                    f"plugin {err.plugin!r} ({err.distribution}) failed to load: {err.error}"
+                    " (plugins.strict is set)"
+                )
+            if strict:
+                for kind in KINDS:  # a registration with invalid metadata raises here
+                    self.registry(kind)
+            self._check_plugin_configs(strict)
 
-        wanted = [
-            ep
-            for ep in entry_points
-            if (enabled_set is None or ep.name in enabled_set) and ep.name not in disabled_set
-        ]
-        wanted_names = {ep.name for ep in wanted}
-        for name in sorted(self._entry_point_plugins - wanted_names):
-            self._unregister_name(name)
-            self._entry_point_plugins.discard(name)
-        for name in list(self._load_errors):
-            if name not in wanted_names:
-                del self._load_errors[name]
-        for ep in wanted:
-            if ep.name not in self._entry_point_plugins:
-                self._load_entry_point(ep)
-        self._invalidate()
-        if strict and self._load_errors:
-            err = next(iter(self._load_errors.values()))
-            raise PluginError(
-                f"plugin {err.plugin!r} ({err.distribution}) failed to load: {err.error}"
-                " (plugins.strict is set)"
-            )
-        if strict:
-            for kind in KINDS:  # a registration with invalid metadata raises here
-                self.registry(kind)
+    def _check_plugin_configs(self, strict: bool) -> None:
+        # NOTE: every process validates the same options when it loads, before any use.
+        self._configs()
+        if strict and self._config_declaration_errors():
+            raise PluginError(f"{self._config_declaration_errors()[0].error} (plugins.strict is set)")
 
     def _entry_points(self) -> list[importlib.metadata.EntryPoint]:
         """Entry points of our group, de-duplicated (a distribution can be found twice on sys.path)."""
