@@ -186,6 +186,24 @@ def test_two_different_models_declared_is_a_plugin_error(pm: PluginManager) -> N
         pm.load(config={"two_models": {"level": "high"}})
 
 
+class RequiredOptions(BaseModel):
+    url: str  # no default: the user must set it
+
+
+class RequiredOptionPlugin:
+    PAGEDLLM_PLUGIN_CONFIG = RequiredOptions
+
+
+def test_a_required_option_fails_only_where_the_plugin_is_used(pm: PluginManager) -> None:
+    pm.register(RequiredOptionPlugin(), name="needs_url")
+    pm.load(config={})  # installed but unused and unset: loading still works
+    with pytest.raises(ConfigError) as info:
+        pm.plugin_config(RequiredOptions)  # its component asks: now it is an error
+    assert (info.value.key, info.value.allowed) == ("plugins.config.needs_url.url", "Field required")
+    pm.load(config={"needs_url": {"url": "http://store"}})
+    assert pm.plugin_config(RequiredOptions) == RequiredOptions(url="http://store")
+
+
 class NotAModelPlugin:
     PAGEDLLM_PLUGIN_CONFIG = dict  # not a pydantic model
 
