@@ -63,6 +63,17 @@ class ModelConfig(_Section):
     # format; dummy = random weights of the checkpoint's shapes, no weight file
     # read (benchmarks, start-up measurements).
     load_format: Literal["auto", "safetensors", "pt", "dummy"] = "auto"
+    # Registered logits processors (plugin kind `logits_processor`) every
+    # worker loads, in the order they apply (vLLM's --logits-processors); a
+    # request activates one by passing its arguments in extra_args / vllm_xargs.
+    logits_processors: list[str] = Field(default_factory=list)
+
+    @field_validator("logits_processors", mode="before")
+    @classmethod
+    def _comma_separated_names(cls, value: Any) -> Any:
+        if isinstance(value, str):  # PAGEDLLM_MODEL__LOGITS_PROCESSORS=a,b
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -132,6 +143,13 @@ class PluginsConfig(_Section):
     enabled: list[str] | None = None
     disabled: list[str] = Field(default_factory=list)
     strict: bool = False
+    # Each plugin's own options, by plugin (entry point) name: validated
+    # against the config model the plugin declares when the plugins load
+    # (plugins/plugin_config.py). Env: PAGEDLLM_PLUGINS__CONFIG__<NAME>__<KEY>.
+    config: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="one plugin's options, repeatable: --plugin-config NAME='{\"key\": 1}'",
+    )
 
     @field_validator("enabled", "disabled", mode="before")
     @classmethod
@@ -321,6 +339,7 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "architecture": ("model", "architecture"),
     "quantization": ("model", "quantization"),
     "load_format": ("model", "load_format"),
+    "logits_processors": ("model", "logits_processors"),
     "block_size": ("cache", "block_size"),
     "kv_cache_dtype": ("cache", "cache_dtype"),
     "num_kv_blocks": ("cache", "num_kv_blocks"),
@@ -343,6 +362,7 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "enabled_plugins": ("plugins", "enabled"),
     "disabled_plugins": ("plugins", "disabled"),
     "strict_plugins": ("plugins", "strict"),
+    "plugin_config": ("plugins", "config"),
     "structured_outputs_config": ("structured_output", None),
     "reasoning_parser": ("structured_output", "reasoning_parser"),
     "speculative_config": ("speculative", None),
@@ -506,14 +526,21 @@ def _unset_fields_only(value: Any) -> Any:
     return value
 
 
-def _config_error(config_cls: type[BaseModel], exc: ValidationError) -> ConfigError:
+def _config_error(config_cls: type[BaseModel], exc: ValidationError, prefix: str = "") -> ConfigError:
     errors = exc.errors()
     first = errors[0]
     key, allowed = _describe(config_cls, first)
     if len(errors) > 1:
-        others = ", ".join(".".join(str(p) for p in e["loc"]) for e in errors[1:])
+        others = ", ".join(prefix + ".".join(str(p) for p in e["loc"]) for e in errors[1:])
         allowed += f" (also invalid: {others})"
-    return ConfigError(key, first.get("input"), allowed)
+    return ConfigError(prefix + key, first.get("input"), allowed)
+
+
+def config_error_from_validation(config_cls: type[BaseModel], exc: ValidationError, prefix: str = "") -> ConfigError:
+    """The ConfigError of any settings model (a plugin's own options too):
+    the first failing key (after `prefix`), its value, and what is allowed
+    (a Literal's choices, a field's whole range)."""
+    return _config_error(config_cls, exc, prefix)
 
 
 def _describe(config_cls: type[BaseModel], error: Any) -> tuple[str, str]:

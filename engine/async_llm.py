@@ -126,7 +126,9 @@ class AsyncLLM:
             self.engine_core.shutdown()
             raise
         self.ready = ready
-        self.input_processor = InputProcessor(self.tokenizer, ready, config.structured_output)
+        self.input_processor = InputProcessor(
+            self.tokenizer, ready, config.structured_output, config.model.logits_processors
+        )
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.eos_token_id = self.input_processor.eos_token_id

@@ -70,7 +70,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     `on_engine_start` hook runs last)."""
     plugin_manager = get_plugin_manager()
     plugins = config.plugins
-    plugin_manager.load(enabled=plugins.enabled, disabled=plugins.disabled, strict=plugins.strict)
+    plugin_manager.load(
+        enabled=plugins.enabled, disabled=plugins.disabled, strict=plugins.strict, config=plugins.config
+    )
     if config.structured_output.reasoning_parser is not None:
         # Before any model loads: an unknown name is a ConfigError at start, not at the first request.
         reasoning_parser_class(config.structured_output.reasoning_parser)

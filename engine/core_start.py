@@ -27,7 +27,10 @@ def start_async_engine_core(config: EngineConfig, *, in_process: bool = False) -
     # that fails in strict mode fails here first, and API-side plugin code
     # (tokenizers, hooks) is available to the front end.
     get_plugin_manager().load(
-        enabled=config.plugins.enabled, disabled=config.plugins.disabled, strict=config.plugins.strict
+        enabled=config.plugins.enabled,
+        disabled=config.plugins.disabled,
+        strict=config.plugins.strict,
+        config=config.plugins.config,
     )
     # Built here (not raced by the core) when it is the embedded default.
     resolve_model_path(config.model.model)

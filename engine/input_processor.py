@@ -16,6 +16,7 @@ InvalidRequestError naming the field, whichever front end called.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,8 @@ from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.int_limits import check_priority
 from pagedllm.engine.tokenizer import check_token_ids
 from pagedllm.engine.wire import EngineCoreRequest, sampling_params_to_dict
+from pagedllm.logits_processors.factory import LogitsProcessorArgs
+from pagedllm.plugins import get_plugin_manager
 from pagedllm.structured_output.manager import GrammarVocab, validate_structured_outputs
 
 if TYPE_CHECKING:
@@ -98,7 +101,15 @@ def make_request(
 class InputProcessor:
     """Validation and request building against one engine core's figures."""
 
-    def __init__(self, tokenizer: Any, ready: Ready, structured_output: StructuredOutputConfig) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        ready: Ready,
+        structured_output: StructuredOutputConfig,
+        logits_processors: Sequence[str] = (),
+    ) -> None:
+        """`logits_processors`: the names the engine loads (model.logits_processors),
+        whose `validate_params` check every request's extra_args."""
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
@@ -107,6 +118,7 @@ class InputProcessor:
             ready.eos_token_id if ready.eos_token_id is not None else tokenizer.eos_token_id
         )
         self.structured_output = structured_output
+        self.logits_processor_args = LogitsProcessorArgs(logits_processors, get_plugin_manager())
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         """(text, token ids, the dict form's cache_salt) of a prompt."""
@@ -135,6 +147,7 @@ class InputProcessor:
             # A bad schema or grammar is a 400 here, never a compile failure in the core.
             vocab = GrammarVocab.of(self.tokenizer, self.vocab_size, self.eos_token_id)
             validate_structured_outputs(params.structured_outputs, self.structured_output, vocab)
+        self.logits_processor_args.validate(params)
         return max_tokens
 
     def process(

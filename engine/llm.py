@@ -14,6 +14,7 @@ from pagedllm.engine.dp_client import SyncDPClient
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.plugins import get_plugin_manager
 
 if TYPE_CHECKING:
     from pagedllm.core.stats import SchedulerStats
@@ -37,6 +38,13 @@ class LLM:
         if model is not None:  # not given: the config file's (or env's) model, else the default one
             kwargs["model"] = model
         self.config = EngineConfig.from_flat(config_file=config_file, **kwargs)
+        plugins = self.config.plugins
+        # As `serve`'s API process: this process's plugin code (grammar
+        # backends validating requests) gets the same options as the engine
+        # core's, and a bad option fails here before a process is started.
+        get_plugin_manager().load(
+            enabled=plugins.enabled, disabled=plugins.disabled, strict=plugins.strict, config=plugins.config
+        )
         self.engine_core: EngineCoreClient
         if self.config.parallel.data_parallel_size > 1:  # one engine-core process per replica
             self.engine_core = SyncDPClient(self.config)
@@ -44,7 +52,9 @@ class LLM:
             self.engine_core = SyncMPClient(self.config) if multiprocess else InprocClient(self.config)
         ready = self.engine_core.ready
         self.tokenizer = load_tokenizer(self.config.model.tokenizer or ready.model_path)
-        self.input_processor = InputProcessor(self.tokenizer, ready, self.config.structured_output)
+        self.input_processor = InputProcessor(
+            self.tokenizer, ready, self.config.structured_output, self.config.model.logits_processors
+        )
         self.eos_token_id = self.input_processor.eos_token_id
         self.max_model_len = ready.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer)

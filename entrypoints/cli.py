@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.errors import PagedLLMError
 from pagedllm.entrypoints.bench.serve import add_bench_parser
 from pagedllm.entrypoints.bench.spec import add_spec_parser
+from pagedllm.entrypoints.config_flags import add_plugin_config_flags
 
 if TYPE_CHECKING:
     import torch
@@ -41,10 +42,15 @@ def _jsonable(value: Any) -> Any:
 
 
 def cmd_plugins_list(args: argparse.Namespace) -> int:
+    from pagedllm.core.config import EngineConfig
+    from pagedllm.entrypoints.config_flags import engine_config_overrides
     from pagedllm.plugins import API_VERSION, KINDS, get_plugin_manager
     from pagedllm.plugins.manager import BUILTIN_PLUGIN_NAME
 
     pm = get_plugin_manager()
+    # The options as `serve` would build them: flags, env, the config file.
+    config = EngineConfig.load(args.config, **engine_config_overrides(args))
+    pm.load(config=config.plugins.config)
     components = {
         kind: [
             {
@@ -70,6 +76,7 @@ def cmd_plugins_list(args: argparse.Namespace) -> int:
                 "api_range": f"=={API_VERSION}" if is_builtin else plugin.api_range,
                 "api_compatible": True,
                 "api": f"{API_VERSION} (core)" if is_builtin else pm.api_compatibility(plugin.name).label,
+                **_plugin_options(pm, plugin.name),
             }
         )
     load_errors = [
@@ -85,6 +92,8 @@ def cmd_plugins_list(args: argparse.Namespace) -> int:
     print(f"  {'NAME':<28} {'SOURCE':<36} API")
     for row in plugins:
         print(f"  {row['name']:<28} {row['source']:<36} {row['api']}")
+        if row["config_model"] is not None:
+            print(f"  {'':<28} options: {json.dumps(row['options'])}")
     for kind, regs in components.items():
         print(f"{kind}:")
         if not regs:
@@ -95,6 +104,20 @@ def cmd_plugins_list(args: argparse.Namespace) -> int:
     for err in load_errors:
         print(f"  {err['plugin']} ({err['distribution']}): {err['error']}")
     return 0
+
+
+def _plugin_options(pm: Any, name: str) -> dict[str, Any]:
+    """A plugin's config model and its effective options (or why they are invalid)."""
+    from pagedllm.plugins.plugin_config import model_label, options_as_json
+
+    model = pm.plugin_config_model(name)
+    if model is None:
+        return {"config_model": None, "options": None}
+    try:
+        options: Any = options_as_json(pm.plugin_config(name))
+    except PagedLLMError as exc:
+        options = {"error": str(exc)}
+    return {"config_model": model_label(model), "options": options}
 
 
 def cmd_plugins_new(args: argparse.Namespace) -> int:
@@ -329,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     plugins_sub = plugins.add_subparsers(dest="plugins_command", required=True)
     plugins_list = plugins_sub.add_parser("list", help="every kind, name, source and load error")
     plugins_list.add_argument("--json", action="store_true")
+    add_plugin_config_flags(plugins_list)
     plugins_list.set_defaults(func=cmd_plugins_list)
     plugins_new = plugins_sub.add_parser(
         "new",

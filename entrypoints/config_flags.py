@@ -3,7 +3,8 @@ pydantic section models so that a new field gets its flag automatically.
 
 Flag names: vLLM's flat name where `FLAT_KEYS` has one (`--block-size`,
 `--enabled-plugins`), else the key when no other section has it
-(`--api-key`), else `--<section>-<key>`. Booleans are `--x/--no-x`, lists are comma-separated.
+(`--api-key`), else `--<section>-<key>`. Booleans are `--x/--no-x`, lists are comma-separated; `--plugin-config
+NAME='{"key": 1}'` (repeatable) sets one plugin's options.
 Only flags actually given become overrides, so env and the config file still
 apply underneath them.
 """
@@ -26,6 +27,8 @@ _DEST_PREFIX = "engine_config__"
 # Flags the command defines itself, never generated from a field.
 RESERVED_NAMES = frozenset({"config", "help", "model"})
 # vLLM's short spellings, accepted beside the long flag.
+# The field whose flag takes one plugin's options at a time (NAME=JSON).
+PLUGIN_CONFIG_PATH = "plugins.config"
 SHORT_FLAGS: dict[tuple[str, str], str] = {
     ("parallel", "tensor_parallel_size"): "-tp",
     ("parallel", "data_parallel_size"): "-dp",
@@ -72,6 +75,15 @@ def add_engine_config_flags(parser: argparse.ArgumentParser, skip: frozenset[tup
             _add_field_flag(group, flags, dest, field, f"{section}.{key}")
 
 
+def add_plugin_config_flags(parser: argparse.ArgumentParser) -> None:
+    """`--config FILE` and `--plugin-config NAME=JSON` alone, for a command that
+    reads only the plugins' options (`pagedllm plugins list`)."""
+    parser.add_argument("--config", default=None, metavar="FILE", help="engine config file (.yaml, .yml, .toml)")
+    field = section_models()["plugins"].model_fields["config"]
+    _add_field_flag(parser.add_argument_group("plugin options"), ["--plugin-config"],
+                    f"{_DEST_PREFIX}plugins__config", field, PLUGIN_CONFIG_PATH)
+
+
 def engine_config_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """{section: {key: value}} for the flags given on the command line."""
     overrides: dict[str, dict[str, Any]] = {}
@@ -95,6 +107,9 @@ def _add_field_flag(
     common: dict[str, Any] = dict(dest=dest, default=argparse.SUPPRESS, help=help_text)
     if annotation is bool:
         group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
+        return
+    if path == PLUGIN_CONFIG_PATH:
+        group.add_argument(*flags, type=_plugin_options, action=_MergePluginOptions, metavar="NAME=JSON", **common)
         return
     if typing.get_origin(annotation) is list:
         group.add_argument(*flags, type=_comma_list, metavar="A,B,...", **common)
@@ -126,6 +141,25 @@ def _json_object(value: str) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
     return parsed
+
+
+class _MergePluginOptions(argparse.Action):
+    """Each `--plugin-config NAME=JSON` adds NAME's options; a plugin named
+    twice gets both objects' keys (the later flag wins a key given twice)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        name, options = values
+        merged = dict(getattr(namespace, self.dest, None) or {})
+        merged[name] = {**merged.get(name, {}), **options}
+        setattr(namespace, self.dest, merged)
+
+
+def _plugin_options(value: str) -> tuple[str, dict[str, Any]]:
+    name, sep, options = value.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME='{{\"key\": value}}', got {value!r}")
+    return name.strip(), _json_object(options)
 
 
 def _comma_list(value: str) -> list[str]:

@@ -10,6 +10,11 @@ and declares the plugin API range it supports in that module::
 
     PAGEDLLM_API_VERSION = ">=1.0,<2"
 
+A plugin's own options are a pydantic model it declares there too
+(``PAGEDLLM_PLUGIN_CONFIG = MyOptions``, or the ``register_plugin_config``
+hook); its components read them with
+``get_plugin_manager().plugin_config(MyOptions)`` (plugins/plugin_config.py).
+
 ``API_VERSION`` is this pagedllm's plugin API (semver); see plugins/compat.py
 and docs/plugins.md ("Compatibility").
 
@@ -21,7 +26,7 @@ literals still work); ``get_plugin_manager().models``,
 from __future__ import annotations
 
 from pagedllm.plugins.compat import API_VERSION, API_VERSION_ATTR, ApiCompatibility, check_api_compatibility
-from pagedllm.plugins.hookspecs import PROJECT_NAME, RegisterFn, hookimpl, hookspec
+from pagedllm.plugins.hookspecs import PROJECT_NAME, RegisterConfigFn, RegisterFn, hookimpl, hookspec
 from pagedllm.plugins.kinds import KIND_SPECS, KindSpec, PluginKind
 from pagedllm.plugins.manager import (
     ENTRY_POINT_GROUP,
@@ -62,6 +67,7 @@ __all__ = [
     "PluginKind",
     "PluginLoadError",
     "PluginManager",
+    "RegisterConfigFn",
     "RegisterFn",
     "Registration",
     "Registry",

@@ -59,7 +59,8 @@ from packaging.version import Version
 # 1.7: the tool-call parser kind (`register_tool_parsers`, `ToolParser`,
 #      `ToolParserInfo`, `pm.tool_parsers`, `server.tool_call_parser`); the
 #      reasoning-parser kind (`register_reasoning_parsers`, `ReasoningParser`,
-#      `ReasoningParserInfo`, `pm.reasoning_parsers`).
+#      `ReasoningParserInfo`, `pm.reasoning_parsers`) and the logits-processor
+#      kind (`register_logits_processors`), added beside it.
 API_VERSION = "1.7.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"

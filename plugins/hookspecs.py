@@ -39,7 +39,7 @@ Each kind is a :class:`pagedllm.plugins.kinds.PluginKind`; its registry is
 ``get_plugin_manager().registry(kind)``, or typed: ``.platforms``,
 ``.attention_backends``, ``.models``, ``.drafters``, ``.grammar_backends``,
 ``.kv_connectors``, ``.model_sources``, ``.executors``, ``.routers``,
-``.quantization_methods``, ``.tool_parsers``, ``.reasoning_parsers``.
+``.quantization_methods``, ``.tool_parsers``, ``.reasoning_parsers``, ``.logits_processors``.
 
 None of these hooks is ``firstresult``: every plugin gets called, and the
 return value is ignored.
@@ -61,6 +61,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pluggy
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from pagedllm.core.config import EngineConfig
 
 PROJECT_NAME = "pagedllm"
@@ -75,6 +77,12 @@ class RegisterFn(Protocol):
     """The ``register`` callback passed to every ``register_*`` hook."""
 
     def __call__(self, name: str, target: Target, /, **metadata: Any) -> None: ...
+
+
+class RegisterConfigFn(Protocol):
+    """The ``register`` callback passed to ``register_plugin_config``."""
+
+    def __call__(self, model: type[BaseModel], /) -> None: ...
 
 
 @hookspec
@@ -346,6 +354,34 @@ def register_reasoning_parsers(register: RegisterFn) -> None:
 
 
 @hookspec
+def register_logits_processors(register: RegisterFn) -> None:
+    """Register logits processors (kind ``logits_processor``):
+    batch-level transformations of the logits before sampling, with
+    per-request arguments (vLLM V1's ``LogitsProcessor``).
+
+    :param register: call ``register(name, "pkg.mod:ProcessorCls", args=[...])``;
+        ``name`` is what ``model.logits_processors`` (``--logits-processors
+        name,...``, ``LLM(logits_processors=[...])``) loads. The target must
+        be a subclass of
+        :class:`pagedllm.logits_processors.interface.LogitsProcessor`, built
+        once per worker as ``ProcessorCls(engine_config, device)``; each step
+        it receives ``update_state(batch_update)`` (rows added, removed,
+        moved; one row per draft position under speculative decoding) and
+        then ``apply(logits)``. Metadata
+        (:class:`pagedllm.plugins.metadata.LogitsProcessorInfo`): ``args``,
+        the ``SamplingParams.extra_args`` keys (the server's ``vllm_xargs``)
+        that activate it.
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the registry is first needed: a worker building its
+    model runner with ``model.logits_processors`` set, the front end
+    validating a request's ``extra_args`` (``validate_params``), ``pagedllm
+    plugins list``. A loaded processor applies to a request only when the
+    request passes its arguments.
+    """
+
+
+@hookspec
 def on_engine_start(config: EngineConfig) -> None:
     """Lifecycle hook: an engine core has been built and is about to serve.
 
@@ -357,4 +393,31 @@ def on_engine_start(config: EngineConfig) -> None:
     engine/builder.py once the model, KV cache and scheduler exist and
     before the first step. Use it for
     logging, metrics exporters or warm-up; an exception here aborts start-up.
+    """
+
+
+@hookspec
+def register_plugin_config(register: RegisterConfigFn) -> None:
+    """Declare this plugin's own options: a pydantic model of its settings.
+
+    :param register: call ``register(MyOptions)`` once, with a subclass of
+        :class:`pydantic.BaseModel` (a ``pydantic_settings.BaseSettings``
+        too; it is validated with ``model_validate``, so it never reads the
+        environment itself). Give every field a default: options nobody sets
+        are the defaults. The same model may instead be named by the module
+        attribute ``PAGEDLLM_PLUGIN_CONFIG = MyOptions``; declaring two
+        different models is an error.
+    :return: nothing; the return value is ignored.
+
+    Called when the plugins load (``get_plugin_manager().load(...)`` in each
+    process: the API process, the engine core, every worker rank) and again
+    after plugins are registered or unregistered. The user's options for this
+    plugin (``plugins.config.<plugin name>`` in the config file,
+    ``PAGEDLLM_PLUGINS__CONFIG__<NAME>__<KEY>``, ``--plugin-config
+    NAME='{"key": 1}'``, ``LLM(plugin_config={...})``) are validated against
+    the model there: an unknown key or a bad value is a ConfigError naming
+    ``plugins.config.<plugin>.<key>``, the value and what is allowed, and
+    start-up fails. A component reads its plugin's options with
+    ``get_plugin_manager().plugin_config(MyOptions)`` (an instance of
+    ``MyOptions``), in whichever process builds it.
     """

@@ -29,6 +29,7 @@ class PluginKind(enum.StrEnum):
     QUANTIZATION_METHOD = "quantization_method"
     TOOL_PARSER = "tool_parser"
     REASONING_PARSER = "reasoning_parser"
+    LOGITS_PROCESSOR = "logits_processor"
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,12 @@ KIND_SPECS: dict[PluginKind, KindSpec] = {
             "register_reasoning_parsers",
             "pagedllm.reasoning.interface:ReasoningParser",
             f"{_METADATA}:ReasoningParserInfo",
+        ),
+        KindSpec(
+            PluginKind.LOGITS_PROCESSOR,
+            "register_logits_processors",
+            "pagedllm.logits_processors.interface:LogitsProcessor",
+            f"{_METADATA}:LogitsProcessorInfo",
         ),
     )
 }

@@ -13,21 +13,30 @@ import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import pluggy
+from pydantic import BaseModel
 
 from pagedllm.core.errors import PluginError
 from pagedllm.plugins import builtin, hookspecs
 from pagedllm.plugins.compat import API_VERSION, ApiCompatibility, check_api_compatibility
 from pagedllm.plugins.kinds import KIND_SPECS, KindSpec, PluginKind, kind_spec
 from pagedllm.plugins.metadata import MetadataError, build_info
+from pagedllm.plugins.plugin_config import (
+    PLUGIN_CONFIG_ATTR,
+    Declared,
+    PluginConfigs,
+    build_plugin_configs,
+    check_declared_model,
+)
 from pagedllm.plugins.registry import BUILTIN_SOURCE, Registration, Registry, import_target
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend, AttentionCapabilities
     from pagedllm.executors.base import Executor
     from pagedllm.kv_connectors.base import KVConnectorBase
+    from pagedllm.logits_processors.interface import LogitsProcessor
     from pagedllm.model_registry.interface import ModelForCausalLM
     from pagedllm.model_registry.source import ModelSource
     from pagedllm.platforms.interface import Platform
@@ -36,6 +45,7 @@ if TYPE_CHECKING:
         ExecutorInfo,
         GrammarBackendInfo,
         KVConnectorInfo,
+        LogitsProcessorInfo,
         ModelInfo,
         ModelSourceInfo,
         PlatformInfo,
@@ -60,6 +70,8 @@ TRACE_ENV = "PAGEDLLM_TRACE_PLUGINS"
 # kind -> the hook that fills it (plugins/kinds.py has the whole spec)
 KIND_HOOKS: dict[str, str] = {kind: spec.hook for kind, spec in KIND_SPECS.items()}
 KINDS: tuple[PluginKind, ...] = tuple(KIND_SPECS)
+
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,10 @@ class PluginManager:
         self._registries: dict[PluginKind, Registry[Any, Any]] = {}
         # kind -> registrations left out for invalid metadata, found when the kind is collected
         self._registration_errors: dict[PluginKind, list[PluginLoadError]] = {}
+        # plugins.config as given, and each plugin's options validated from it
+        # (None: to be rebuilt, after a plugin came or went)
+        self._config_given: dict[str, Any] = {}
+        self._plugin_configs: PluginConfigs | None = None
         if os.environ.get(TRACE_ENV, "") not in ("", "0"):
             self.enable_tracing()
         self._register(builtin, BUILTIN_PLUGIN_NAME, BUILTIN_SOURCE)
@@ -127,6 +143,7 @@ class PluginManager:
         enabled: Iterable[str] | None = None,
         disabled: Iterable[str] = (),
         strict: bool = False,
+        config: Mapping[str, Any] | None = None,
     ) -> None:
         """Load the entry points of group ``pagedllm.plugins`` (builtins are always in).
 
@@ -136,6 +153,11 @@ class PluginManager:
         Each entry point is loaded inside its own guard: a failure is logged
         and recorded in :attr:`load_errors`, and raised as PluginError only
         when ``strict``.
+
+        ``config``: ``plugins.config``, each plugin's options by plugin name,
+        validated here against the models the plugins declare (a ConfigError
+        names the plugin, the key, the value and what is allowed); None keeps
+        the options given before.
         """
         args = (
             None if enabled is None else frozenset(enabled),
@@ -143,7 +165,11 @@ class PluginManager:
             strict,
         )
         with self._lock:
+            if config is not None:
+                self._config_given = dict(config)
+                self._plugin_configs = None
             if args == self._load_args:
+                self._check_plugin_configs(strict)
                 return
             self._load_args = args
             enabled_set, disabled_set, _ = args
@@ -177,6 +203,13 @@ class PluginManager:
             if strict:
                 for kind in KINDS:  # a registration with invalid metadata raises here
                     self.registry(kind)
+            self._check_plugin_configs(strict)
+
+    def _check_plugin_configs(self, strict: bool) -> None:
+        # NOTE: every process validates the same options when it loads, before any use.
+        self._configs()
+        if strict and self._config_declaration_errors():
+            raise PluginError(f"{self._config_declaration_errors()[0].error} (plugins.strict is set)")
 
     def _entry_points(self) -> list[importlib.metadata.EntryPoint]:
         """Entry points of our group, de-duplicated (a distribution can be found twice on sys.path)."""
@@ -342,6 +375,10 @@ class PluginManager:
     def reasoning_parsers(self) -> Registry[ReasoningParser, ReasoningParserInfo]:
         return self.registry(PluginKind.REASONING_PARSER)
 
+    @property
+    def logits_processors(self) -> Registry[LogitsProcessor, LogitsProcessorInfo]:
+        return self.registry(PluginKind.LOGITS_PROCESSOR)
+
     def _collect(self, spec: KindSpec) -> Registry[Any, Any]:
         registry: Registry[Any, Any] = Registry(spec.kind, spec.interface)
         self._registration_errors[spec.kind] = []
@@ -380,7 +417,7 @@ class PluginManager:
             except MetadataError as exc:
                 self._reject_registration(kind, plugin_name, source, f"{source} registered {kind} {name!r}: {exc}")
                 return
-            registry.add(Registration(kind, name, target, source, dict(metadata), info=info))
+            registry.add(Registration(kind, name, target, source, dict(metadata), info=info, plugin=plugin_name))
 
         return register
 
@@ -396,6 +433,58 @@ class PluginManager:
     def _invalidate(self) -> None:
         self._registries = {}
         self._registration_errors = {}
+        self._plugin_configs = None
+
+    # ---- per-plugin options (plugins/plugin_config.py) ------------------
+
+    def _configs(self) -> PluginConfigs:
+        with self._lock:
+            if self._plugin_configs is None:
+                declared = {name: self._declared_config_model(plugin) for name, plugin in self.pm.list_name_plugin()}
+                inactive = [ep.name for ep in self._entry_points()] if self._config_given else []
+                self._plugin_configs = build_plugin_configs(declared, self._config_given, inactive)
+            return self._plugin_configs
+
+    def _declared_config_model(self, plugin: object) -> Declared:
+        others = [p for _, p in self.pm.list_name_plugin() if p is not plugin]
+        declared: list[object] = [getattr(plugin, PLUGIN_CONFIG_ATTR, None)]
+        self.pm.subset_hook_caller("register_plugin_config", others)(register=declared.append)
+        return check_declared_model(self.pm.get_name(plugin) or repr(plugin), declared)
+
+    @overload
+    def plugin_config(self, plugin: type[OptionsT]) -> OptionsT: ...
+
+    @overload
+    def plugin_config(self, plugin: str) -> BaseModel | None: ...
+
+    def plugin_config(self, plugin: str | type[BaseModel]) -> BaseModel | None:
+        """A plugin's validated options. A component passes its own config
+        model (``plugin_config(MyOptions)``: the options of the plugin that
+        declared it, whatever name it was installed under); by plugin name,
+        None for a plugin that declares no model."""
+        with self._lock:
+            self._ensure_loaded()
+            configs = self._configs()
+            if isinstance(plugin, str):
+                if self.pm.get_plugin(plugin) is None:
+                    raise PluginError(f"no plugin named {plugin!r} is registered")
+                return configs.get(plugin)
+            owners = [name for name, model in configs.models.items() if model is plugin]
+            if len(owners) != 1:
+                found = f"plugins {owners} all declare it" if owners else "no registered plugin declares it"
+                raise PluginError(f"config model {plugin.__qualname__}: {found}; ask by plugin name")
+            return configs.get(owners[0])  # NOTE: raises the error of options that do not validate
+
+    def plugin_config_model(self, name: str) -> type[BaseModel] | None:
+        """The config model plugin ``name`` declares (None: it declares none)."""
+        with self._lock:
+            self._ensure_loaded()
+            return self._configs().models.get(name)
+
+    def component_config(self, kind: str, name: str) -> BaseModel | None:
+        """The options of the plugin that registered component ``name`` of ``kind``."""
+        registration = self.registry(kind).get(name)
+        return None if registration.plugin is None else self.plugin_config(registration.plugin)
 
     # ---- introspection -------------------------------------------------
 
@@ -408,13 +497,21 @@ class PluginManager:
     @property
     def load_errors(self) -> list[PluginLoadError]:
         """Entry points that failed to load, then registrations left out for
-        invalid metadata (every kind is collected to find those)."""
+        invalid metadata (every kind is collected to find those), then
+        plugins whose config model declaration is invalid."""
         with self._lock:
             self._ensure_loaded()
             for kind in KINDS:
                 self.registry(kind)
             rejected = [error for kind in KINDS for error in self._registration_errors.get(kind, [])]
-            return [*self._load_errors.values(), *rejected]
+            return [*self._load_errors.values(), *rejected, *self._config_declaration_errors()]
+
+    def _config_declaration_errors(self) -> list[PluginLoadError]:
+        return [
+            PluginLoadError(name, self._sources.get(name, name), f"PluginError: {error}")
+            for name, error in self._configs().errors.items()
+            if isinstance(error, PluginError)
+        ]
 
     def plugins(self) -> list[PluginInfo]:
         self._ensure_loaded()

@@ -229,11 +229,22 @@ class ReasoningParserInfo:
     """``register_reasoning_parsers`` metadata: none (the parser reads its tags from the tokenizer)."""
 
 
+@dataclass(frozen=True)
+class LogitsProcessorInfo:
+    """``register_logits_processors`` metadata."""
+
+    # The SamplingParams.extra_args keys (the server's vllm_xargs) that activate
+    # it: a request passing one to a server that does not load the processor
+    # is refused, naming the processor, instead of silently ignored.
+    args: tuple[str, ...] = parsed(names, ())
+
+
 __all__ = [
     "DrafterInfo",
     "ExecutorInfo",
     "GrammarBackendInfo",
     "KVConnectorInfo",
+    "LogitsProcessorInfo",
     "MetadataError",
     "ModelInfo",
     "ModelSourceInfo",

@@ -31,6 +31,9 @@ class Registration(Generic[InfoT]):
     source: str  # "builtin", "<distribution> <version>", or the pm.register name
     metadata: dict[str, Any] = field(default_factory=dict)  # the keywords as given (API 1.0)
     info: InfoT = field(kw_only=True)  # the same keywords as the kind's typed value
+    # The pluggy name of the plugin that registered it (its options:
+    # PluginManager.component_config); None for a registration built by hand.
+    plugin: str | None = field(default=None, kw_only=True)
 
     @property
     def target_str(self) -> str:

@@ -22,6 +22,7 @@ from pagedllm.worker.sampler import SampledTokens, SamplingMetadata, gather_logp
 if TYPE_CHECKING:
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.core.scheduler_output import LogprobEntry
+    from pagedllm.logits_processors.interface import LogitsProcessor
     from pagedllm.worker.input_batch import CachedRequestState
     from pagedllm.worker.sampler import Sampler
 
@@ -34,16 +35,19 @@ def verify_drafts(
     *,
     grammar_bitmask: tuple[torch.Tensor, list[int]] | None,
     default_generator: torch.Generator,
+    logits_processors: Sequence[LogitsProcessor] = (),
 ) -> SampledTokens:
     """The accepted drafts plus one token of every request.
 
     :param raw_logits: [R, V] float32, the target's logits at the 1 + n_i
         rows of each request in turn (R = sum(1 + n_i)).
     :param grammar_bitmask: (bitmask rows, the logits rows they mask).
+    :param logits_processors: already told these rows (one per position).
     """
     device = raw_logits.device
     metadata = _row_sampling_metadata(requests, drafts, raw_logits.shape[-1], device, default_generator)
     metadata.grammar_bitmask = grammar_bitmask
+    metadata.logits_processors = logits_processors
     logits = sampler.apply_logits_processors(raw_logits, metadata)
     target_probs = None if metadata.all_greedy else sampler.compute_probs(logits, metadata)
 

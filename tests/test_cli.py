@@ -64,6 +64,9 @@ def test_plugins_list_json_shows_every_kind_name_and_source(capsys: pytest.Captu
         "api_range": None,  # it declares no PAGEDLLM_API_VERSION
         "api_compatible": True,
         "api": "undeclared",
+        # its own options (tests/test_plugin_config.py): none set, the model's defaults
+        "config_model": "pagedllm_test_plugin.options:TestPluginOptions",
+        "options": {"record_path": None, "label": "default", "scale": 1, "mode": "exact", "tiers": []},
     }
     assert payload["load_errors"] == []
     assert payload["api_version"] == pagedllm.plugins.API_VERSION

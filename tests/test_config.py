@@ -178,18 +178,19 @@ def test_from_flat_maps_vllm_names_to_sections(tmp_path: Path) -> None:
         model="/models/x", dtype="half", max_model_len=512, seed=3, block_size=32,
         num_gpu_blocks_override=64, enable_prefix_caching=False, max_num_seqs=4,
         max_num_batched_tokens=256, scheduling_policy="priority", attention_backend="torch_native",
-        enabled_plugins=["a"], strict_plugins=True, load_format="pt",
+        enabled_plugins=["a"], strict_plugins=True, load_format="pt", logits_processors="p1, p2",
     )
     d = c.to_dict()
     assert d["model"] == {"model": "/models/x", "tokenizer": None, "dtype": "float16", "max_model_len": 512,
-                          "seed": 3, "architecture": None, "quantization": None, "load_format": "pt"}
+                          "seed": 3, "architecture": None, "quantization": None, "load_format": "pt",
+                          "logits_processors": ["p1", "p2"]}
     cache = d["cache"]
     assert (cache["block_size"], cache["num_kv_blocks"], cache["enable_prefix_caching"]) == (32, 64, False)
     assert (d["scheduler"]["max_num_seqs"], d["scheduler"]["max_num_batched_tokens"]) == (4, 256)
     assert d["scheduler"]["scheduling_policy"] == "priority"
     assert d["device"] == {"platform": "auto", "attention_backend": "torch_native", "enforce_eager": False,
                            "cuda_graph_sizes": None, "compile_model": False}
-    assert d["plugins"] == {"enabled": ["a"], "disabled": [], "strict": True}
+    assert d["plugins"] == {"enabled": ["a"], "disabled": [], "strict": True, "config": {}}
 
 
 def test_from_flat_none_means_default_and_file_still_applies(tmp_path: Path) -> None:

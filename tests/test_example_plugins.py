@@ -96,10 +96,16 @@ def test_plugins_list_shows_the_examples_with_versions_and_api(capsys: pytest.Ca
             "api_range": EXAMPLE_API_RANGE,
             "api_compatible": True,
             "api": f"{EXAMPLE_API_RANGE} (compatible)",
+            "config_model": None,  # these declare no options of their own
+            "options": None,
         }
         assert {"name": component, "source": f"{distribution} {version}"}.items() <= next(
             c for c in payload["components"][kind] if c["name"] == component
         ).items()
+    # The example connector declares its own options (its README): none set, the defaults.
+    connector = plugins["example_connector"]
+    assert (connector["config_model"], connector["options"]) == (
+        "pagedllm_example_connector.options:MemoryStoreOptions", {"max_blocks": None})
 
     assert cli_main(["plugins", "list"]) == 0
     lines = capsys.readouterr().out.splitlines()

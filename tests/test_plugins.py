@@ -163,6 +163,7 @@ def test_registered_plugin_adds_backend_and_model_found_by_the_registries(
         "fixture-plugin",
         {"device_types": ["cpu"], "dtypes": ["float32"]},
         info=AttentionCapabilities(device_types=("cpu",), dtypes=("float32",)),
+        plugin="fixture-plugin",  # the plugin whose options its component reads
     )
     assert backends.load("fixture_echo") is TestEchoBackend
 
@@ -417,8 +418,8 @@ def _hookspec_functions() -> dict[str, Any]:
 
 def test_hookspecs_cover_every_kind_and_none_is_firstresult() -> None:
     specs = _hookspec_functions()
-    # One register_* hook per kind, plus the lifecycle hook.
-    assert set(specs) == {KIND_HOOKS[kind] for kind in KINDS} | {"on_engine_start"}
+    # One register_* hook per kind, plus the lifecycle hook and the plugin's own options.
+    assert set(specs) == {KIND_HOOKS[kind] for kind in KINDS} | {"on_engine_start", "register_plugin_config"}
     assert {"register_platforms", "register_attention_backends", "register_models", "register_drafters",
             "register_grammar_backends", "register_kv_connectors"} <= set(specs)
     for fn in specs.values():

@@ -18,6 +18,7 @@ import importlib.util
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -344,3 +345,29 @@ def test_selecting_ray_without_ray_says_how_to_install_it(monkeypatch: pytest.Mo
     assert info.value.key == "parallel.distributed_executor_backend"
     assert info.value.value == "ray"
     assert "pip install 'pagedllm[ray]'" in info.value.allowed
+
+
+@pytest.mark.slow
+def test_every_ray_rank_builds_the_plugin_options_of_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plugin's options (plugins.config) travel in the EngineConfig to each
+    actor, which validates them when it loads the plugins: the test plugin's
+    backend on both ranks records the same options (tests/test_plugin_config.py)."""
+    import json
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    record = tmp_path / "record.jsonl"
+    options = {"record_path": str(record), "label": "ray", "scale": 5, "tiers": [3]}
+    llm = LLM("tiny", dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray",
+              num_kv_blocks=NUM_KV_BLOCKS, attention_backend="test_echo",
+              plugin_config={"pagedllm_test_plugin": options})
+    try:
+        rank_pids = {placement.pid for placement in _executor(llm).rank_placements}
+    finally:
+        llm.shutdown()
+        get_plugin_manager().load(config={})
+    records = [json.loads(line) for line in record.read_text().splitlines()]
+    assert {r["pid"] for r in records} == rank_pids and len(rank_pids) == 2
+    expected = {"record_path": str(record), "label": "ray", "scale": 5, "mode": "exact", "tiers": [3]}
+    assert all(r["options"] == expected for r in records)

@@ -54,6 +54,10 @@ def _sample_argv(flag: str, field: Any) -> tuple[list[str], Any]:
 
 # Flags a field's sample value needs beside it (a value checked against another field).
 _CONTEXT_ARGV = {("parallel", "data_parallel_rank"): ["--data-parallel-size", "2"]}
+# Fields whose flag takes another shape than their type's: one plugin's options as NAME=JSON.
+_SPECIAL_ARGV: dict[tuple[str, str], tuple[list[str], Any]] = {
+    ("plugins", "config"): (["--plugin-config", 'p={"a": 1}'], {"p": {"a": 1}}),
+}
 
 
 def test_every_engine_config_field_has_a_working_flag() -> None:
@@ -64,7 +68,7 @@ def test_every_engine_config_field_has_a_working_flag() -> None:
             if (section, key) == ("model", "model"):
                 continue  # the MODEL positional
             flag = "--" + names[(section, key)].replace("_", "-")
-            argv, expected = _sample_argv(flag, field)
+            argv, expected = _SPECIAL_ARGV.get((section, key)) or _sample_argv(flag, field)
             argv += _CONTEXT_ARGV.get((section, key), [])
             assert getattr(getattr(config_for(*argv), section), key) == expected, argv
             checked += 1

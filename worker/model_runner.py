@@ -9,6 +9,7 @@ with a drafter, spec_decode/verify.py keeps the accepted drafts plus one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,6 +25,7 @@ from pagedllm.core.scheduler_output import (
 from pagedllm.spec_decode.interface import DraftInputs, TargetStep
 from pagedllm.spec_decode.verify import verify_drafts
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.logits_processor_rows import LogitsProcessorRows
 from pagedllm.worker.persistent_batch import PersistentBatch
 from pagedllm.worker.sampler import (
     SampledTokens,
@@ -36,6 +38,7 @@ from pagedllm.worker.sampler import (
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
     from pagedllm.kv_connectors.base import KVConnectorBase, KVConnectorMetadata
+    from pagedllm.logits_processors.interface import LogitsProcessor
     from pagedllm.model_registry.interface import ModelForCausalLM
     from pagedllm.spec_decode.interface import Drafter
     from pagedllm.worker.decode_graphs import DecodeGraphRunner
@@ -57,6 +60,7 @@ class ModelRunner:
         drafter: Drafter | None = None,
         kv_connector: KVConnectorBase | None = None,
         graph_runner: DecodeGraphRunner | None = None,
+        logits_processors: Sequence[LogitsProcessor] = (),
     ) -> None:
         """`kv_caches`: the per-layer KV tensors, already bound to the model's
         attention layers (worker/kv_cache.py: allocate_kv_caches)."""
@@ -75,6 +79,8 @@ class ModelRunner:
         # Replays captured graphs for uniform decode steps.
         self.graph_runner = graph_runner
         self.sampler = Sampler()
+        # The loaded logits processors (plugins) and the rows they were last told.
+        self.logits_processor_rows = LogitsProcessorRows(logits_processors)
         # Random rows without a per-request seed draw from this, so that the
         # engine's seed makes a whole run reproducible (vLLM's `seed`).
         self.generator = torch.Generator(device=device)
@@ -227,6 +233,7 @@ class ModelRunner:
             sampling_drafts,
             grammar_bitmask=_grammar_rows(scheduler_output, sampling_states, all_positions=True),
             default_generator=self.generator,
+            logits_processors=self._logits_processors_for(sampling_states, sampling_drafts),
         )
 
     def _sample(
@@ -242,10 +249,20 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden_states[torch.tensor(last_rows, device=self.device)])
         metadata = self._sampling_metadata(sampling_states, logits.shape[-1])
         metadata.grammar_bitmask = _grammar_rows(scheduler_output, sampling_states)
+        metadata.logits_processors = self._logits_processors_for(sampling_states, None)
         sampler_output = self.sampler(logits, metadata)
         token_ids = [[token_id] for token_id in sampler_output.sampled_token_ids.tolist()]
         tensors = sampler_output.logprobs_tensors
         return SampledTokens(token_ids, None if tensors is None else [[e] for e in to_logprob_entries(tensors)])
+
+    def _logits_processors_for(
+        self, sampling_states: list[CachedRequestState], drafts: list[list[int]] | None
+    ) -> Sequence[LogitsProcessor]:
+        """The processors, told this step's logits rows (one per request, or
+        one per draft position and the bonus position)."""
+        rows = self.logits_processor_rows
+        rows.update(sampling_states, drafts)
+        return rows.processors
 
     def _sampling_metadata(self, sampling_states: list[CachedRequestState], vocab_size: int) -> SamplingMetadata:
         """The sampling tensors of these rows: built when the sampling requests

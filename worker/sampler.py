@@ -1,15 +1,16 @@
 """Logits processing and sampling, with vLLM V1 semantics.
 
 Order: raw logprobs -> grammar bitmask (structured output) -> logit bias ->
-min_tokens stop masking -> penalties -> greedy argmax |
-(temperature -> min_p -> top_k -> top_p -> exponential-race sampling).
+min_tokens stop masking -> logits processors (plugins) -> penalties -> greedy
+argmax | (temperature -> argmax-invariant logits processors -> min_p -> top_k
+-> top_p -> exponential-race sampling).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -17,6 +18,10 @@ from torch import nn
 from pagedllm.core.sampling_params import SamplingParams, SamplingType
 from pagedllm.core.scheduler_output import LogprobEntry
 from pagedllm.worker.grammar_bitmask import apply_token_bitmask_inplace
+from pagedllm.worker.logits_processor_rows import apply_logits_processors
+
+if TYPE_CHECKING:
+    from pagedllm.logits_processors.interface import LogitsProcessor
 
 # Exponential draws are clamped here so probs / q is never 0/0 (NaN would win argmax).
 _TINY = torch.finfo(torch.float32).tiny
@@ -88,6 +93,9 @@ class SamplingMetadata:
     grammar_bitmask: tuple[torch.Tensor, list[int]] | None = None
     # logit_bias as (rows, token ids, biases) of every biased entry; None if no row has one.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The loaded logits processors (plugins), already told this step's rows
+    # (worker/logits_processor_rows.py). Set by the model runner.
+    logits_processors: Sequence[LogitsProcessor] = ()
 
     @classmethod
     def build(
@@ -332,7 +340,8 @@ class Sampler(nn.Module):
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Grammar bitmask, logit bias, min_tokens stop masking and penalties:
+        """Grammar bitmask, logit bias, min_tokens stop masking, the logits
+        processors that are not argmax-invariant, and penalties:
         the logits greedy rows take the argmax of (float32 in, float32 out)."""
         if metadata.grammar_bitmask is not None:
             bitmask, rows = metadata.grammar_bitmask
@@ -345,14 +354,19 @@ class Sampler(nn.Module):
         if metadata.min_tokens_mask is not None:
             mask_rows, mask_token_ids = metadata.min_tokens_mask
             logits = logits.index_put((mask_rows, mask_token_ids), torch.tensor(float("-inf"), device=logits.device))
+        if metadata.logits_processors:
+            # A copy: processors may work in place, and the caller still reads the raw logits.
+            logits = apply_logits_processors(metadata.logits_processors, logits.clone(), argmax_invariant=False)
         return apply_penalties(logits, metadata)
 
     @staticmethod
     def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """The distribution random rows sample from: temperature, min_p,
+        """The distribution random rows sample from: temperature,
+        argmax-invariant logits processors, min_p,
         top-k, top-p, softmax over processed logits (speculative decoding
         verifies drafts against it)."""
         logits = logits / metadata.temperature.unsqueeze(1)
+        logits = apply_logits_processors(metadata.logits_processors, logits, argmax_invariant=True)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)

@@ -27,6 +27,7 @@ from pagedllm.distributed.parallel_state import (
 from pagedllm.engine.model_source import resolve_model_path
 from pagedllm.kv_connectors.base import KVConnectorContext, model_fingerprint
 from pagedllm.kv_connectors.factory import build_kv_connector, check_kv_connector_supports
+from pagedllm.logits_processors.factory import build_logits_processors
 from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
 from pagedllm.platforms import resolve_platform
 from pagedllm.plugins import get_plugin_manager
@@ -146,7 +147,9 @@ class Worker:
         # the engine's process this is the builder's call again (a no-op).
         self.plugin_manager = get_plugin_manager()
         plugins = config.plugins
-        self.plugin_manager.load(enabled=plugins.enabled, disabled=plugins.disabled, strict=plugins.strict)
+        self.plugin_manager.load(
+            enabled=plugins.enabled, disabled=plugins.disabled, strict=plugins.strict, config=plugins.config
+        )
         self.platform, self.model_facts, self.attn_selection = plan_ranks(config, self.plugin_manager)
         self.world_size = config.parallel.tensor_parallel_size
         # NOTE: this rank's KV heads, the layers' split: its cache holds only these.
@@ -330,6 +333,7 @@ class Worker:
             drafter=self.drafter,
             kv_connector=self.kv_connector,
             graph_runner=self._capture_decode_graphs(max_model_len),
+            logits_processors=build_logits_processors(self.config, self.plugin_manager, self.device),
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -31,6 +31,18 @@ from pagedllm.entrypoints.openai.unsupported import RefusedChatFields, RefusedMe
 
 # Most samples one request may ask for (OpenAI's limit); each is an engine request.
 MAX_N = 128
+# vLLM's `vllm_xargs` (SamplingParams.extra_args: the logits processors'
+# per-request arguments): bounded like every other field.
+MAX_XARGS = 64
+MAX_XARG_STRING = 4096
+MAX_XARG_LIST = 4096
+XargScalar = (
+    bool
+    | Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+    | float
+    | Annotated[str, Field(max_length=MAX_XARG_STRING)]
+)
+XargValue = XargScalar | Annotated[list[XargScalar], Field(max_length=MAX_XARG_LIST)]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -129,6 +141,9 @@ class SamplingFields(OpenAIBaseModel):
     ) = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's per-request arguments of the server's logits processors (the
+    # openai client's extra_body={"vllm_xargs": {...}}): SamplingParams.extra_args.
+    vllm_xargs: dict[Annotated[str, Field(max_length=256)], XargValue] | None = Field(None, max_length=MAX_XARGS)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """`response_format` or `structured_outputs` as StructuredOutputsParams
@@ -189,6 +204,7 @@ class SamplingFields(OpenAIBaseModel):
             prompt_logprobs=prompt_logprobs,
             structured_outputs=self.structured_outputs_params(),
             logit_bias=self.logit_bias_by_token_id(),
+            extra_args=dict(self.vllm_xargs) if self.vllm_xargs else None,
             **{name: value for name, value in optional.items() if value is not None},
         )
 

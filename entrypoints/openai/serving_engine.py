@@ -87,6 +87,9 @@ class OpenAIServing:
             if exc.field in ("prompt", "prompt_token_ids") and request is not None:
                 client_field = "messages" if hasattr(request, "messages") else "prompt"
                 raise InvalidRequestError(client_field, exc.value, exc.limit) from None
+            if exc.field.startswith("extra_args.") and request is not None and request.vllm_xargs is not None:
+                raise InvalidRequestError("vllm_xargs" + exc.field.removeprefix("extra_args"), exc.value,
+                                          exc.limit) from None
             raise
 
     def check_chat_template_allowed(

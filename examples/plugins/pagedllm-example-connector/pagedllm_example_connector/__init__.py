@@ -8,12 +8,19 @@ selects it.
 
 from __future__ import annotations
 
-from pagedllm.plugins import RegisterFn, hookimpl
+from pagedllm.plugins import RegisterConfigFn, RegisterFn, hookimpl
+from pagedllm_example_connector.options import MemoryStoreOptions
 
 # The plugin API range this plugin was written for (pagedllm.plugins.API_VERSION).
 PAGEDLLM_API_VERSION = ">=1.0,<2"
 
 CONNECTOR_NAME = "memory_store"
+
+
+@hookimpl
+def register_plugin_config(register: RegisterConfigFn) -> None:
+    # The plugin's own options (options.py), validated when pagedllm loads it.
+    register(MemoryStoreOptions)
 
 
 @hookimpl

@@ -18,6 +18,8 @@ import torch
 from pagedllm.core.errors import ConfigError
 from pagedllm.kv_connectors.base import KVConnectorBase, KVConnectorMetadata
 from pagedllm.kv_connectors.block_io import gather_blocks, scatter_blocks
+from pagedllm.plugins import get_plugin_manager
+from pagedllm_example_connector.options import MemoryStoreOptions
 
 TIER = "memory_store"
 
@@ -51,6 +53,8 @@ class MemoryStoreConnector(KVConnectorBase):
             raise ConfigError("kv_transfer.extra.namespace", namespace, "a non-empty store name")
         # Different models never share blocks, even in one namespace.
         self.store = BlockStore.named(f"{namespace}/{context.model_fingerprint}")
+        # This plugin's options (plugins.config.example_connector), validated at load.
+        self.options = get_plugin_manager().plugin_config(MemoryStoreOptions)
         self._requests: dict[str, tuple[Any, list[int]]] = {}
         self._found: dict[str, tuple[int, list[torch.Tensor]]] = {}
         self._loads: list[tuple[int, torch.Tensor]] = []
@@ -116,5 +120,7 @@ class MemoryStoreConnector(KVConnectorBase):
         if saves:
             blocks = gather_blocks(self.kv_caches, [block_id for block_id, _ in saves])
             for (_, block_hash), block in zip(saves, blocks):
+                if self.options.max_blocks is not None and len(self.store.blocks) >= self.options.max_blocks:
+                    break  # the store is full
                 self.store.blocks[block_hash] = block.clone()
                 self.stats.count("tier_bytes_saved", TIER, block.numel() * block.element_size())

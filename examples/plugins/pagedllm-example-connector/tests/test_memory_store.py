@@ -48,3 +48,45 @@ def test_a_namespace_is_required() -> None:
 
     with pytest.raises(ConfigError, match="kv_transfer.extra.namespace"):
         LLM(model="tiny", num_kv_blocks=16, kv_transfer_config={"connector": "memory_store"})
+
+
+def test_max_blocks_option_caps_what_the_producer_stores() -> None:
+    if not _installed():
+        pytest.skip("the package is not installed")
+    from pagedllm_example_connector.options import MemoryStoreOptions
+
+    from pagedllm.plugins import get_plugin_manager
+
+    rng = random.Random(1)
+    requests = [{"prompt_token_ids": [rng.randrange(10, 400) for _ in range(70)]} for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    kv = {"connector": "memory_store", "extra": {"namespace": "test-max-blocks"}}
+    options = {"example_connector": {"max_blocks": 2}}
+    common = dict(model="tiny", dtype="float32", num_kv_blocks=64, plugin_config=options)
+    try:
+        producer = LLM(**common, kv_transfer_config={**kv, "role": "producer"})
+        assert get_plugin_manager().plugin_config(MemoryStoreOptions).max_blocks == 2
+        producer.generate(requests, params, use_tqdm=False)
+        assert len(producer.engine_core.engine_core.kv_connector.store.blocks) == 2
+        consumer = LLM(**common, kv_transfer_config={**kv, "role": "consumer"})
+        outputs = consumer.generate(requests, params, use_tqdm=False)
+        # Only the first prompt's first two blocks were stored (saved in batch order).
+        assert [o.num_cached_tokens for o in outputs] == [32, 0, 0]
+    finally:
+        get_plugin_manager().load(config={})
+
+
+def test_an_invalid_option_fails_at_start_naming_it() -> None:
+    if not _installed():
+        pytest.skip("the package is not installed")
+    from pagedllm.core.errors import ConfigError
+    from pagedllm.plugins import get_plugin_manager
+
+    kv = {"connector": "memory_store", "extra": {"namespace": "test-invalid"}}
+    try:
+        with pytest.raises(ConfigError) as info:
+            LLM(model="tiny", num_kv_blocks=16, kv_transfer_config=kv,
+                plugin_config={"example_connector": {"max_blocks": 0}})
+        assert str(info.value) == "plugins.config.example_connector.max_blocks=0 is invalid; allowed: >= 1"
+    finally:
+        get_plugin_manager().load(config={})

@@ -7,6 +7,11 @@ imported until pagedllm selects one of them.
 from __future__ import annotations
 
 from pagedllm.plugins import RegisterFn, hookimpl
+from pagedllm_test_plugin.options import TestPluginOptions
+
+# The plugin's own options, declared as a module attribute (the
+# register_plugin_config hook is the other way, tested with a fixture plugin).
+PAGEDLLM_PLUGIN_CONFIG = TestPluginOptions
 
 BACKEND_NAME = "test_echo"
 ARCHITECTURE = "TestEchoForCausalLM"
@@ -35,3 +40,9 @@ def register_models(register: RegisterFn) -> None:
 def register_kv_connectors(register: RegisterFn) -> None:
     register("delayed_free", "pagedllm_test_plugin.connector:DelayedFreeConnector", roles=["both"],
              supports_tensor_parallel=True)
+
+
+@hookimpl
+def register_logits_processors(register: RegisterFn) -> None:
+    # Forbids a request's last `ban_recent_tokens` tokens (tests/test_logits_processors.py).
+    register("ban_recent", "pagedllm_test_plugin.logits_processor:BanRecentTokens", args=["ban_recent_tokens"])

@@ -7,11 +7,15 @@ paged KV cache contract (new K/V written at ``slot_mapping``).
 
 from __future__ import annotations
 
+import json
+import os
 from typing import ClassVar
 
 import torch
 
 from pagedllm.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
+from pagedllm.plugins import get_plugin_manager
+from pagedllm_test_plugin.options import TestPluginOptions
 
 
 class TestEchoImpl(AttentionImpl):
@@ -49,4 +53,16 @@ class TestEchoBackend(AttentionBackend):
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
+        _record_options()
         return TestEchoImpl
+
+
+def _record_options() -> None:
+    """Append the plugin options this process handed the backend, with the
+    process id, to ``record_path`` (JSON lines: one per attention layer
+    built, from every process that builds one), when the user set one."""
+    options = get_plugin_manager().plugin_config(TestPluginOptions)
+    if options.record_path is not None:
+        record = {"pid": os.getpid(), "options": options.model_dump(mode="json")}
+        with open(options.record_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
