@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from pagedllm.core.config import EngineConfig
+    from pagedllm.core.custom_stats import CustomStatsCollector
     from pagedllm.core.executor import ModelExecutor
     from pagedllm.core.grammar import GrammarManager
     from pagedllm.core.kv_cache.events import KVCacheEvent
@@ -50,8 +51,11 @@ class EngineCore:
         structured_output_manager: GrammarManager | None,
         max_model_len: int,
         vocab_size: int,
+        custom_stats: CustomStatsCollector | None = None,
     ) -> None:
         self.config = config
+        # The custom figures plugins report, polled with every make_stats().
+        self.custom_stats = custom_stats
         self.scheduler = scheduler
         self.kv_cache_manager = kv_cache_manager
         self.model_executor = model_executor
@@ -153,7 +157,10 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        if self.custom_stats is not None:
+            stats.custom_stats = self.custom_stats.take()
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

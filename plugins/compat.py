@@ -56,7 +56,11 @@ from packaging.version import Version
 #      / `v_scale`, `DrafterContext.kv_cache_dtype`, `Platform.
 #      supports_kv_cache_dtype` / `resolve_kv_cache_dtype`; `KVConnectorContext.
 #      dtype` and `Drafter.kv_cache_bytes_per_block`'s dtype are the cache's.
-API_VERSION = "1.6.0"
+# 1.7: the stat-logger kind (`register_stat_loggers`, `StatLoggerBase`,
+#      `StatLoggerInfo`, `pm.stat_loggers`, `server.stat_loggers`) and custom
+#      figures (`core.custom_stats`: `MetricSpec`, a component's
+#      `custom_metrics` + `get_custom_stats()`, `SchedulerStats.custom_stats`).
+API_VERSION = "1.7.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

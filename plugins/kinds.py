@@ -29,6 +29,7 @@ class PluginKind(enum.StrEnum):
     QUANTIZATION_METHOD = "quantization_method"
     REASONING_PARSER = "reasoning_parser"
     LOGITS_PROCESSOR = "logits_processor"
+    STAT_LOGGER = "stat_logger"
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,12 @@ KIND_SPECS: dict[PluginKind, KindSpec] = {
             "register_logits_processors",
             "pagedllm.logits_processors.interface:LogitsProcessor",
             f"{_METADATA}:LogitsProcessorInfo",
+        ),
+        KindSpec(
+            PluginKind.STAT_LOGGER,
+            "register_stat_loggers",
+            "pagedllm.stat_loggers.base:StatLoggerBase",
+            f"{_METADATA}:StatLoggerInfo",
         ),
     )
 }

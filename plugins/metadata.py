@@ -234,6 +234,11 @@ class LogitsProcessorInfo:
     args: tuple[str, ...] = parsed(names, ())
 
 
+@dataclass(frozen=True)
+class StatLoggerInfo:
+    """``register_stat_loggers`` metadata: none (the logger's class is all)."""
+
+
 __all__ = [
     "DrafterInfo",
     "ExecutorInfo",
@@ -247,6 +252,7 @@ __all__ = [
     "QuantizationInfo",
     "ReasoningParserInfo",
     "RouterInfo",
+    "StatLoggerInfo",
     "build_info",
     "capability",
     "count",
