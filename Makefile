@@ -16,7 +16,8 @@ EXAMPLE_PLUGINS := examples/plugins/pagedllm-example-model \
 	examples/plugins/pagedllm-example-grammar \
 	examples/plugins/pagedllm-example-drafter \
 	examples/plugins/pagedllm-example-connector \
-	examples/plugins/pagedllm-example-logitsproc
+	examples/plugins/pagedllm-example-logitsproc \
+	examples/plugins/pagedllm-example-statlogger
 
 # NOTE: torch==2.13.0 first, so that no later requirement pulls a CUDA build.
 # The ray extra too: CI runs the ray executor's tests.

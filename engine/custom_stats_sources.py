@@ -28,11 +28,14 @@ if TYPE_CHECKING:
 
 def build_custom_stats(config: EngineConfig, executor: Executor) -> CustomStatsCollector | None:
     """The collector over every source of this engine core; None without one."""
-    sources = [
-        (owner, component)
-        for owner, component in _candidates(config, executor)
-        if component is not None and getattr(component, "custom_metrics", ())
-    ]
+    sources: list[tuple[str, Any]] = []
+    for owner, component in _candidates(config, executor):
+        # NOTE: `uni` shares one connector between the scheduler and its rank:
+        # polling it twice would count every figure twice.
+        if component is None or any(component is seen for _, seen in sources):
+            continue
+        if getattr(component, "custom_metrics", ()):
+            sources.append((owner, component))
     for owner, component in sources:
         if not callable(getattr(component, "get_custom_stats", None)):
             raise ConfigError(

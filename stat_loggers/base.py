@@ -25,6 +25,7 @@ front end stops.
 
 from __future__ import annotations
 
+import itertools
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -156,7 +157,7 @@ def _check_spec(owner: str, spec: MetricSpec) -> None:
     if buckets is not None:
         if spec.type != MetricType.HISTOGRAM:
             raise ConfigError(f"{key}.{name}.buckets", buckets, "None: only a histogram has buckets")
-        if not buckets or any(b >= c for b, c in zip(buckets, buckets[1:], strict=False)):
+        if not buckets or any(b >= c for b, c in itertools.pairwise(buckets)):
             raise ConfigError(f"{key}.{name}.buckets", buckets, "a non-empty, strictly ascending list")
 
 
