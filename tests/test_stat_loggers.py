@@ -29,6 +29,7 @@ from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.cli import serve_config as cli_serve_config
 from pagedllm.kv_connectors.cpu_offload import CpuOffloadConnector
 from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
+from pagedllm.spec_decode.ngram import NgramDrafter
 from pagedllm.stat_loggers.base import (
     BUILTIN_METRIC_NAMES,
     StatLoggerBase,
@@ -51,6 +52,24 @@ class BadNameConnector(CpuOffloadConnector):
         return {}
 
 
+class CountingNgramDrafter(NgramDrafter):
+    """ngram, counting the draft tokens it proposes (a drafter's figure)."""
+
+    custom_metrics = (MetricSpec("draft_tokens_proposed", MetricType.COUNTER, "Draft tokens proposed."),)
+
+    def __init__(self, config: Any, context: Any) -> None:
+        super().__init__(config, context)
+        self.proposed = 0
+
+    def propose(self, inputs: Any) -> Any:
+        output = super().propose(inputs)
+        self.proposed += sum(len(drafts) for drafts in output.draft_token_ids)
+        return output
+
+    def get_custom_stats(self) -> dict[str, float]:
+        return {"draft_tokens_proposed": self.proposed}
+
+
 class BrokenStatLogger(StatLoggerBase):
     """Breaks the suite's rule: it assumes every record has iteration stats."""
 
@@ -71,6 +90,10 @@ class StatsTestPlugin:
     def register_kv_connectors(self, register: RegisterFn) -> None:
         custom_stats_plugin.register_kv_connectors(register)
         register("bad_name_connector", BadNameConnector, roles=["both"])
+
+    @hookimpl
+    def register_drafters(self, register: RegisterFn) -> None:
+        register("counting_ngram", CountingNgramDrafter, needs_model=False)
 
     @hookimpl
     def register_stat_loggers(self, register: RegisterFn) -> None:
@@ -221,6 +244,22 @@ def test_a_connectors_custom_figures_reach_every_logger_and_metrics() -> None:
     line = llm.stat_logger.log()
     assert line.endswith(", blocks_saved: 4, last_finished_blocks: 2, blocks_per_finished_request: 2 obs, mean 2")
     llm.shutdown()
+
+
+def test_a_drafters_custom_figure_equals_the_draft_tokens_the_scheduler_verified() -> None:
+    # A repetitive prompt, so that n-gram lookup finds drafts to propose.
+    prompt = [5, 6, 7, 8] * 6
+    llm = _llm(stat_loggers=[LOGGER_NAME], speculative_method="counting_ngram", num_speculative_tokens=3)
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                 use_tqdm=False)
+    records = RecordingStatLogger.instances[-1].records
+    proposed = [s.custom_stats["draft_tokens_proposed"] for s, _, _ in records]
+    verified = [s.spec_decoding_stats.num_draft_tokens for s, _, _ in records]
+    assert sum(proposed) == llm.engine_core.executor.driver_worker.drafter.proposed > 0
+    # What a step proposes, the next step schedules (1 + drafts) and verifies;
+    # the last step's proposals die with the finished request.
+    assert verified[0] == 0 and verified[1:] == proposed[:-1]
+    assert [num_tokens for _, _, num_tokens in records][1:] == [1 + drafts for drafts in proposed[:-1]]
 
 
 def test_custom_stats_travel_on_the_wire() -> None:
