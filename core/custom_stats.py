@@ -85,12 +85,17 @@ class CustomStatsCollector:
     type is logged once and left out (a metric bug must not stop serving).
     """
 
-    def __init__(self, sources: Sequence[tuple[str, CustomStatsSource]]) -> None:
+    def __init__(
+        self, sources: Sequence[tuple[str, CustomStatsSource]], specs: Sequence[MetricSpec] | None = None
+    ) -> None:
+        """``specs``: every figure the engine reports (default: the sources'
+        declarations); the builder adds those of components on other ranks."""
         self.sources = list(sources)
         self.specs: dict[str, MetricSpec] = {}
-        for _, source in self.sources:
-            for spec in source.custom_metrics:
-                self.specs.setdefault(spec.name, spec)
+        for spec in specs if specs is not None else [s for _, source in self.sources for s in source.custom_metrics]:
+            self.specs.setdefault(spec.name, spec)
+        # Figures the ranks in other processes sent with their step outputs.
+        self._from_ranks: dict[str, FigureValue] = {}
         # (source index, counter name) -> the total it reported last time.
         self._last_totals: dict[tuple[int, str], float] = {}
         self._warned: set[tuple[str, str]] = set()
@@ -99,9 +104,15 @@ class CustomStatsCollector:
     def metrics(self) -> list[MetricSpec]:
         return list(self.specs.values())
 
+    def add_rank_figures(self, figures: Mapping[str, FigureValue] | None) -> None:
+        """Figures a rank in another process collected (already increases,
+        values and new observations) and sent with a step's output."""
+        if figures:
+            merge_figures(self._from_ranks, figures)
+
     def take(self) -> dict[str, FigureValue] | None:
         """The figures since the previous call; None when no source reported any."""
-        figures: dict[str, FigureValue] = {}
+        figures, self._from_ranks = self._from_ranks, {}
         for index, (owner, source) in enumerate(self.sources):
             for name, value in source.get_custom_stats().items():
                 spec = self.specs.get(name)
@@ -150,6 +161,18 @@ _EXPECTED = {
 }
 
 
+def merge_figures(into: dict[str, FigureValue], figures: Mapping[str, FigureValue]) -> dict[str, FigureValue]:
+    """Add collected figures of several ranks into `into`: numbers (counter
+    increases, gauges) add up, observation lists are concatenated."""
+    for name, value in figures.items():
+        previous = into.get(name)
+        if isinstance(value, list):
+            into[name] = [*previous, *value] if isinstance(previous, list) else list(value)
+        else:
+            into[name] = (previous if isinstance(previous, float) else 0.0) + value
+    return into
+
+
 def _number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -169,4 +192,4 @@ def _parse_value(spec: MetricSpec, value: object) -> FigureValue | None:
     return number
 
 
-__all__ = ["CustomStatsCollector", "CustomStatsSource", "FigureValue", "MetricSpec", "MetricType"]
+__all__ = ["CustomStatsCollector", "CustomStatsSource", "FigureValue", "MetricSpec", "MetricType", "merge_figures"]

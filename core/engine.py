@@ -104,7 +104,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._record_step(scheduler_output, outputs)
+        self._record_step(scheduler_output, outputs, runner_output)
         return outputs
 
     def step_with_batch_queue(
@@ -125,8 +125,9 @@ class EngineCore:
                     self.made_progress = True
                     return []
         scheduler_output, future = batch_queue.popleft()
-        outputs = self.scheduler.update_from_output(scheduler_output, future.result())
-        self._record_step(scheduler_output, outputs)
+        runner_output = future.result()
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._record_step(scheduler_output, outputs, runner_output)
         return outputs
 
     def _may_schedule_ahead(self, batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]]) -> bool:
@@ -136,8 +137,12 @@ class EngineCore:
             return False
         return not batch_queue or not batch_queue[-1][0].sync_required
 
-    def _record_step(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
+    def _record_step(
+        self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput], runner_output: ModelRunnerOutput
+    ) -> None:
         self.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens  # for iteration stats
+        if self.custom_stats is not None:
+            self.custom_stats.add_rank_figures(runner_output.custom_stats)
         self.made_progress = not scheduler_output.is_empty or bool(outputs)
         if self.check_kv_invariants:
             self.check_invariants()

@@ -6,14 +6,22 @@ checks of their declarations, and the conformance suite on the built-ins."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import custom_stats_plugin
-from helpers.custom_stats_plugin import CONNECTOR_NAME, LOGGER_NAME, CountingOffloadConnector, RecordingStatLogger
+from helpers.custom_stats_plugin import (
+    CONNECTOR_NAME,
+    DRAFTER_NAME,
+    LOGGER_NAME,
+    CountingOffloadConnector,
+    RecordingStatLogger,
+)
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,7 +37,6 @@ from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.cli import serve_config as cli_serve_config
 from pagedllm.kv_connectors.cpu_offload import CpuOffloadConnector
 from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
-from pagedllm.spec_decode.ngram import NgramDrafter
 from pagedllm.stat_loggers.base import (
     BUILTIN_METRIC_NAMES,
     StatLoggerBase,
@@ -50,24 +57,6 @@ class BadNameConnector(CpuOffloadConnector):
 
     def get_custom_stats(self) -> dict[str, float]:
         return {}
-
-
-class CountingNgramDrafter(NgramDrafter):
-    """ngram, counting the draft tokens it proposes (a drafter's figure)."""
-
-    custom_metrics = (MetricSpec("draft_tokens_proposed", MetricType.COUNTER, "Draft tokens proposed."),)
-
-    def __init__(self, config: Any, context: Any) -> None:
-        super().__init__(config, context)
-        self.proposed = 0
-
-    def propose(self, inputs: Any) -> Any:
-        output = super().propose(inputs)
-        self.proposed += sum(len(drafts) for drafts in output.draft_token_ids)
-        return output
-
-    def get_custom_stats(self) -> dict[str, float]:
-        return {"draft_tokens_proposed": self.proposed}
 
 
 class BrokenStatLogger(StatLoggerBase):
@@ -93,7 +82,7 @@ class StatsTestPlugin:
 
     @hookimpl
     def register_drafters(self, register: RegisterFn) -> None:
-        register("counting_ngram", CountingNgramDrafter, needs_model=False)
+        custom_stats_plugin.register_drafters(register)
 
     @hookimpl
     def register_stat_loggers(self, register: RegisterFn) -> None:
@@ -249,7 +238,7 @@ def test_a_connectors_custom_figures_reach_every_logger_and_metrics() -> None:
 def test_a_drafters_custom_figure_equals_the_draft_tokens_the_scheduler_verified() -> None:
     # A repetitive prompt, so that n-gram lookup finds drafts to propose.
     prompt = [5, 6, 7, 8] * 6
-    llm = _llm(stat_loggers=[LOGGER_NAME], speculative_method="counting_ngram", num_speculative_tokens=3)
+    llm = _llm(stat_loggers=[LOGGER_NAME], speculative_method=DRAFTER_NAME, num_speculative_tokens=3)
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                  use_tqdm=False)
     records = RecordingStatLogger.instances[-1].records
@@ -260,6 +249,32 @@ def test_a_drafters_custom_figure_equals_the_draft_tokens_the_scheduler_verified
     # the last step's proposals die with the finished request.
     assert verified[0] == 0 and verified[1:] == proposed[:-1]
     assert [num_tokens for _, _, num_tokens in records][1:] == [1 + drafts for drafts in proposed[:-1]]
+
+
+def test_a_drafter_on_a_rank_process_sends_its_figures_with_the_step_outputs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Executor `mp`: the drafter runs in the rank's process; its figures
+    come back with each step's output, the same per step as in-process."""
+    # The rank processes load the plugin through its entry point (this
+    # process has it registered by the fixture).
+    site = custom_stats_plugin.write_plugin_site(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    prompt = [5, 6, 7, 8] * 6
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    per_step = []
+    for executor in ("uni", "mp"):
+        llm = _llm(stat_loggers=[LOGGER_NAME], speculative_method=DRAFTER_NAME, num_speculative_tokens=3,
+                   distributed_executor_backend=executor)
+        try:
+            assert [spec.name for spec in llm.engine_core.ready.custom_metrics] == ["draft_tokens_proposed"]
+            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        records = RecordingStatLogger.instances[-1].records
+        per_step.append([(s.custom_stats or {}).get("draft_tokens_proposed") for s, _, _ in records])
+    uni, mp = per_step
+    assert mp == uni and sum(uni) > 0
 
 
 def test_custom_stats_travel_on_the_wire() -> None:

@@ -7,7 +7,6 @@ the `prometheus` built-in's /metrics) with the same values."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.plugins import get_plugin_manager
 
-MODULE = "pagedllm_custom_stats_test_plugin"
 PROMPTS = [list(range(100, 120)), list(range(200, 220))]  # 20 tokens each: 2 blocks with 3 decoded
 
 
@@ -32,13 +30,7 @@ def _jsonl_installed() -> bool:
 def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """helpers/custom_stats_plugin.py as an installed distribution whose entry
     point the server's processes load (through PYTHONPATH)."""
-    site = tmp_path_factory.mktemp("site")
-    shutil.copy(custom_stats_plugin.__file__, site / f"{MODULE}.py")
-    info = site / "pagedllm_custom_stats_test_plugin-0.1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pagedllm-custom-stats-test-plugin\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text(f"[pagedllm.plugins]\ncustom_stats_test = {MODULE}\n")
-    return site
+    return custom_stats_plugin.write_plugin_site(tmp_path_factory.mktemp("site"))
 
 
 @pytest.fixture(scope="module")

@@ -11,20 +11,29 @@ side, a count of the KV blocks each finished request held ("saved"):
 - ``blocks_saved`` (counter): blocks of every finished request so far;
 - ``last_finished_blocks`` (gauge): the blocks the latest finished request held;
 - ``blocks_per_finished_request`` (histogram): one observation per finished request.
+
+``counting_ngram`` is the ``ngram`` drafter counting the draft tokens it
+proposes (``draft_tokens_proposed``, a counter): a figure made on the rank.
 """
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pagedllm.core.custom_stats import MetricSpec, MetricType
 from pagedllm.kv_connectors.cpu_offload import CpuOffloadConnector
 from pagedllm.plugins import hookimpl
+from pagedllm.spec_decode.ngram import NgramDrafter
 from pagedllm.stat_loggers.base import StatLoggerBase, StatLoggerContext
 
 PAGEDLLM_API_VERSION = ">=1.7,<2"
 
+# The module name it is installed under by `write_plugin_site`.
+SITE_MODULE = "pagedllm_custom_stats_test_plugin"
 CONNECTOR_NAME = "counting_offload"
+DRAFTER_NAME = "counting_ngram"
 LOGGER_NAME = "recording"
 
 
@@ -59,6 +68,24 @@ class CountingOffloadConnector(CpuOffloadConnector):
         }
 
 
+class CountingNgramDrafter(NgramDrafter):
+    """ngram, counting the draft tokens it proposes (a drafter's figure)."""
+
+    custom_metrics = (MetricSpec("draft_tokens_proposed", MetricType.COUNTER, "Draft tokens proposed."),)
+
+    def __init__(self, config: Any, context: Any) -> None:
+        super().__init__(config, context)
+        self.proposed = 0
+
+    def propose(self, inputs: Any) -> Any:
+        output = super().propose(inputs)
+        self.proposed += sum(len(drafts) for drafts in output.draft_token_ids)
+        return output
+
+    def get_custom_stats(self) -> dict[str, float]:
+        return {"draft_tokens_proposed": self.proposed}
+
+
 class RecordingStatLogger(StatLoggerBase):
     """Keeps every call it receives; ``instances`` holds each one built."""
 
@@ -89,5 +116,21 @@ def register_kv_connectors(register: Any) -> None:
 
 
 @hookimpl
+def register_drafters(register: Any) -> None:
+    register(DRAFTER_NAME, CountingNgramDrafter, needs_model=False)
+
+
+@hookimpl
 def register_stat_loggers(register: Any) -> None:
     register(LOGGER_NAME, RecordingStatLogger)
+
+
+def write_plugin_site(site: Path) -> Path:
+    """Install this file into `site` as a distribution whose entry point
+    names it; processes with `site` on PYTHONPATH load it as a plugin."""
+    shutil.copy(__file__, site / f"{SITE_MODULE}.py")
+    info = site / f"{SITE_MODULE}-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pagedllm-custom-stats-test-plugin\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(f"[pagedllm.plugins]\ncustom_stats_test = {SITE_MODULE}\n")
+    return site
