@@ -310,7 +310,9 @@ class ServerConfig(_Section):
     log_stats_interval_s: float = Field(10.0, ge=0.0)
     # The stat loggers (plugin kind stat_logger) to run, by name; None = the
     # front end's default (serve: prometheus and logging; LLM: none).
-    stat_loggers: list[str] | None = None
+    stat_loggers: list[str] | None = Field(
+        None, description="stat loggers to run, by name (serve's default: prometheus,logging)"
+    )
     # Threads that tokenize, detokenize, render chat templates and validate
     # requests off the event loop; a request waits for a free one. Fast
     # tokenizers release the GIL, so more threads use more cores; templates
