@@ -142,14 +142,18 @@ class AsyncLLM:
             served_name_of(config.model.model)
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.stat_logger = StatLoggerManager(
-            model_name=self.model_name,
-            config=config,
-            num_kv_blocks=ready.num_kv_blocks,
-            max_model_len=ready.max_model_len,
-            world_size=ready.world_size,
-            custom_metrics=ready.custom_metrics,
-        )
+        try:
+            self.stat_logger = StatLoggerManager(
+                model_name=self.model_name,
+                config=config,
+                num_kv_blocks=ready.num_kv_blocks,
+                max_model_len=ready.max_model_len,
+                world_size=ready.world_size,
+                custom_metrics=ready.custom_metrics,
+            )
+        except BaseException:
+            self.engine_core.shutdown()  # NOTE: a logger that cannot start must not leave the core behind
+            raise
         self.kv_event_log = self._connect_routing(config)
         logger.info(
             "engine ready: executor %s, %d rank(s), collectives %s, attention backend %s, %d KV blocks",

@@ -69,15 +69,19 @@ class LLM:
         self._request_counter = itertools.count()
         self.stat_logger: StatLoggerManager | None = None
         if has_stat_loggers:
-            self.stat_logger = StatLoggerManager(
-                self.config.server.served_model_name or Path(ready.model_path).name,
-                self.config,
-                num_kv_blocks=ready.num_kv_blocks,
-                max_model_len=ready.max_model_len,
-                world_size=ready.world_size,
-                default_loggers=(),
-                custom_metrics=ready.custom_metrics,
-            )
+            try:
+                self.stat_logger = StatLoggerManager(
+                    self.config.server.served_model_name or Path(ready.model_path).name,
+                    self.config,
+                    num_kv_blocks=ready.num_kv_blocks,
+                    max_model_len=ready.max_model_len,
+                    world_size=ready.world_size,
+                    default_loggers=(),
+                    custom_metrics=ready.custom_metrics,
+                )
+            except BaseException:
+                self.engine_core.shutdown()
+                raise
 
     # ----------------------------------------------------------------- API
 

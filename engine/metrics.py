@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pagedllm.core.errors import ConfigError
+from pagedllm.core.errors import ConfigError, PluginError
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.stat_loggers.base import StatLoggerBase, StatLoggerContext
 from pagedllm.stat_loggers.log_line import LoggingStatLogger
@@ -111,9 +111,8 @@ class StatLoggerManager:
             model_name, config, self.registry, max_model_len or DEFAULT_MAX_MODEL_LEN,
             num_kv_blocks=num_kv_blocks, world_size=world_size, custom_metrics=tuple(custom_metrics),
         )  # fmt: skip
-        registered = get_plugin_manager().stat_loggers
         self.loggers: dict[str, StatLoggerBase] = {
-            name: registered.load(name)(context) for name in stat_logger_names(config, default_loggers)
+            name: _build_logger(name, context) for name in stat_logger_names(config, default_loggers)
         }
         # The built-ins, when selected: the front end feeds router and rank
         # health to the first, tests read the second's line.
@@ -200,6 +199,14 @@ class StatLoggerManager:
             if (name, method.__name__) not in self._failed:
                 self._failed.add((name, method.__name__))
                 logger.exception("stat logger %r failed in %s()", name, method.__name__)
+
+
+def _build_logger(name: str, context: StatLoggerContext) -> StatLoggerBase:
+    logger_cls = get_plugin_manager().stat_loggers.load(name)  # a bad target: PluginError naming it
+    try:
+        return logger_cls(context)
+    except Exception as exc:
+        raise PluginError(f"stat logger {name!r} failed to start: {type(exc).__name__}: {exc}") from exc
 
 
 def _first(loggers: Iterable[StatLoggerBase], cls: type[LoggerT]) -> LoggerT | None:

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.custom_stats import CustomStatsCollector, MetricSpec, MetricType
-from pagedllm.core.errors import ConfigError
+from pagedllm.core.errors import ConfigError, PluginError
 from pagedllm.core.stats import SchedulerStats
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.stats import IterationStats
@@ -66,6 +66,14 @@ class BrokenStatLogger(StatLoggerBase):
         _ = iteration_stats.num_generation_tokens
 
 
+class UnstartableStatLogger(StatLoggerBase):
+    def __init__(self, context: StatLoggerContext) -> None:
+        raise OSError("no such directory")
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, num_scheduled_tokens: int | None = None) -> None:
+        pass
+
+
 class RaisingStatLogger(StatLoggerBase):
     def record(self, scheduler_stats: Any, iteration_stats: Any, num_scheduled_tokens: int | None = None) -> None:
         raise RuntimeError("boom")
@@ -89,6 +97,7 @@ class StatsTestPlugin:
         custom_stats_plugin.register_stat_loggers(register)
         register("broken_logger", BrokenStatLogger)
         register("raising_logger", RaisingStatLogger)
+        register("unstartable_logger", UnstartableStatLogger)
 
 
 @pytest.fixture(autouse=True)
@@ -195,6 +204,17 @@ def test_a_logger_receives_each_steps_scheduler_iteration_and_finished_stats() -
     assert recorder.records[0][2] == 4  # only the 4 uncached prompt tokens are computed
     llm.shutdown()
     assert recorder.calls[-1] == "shutdown"
+
+
+def test_a_logger_that_cannot_start_is_a_plugin_error_and_stops_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm.engine.core_client import InprocClient
+
+    shut_down = []
+    monkeypatch.setattr(InprocClient, "shutdown", lambda self: shut_down.append(self))
+    with pytest.raises(PluginError) as info:
+        _llm(stat_loggers=["unstartable_logger"])
+    assert str(info.value) == "stat logger 'unstartable_logger' failed to start: OSError: no such directory"
+    assert len(shut_down) == 1
 
 
 def test_a_failing_logger_does_not_stop_the_others(caplog: pytest.LogCaptureFixture) -> None:
