@@ -4,7 +4,9 @@ not there is not claimed, and finished requests' blocks are returned.
 Every rule runs the connector in an engine on the shipped tiny model
 (``uni`` executor, role ``both`` when the connector declares it, float32)
 and takes the expected tokens from the same engine without a connector.
-The connector gets ``kv_transfer.extra`` with the keys pagedllm's own and the
+The delayed-free contract runs first: a connector that holds blocks for
+ever keeps every engine busy, and the rule that says so must be the one
+that fails. The connector gets ``kv_transfer.extra`` with the keys pagedllm's own and the
 example connectors read: ``path`` (a fresh temporary directory) and
 ``namespace`` (a fresh name); a connector needing more is configured through
 ``CONNECTOR_EXTRA[name]``.
@@ -104,25 +106,26 @@ def check_loads(name: str) -> None:
         _engine("loads", kv_config)
 
 
-@SUITE.rule("save-load-round-trip")
-def check_round_trip(name: str) -> None:
-    """Prompts evicted from the local prefix cache come back through the
-    connector (external hits counted) and generate exactly the same tokens."""
-    rule = "save-load-round-trip"
-    first, second = random_prompts(3, PROMPT_LEN, seed=1), random_prompts(3, PROMPT_LEN, seed=2)
-    expected_first, expected_second = _reference(first), _reference(second)
+@SUITE.rule("delayed-free-contract")
+def check_delayed_free(name: str) -> None:
+    """Every request whose `request_finished` returned True is named once by
+    `get_finished` (as a finished save) within the run; none is named that
+    was not held; afterwards every KV block is free again."""
+    rule = "delayed-free-contract"
+    prompts = random_prompts(3, PROMPT_LEN, seed=4)
     with _debug_kv(), _connector_config(rule, name) as kv_config:
         llm = _engine(rule, kv_config)
         limit_steps(rule, llm, MAX_STEPS)
-        _generate(rule, llm, first, expected_first, "the first prompts")
-        _generate(rule, llm, second, expected_second, "other prompts (evicting the first from the pool)")
-        hits_before = engine_core(llm).kv_connector.stats.external_hits
-        _generate(rule, llm, first, expected_first, "the first prompts again")
-        loaded = engine_core(llm).kv_connector.stats.external_hits - hits_before
-    if loaded <= 0:
+        connector = engine_core(llm).kv_connector
+        held, reported = _trace_delayed_free(rule, connector)
+        _generate(rule, llm, prompts, _reference(prompts), "generation")
+        leak = block_leak(llm)
+    if held - reported:
         raise ConformanceError(
-            rule, "the first prompts' blocks were saved and evicted locally, but none was loaded back (external_hits)"
+            rule, f"request_finished kept the blocks of {sorted(held - reported)}, never reported by get_finished"
         )
+    if leak is not None:
+        raise ConformanceError(rule, f"after every request finished: {leak}")
 
 
 @SUITE.rule("missing-blocks-not-claimed")
@@ -148,26 +151,25 @@ def check_missing(name: str) -> None:
         raise ConformanceError(rule, f"nothing was stored, yet {stats.load_failures} load failures were counted")
 
 
-@SUITE.rule("delayed-free-contract")
-def check_delayed_free(name: str) -> None:
-    """Every request whose `request_finished` returned True is named once by
-    `get_finished` (as a finished save) within the run; none is named that
-    was not held; afterwards every KV block is free again."""
-    rule = "delayed-free-contract"
-    prompts = random_prompts(3, PROMPT_LEN, seed=4)
+@SUITE.rule("save-load-round-trip")
+def check_round_trip(name: str) -> None:
+    """Prompts evicted from the local prefix cache come back through the
+    connector (external hits counted) and generate exactly the same tokens."""
+    rule = "save-load-round-trip"
+    first, second = random_prompts(3, PROMPT_LEN, seed=1), random_prompts(3, PROMPT_LEN, seed=2)
+    expected_first, expected_second = _reference(first), _reference(second)
     with _debug_kv(), _connector_config(rule, name) as kv_config:
         llm = _engine(rule, kv_config)
         limit_steps(rule, llm, MAX_STEPS)
-        connector = engine_core(llm).kv_connector
-        held, reported = _trace_delayed_free(rule, connector)
-        _generate(rule, llm, prompts, _reference(prompts), "generation")
-        leak = block_leak(llm)
-    if held - reported:
+        _generate(rule, llm, first, expected_first, "the first prompts")
+        _generate(rule, llm, second, expected_second, "other prompts (evicting the first from the pool)")
+        hits_before = engine_core(llm).kv_connector.stats.external_hits
+        _generate(rule, llm, first, expected_first, "the first prompts again")
+        loaded = engine_core(llm).kv_connector.stats.external_hits - hits_before
+    if loaded <= 0:
         raise ConformanceError(
-            rule, f"request_finished kept the blocks of {sorted(held - reported)}, never reported by get_finished"
+            rule, "the first prompts' blocks were saved and evicted locally, but none was loaded back (external_hits)"
         )
-    if leak is not None:
-        raise ConformanceError(rule, f"after every request finished: {leak}")
 
 
 def _trace_delayed_free(rule: str, connector: Any) -> tuple[set[str], set[str]]:
