@@ -33,7 +33,7 @@ def model_type_of(architecture: str) -> str | None:
     candidates = [t for t, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if class_name == architecture]
     # Several model types may share a class (llama's); its own is the one it is named after.
     own = [t for t in candidates if architecture.lower().startswith(t.replace("_", "").replace("-", ""))]
-    return (own or candidates or [None])[0]
+    return next(iter(own or candidates), None)
 
 
 def config_json(architecture: str) -> dict[str, Any] | None:
@@ -58,7 +58,7 @@ def config_json(architecture: str) -> dict[str, Any] | None:
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     config.architectures = [architecture]
-    return config.to_dict()  # type: ignore[no-any-return]
+    return config.to_dict()
 
 
 def save_random_checkpoint(config: dict[str, Any], path: Path, seed: int = 0) -> Path:
@@ -101,4 +101,4 @@ def hf_greedy(path: Path, prompt: list[int], num_new_tokens: int) -> list[int]:
         for _ in range(num_new_tokens):
             next_id = model(ids).logits[0, -1].argmax()
             ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-    return ids[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
+    return ids[0, len(prompt) :].tolist()

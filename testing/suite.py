@@ -28,7 +28,7 @@ class ConformanceError(AssertionError):
         super().__init__(f"conformance rule {rule!r} broken: {message}")
 
 
-class RuleSkipped(Exception):  # noqa: N818 - reads as what happened, like pytest's Skipped
+class RuleSkipped(Exception):
     """A rule that cannot run here (a CUDA-only backend on a CPU machine, a
     required package not installed): not a failure; pytest reports a skip."""
 

@@ -148,7 +148,7 @@ def _compare(rule: str, what: str, target: Target, case: AttentionCase, dtype: s
 def _case(target: Target, **kwargs: Any) -> AttentionCase:
     from pagedllm.testing.attention_case import build_case
 
-    options = dict(MIXED, head_size=target.head_size, block_size=target.block_sizes[0])
+    options: dict[str, Any] = dict(MIXED, head_size=target.head_size, block_size=target.block_sizes[0])
     options.update(kwargs)
     return build_case(**options)
 

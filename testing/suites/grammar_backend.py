@@ -170,7 +170,7 @@ def check_rollback(name: str) -> None:
         for back in range(1, len(tokens) + 1):
             grammar.rollback(back)
             if not torch.equal(harness.allowed(grammar), masks[len(tokens) - back]):
-                raise ConformanceError(rule, f"{kind} {text!r}: after rollback({back}) the bitmask is not the earlier one")
+                raise ConformanceError(rule, f"{kind} {text!r}: after rollback({back}) the bitmask is another")
             if not grammar.accept_tokens("conformance", tokens[len(tokens) - back :]):
                 raise ConformanceError(rule, f"{kind} {text!r}: after rollback({back}) the same tokens were refused")
         if not torch.equal(harness.allowed(grammar), masks[-1]):
@@ -197,8 +197,9 @@ def check_termination(name: str) -> None:
             raise ConformanceError(rule, f"{kind}: terminated after one token of {text!r}")
         if not torch.equal(harness.allowed(compiled), initial):
             raise ConformanceError(rule, f"{kind}: advancing a fork changed the grammar it was forked from")
-        if harness.allowed(grammar)[harness.eos] and not holds(harness.tokenizer.decode(tokens[:1])):
-            raise ConformanceError(rule, f"{kind}: EOS allowed after an incomplete {harness.tokenizer.decode(tokens[:1])!r}")
+        head = str(harness.tokenizer.decode(tokens[:1]))
+        if harness.allowed(grammar)[harness.eos] and not holds(head):
+            raise ConformanceError(rule, f"{kind}: EOS allowed after an incomplete {head!r}")
         grammar.accept_tokens("conformance", tokens[1:])
         if grammar.is_terminated():
             raise ConformanceError(rule, f"{kind}: terminated before EOS after {text!r}")

@@ -80,7 +80,7 @@ def _engine(rule: str, kv_config: dict[str, Any]) -> Any:
     try:
         return tiny_llm(num_kv_blocks=NUM_KV_BLOCKS, kv_transfer_config=kv_config)
     except Exception as exc:
-        raise ConformanceError(rule, f"an engine with the connector did not start: {type(exc).__name__}: {exc}") from exc
+        raise ConformanceError(rule, f"no engine started with the connector: {type(exc).__name__}: {exc}") from exc
 
 
 def _generate(rule: str, llm: Any, prompts: list[list[int]], expected: list[list[int]], what: str) -> None:
