@@ -74,8 +74,15 @@ def _run(rule: str, llm: Any, prompts: list[list[int]], params: Any) -> list[lis
         raise ConformanceError(rule, f"generation raised {type(exc).__name__}: {exc}") from exc
 
 
+_references: dict[str, list[list[int]]] = {}
+
+
 def _reference(prompts: list[list[int]], params: Any) -> list[list[int]]:
-    return generate_tokens(tiny_llm(num_kv_blocks=256), prompts, params)
+    """Tokens without speculation (the same for every drafter: computed once)."""
+    key = repr((prompts, params))
+    if key not in _references:
+        _references[key] = generate_tokens(tiny_llm(num_kv_blocks=256), prompts, params)
+    return _references[key]
 
 
 Proposal = tuple[list[str], list[list[int]], list[list[int]]]  # req_ids, token_ids, drafts
@@ -180,13 +187,14 @@ def check_batch_order(name: str) -> None:
     rule = "batch-order"
     prompts = _prompts(4, seed=4)
     alone: dict[int, list[list[int]]] = {}
+    llm = _engine(rule, name, 3)
     for index, prompt in enumerate(prompts):
         with _recorded(rule, name) as calls:
-            _run(rule, _engine(rule, name, 3), [prompt], _greedy())
+            _run(rule, llm, [prompt], _greedy())
         alone[index] = [drafts[0] for _, _, drafts in calls]
     for order in ([0, 1, 2, 3], [3, 1, 0, 2]):
         with _recorded(rule, name) as calls:
-            _run(rule, _engine(rule, name, 3), [prompts[i] for i in order], _greedy())
+            _run(rule, llm, [prompts[i] for i in order], _greedy())
         by_prompt: dict[int, list[list[int]]] = {i: [] for i in order}
         for _, token_ids, drafts in calls:
             for tokens, draft in zip(token_ids, drafts, strict=True):
