@@ -177,7 +177,7 @@ def check_declared_limits(name: str) -> None:
     caps: AttentionCapabilities = reg.info
     platform = _platform()
     dtype = getattr(torch, caps.dtypes[0]) if caps.dtypes else torch.float32
-    fine = dict(head_size=_head_size(caps), dtype=dtype, block_size=caps.block_size_multiple or 16)
+    fine: dict[str, Any] = dict(head_size=_head_size(caps), dtype=dtype, block_size=caps.block_size_multiple or 16)
     past_limits: dict[str, dict[str, Any]] = {}
     undeclared = [d for d in ("float32", "float16", "bfloat16") if caps.dtypes is not None and d not in caps.dtypes]
     if undeclared:
