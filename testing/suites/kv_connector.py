@@ -31,7 +31,7 @@ from pagedllm.testing.engine_runs import (
     random_prompts,
     tiny_llm,
 )
-from pagedllm.testing.suite import ConformanceError, Suite
+from pagedllm.testing.suite import ConformanceError, RuleSkipped, Suite
 
 KIND = "kv_connector"
 SUITE = Suite(KIND)
@@ -170,6 +170,36 @@ def check_round_trip(name: str) -> None:
         raise ConformanceError(
             rule, "the first prompts' blocks were saved and evicted locally, but none was loaded back (external_hits)"
         )
+
+
+@SUITE.rule("corrupted-blocks-reported")
+def check_corrupted(name: str) -> None:
+    """Blocks stored under ``extra.path`` with a flipped byte are not loaded
+    as they are: a fresh engine generates exactly the tokens of one without
+    the connector and counts load failures (a connector that stores nothing
+    under ``extra.path`` cannot be damaged from outside: skipped)."""
+    from pathlib import Path
+
+    rule = "corrupted-blocks-reported"
+    prompts = random_prompts(2, PROMPT_LEN, seed=5)
+    expected = _reference(prompts)
+    with _debug_kv(), _connector_config(rule, name) as kv_config:
+        writer = _engine(rule, kv_config)
+        _generate(rule, writer, prompts, expected, "storing the blocks")
+        stored = [f for f in sorted(Path(kv_config["extra"]["path"]).rglob("*")) if f.is_file()]
+        if not stored:
+            raise RuleSkipped(rule, f"{name} stores nothing under kv_transfer.extra.path")
+        for file in stored:
+            data = bytearray(file.read_bytes())
+            if len(data) > 64:  # NOTE: inside the payload, past any header
+                data[-10] ^= 0xFF
+                file.write_bytes(bytes(data))
+        reader = _engine(rule, kv_config)
+        limit_steps(rule, reader, MAX_STEPS)
+        _generate(rule, reader, prompts, expected, "loading the damaged blocks")
+        failures = engine_core(reader).kv_connector.stats.load_failures
+    if failures == 0:
+        raise ConformanceError(rule, f"{len(stored)} stored files were damaged, yet no load failure was counted")
 
 
 def _trace_delayed_free(rule: str, connector: Any) -> tuple[set[str], set[str]]:
