@@ -172,10 +172,8 @@ def check_empty(name: str) -> None:
     if tokens != expected:
         raise ConformanceError(rule, f"tokens {tokens} differ from no speculation {expected}")
     if not registration(rule, KIND, name).info.needs_model:
-        cls = load(rule, KIND, name)
-        from pagedllm.core.config import SpeculativeConfig
-
-        drafter = cls(SpeculativeConfig(**_speculative(rule, name, 3)), None)
+        # The engine's own instance (built with its real context), called outside a step.
+        drafter = engine_core(llm).model_executor.driver_worker.model_runner.drafter
         output = drafter.propose(DraftInputs(req_ids=[], token_ids=[], sampling_params=[]))
         if list(output.draft_token_ids) != []:
             raise ConformanceError(rule, f"an empty batch got drafts {output.draft_token_ids!r}")
