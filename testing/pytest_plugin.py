@@ -34,7 +34,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="KIND:NAME",
         help="run the conformance suite of plugin kind KIND against the component registered as NAME "
-        "(e.g. attention_backend:sdpa); repeatable; only these checks are collected",
+        "(e.g. attention_backend:sdpa; NAME * = every registered one); repeatable; only these checks are collected",
     )
 
 
@@ -83,10 +83,17 @@ class ConformanceCollector(pytest.Collector):
                 suite = load_suite(kind)
             except ValueError as exc:
                 raise pytest.UsageError(f"{OPTION} {kind}:{component}: {exc}") from None
-            for rule in suite.rule_names():
-                yield ConformanceItem.from_parent(
-                    self, name=f"{kind}:{component}[{rule}]", kind=kind, component=component, rule=rule
-                )
+            for name in _registered_names(kind) if component == "*" else [component]:
+                for rule in suite.rule_names():
+                    yield ConformanceItem.from_parent(
+                        self, name=f"{kind}:{name}[{rule}]", kind=kind, component=name, rule=rule
+                    )
+
+
+def _registered_names(kind: str) -> list[str]:
+    from pagedllm.plugins import get_plugin_manager
+
+    return get_plugin_manager().registry(kind).names()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -100,10 +107,14 @@ def pytest_collection(session: pytest.Session) -> bool | None:
     )
     items: list[pytest.Item] = list(collector.collect())
     hook = session.config.hook
+    for item in items:
+        hook.pytest_itemcollected(item=item)
+    # what the terminal counts ("N tests collected")
+    hook.pytest_collectreport(report=pytest.CollectReport(collector.nodeid, "passed", None, [*items]))
     hook.pytest_collection_modifyitems(session=session, config=session.config, items=items)
-    hook.pytest_collection_finish(session=session)
     session.items = items
     session.testscollected = len(items)
+    hook.pytest_collection_finish(session=session)
     return True
 
 

@@ -134,6 +134,15 @@ def test_the_option_collects_one_item_per_rule_and_nothing_else(tmp_path: Path) 
     assert f"{len(rules)} passed" in result.stdout and "test_not_collected" not in result.stdout
 
 
+def test_a_star_runs_the_suite_against_every_registered_name(tmp_path: Path) -> None:
+    result = _pytest(tmp_path, "--pagedllm-conformance", "router:*", "--collect-only", "-q")
+    routers = get_plugin_manager().registry("router").names()
+    collected = [line for line in result.stdout.splitlines() if line.startswith("pagedllm-conformance::router:")]
+    assert sorted(collected) == sorted(
+        f"pagedllm-conformance::router:{name}[{rule}]" for name in routers for rule in load_suite("router").rule_names()
+    )
+
+
 def test_the_option_rejects_a_malformed_target_and_an_unknown_kind(tmp_path: Path) -> None:
     malformed = _pytest(tmp_path, "--pagedllm-conformance", "router")
     assert malformed.returncode == 4 and "expected KIND:NAME" in malformed.stderr
