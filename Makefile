@@ -28,7 +28,7 @@ $(STAMP): $(PY) pyproject.toml tests/plugins/pagedllm-test-plugin/pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,ray]'
 	$(PIP) install -q -e tests/plugins/pagedllm-test-plugin
-	$(PIP) install -q -e $(EXAMPLE_PLUGINS)
+	$(PIP) install -q $(addprefix -e ,$(EXAMPLE_PLUGINS))
 	touch $(STAMP)
 
 install: $(STAMP)
