@@ -17,7 +17,8 @@ EXAMPLE_PLUGINS := examples/plugins/pagedllm-example-model \
 	examples/plugins/pagedllm-example-drafter \
 	examples/plugins/pagedllm-example-connector \
 	examples/plugins/pagedllm-example-toolparser \
-	examples/plugins/pagedllm-example-logitsproc
+	examples/plugins/pagedllm-example-logitsproc \
+	examples/plugins/pagedllm-example-statlogger
 
 # NOTE: torch==2.13.0 first, so that no later requirement pulls a CUDA build.
 # The ray extra too: CI runs the ray executor's tests.
@@ -28,7 +29,7 @@ $(STAMP): $(PY) pyproject.toml tests/plugins/pagedllm-test-plugin/pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,ray]'
 	$(PIP) install -q -e tests/plugins/pagedllm-test-plugin
-	$(PIP) install -q -e $(EXAMPLE_PLUGINS)
+	$(PIP) install -q $(addprefix -e ,$(EXAMPLE_PLUGINS))
 	touch $(STAMP)
 
 install: $(STAMP)

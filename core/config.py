@@ -308,6 +308,11 @@ class ServerConfig(_Section):
     served_model_name: str | None = None
     # Seconds between the periodic throughput log line; 0 = off.
     log_stats_interval_s: float = Field(10.0, ge=0.0)
+    # The stat loggers (plugin kind stat_logger) to run, by name; None = the
+    # front end's default (serve: prometheus and logging; LLM: none).
+    stat_loggers: list[str] | None = Field(
+        None, description="stat loggers to run, by name (serve's default: prometheus,logging)"
+    )
     # Threads that tokenize, detokenize, render chat templates and validate
     # requests off the event loop; a request waits for a free one. Fast
     # tokenizers release the GIL, so more threads use more cores; templates
@@ -383,6 +388,8 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "data_parallel_rank": ("parallel", "data_parallel_rank"),
     "routing_policy": ("parallel", "routing_policy"),
     "enable_kv_events": ("cache", "enable_kv_events"),
+    "stat_loggers": ("server", "stat_loggers"),
+    "log_stats_interval_s": ("server", "log_stats_interval_s"),
 }
 
 # The parsed config file of the `EngineConfig.load` call in progress (settings

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from pagedllm.core.config import EngineConfig
+    from pagedllm.core.custom_stats import CustomStatsCollector
     from pagedllm.core.executor import ModelExecutor
     from pagedllm.core.grammar import GrammarManager
     from pagedllm.core.kv_cache.events import KVCacheEvent
@@ -50,8 +51,11 @@ class EngineCore:
         structured_output_manager: GrammarManager | None,
         max_model_len: int,
         vocab_size: int,
+        custom_stats: CustomStatsCollector | None = None,
     ) -> None:
         self.config = config
+        # The custom figures plugins report, polled with every make_stats().
+        self.custom_stats = custom_stats
         self.scheduler = scheduler
         self.kv_cache_manager = kv_cache_manager
         self.model_executor = model_executor
@@ -100,7 +104,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._record_step(scheduler_output, outputs)
+        self._record_step(scheduler_output, outputs, runner_output)
         return outputs
 
     def step_with_batch_queue(
@@ -121,8 +125,9 @@ class EngineCore:
                     self.made_progress = True
                     return []
         scheduler_output, future = batch_queue.popleft()
-        outputs = self.scheduler.update_from_output(scheduler_output, future.result())
-        self._record_step(scheduler_output, outputs)
+        runner_output = future.result()
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._record_step(scheduler_output, outputs, runner_output)
         return outputs
 
     def _may_schedule_ahead(self, batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]]) -> bool:
@@ -132,8 +137,12 @@ class EngineCore:
             return False
         return not batch_queue or not batch_queue[-1][0].sync_required
 
-    def _record_step(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
+    def _record_step(
+        self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput], runner_output: ModelRunnerOutput
+    ) -> None:
         self.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens  # for iteration stats
+        if self.custom_stats is not None:
+            self.custom_stats.add_rank_figures(runner_output.custom_stats)
         self.made_progress = not scheduler_output.is_empty or bool(outputs)
         if self.check_kv_invariants:
             self.check_invariants()
@@ -153,7 +162,10 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        if self.custom_stats is not None:
+            stats.custom_stats = self.custom_stats.take()
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import torch
 
+    from pagedllm.core.custom_stats import FigureValue
     from pagedllm.core.sampling_params import SamplingParams
 
 
@@ -165,3 +166,6 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # The KV connector's worker side's report (None without a connector).
     kv_connector_output: KVConnectorOutput | None = None
+    # Custom figures the ranks in other processes collected this step
+    # (core/custom_stats.py; None in-process: the core polls those itself).
+    custom_stats: dict[str, FigureValue] | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 
 # NOTE: run-time imports: msgspec resolves the field types on first use.
+from pagedllm.core.custom_stats import FigureValue
 from pagedllm.kv_connectors.base import KVConnectorStats
 
 
@@ -80,3 +81,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_decoding_stats: SpecDecodingStats | None = None
     # The KV connector's counters since the last stats; None without one.
     kv_connector_stats: KVConnectorStats | None = None
+    # Custom figures plugins attached (core/custom_stats.py): counters' increase
+    # since the last stats, gauges' value, histograms' new observations; None
+    # when no component reported any.
+    custom_stats: dict[str, FigureValue] | None = None

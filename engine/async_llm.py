@@ -38,7 +38,7 @@ from pagedllm.engine.core_start import start_async_engine_core
 from pagedllm.engine.dp_client import DPAsyncMPClient, ReplicaFailure
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.kv_event_log import KVEventLog
-from pagedllm.engine.metrics import StatLoggerManager
+from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.model_source import resolve_model_path
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
@@ -115,6 +115,12 @@ class AsyncLLM:
         (the server starts it before importing its HTTP stack); this
         AsyncLLM owns it from here on. None: start one now."""
         self.config = config
+        try:
+            stat_logger_names(config)  # an unknown name fails before the core starts
+        except BaseException:
+            if engine_core is not None:
+                engine_core.shutdown()
+            raise
         self.engine_core: AsyncMPClient | DPAsyncMPClient = (
             engine_core if engine_core is not None else start_async_engine_core(config, in_process=in_process)
         )
@@ -136,13 +142,18 @@ class AsyncLLM:
             served_name_of(config.model.model)
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.stat_logger = StatLoggerManager(
-            model_name=self.model_name,
-            config=config,
-            num_kv_blocks=ready.num_kv_blocks,
-            max_model_len=ready.max_model_len,
-            world_size=ready.world_size,
-        )
+        try:
+            self.stat_logger = StatLoggerManager(
+                model_name=self.model_name,
+                config=config,
+                num_kv_blocks=ready.num_kv_blocks,
+                max_model_len=ready.max_model_len,
+                world_size=ready.world_size,
+                custom_metrics=ready.custom_metrics,
+            )
+        except BaseException:
+            self.engine_core.shutdown()  # NOTE: a logger that cannot start must not leave the core behind
+            raise
         self.kv_event_log = self._connect_routing(config)
         logger.info(
             "engine ready: executor %s, %d rank(s), collectives %s, attention backend %s, %d KV blocks",
@@ -198,6 +209,7 @@ class AsyncLLM:
             task.cancel()
         self._fail_all(EngineDeadError("the engine was shut down"))
         self.engine_core.shutdown()
+        self.stat_logger.shutdown()
 
     @property
     def errored(self) -> bool:
@@ -421,7 +433,8 @@ class AsyncLLM:
                 self.stat_logger.maybe_log()
         except EngineDeadError as exc:
             logger.error("%s", exc)
-            self.stat_logger.prometheus.record_engine_dead(exc.failed_rank)
+            if self.stat_logger.prometheus is not None:
+                self.stat_logger.prometheus.record_engine_dead(exc.failed_rank)
             self._fail_all(exc)
         except asyncio.CancelledError:
             raise
@@ -441,8 +454,9 @@ class AsyncLLM:
             log = KVEventLog(config.parallel.data_parallel_size, block_size=config.cache.block_size,
                              hash_algo=config.cache.prefix_caching_hash_algo)
         if isinstance(self.engine_core, DPAsyncMPClient):
-            self.stat_logger.prometheus.add_router_metrics(len(self.engine_core.clients))
-            self.engine_core.router.observer = self.stat_logger.prometheus
+            if self.stat_logger.prometheus is not None:
+                self.stat_logger.prometheus.add_router_metrics(len(self.engine_core.clients))
+                self.engine_core.router.observer = self.stat_logger.prometheus
             self.engine_core.router.event_log = log
         return log
 

@@ -26,6 +26,7 @@ from pagedllm.core.engine import EngineCore
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.custom_stats_sources import build_custom_stats
 from pagedllm.engine.tokenizer import config_eos_token_id
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.reasoning.select import reasoning_parser_class
@@ -210,5 +211,6 @@ def _build_engine_core(
         structured_output_manager=structured_output_manager,
         max_model_len=max_model_len,
         vocab_size=vocab_size,
+        custom_stats=build_custom_stats(config, executor),
     )
 

@@ -65,6 +65,11 @@ class EngineCoreClient(ABC):
     def get_output(self) -> list[EngineCoreOutput]:
         """Outputs of the next engine step (empty when the core is idle)."""
 
+    def next_outputs(self) -> EngineCoreOutputs:
+        """The next step's whole message: its outputs with the stats made
+        after it (what LLM's stat loggers record). This default has no stats."""
+        return EngineCoreOutputs(self.get_output(), None, 0, time.time())
+
     @abstractmethod
     def get_stats(self) -> SchedulerStats | None:
         """The core's SchedulerStats now (its prefix-cache counts cover the
@@ -107,6 +112,14 @@ class InprocClient(EngineCoreClient):
         outputs = self.engine_core.step()
         self.engine_core.wait_for_work()  # only grammars compiling: no spinning
         return outputs
+
+    def next_outputs(self) -> EngineCoreOutputs:
+        if not self.engine_core.has_unfinished_requests():
+            return EngineCoreOutputs([], None, 0, time.time())
+        outputs = self.get_output()
+        return EngineCoreOutputs(
+            outputs, self.engine_core.make_stats(), self.engine_core.num_scheduled_tokens, time.time()
+        )
 
     def get_stats(self) -> SchedulerStats | None:
         return self.engine_core.make_stats()

@@ -303,6 +303,7 @@ def ready_message(parts: EngineParts) -> Ready:
         executor=parts.executor_name,
         world_size=engine_core.config.parallel.tensor_parallel_size,
         communicator=parts.platform.describe_communicator(),
+        custom_metrics=engine_core.custom_stats.metrics if engine_core.custom_stats is not None else [],
     )
 
 

@@ -33,12 +33,13 @@ from pagedllm.engine.core_client import (
     SyncMPClient,
 )
 from pagedllm.engine.dp_router import ReplicaFailure, ReplicaRouter, replica_configs
+from pagedllm.engine.wire import EngineCoreOutputs
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.outputs import EngineCoreOutput
     from pagedllm.core.stats import SchedulerStats
-    from pagedllm.engine.wire import EngineCoreOutputs, EngineCoreRequest, Ready
+    from pagedllm.engine.wire import EngineCoreRequest, Ready
 
 
 class DPAsyncMPClient:
@@ -192,16 +193,19 @@ class SyncDPClient(EngineCoreClient):
 
     def get_output(self) -> list[EngineCoreOutput]:
         """The next outputs of a replica that has requests (empty when none has)."""
+        return self.next_outputs().outputs
+
+    def next_outputs(self) -> EngineCoreOutputs:
         busy = [book.index for book in self.router.books if book.in_flight]
         if not busy:
-            return []
+            return EngineCoreOutputs([], None, 0, time.time())
         while True:
             ready = dict(self._poller.poll(int(LIVENESS_POLL_S * 1000)))
             start = next(self._turn) % len(busy)
             for replica in busy[start:] + busy[:start]:
                 client = self.clients[replica]
                 if client.output_socket in ready or client.has_pending_outputs:
-                    return self.router.observe(replica, client.next_outputs()).outputs
+                    return self.router.observe(replica, client.next_outputs())
                 client.check_alive()
 
     def get_stats(self) -> SchedulerStats | None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.config import EngineConfig
@@ -12,7 +14,9 @@ from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from pagedllm.engine.dp_client import SyncDPClient
 from pagedllm.engine.input_processor import InputProcessor, PromptType
-from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
+from pagedllm.engine.output_processor import OutputProcessor, ProcessedOutputs
+from pagedllm.engine.stats import IterationStats
 from pagedllm.engine.tokenizer import load_tokenizer
 from pagedllm.plugins import get_plugin_manager
 
@@ -30,6 +34,8 @@ class LLM:
     Accepts vLLM's flat keyword names (`block_size`, `max_num_seqs`,
     `enable_prefix_caching`, ...), a `config_file` (YAML or TOML), and the
     `PAGEDLLM_` environment; arguments win over env, env over the file.
+    `stat_loggers=["name", ...]` runs those stat loggers in this process
+    (none by default), fed after every engine step.
     """
 
     def __init__(
@@ -45,6 +51,8 @@ class LLM:
         get_plugin_manager().load(
             enabled=plugins.enabled, disabled=plugins.disabled, strict=plugins.strict, config=plugins.config
         )
+        # Checked before the engine starts: an unknown name fails at once.
+        has_stat_loggers = bool(stat_logger_names(self.config, default=()))
         self.engine_core: EngineCoreClient
         if self.config.parallel.data_parallel_size > 1:  # one engine-core process per replica
             self.engine_core = SyncDPClient(self.config)
@@ -59,6 +67,21 @@ class LLM:
         self.max_model_len = ready.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        self.stat_logger: StatLoggerManager | None = None
+        if has_stat_loggers:
+            try:
+                self.stat_logger = StatLoggerManager(
+                    self.config.server.served_model_name or Path(ready.model_path).name,
+                    self.config,
+                    num_kv_blocks=ready.num_kv_blocks,
+                    max_model_len=ready.max_model_len,
+                    world_size=ready.world_size,
+                    default_loggers=(),
+                    custom_metrics=ready.custom_metrics,
+                )
+            except BaseException:
+                self.engine_core.shutdown()
+                raise
 
     # ----------------------------------------------------------------- API
 
@@ -120,6 +143,8 @@ class LLM:
     def shutdown(self) -> None:
         """Stop a multiprocess core now (it also stops when the LLM is collected)."""
         self.engine_core.shutdown()
+        if self.stat_logger is not None:
+            self.stat_logger.shutdown()
 
     # ------------------------------------------------------------ internals
 
@@ -157,7 +182,7 @@ class LLM:
             progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while self.output_processor.has_unfinished_requests():
-                processed = self.output_processor.process_outputs(self.engine_core.get_output())
+                processed = self._process_step()
                 self.engine_core.abort_requests(processed.reqs_to_abort)
                 for request_output in processed.request_outputs:
                     if request_output.finished:
@@ -175,8 +200,24 @@ class LLM:
                 progress.close()
         return [finished[request_id] for request_id in request_ids]
 
+    def _process_step(self) -> ProcessedOutputs:
+        """One engine step's outputs, recorded by the stat loggers if any."""
+        if self.stat_logger is None:
+            return self.output_processor.process_outputs(self.engine_core.get_output())
+        message = self.engine_core.next_outputs()
+        now = time.time()
+        iteration_stats = IterationStats(iteration_timestamp=now) if message.outputs else None
+        processed = self.output_processor.process_outputs(message.outputs, now, iteration_stats)
+        self.stat_logger.record(message.scheduler_stats, iteration_stats, message.num_scheduled_tokens)
+        self.stat_logger.maybe_log()
+        return processed
+
     def _abort(self, request_ids: list[str]) -> None:
-        self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+        iteration_stats = IterationStats() if self.stat_logger is not None else None
+        engine_request_ids = self.output_processor.abort_requests(request_ids, iteration_stats)
+        if self.stat_logger is not None and iteration_stats is not None and iteration_stats.finished_requests:
+            self.stat_logger.record(None, iteration_stats)
+        self.engine_core.abort_requests(engine_request_ids)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.core.custom_stats import MetricSpec
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.kv_cache.events import KVCacheEvent
 from pagedllm.core.outputs import EngineCoreOutput
@@ -86,6 +87,8 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     executor: str
     world_size: int
     communicator: str
+    # The custom figures the core's components declared (core/custom_stats.py).
+    custom_metrics: list[MetricSpec] = []
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):

@@ -276,8 +276,10 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.core_start import start_async_engine_core
+    from pagedllm.engine.metrics import stat_logger_names
 
     config = serve_config(args)
+    stat_logger_names(config)  # an unknown stat logger fails before the engine core starts
     if "PAGEDLLM_LOG_LEVEL" not in os.environ:
         # The periodic stats line and the startup banner are INFO.
         logging.getLogger("pagedllm").setLevel(logging.INFO)

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import msgspec
 import torch
 
+from pagedllm.core.custom_stats import FigureValue
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.scheduler_output import (
     CachedRequestData,
@@ -77,6 +78,8 @@ class RunnerOutputWire(msgspec.Struct, array_like=True):
     prompt_logprobs: dict[str, list[LogprobEntry | None]]
     spec_token_ids: dict[str, list[int]]
     kv_connector_output: KVConnectorOutput | None = None
+    # The rank's custom figures this step (core/custom_stats.py), if it has any.
+    custom_stats: dict[str, FigureValue] | None = None
 
 
 # ------------------------------------------------------- executor -> rank
@@ -239,7 +242,8 @@ def kv_report_to_wire(output: ModelRunnerOutput) -> RunnerOutputWire:
 
 def runner_output_from_wire(wire: RunnerOutputWire) -> ModelRunnerOutput:
     return ModelRunnerOutput(
-        wire.sampled_token_ids, wire.logprobs, wire.prompt_logprobs, wire.spec_token_ids, wire.kv_connector_output
+        wire.sampled_token_ids, wire.logprobs, wire.prompt_logprobs, wire.spec_token_ids, wire.kv_connector_output,
+        wire.custom_stats,
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.core.custom_stats import merge_figures
 from pagedllm.executors.base import Executor, RankFailedError
 from pagedllm.executors.kv_output_aggregator import KVOutputAggregator
 from pagedllm.executors.messages import runner_output_from_wire
@@ -72,6 +73,10 @@ class RemoteRanksExecutor(Executor):
                 raise self._fail(RankFailedError(rank, "answered a step without its output"))
             wires[rank] = wire
         output = runner_output_from_wire(wires[OUTPUT_RANK])
+        output.custom_stats = None
+        for wire in wires.values():  # each rank's own figures (rank 0's drafter, every rank's connector)
+            if wire.custom_stats:
+                output.custom_stats = merge_figures(output.custom_stats or {}, wire.custom_stats)
         if self._kv_connector is not None:
             output.kv_connector_output = self._kv_outputs.merge(wire.kv_connector_output for wire in wires.values())
         return output

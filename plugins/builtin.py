@@ -144,3 +144,11 @@ def register_tool_parsers(register: RegisterFn) -> None:
 def register_reasoning_parsers(register: RegisterFn) -> None:
     # <think>...</think> (vLLM's deepseek_r1; Qwen3 and QwQ write the same tags).
     register("think", "pagedllm.reasoning.think:ThinkReasoningParser")
+
+
+@hookimpl
+def register_stat_loggers(register: RegisterFn) -> None:
+    # What the API process does with the engine's stats: the /metrics
+    # collectors, and the periodic throughput line (both run by default).
+    register("prometheus", "pagedllm.stat_loggers.prometheus:PrometheusStatLogger")
+    register("logging", "pagedllm.stat_loggers.log_line:LoggingStatLogger")

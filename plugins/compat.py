@@ -56,7 +56,11 @@ from packaging.version import Version
 #      / `v_scale`, `DrafterContext.kv_cache_dtype`, `Platform.
 #      supports_kv_cache_dtype` / `resolve_kv_cache_dtype`; `KVConnectorContext.
 #      dtype` and `Drafter.kv_cache_bytes_per_block`'s dtype are the cache's.
-# 1.7: the tool-call parser kind (`register_tool_parsers`, `ToolParser`,
+# 1.7: the stat-logger kind (`register_stat_loggers`, `StatLoggerBase`,
+#      `StatLoggerInfo`, `pm.stat_loggers`, `server.stat_loggers`) and custom
+#      figures (`core.custom_stats`: `MetricSpec`, a component's
+#      `custom_metrics` + `get_custom_stats()`, `SchedulerStats.custom_stats`);
+#      the tool-call parser kind (`register_tool_parsers`, `ToolParser`,
 #      `ToolParserInfo`, `pm.tool_parsers`, `server.tool_call_parser`); the
 #      reasoning-parser kind (`register_reasoning_parsers`, `ReasoningParser`,
 #      `ReasoningParserInfo`, `pm.reasoning_parsers`) and the logits-processor

@@ -39,7 +39,8 @@ Each kind is a :class:`pagedllm.plugins.kinds.PluginKind`; its registry is
 ``get_plugin_manager().registry(kind)``, or typed: ``.platforms``,
 ``.attention_backends``, ``.models``, ``.drafters``, ``.grammar_backends``,
 ``.kv_connectors``, ``.model_sources``, ``.executors``, ``.routers``,
-``.quantization_methods``, ``.tool_parsers``, ``.reasoning_parsers``, ``.logits_processors``.
+``.quantization_methods``, ``.tool_parsers``, ``.reasoning_parsers``, ``.logits_processors``,
+``.stat_loggers``.
 
 None of these hooks is ``firstresult``: every plugin gets called, and the
 return value is ignored.
@@ -378,6 +379,35 @@ def register_logits_processors(register: RegisterFn) -> None:
     validating a request's ``extra_args`` (``validate_params``), ``pagedllm
     plugins list``. A loaded processor applies to a request only when the
     request passes its arguments.
+    """
+
+
+@hookspec
+def register_stat_loggers(register: RegisterFn) -> None:
+    """Register stat loggers (kind ``stat_logger``, plugin API 1.7): what the
+    front end does with the engine's statistics (vLLM's ``StatLoggerBase``).
+
+    :param register: call ``register(name, "pkg.mod:LoggerCls")``; ``name`` is
+        what ``server.stat_loggers`` (``--stat-loggers a,b``,
+        ``LLM(stat_loggers=[...])``) selects. The target must be a subclass of
+        :class:`pagedllm.stat_loggers.base.StatLoggerBase`, built as
+        ``LoggerCls(context)`` (a
+        :class:`~pagedllm.stat_loggers.base.StatLoggerContext`: model name,
+        config, the Prometheus registry ``/metrics`` serves, the custom
+        figures the engine core's components declared). After every batch of
+        engine-core outputs its ``record(scheduler_stats, iteration_stats,
+        num_scheduled_tokens)`` receives the scheduler's stats (with the
+        custom figures plugins attached, ``scheduler_stats.custom_stats``)
+        and the step's iteration stats (``finished_requests`` among them);
+        ``log()`` runs every ``server.log_stats_interval_s``. No metadata
+        keys (:class:`pagedllm.plugins.metadata.StatLoggerInfo`).
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the stat-logger registry is first needed: starting a
+    front end (AsyncLLM in the API process of ``pagedllm serve``; ``LLM``
+    in the caller's process when ``stat_loggers`` is set), ``pagedllm plugins
+    list``. Built-ins: ``prometheus`` (the ``/metrics`` collectors) and
+    ``logging`` (the periodic throughput line), the server's default.
     """
 
 

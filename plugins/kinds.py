@@ -30,6 +30,7 @@ class PluginKind(enum.StrEnum):
     TOOL_PARSER = "tool_parser"
     REASONING_PARSER = "reasoning_parser"
     LOGITS_PROCESSOR = "logits_processor"
+    STAT_LOGGER = "stat_logger"
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,12 @@ KIND_SPECS: dict[PluginKind, KindSpec] = {
             "register_logits_processors",
             "pagedllm.logits_processors.interface:LogitsProcessor",
             f"{_METADATA}:LogitsProcessorInfo",
+        ),
+        KindSpec(
+            PluginKind.STAT_LOGGER,
+            "register_stat_loggers",
+            "pagedllm.stat_loggers.base:StatLoggerBase",
+            f"{_METADATA}:StatLoggerInfo",
         ),
     )
 }

@@ -52,12 +52,14 @@ if TYPE_CHECKING:
         QuantizationInfo,
         ReasoningParserInfo,
         RouterInfo,
+        StatLoggerInfo,
         ToolParserInfo,
     )
     from pagedllm.quantization.base import QuantizationMethod
     from pagedllm.reasoning.interface import ReasoningParser
     from pagedllm.routers.base import RoutingPolicy
     from pagedllm.spec_decode.interface import Drafter
+    from pagedllm.stat_loggers.base import StatLoggerBase
     from pagedllm.structured_output.interface import GrammarBackend
     from pagedllm.tool_parsers.base import ToolParser
 
@@ -378,6 +380,10 @@ class PluginManager:
     @property
     def logits_processors(self) -> Registry[LogitsProcessor, LogitsProcessorInfo]:
         return self.registry(PluginKind.LOGITS_PROCESSOR)
+
+    @property
+    def stat_loggers(self) -> Registry[StatLoggerBase, StatLoggerInfo]:
+        return self.registry(PluginKind.STAT_LOGGER)
 
     def _collect(self, spec: KindSpec) -> Registry[Any, Any]:
         registry: Registry[Any, Any] = Registry(spec.kind, spec.interface)

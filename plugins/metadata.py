@@ -239,6 +239,11 @@ class LogitsProcessorInfo:
     args: tuple[str, ...] = parsed(names, ())
 
 
+@dataclass(frozen=True)
+class StatLoggerInfo:
+    """``register_stat_loggers`` metadata: none (the logger's class is all)."""
+
+
 __all__ = [
     "DrafterInfo",
     "ExecutorInfo",
@@ -252,6 +257,7 @@ __all__ = [
     "QuantizationInfo",
     "ReasoningParserInfo",
     "RouterInfo",
+    "StatLoggerInfo",
     "ToolParserInfo",
     "build_info",
     "capability",

@@ -28,6 +28,16 @@ class ConformanceError(AssertionError):
         super().__init__(f"conformance rule {rule!r} broken: {message}")
 
 
+class RuleSkipped(Exception):
+    """A rule that cannot run here (a CUDA-only backend on a CPU machine, a
+    required package not installed): not a failure; pytest reports a skip."""
+
+    def __init__(self, rule: str, reason: str) -> None:
+        self.rule = rule
+        self.reason = reason
+        super().__init__(f"conformance rule {rule!r} skipped: {reason}")
+
+
 @dataclass(frozen=True)
 class Rule:
     name: str
@@ -51,6 +61,15 @@ class Suite:
 
         return decorate
 
+    def get(self, name: str) -> Rule:
+        for rule in self.rules:
+            if rule.name == name:
+                return rule
+        raise ValueError(f"{self.kind} suite has no rule {name!r}; rules: {', '.join(self.rule_names())}")
+
+    def rule_names(self) -> list[str]:
+        return [rule.name for rule in self.rules]
+
 
 def load_suite(kind: str) -> Suite:
     """The suite of ``kind``; ValueError when the kit has none for it."""
@@ -64,8 +83,23 @@ def load_suite(kind: str) -> Suite:
     return suite
 
 
-def run_suite(kind: str, name: str) -> None:
+def run_suite(kind: str, name: str) -> list[RuleSkipped]:
     """Run every rule of ``kind``'s suite against the component ``name``;
-    the first broken rule raises its ConformanceError."""
+    the first broken rule raises its ConformanceError. Returns the rules
+    that could not run here."""
+    skipped = []
     for rule in load_suite(kind).rules:
-        rule.check(name)
+        try:
+            rule.check(name)
+        except RuleSkipped as skip:
+            skipped.append(skip)
+    return skipped
+
+
+def suite_kinds() -> list[str]:
+    """The plugin kinds the kit has a suite for (the modules of
+    ``pagedllm.testing.suites``), without importing any of them."""
+    import pkgutil
+
+    package = importlib.import_module(SUITES_PACKAGE)
+    return sorted(info.name for info in pkgutil.iter_modules(package.__path__) if not info.name.startswith("_"))

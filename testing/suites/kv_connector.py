@@ -1,0 +1,231 @@
+"""The KV connector suite: blocks go out and come back unchanged, what is
+not there is not claimed, and finished requests' blocks are returned.
+
+Every rule runs the connector in an engine on the shipped tiny model
+(``uni`` executor, role ``both`` when the connector declares it, float32)
+and takes the expected tokens from the same engine without a connector.
+The delayed-free contract runs first: a connector that holds blocks for
+ever keeps every engine busy, and the rule that says so must be the one
+that fails. The connector gets ``kv_transfer.extra`` with the keys pagedllm's own and the
+example connectors read: ``path`` (a fresh temporary directory) and
+``namespace`` (a fresh name); a connector needing more is configured through
+``CONNECTOR_EXTRA[name]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from pagedllm.testing.components import load, registration
+from pagedllm.testing.engine_runs import (
+    BLOCK_SIZE,
+    block_leak,
+    engine_core,
+    generate_tokens,
+    limit_steps,
+    random_prompts,
+    tiny_llm,
+)
+from pagedllm.testing.suite import ConformanceError, RuleSkipped, Suite
+
+KIND = "kv_connector"
+SUITE = Suite(KIND)
+
+# Extra kv_transfer.extra settings by connector name (merged over the defaults).
+CONNECTOR_EXTRA: dict[str, dict[str, Any]] = {}
+# Small pool: the second batch of prompts evicts the first from the local prefix cache.
+NUM_KV_BLOCKS = 24
+PROMPT_LEN = 4 * BLOCK_SIZE + 5  # four full blocks and a partial one
+MAX_STEPS = 400
+
+
+def _params() -> Any:
+    from pagedllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _role(rule: str, name: str) -> str:
+    roles = registration(rule, KIND, name).info.roles
+    return "both" if not roles or "both" in roles else roles[0]
+
+
+@contextlib.contextmanager
+def _connector_config(rule: str, name: str) -> Iterator[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="pagedllm-conformance-") as path:
+        extra = {"path": path, "namespace": f"conformance-{uuid.uuid4().hex}", **CONNECTOR_EXTRA.get(name, {})}
+        yield {"connector": name, "role": _role(rule, name), "extra": extra, "load_failure_policy": "recompute"}
+
+
+@contextlib.contextmanager
+def _debug_kv() -> Iterator[None]:
+    """The KV manager's invariant check after every step (PAGEDLLM_DEBUG_KV)."""
+    before = os.environ.get("PAGEDLLM_DEBUG_KV")
+    os.environ["PAGEDLLM_DEBUG_KV"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PAGEDLLM_DEBUG_KV"]
+        else:
+            os.environ["PAGEDLLM_DEBUG_KV"] = before
+
+
+def _engine(rule: str, kv_config: dict[str, Any]) -> Any:
+    try:
+        return tiny_llm(num_kv_blocks=NUM_KV_BLOCKS, kv_transfer_config=kv_config)
+    except Exception as exc:
+        raise ConformanceError(rule, f"no engine started with the connector: {type(exc).__name__}: {exc}") from exc
+
+
+def _generate(rule: str, llm: Any, prompts: list[list[int]], expected: list[list[int]], what: str) -> None:
+    try:
+        tokens = generate_tokens(llm, prompts, _params())
+    except ConformanceError:
+        raise
+    except Exception as exc:
+        raise ConformanceError(rule, f"{what}: generation raised {type(exc).__name__}: {exc}") from exc
+    if tokens != expected:
+        raise ConformanceError(rule, f"{what}: tokens {tokens} differ from an engine without the connector {expected}")
+
+
+def _reference(prompts: list[list[int]]) -> list[list[int]]:
+    return generate_tokens(tiny_llm(num_kv_blocks=NUM_KV_BLOCKS), prompts, _params())
+
+
+@SUITE.rule("loads")
+def check_loads(name: str) -> None:
+    """The target imports and subclasses KVConnectorBase; an engine starts with it."""
+    load("loads", KIND, name)
+    with _connector_config("loads", name) as kv_config:
+        _engine("loads", kv_config)
+
+
+@SUITE.rule("delayed-free-contract")
+def check_delayed_free(name: str) -> None:
+    """Every request whose `request_finished` returned True is named once by
+    `get_finished` (as a finished save) within the run; none is named that
+    was not held; afterwards every KV block is free again."""
+    rule = "delayed-free-contract"
+    prompts = random_prompts(3, PROMPT_LEN, seed=4)
+    with _debug_kv(), _connector_config(rule, name) as kv_config:
+        llm = _engine(rule, kv_config)
+        limit_steps(rule, llm, MAX_STEPS)
+        connector = engine_core(llm).kv_connector
+        held, reported = _trace_delayed_free(rule, connector)
+        _generate(rule, llm, prompts, _reference(prompts), "generation")
+        leak = block_leak(llm)
+    if held - reported:
+        raise ConformanceError(
+            rule, f"request_finished kept the blocks of {sorted(held - reported)}, never reported by get_finished"
+        )
+    if leak is not None:
+        raise ConformanceError(rule, f"after every request finished: {leak}")
+
+
+@SUITE.rule("missing-blocks-not-claimed")
+def check_missing(name: str) -> None:
+    """Prompts never seen claim no external tokens, count no load failure, and
+    generate exactly the tokens of an engine without the connector."""
+    rule = "missing-blocks-not-claimed"
+    prompts = random_prompts(2, PROMPT_LEN, seed=3)
+    expected = _reference(prompts)
+    with _debug_kv(), _connector_config(rule, name) as kv_config:
+        llm = _engine(rule, kv_config)
+        limit_steps(rule, llm, MAX_STEPS)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        stats = engine_core(llm).kv_connector.stats
+    if tokens != expected:
+        raise ConformanceError(rule, f"tokens {tokens} differ from an engine without the connector {expected}")
+    if stats.external_hits or any(o.num_cached_tokens for o in outputs):
+        raise ConformanceError(
+            rule, f"nothing was stored, yet {stats.external_hits} tokens were claimed as external hits"
+        )
+    if stats.load_failures:
+        raise ConformanceError(rule, f"nothing was stored, yet {stats.load_failures} load failures were counted")
+
+
+@SUITE.rule("save-load-round-trip")
+def check_round_trip(name: str) -> None:
+    """Prompts evicted from the local prefix cache come back through the
+    connector (external hits counted) and generate exactly the same tokens."""
+    rule = "save-load-round-trip"
+    first, second = random_prompts(3, PROMPT_LEN, seed=1), random_prompts(3, PROMPT_LEN, seed=2)
+    expected_first, expected_second = _reference(first), _reference(second)
+    with _debug_kv(), _connector_config(rule, name) as kv_config:
+        llm = _engine(rule, kv_config)
+        limit_steps(rule, llm, MAX_STEPS)
+        _generate(rule, llm, first, expected_first, "the first prompts")
+        _generate(rule, llm, second, expected_second, "other prompts (evicting the first from the pool)")
+        hits_before = engine_core(llm).kv_connector.stats.external_hits
+        _generate(rule, llm, first, expected_first, "the first prompts again")
+        loaded = engine_core(llm).kv_connector.stats.external_hits - hits_before
+    if loaded <= 0:
+        raise ConformanceError(
+            rule, "the first prompts' blocks were saved and evicted locally, but none was loaded back (external_hits)"
+        )
+
+
+@SUITE.rule("corrupted-blocks-reported")
+def check_corrupted(name: str) -> None:
+    """Blocks stored under ``extra.path`` with a flipped byte are not loaded
+    as they are: a fresh engine generates exactly the tokens of one without
+    the connector and counts load failures (a connector that stores nothing
+    under ``extra.path`` cannot be damaged from outside: skipped)."""
+    from pathlib import Path
+
+    rule = "corrupted-blocks-reported"
+    prompts = random_prompts(2, PROMPT_LEN, seed=5)
+    expected = _reference(prompts)
+    with _debug_kv(), _connector_config(rule, name) as kv_config:
+        writer = _engine(rule, kv_config)
+        _generate(rule, writer, prompts, expected, "storing the blocks")
+        stored = [f for f in sorted(Path(kv_config["extra"]["path"]).rglob("*")) if f.is_file()]
+        if not stored:
+            raise RuleSkipped(rule, f"{name} stores nothing under kv_transfer.extra.path")
+        for file in stored:
+            data = bytearray(file.read_bytes())
+            if len(data) > 64:  # NOTE: inside the payload, past any header
+                data[-10] ^= 0xFF
+                file.write_bytes(bytes(data))
+        reader = _engine(rule, kv_config)
+        limit_steps(rule, reader, MAX_STEPS)
+        _generate(rule, reader, prompts, expected, "loading the damaged blocks")
+        failures = engine_core(reader).kv_connector.stats.load_failures
+    if failures == 0:
+        raise ConformanceError(rule, f"{len(stored)} stored files were damaged, yet no load failure was counted")
+
+
+def _trace_delayed_free(rule: str, connector: Any) -> tuple[set[str], set[str]]:
+    """Wrap the connector instance's request_finished and get_finished: the
+    requests it held, and those it reported (each once, and only held ones)."""
+    held: set[str] = set()
+    reported: set[str] = set()
+    request_finished, get_finished = connector.request_finished, connector.get_finished
+
+    def traced_request_finished(request: Any, block_ids: list[int]) -> bool:
+        keep = bool(request_finished(request, block_ids))
+        if keep:
+            held.add(request.request_id)
+        return keep
+
+    def traced_get_finished(finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        sending, receiving = get_finished(finished_req_ids)
+        again = set(sending) & reported
+        if again:
+            raise ConformanceError(rule, f"get_finished reported the save of {sorted(again)} twice")
+        unknown = set(sending) - held
+        if unknown:  # NOTE: under the uni executor one instance serves both sides
+            raise ConformanceError(rule, f"get_finished reported {sorted(unknown)}, whose blocks were never held")
+        reported.update(sending)
+        return sending, receiving
+
+    connector.request_finished = traced_request_finished
+    connector.get_finished = traced_get_finished
+    return held, reported
