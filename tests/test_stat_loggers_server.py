@@ -46,10 +46,10 @@ def server(plugin_site: Path, stats_path: Path) -> Iterator[ServerProcess]:
 
     env = {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(plugin_site), os.environ.get("PYTHONPATH")])),
-        "PAGEDLLM_STATS_JSONL": str(stats_path),
     }
     args = ["--num-kv-blocks", "64", "--block-size", "16", "--dtype", "float32",
-            "--kv-connector", custom_stats_plugin.CONNECTOR_NAME, "--stat-loggers", "prometheus,jsonl"]
+            "--kv-connector", custom_stats_plugin.CONNECTOR_NAME, "--stat-loggers", "prometheus,jsonl",
+            "--plugin-config", f'example_statlogger={{"path": "{stats_path}"}}']
     with start_server(None, *args, env=env) as server:
         yield server
 

@@ -10,7 +10,9 @@ heartbeat (0 tokens), custom figures it declared and one it did not.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import tempfile
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from pagedllm.testing.suite import ConformanceError, Suite
@@ -19,6 +21,19 @@ if TYPE_CHECKING:
     from pagedllm.stat_loggers.base import StatLoggerBase, StatLoggerContext
 
 SUITE = Suite("stat_logger")
+
+
+def _in_scratch_dir(check: Callable[[str], None]) -> Callable[[str], None]:
+    """Run a rule in a fresh temporary working directory: a logger that
+    writes files (the jsonl example's default path is relative) leaves none
+    in the directory the suite was started from."""
+
+    @functools.wraps(check)
+    def run(name: str) -> None:
+        with tempfile.TemporaryDirectory(prefix="pagedllm-conformance-") as scratch, contextlib.chdir(scratch):
+            check(name)
+
+    return run
 
 
 def _context() -> StatLoggerContext:
@@ -91,12 +106,14 @@ def _steps() -> list[tuple[object, object, int | None, str]]:
 
 
 @SUITE.rule("builds-from-context")
+@_in_scratch_dir
 def check_builds(name: str) -> None:
     """``LoggerCls(context)`` works and gives a StatLoggerBase."""
     _build("builds-from-context", name)
 
 
 @SUITE.rule("records-every-stats-shape")
+@_in_scratch_dir
 def check_records(name: str) -> None:
     """``record`` accepts everything an engine sends, ``None`` parts included."""
     rule = "records-every-stats-shape"
@@ -107,6 +124,7 @@ def check_records(name: str) -> None:
 
 
 @SUITE.rule("lifecycle")
+@_in_scratch_dir
 def check_lifecycle(name: str) -> None:
     """``log_engine_initialized``, ``log`` (before and after records) and
     ``shutdown`` (twice: the front end may stop twice) do not raise."""
@@ -126,6 +144,7 @@ def check_lifecycle(name: str) -> None:
 
 
 @SUITE.rule("own-registry-only")
+@_in_scratch_dir
 def check_registry(name: str) -> None:
     """Two loggers in one process do not collide, and none registers a
     collector in prometheus_client's global registry (several engines, and

@@ -7,10 +7,9 @@
   iteration's token counts and latencies;
 - ``{"event": "finished", "time", ...FinishedRequestStats}``: one per finished request.
 
-The path: the ``path`` argument, else ``$PAGEDLLM_STATS_JSONL``, else
-``pagedllm-stats.jsonl`` in the working directory. (Per-plugin configuration,
-issue 18 point 1, would make it a plugin option; until it lands, the
-environment variable is how the server is told.) Each line is flushed as it
+The path: the ``path`` argument, else the plugin option ``path``
+(``JsonLinesOptions``; default ``pagedllm-stats.jsonl`` in the working
+directory). Each line is flushed as it
 is written, so a reader (``tail -f``, a test) sees it at once.
 """
 
@@ -18,23 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 import time
 from typing import IO, Any
 
 import msgspec
+from pagedllm_example_statlogger import JsonLinesOptions
 
+from pagedllm.plugins import get_plugin_manager
 from pagedllm.stat_loggers.base import StatLoggerBase, StatLoggerContext
-
-PATH_ENV = "PAGEDLLM_STATS_JSONL"
-DEFAULT_PATH = "pagedllm-stats.jsonl"
 
 
 class JsonLinesStatLogger(StatLoggerBase):
     def __init__(self, context: StatLoggerContext, path: str | None = None) -> None:
         super().__init__(context)
-        self.path = path or os.environ.get(PATH_ENV) or DEFAULT_PATH
+        self.path = path or get_plugin_manager().plugin_config(JsonLinesOptions).path
         self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in shutdown
         self._lock = threading.Lock()
 
