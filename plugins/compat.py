@@ -64,7 +64,10 @@ from packaging.version import Version
 #      `ToolParserInfo`, `pm.tool_parsers`, `server.tool_call_parser`); the
 #      reasoning-parser kind (`register_reasoning_parsers`, `ReasoningParser`,
 #      `ReasoningParserInfo`, `pm.reasoning_parsers`) and the logits-processor
-#      kind (`register_logits_processors`), added beside it.
+#      kind (`register_logits_processors`), added beside it; per-plugin
+#      options (`register_plugin_config` or `PAGEDLLM_PLUGIN_CONFIG`,
+#      `plugins.config`, `pm.plugin_config(Model)`); the conformance kit
+#      (`pagedllm.testing`).
 API_VERSION = "1.7.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
