@@ -13,13 +13,18 @@ KIND = "executor"
 SUITE = Suite(KIND)
 
 
+def _require_packages(rule: str, name: str) -> None:
+    """Skip ``rule`` when a package the executor requires is not installed."""
+    missing = [p for p in registration(rule, KIND, name).info.requires if importlib.util.find_spec(p) is None]
+    if missing:
+        raise RuleSkipped(rule, f"executor {name!r} requires {', '.join(missing)}, not installed")
+
+
 @SUITE.rule("loads")
 def check_loads(name: str) -> None:
     """The target imports (its required packages installed) and subclasses Executor."""
     rule = "loads"
-    missing = [p for p in registration(rule, KIND, name).info.requires if importlib.util.find_spec(p) is None]
-    if missing:
-        raise RuleSkipped(rule, f"executor {name!r} requires {', '.join(missing)}, not installed")
+    _require_packages(rule, name)
     load(rule, KIND, name)
 
 
@@ -27,9 +32,7 @@ def check_loads(name: str) -> None:
 def check_rpc_methods(name: str) -> None:
     """RPC_METHODS (what collective_rpc may call on the workers) is a frozenset of names."""
     rule = "rpc-methods"
-    missing = [p for p in registration(rule, KIND, name).info.requires if importlib.util.find_spec(p) is None]
-    if missing:
-        raise RuleSkipped(rule, f"executor {name!r} requires {', '.join(missing)}, not installed")
+    _require_packages(rule, name)
     methods = load(rule, KIND, name).RPC_METHODS
     if not isinstance(methods, frozenset) or not all(isinstance(m, str) and m for m in methods):
         raise ConformanceError(rule, f"RPC_METHODS is {methods!r}, not a frozenset of method names")
