@@ -30,3 +30,13 @@ def load(rule: str, kind: str, name: str) -> type[Any]:
         return get_plugin_manager().registry(kind).load(name)
     except PluginError as exc:
         raise ConformanceError(rule, str(exc)) from None
+
+
+def instantiate(rule: str, kind: str, name: str) -> Any:
+    """An instance of the class registered as ``name``, built with no
+    arguments; a constructor that raises is a ConformanceError of ``rule``."""
+    cls = load(rule, kind, name)
+    try:
+        return cls()
+    except Exception as exc:
+        raise ConformanceError(rule, f"{name}() raised {type(exc).__name__}: {exc}") from exc

@@ -9,7 +9,7 @@ import sys
 import uuid
 from typing import Any
 
-from pagedllm.testing.components import load
+from pagedllm.testing.components import instantiate
 from pagedllm.testing.suite import ConformanceError, Suite
 
 KIND = "model_source"
@@ -25,11 +25,7 @@ print("torch" in sys.modules)
 
 
 def _source(rule: str, name: str) -> Any:
-    cls = load(rule, KIND, name)
-    try:
-        return cls()
-    except Exception as exc:
-        raise ConformanceError(rule, f"{name}() raised {type(exc).__name__}: {exc}") from exc
+    return instantiate(rule, KIND, name)
 
 
 @SUITE.rule("unknown-name-is-none")

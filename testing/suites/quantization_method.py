@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from pagedllm.testing.components import load, registration
+from pagedllm.testing.components import instantiate, registration
 from pagedllm.testing.suite import ConformanceError, RuleSkipped, Suite
 
 KIND = "quantization_method"
@@ -26,11 +26,7 @@ def _method(rule: str, name: str) -> tuple[Any, str]:
     if info.device_types is not None and "cpu" not in info.device_types:
         raise RuleSkipped(rule, f"{name!r} runs on {', '.join(info.device_types)}, the suite on cpu")
     dtype = "float32" if info.dtypes is None or "float32" in info.dtypes else info.dtypes[0]
-    cls = load(rule, KIND, name)
-    try:
-        return cls(), dtype
-    except Exception as exc:
-        raise ConformanceError(rule, f"{name}() raised {type(exc).__name__}: {exc}") from exc
+    return instantiate(rule, KIND, name), dtype
 
 
 @SUITE.rule("loads")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from pagedllm.testing.components import load
+from pagedllm.testing.components import instantiate
 from pagedllm.testing.suite import ConformanceError, Suite
 
 KIND = "router"
@@ -15,11 +15,7 @@ SUITE = Suite(KIND)
 
 
 def _policy(rule: str, name: str) -> Any:
-    cls = load(rule, KIND, name)
-    try:
-        return cls()
-    except Exception as exc:
-        raise ConformanceError(rule, f"{name}() raised {type(exc).__name__}: {exc}") from exc
+    return instantiate(rule, KIND, name)
 
 
 def _replicas(rng: random.Random, indices: list[int]) -> list[Any]:
