@@ -12,6 +12,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_registry.tiny import get_tokenizer_dir
 from pagedllm.plugins import PluginManager
+from pagedllm.testing.checkpoints import hf_greedy
 
 
 def save_tiny_gpt2(path: Path) -> Path:
@@ -29,18 +30,6 @@ def save_tiny_gpt2(path: Path) -> Path:
     torch.manual_seed(0)
     GPT2LMHeadModel(config).save_pretrained(str(path))
     return path
-
-
-def hf_greedy(path: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    from transformers import GPT2LMHeadModel
-
-    model = GPT2LMHeadModel.from_pretrained(str(path), dtype=torch.float32).eval()
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            next_id = model(ids).logits[0, -1].argmax()
-            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-    return ids[0, len(prompt_ids) :].tolist()
 
 
 def test_gpt2_is_registered_through_the_entry_point() -> None:
