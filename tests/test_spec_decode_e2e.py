@@ -22,6 +22,7 @@ from helpers.tiny_models import cached_tiny_model
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.sampling_params import StructuredOutputsParams as SO
 from pagedllm.model_registry.tiny import MODEL_ALIASES, WEIGHTS_DIR
+from pagedllm.testing.suites.drafter import repeated_span_prompts
 
 NUM_PROMPTS = 16
 METHODS = ["ngram", "draft_model", "eagle"]
@@ -71,19 +72,6 @@ def _random_eagle_head() -> Path:
     return _eagle_dir[0]
 
 
-def _prompts(num_prompts: int = NUM_PROMPTS, seed: int = 0) -> list[list[int]]:
-    """Token ids with repeated spans (so prompt lookup finds matches), varied lengths."""
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(num_prompts):
-        span = [rng.randrange(8, 400) for _ in range(rng.randrange(3, 8))]
-        prompt = [rng.randrange(8, 400) for _ in range(rng.randrange(1, 6))]
-        for _ in range(rng.randrange(2, 5)):
-            prompt += span + [rng.randrange(8, 400)]
-        prompts.append(prompt)
-    return prompts
-
-
 def _greedy(max_tokens: int = MAX_NEW_TOKENS, **kwargs: Any) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
@@ -117,7 +105,7 @@ def _reference(prompts: list[list[int]], params: SamplingParams, **kwargs: Any) 
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_output_is_identical_with_speculation(method: str, k: int) -> None:
-    prompts = _prompts()
+    prompts = repeated_span_prompts(NUM_PROMPTS, seed=0)
     llm = _llm(_drafter_config(method, k))
     assert _generate(llm, prompts, _greedy()) == _reference(prompts, _greedy())
     stats = _spec_stats(llm)
@@ -129,7 +117,7 @@ def test_greedy_output_is_identical_with_speculation(method: str, k: int) -> Non
 def test_draft_model_equal_to_target_accepts_every_greedy_draft() -> None:
     target = _target()
     llm = _llm({"method": "draft_model", "num_speculative_tokens": 4, "model": target})
-    prompts = _prompts(8, seed=3)
+    prompts = repeated_span_prompts(8, seed=3)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == _reference(prompts, _greedy())
     for output in outputs:  # per request, too
@@ -145,7 +133,7 @@ def test_draft_model_equal_to_target_accepts_every_greedy_draft() -> None:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_preemption_during_speculation_leaves_outputs_identical(method: str) -> None:
-    prompts = _prompts(8, seed=5)
+    prompts = repeated_span_prompts(8, seed=5)
     params = _greedy(max_tokens=48)
     # 16 blocks of 16 tokens for 8 requests of ~30 + 48 tokens: preemption is certain.
     llm = _llm(_drafter_config(method, 3), num_kv_blocks=16, max_model_len=128)
@@ -157,7 +145,7 @@ def test_preemption_during_speculation_leaves_outputs_identical(method: str) -> 
 def test_prefix_cache_hits_during_speculation_leave_outputs_identical(method: str) -> None:
     rng = random.Random(11)
     shared = [rng.randrange(8, 400) for _ in range(40)]
-    prompts = [shared + p for p in _prompts(6, seed=7)]
+    prompts = [shared + p for p in repeated_span_prompts(6, seed=7)]
     params = _greedy()
     llm = _llm(_drafter_config(method, 3))
     first = _generate(llm, prompts, params)
@@ -170,7 +158,7 @@ def test_prefix_cache_hits_during_speculation_leave_outputs_identical(method: st
 
 @pytest.mark.parametrize("method", METHODS)
 def test_penalties_min_tokens_and_logprobs_follow_the_target(method: str) -> None:
-    prompts = _prompts(6, seed=13)
+    prompts = repeated_span_prompts(6, seed=13)
     params = [
         _greedy(repetition_penalty=1.3),
         _greedy(frequency_penalty=0.5, presence_penalty=0.3),
@@ -197,7 +185,7 @@ def test_penalties_min_tokens_and_logprobs_follow_the_target(method: str) -> Non
 
 @pytest.mark.parametrize("method", METHODS)
 def test_seeded_sampling_with_speculation_is_reproducible(method: str) -> None:
-    prompts = _prompts(6, seed=17)
+    prompts = repeated_span_prompts(6, seed=17)
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=MAX_NEW_TOKENS) for i in range(6)]
     first = _generate(_llm(_drafter_config(method, 3)), prompts, params)
     second = _generate(_llm(_drafter_config(method, 3)), prompts, params)
@@ -209,7 +197,7 @@ def test_seeded_sampling_with_speculation_is_reproducible(method: str) -> None:
 def test_seeded_request_gives_the_same_tokens_alone_and_in_any_batch(method: str) -> None:
     # The drafts of a seeded request come from its own generator too, so the
     # batch around it (here: unseeded random requests) cannot change them.
-    prompts = _prompts(5, seed=19)
+    prompts = repeated_span_prompts(5, seed=19)
     seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     others = [SamplingParams(temperature=1.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True) for _ in range(4)]
     llm = _llm(_drafter_config(method, 3))
@@ -242,7 +230,7 @@ def test_json_schema_output_stays_valid_under_speculation(method: str) -> None:
 @pytest.mark.parametrize("method", METHODS)
 def test_chunked_prefill_and_a_tight_token_budget_leave_outputs_identical(method: str) -> None:
     # 10 tokens per step: prompts arrive in chunks and 1 + k rarely fits for everyone.
-    prompts = _prompts(6, seed=19)
+    prompts = repeated_span_prompts(6, seed=19)
     llm = _llm(_drafter_config(method, 4), max_num_batched_tokens=10, max_model_len=128)
     assert _generate(llm, prompts, _greedy()) == _reference(prompts, _greedy())
     assert _spec_stats(llm).num_draft_tokens > 0
@@ -251,7 +239,7 @@ def test_chunked_prefill_and_a_tight_token_budget_leave_outputs_identical(method
 def test_drafts_stop_at_max_model_len() -> None:
     # Prompts end 6 tokens before max_model_len: generation is cut by length,
     # and no draft may reach past the last position.
-    prompts = [p[:20] for p in _prompts(4, seed=23)]
+    prompts = [p[:20] for p in repeated_span_prompts(4, seed=23)]
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     for method in METHODS:
         llm = _llm(_drafter_config(method, 5), max_model_len=26)
@@ -266,7 +254,7 @@ def test_penalties_see_the_drafts_before_each_position() -> None:
     # The unpenalized draft model (= the target) wants to repeat itself; under
     # strong penalties the target must refuse a draft that repeats an earlier
     # draft of the same step, so row j's counts must include drafts[:j].
-    prompts = _prompts(6, seed=29)
+    prompts = repeated_span_prompts(6, seed=29)
     params = [
         _greedy(max_tokens=64, frequency_penalty=2.0),
         _greedy(max_tokens=64, presence_penalty=2.0),
@@ -282,7 +270,7 @@ def test_spawned_engine_core_speculates_and_reports_counts() -> None:
     from pagedllm.engine.core_client import SyncMPClient
     from pagedllm.engine.input_processor import make_request
 
-    prompts = _prompts(4, seed=31)
+    prompts = repeated_span_prompts(4, seed=31)
     params = _greedy()
     config = EngineConfig.load(
         model={"model": _target(), "dtype": "float32"}, cache={"num_kv_blocks": 128},

@@ -30,8 +30,9 @@ MAX_NEW_TOKENS = 12
 MAX_STEPS = 400
 
 
-def _prompts(num: int, seed: int) -> list[list[int]]:
-    """Token ids with repeated spans, of varied lengths."""
+def repeated_span_prompts(num: int, seed: int) -> list[list[int]]:
+    """Token ids with repeated spans (so prompt lookup finds matches), of
+    varied lengths; the repository's speculative-decoding tests use them too."""
     rng = random.Random(seed)
     prompts = []
     for _ in range(num):
@@ -129,7 +130,7 @@ def check_proposes(name: str) -> None:
     """On prompts of repeated spans the drafter proposes drafts (else every other rule checks nothing)."""
     rule = "proposes-drafts"
     llm = _engine(rule, name, 3)
-    _run(rule, llm, _prompts(5, seed=1), _greedy())
+    _run(rule, llm, repeated_span_prompts(5, seed=1), _greedy())
     if engine_core(llm).scheduler.total_spec_decoding_stats.num_draft_tokens == 0:
         raise ConformanceError(rule, "no draft was proposed on prompts of repeated spans")
 
@@ -138,7 +139,7 @@ def check_proposes(name: str) -> None:
 def check_greedy(name: str) -> None:
     """Greedy tokens with the drafter (k = 1 and 4) equal those without."""
     rule = "greedy-output-unchanged"
-    prompts = _prompts(5, seed=1)
+    prompts = repeated_span_prompts(5, seed=1)
     expected = _reference(prompts, _greedy())
     for k in (1, 4):
         tokens = _run(rule, _engine(rule, name, k), prompts, _greedy())
@@ -154,7 +155,7 @@ def check_k(name: str) -> None:
         llm = _engine(rule, name, k)
         vocab_size = engine_core(llm).vocab_size
         with _recorded(rule, name) as calls:
-            _run(rule, llm, _prompts(4, seed=2), _greedy())
+            _run(rule, llm, repeated_span_prompts(4, seed=2), _greedy())
         for req_ids, _, drafts in calls:
             for req_id, draft in zip(req_ids, drafts, strict=True):
                 if len(draft) > k:
@@ -190,7 +191,7 @@ def check_empty(name: str) -> None:
 def check_batch_order(name: str) -> None:
     """Each request gets the drafts it gets alone, wherever it sits in a batch."""
     rule = "batch-order"
-    prompts = _prompts(4, seed=4)
+    prompts = repeated_span_prompts(4, seed=4)
     alone: dict[int, list[list[int]]] = {}
     llm = _engine(rule, name, 3)
     for index, prompt in enumerate(prompts):
@@ -227,7 +228,7 @@ def check_seeded(name: str) -> None:
     from pagedllm import SamplingParams
 
     rule = "seeded-sampling"
-    prompts = _prompts(4, seed=5)
+    prompts = repeated_span_prompts(4, seed=5)
     seeded = [
         SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
         for i in range(len(prompts))
