@@ -43,6 +43,28 @@ class AttentionCase:
     requests: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
+def paged_metadata(
+    query_lens: list[int], seq_lens: list[int], block_table: torch.Tensor, slots: list[int]
+) -> AttentionMetadata:
+    """The common metadata of a flattened batch, on the CPU: request r's
+    ``query_lens[r]`` new tokens are the last of its ``seq_lens[r]``, and
+    ``slots`` are the cache slots of all the new tokens in batch order."""
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    return AttentionMetadata(
+        num_actual_tokens=sum(query_lens),
+        num_reqs=len(query_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens_t,
+        block_table=block_table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens_cpu=seq_lens_t.clone(),
+    )
+
+
 def build_case(
     seq_lens: list[int],
     query_lens: list[int],
@@ -98,20 +120,7 @@ def build_case(
 
     if kv_cache_dtype is not None:
         kv_cache = kv_cache.to(kv_cache_dtype)  # NaN stays NaN
-    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-    metadata = AttentionMetadata(
-        num_actual_tokens=sum(query_lens),
-        num_reqs=num_reqs,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens_t,
-        block_table=block_table,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc_cpu=query_start_loc.clone(),
-        seq_lens_cpu=seq_lens_t.clone(),
-    )
+    metadata = paged_metadata(query_lens, seq_lens, block_table, slots)
     on_device = {name: getattr(metadata, name).to(DEVICE) for name in
                  ("query_start_loc", "seq_lens", "block_table", "slot_mapping")}
     return AttentionCase(

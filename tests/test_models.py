@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.attention_case import paged_metadata
 from helpers.tiny_models import cached_tiny_model
 
-from pagedllm.attention_backends.base import AttentionMetadata
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
 from pagedllm.model_registry.interface import ModelForCausalLM
 from pagedllm.model_registry.layers.rotary import compute_inv_freq, get_rope_parameters
@@ -95,21 +95,9 @@ class PagedBatchRunner:
         block_table = torch.zeros(len(schedule), max_blocks, dtype=torch.int32)
         for row, (r, _) in enumerate(schedule):
             block_table[row, : len(self.block_tables[r])] = torch.tensor(self.block_tables[r])
-        query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-        metadata = AttentionMetadata(
-            num_actual_tokens=len(input_ids),
-            num_reqs=len(schedule),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens_t,
-            block_table=block_table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc_cpu=query_start_loc.clone(),
-            seq_lens_cpu=seq_lens_t.clone(),
+        metadata = TorchNativeBackend.build_metadata(
+            paged_metadata(query_lens, seq_lens, block_table, slots), self.block_size
         )
-        metadata = TorchNativeBackend.build_metadata(metadata, self.block_size)
         with torch.no_grad():
             hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), metadata)
             logits = self.model.compute_logits(hidden)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.attention_case import paged_metadata
 from helpers.tiny_models import cached_tiny_model
 from helpers.tp_weights import expected_param_bytes
 
@@ -67,15 +68,8 @@ def _metadata(starts: list[int], query_lens: list[int]) -> AttentionMetadata:
     slots = [r * BLOCKS_PER_REQUEST * BLOCK_SIZE + pos
              for r, (start, n) in enumerate(zip(starts, query_lens, strict=True)) for pos in range(start, start + n)]
     block_table = torch.arange(len(starts) * BLOCKS_PER_REQUEST, dtype=torch.int32).view(len(starts), -1)
-    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor([s + n for s, n in zip(starts, query_lens, strict=True)], dtype=torch.int32)
-    metadata = AttentionMetadata(
-        num_actual_tokens=sum(query_lens), num_reqs=len(starts), max_query_len=max(query_lens),
-        max_seq_len=int(seq_lens.max()), query_start_loc=query_start_loc, seq_lens=seq_lens,
-        block_table=block_table, slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc_cpu=query_start_loc.clone(), seq_lens_cpu=seq_lens.clone(),
-    )
-    return TorchNativeBackend.build_metadata(metadata, BLOCK_SIZE)
+    seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
+    return TorchNativeBackend.build_metadata(paged_metadata(query_lens, seq_lens, block_table, slots), BLOCK_SIZE)
 
 
 def run_two_steps(model: Any) -> torch.Tensor:

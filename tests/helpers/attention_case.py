@@ -4,6 +4,6 @@ every backend; the repository's own tests import it from here as before."""
 
 from __future__ import annotations
 
-from pagedllm.testing.attention_case import DEVICE, AttentionCase, build_case, run_backend
+from pagedllm.testing.attention_case import DEVICE, AttentionCase, build_case, paged_metadata, run_backend
 
-__all__ = ["DEVICE", "AttentionCase", "build_case", "run_backend"]
+__all__ = ["DEVICE", "AttentionCase", "build_case", "paged_metadata", "run_backend"]
