@@ -10,15 +10,13 @@ from typing import Any
 
 import torch
 
-TINY_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
+from pagedllm.testing.checkpoints import TINY_SIZES
+
+# The conformance kit's tiny sizes with a vocabulary of our own; head_dim
+# only where a config defaults it to something else (build_tiny_model).
+TINY_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 512, **{key: value for key, value in TINY_SIZES.items() if key != "head_dim"}
+}
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
