@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention_backends import cpu_decode_kernel
 from pagedllm.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
 from pagedllm.attention_backends.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv, read_kv, write_kv
 
@@ -52,6 +53,10 @@ class RequestGroup:
     query_pos: torch.Tensor  # int64 [B, max_query_len], padded rows clamped to the last position
     key_pos: torch.Tensor  # int64 [max_seq_len]
     flat_key_slots: torch.Tensor  # key_slots.view(-1)
+    # Pure decode groups: the requests' block table rows (int32 [B, W]) and
+    # context lengths (int32 [B]), for the CPU decode kernel.
+    block_table: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -130,6 +135,8 @@ def _build_group(
         query_pos=query_pos.to(device),
         key_pos=key_pos.to(device),
         flat_key_slots=key_slots.reshape(-1),
+        block_table=req_block_table.to(torch.int32).contiguous() if is_pure_decode else None,
+        seq_lens=seq_lens.to(torch.int32).contiguous() if is_pure_decode else None,
     )
 
 
@@ -223,7 +230,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
             write_kv(value_cache, plan.write_slots, value[plan.write_rows], self.v_scale)
 
         if len(plan.groups) == 1 and plan.groups[0].token_rows is None:
-            return self._attend_group(query, key_cache, value_cache, plan.groups[0])
+            return self._attend_group(query, key_cache, value_cache, plan.groups[0], plan.block_size)
         # NOTE: every row belongs to one group or one fresh prefill, so every
         # row of `output` is written below.
         output = torch.empty_like(query)
@@ -235,7 +242,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
             output[start:end] = self._attend_fresh_prefill(query[start:end], key[start:end], value[start:end])
         for group in plan.groups:  # at most three: decodes (in one or two groups), prefill chunks with context
             assert group.token_rows is not None
-            group_out = self._attend_group(query[group.token_rows], key_cache, value_cache, group)
+            group_out = self._attend_group(query[group.token_rows], key_cache, value_cache, group, plan.block_size)
             output.index_copy_(0, group.token_rows, group_out)
         return output
 
@@ -265,9 +272,17 @@ class TorchNativeAttentionImpl(AttentionImpl):
         key_cache: torch.Tensor,  # [slots, Hkv, D]
         value_cache: torch.Tensor,
         group: RequestGroup,
+        block_size: int,
     ) -> torch.Tensor:  # [Tg, H, D]
         num_reqs, max_query_len = group.num_reqs, group.max_query_len
         num_heads, num_kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size
+        if group.block_table is not None and group.seq_lens is not None and cpu_decode_kernel.supports(
+            query, key_cache, num_heads, num_kv_heads
+        ):
+            return cpu_decode_kernel.paged_decode(
+                query, key_cache, value_cache, block_size, group.block_table, group.seq_lens, self.scale,
+                self.sliding_window, self.logits_soft_cap,
+            )
 
         if group.padded_rows is None:
             padded_query = query

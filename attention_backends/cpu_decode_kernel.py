@@ -1,0 +1,160 @@
+"""The CPU paged-decode kernel (csrc/paged_decode.c), built on first use.
+
+Decode attention in plain torch gathers every request's keys and values out
+of the paged cache into a padded copy, then runs SDPA over it: the 100M
+Llama's decode step at batch 32 spent ~40 % of its time there. The kernel
+reads each request's own keys and values in place through its block table,
+one pass over K and one over V, float32 softmax and accumulation (~0.65x the
+CPU time of gather + SDPA per layer at batch 32, contexts 65-320, bfloat16,
+one thread: `benchmarks/paged_decode.py`; it is bound by reading the cache).
+
+It is plain C loaded with ctypes, not a torch extension: building it takes
+the system C compiler about a second (no torch headers, no ninja), once per
+source version and CPU, into `$PAGEDLLM_CACHE_DIR/kernels/`. Without a
+compiler, or when `PAGEDLLM_CPU_DECODE_KERNEL=0`, `load()` returns None and
+torch_native keeps its gather + SDPA path; the reason is logged once.
+
+ctypes releases the GIL during the call, so at N torch threads a batch is
+split into N slices of requests run on N threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+# Storage dtypes the kernel reads (its `dtype` argument).
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_GROUP = 64  # query heads per KV head (csrc/paged_decode.c)
+MAX_HEAD_SIZE = 512
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC")
+ENV_SWITCH = "PAGEDLLM_CPU_DECODE_KERNEL"
+
+_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_ARGTYPES = [_INT, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT, _INT, _INT, _INT,
+             _F32, _I64, _F32]
+
+
+def _cpu_fingerprint() -> str:
+    """-march=native code runs only on this CPU model: key the build by it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {flags}"
+
+
+def _library_path() -> Path:
+    from pagedllm.model_registry.tiny.cache import get_cache_root
+
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_fingerprint().encode())
+    return get_cache_root() / "kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc or $CC) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)  # atomic: a concurrent builder's file is as good
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; None when it cannot be (logged once)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    try:
+        path = _library_path()
+        if not path.exists():
+            _build(path)
+        library = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        logger.info("CPU paged-decode kernel unavailable (%s %s); torch_native gathers and uses SDPA",
+                    exc, detail.decode(errors="replace")[:500])
+        return None
+    library.paged_decode.restype = ctypes.c_int
+    library.paged_decode.argtypes = _ARGTYPES
+    return library
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether the kernel can run this layer's decode (and is built)."""
+    return (
+        key_cache.device.type == "cpu"
+        and key_cache.dtype in KERNEL_DTYPES
+        and query.dtype == key_cache.dtype
+        and num_heads // num_kv_heads <= MAX_GROUP
+        and query.shape[-1] <= MAX_HEAD_SIZE
+        and load() is not None
+    )
+
+
+@functools.cache
+def _pool(num_threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(num_threads, thread_name_prefix="paged-decode")
+
+
+def paged_decode(
+    query: torch.Tensor,  # [B, H, D], one row per request; heads and head dims contiguous
+    key_cache: torch.Tensor,  # [num_blocks * block_size, Hkv, D]: flat slots, heads and head dims contiguous
+    value_cache: torch.Tensor,  # same shape and strides
+    block_size: int,
+    block_table: torch.Tensor,  # int32 [B, W], rows contiguous
+    seq_lens: torch.Tensor,  # int32 [B], contiguous; request r attends to its positions < seq_lens[r]
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:  # [B, H, D]
+    """Attention of each request's one query token over its cached keys."""
+    library = load()
+    if library is None:
+        raise RuntimeError("the CPU paged-decode kernel is not built; check supports() first")
+    num_reqs, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[1]
+    if query.stride(2) != 1 or query.stride(1) != head_size:
+        query = query.contiguous()
+    out = torch.empty(num_reqs, num_heads, head_size, dtype=query.dtype)
+    leading = (
+        KERNEL_DTYPES[key_cache.dtype], query.data_ptr(), query.stride(0), key_cache.data_ptr(),
+        value_cache.data_ptr(), key_cache.stride(0), block_table.data_ptr(), block_table.stride(0),
+        seq_lens.data_ptr(), out.data_ptr(),
+    )
+    trailing = (num_heads, num_kv_heads, head_size, block_size, scale, sliding_window or 0, soft_cap or 0.0)
+
+    def run(begin: int, end: int) -> None:
+        if library.paged_decode(*leading, begin, end, *trailing) != 0:
+            raise RuntimeError(f"paged_decode kernel: unsupported shape (heads {num_heads}/{num_kv_heads}, "
+                               f"head size {head_size}) or out of memory")
+
+    num_threads = min(torch.get_num_threads(), num_reqs)
+    if num_threads <= 1:
+        run(0, num_reqs)
+        return out
+    bounds = [num_reqs * i // num_threads for i in range(num_threads + 1)]
+    # NOTE: list() waits for every slice and re-raises the first failure.
+    list(_pool(num_threads).map(run, bounds[:-1], bounds[1:]))
+    return out

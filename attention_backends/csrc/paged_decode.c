@@ -1,0 +1,191 @@
+/* Paged attention for decode rows (one query token per request) on the CPU.
+ *
+ * Reads each request's keys and values straight from the paged cache through
+ * its block table: nothing is gathered into a padded copy, and a request
+ * reads only its own keys. Scores, softmax and the weighted sum of values are
+ * in float32 whatever the storage dtype (float32 or bfloat16), like
+ * torch's SDPA CPU kernel. Loaded through ctypes (no Python or torch headers),
+ * so building it takes a C compiler and well under a second; see
+ * attention_backends/cpu_decode_kernel.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUP 64 /* query heads per KV head */
+#define MAX_HEAD_SIZE 512
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* exp(x) for x <= 0, within 2 ulp of expf (Cephes' expf polynomial), in a
+ * form the compiler vectorises: libm's expf is a scalar call, and the
+ * softmax's exps were a third of the kernel's time. Below -87.3 it returns
+ * exp(-87.3) ~ 1.2e-38 instead of a smaller number: against a softmax
+ * denominator of at least 1 that is 0. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* One (request, KV head): its `group` query heads attend over keys [start, len).
+ * HS is the head size: a constant for the common sizes, so that the compiler
+ * unrolls the dot products; the block loop keeps divisions out of the token loop. */
+#define DEFINE_ATTEND(NAME, T, LOAD, HS)                                                                   \
+    static void NAME(const float *q, /* [group][head_size], already scaled */                             \
+                     const T *k_cache, const T *v_cache, int64_t stride_slot, const int32_t *blocks,       \
+                     int block_size, int64_t start, int64_t len, int group, int head_size, float soft_cap, \
+                     float *scores, /* [group][len - start] */                                            \
+                     float *out /* [group][head_size] */) {                                               \
+        const int hs = HS;                                                                                 \
+        float max_score[MAX_GROUP], denom[MAX_GROUP];                                                      \
+        (void)head_size;                                                                                   \
+        for (int g = 0; g < group; g++) max_score[g] = -INFINITY;                                          \
+        int64_t n = len - start;                                                                           \
+        for (int64_t b = start / block_size; b * block_size < len; b++) {                                  \
+            int64_t t0 = b * block_size > start ? b * block_size : start;                                  \
+            int64_t t1 = (b + 1) * block_size < len ? (b + 1) * block_size : len;                          \
+            const T *k = k_cache + ((int64_t)blocks[b] * block_size + (t0 - b * block_size)) * stride_slot; \
+            for (int64_t t = t0; t < t1; t++, k += stride_slot) {                                          \
+                for (int g = 0; g < group; g++) {                                                          \
+                    const float *qg = q + (int64_t)g * hs;                                                 \
+                    float acc = 0.0f;                                                                      \
+                    _Pragma("omp simd reduction(+ : acc)") for (int d = 0; d < hs; d++) acc +=             \
+                        qg[d] * LOAD(k[d]);                                                                \
+                    if (soft_cap > 0.0f) acc = soft_cap * tanhf(acc / soft_cap);                           \
+                    scores[g * n + (t - start)] = acc;                                                     \
+                    if (acc > max_score[g]) max_score[g] = acc;                                            \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int g = 0; g < group; g++) {                                                                  \
+            float *sg = scores + g * n, m = max_score[g], sum = 0.0f;                                      \
+            _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < n; i++) {                       \
+                sg[i] = exp_nonpositive(sg[i] - m);                                                        \
+                sum += sg[i];                                                                              \
+            }                                                                                              \
+            denom[g] = sum;                                                                                \
+        }                                                                                                  \
+        memset(out, 0, sizeof(float) * (size_t)group * (size_t)hs);                                        \
+        for (int64_t b = start / block_size; b * block_size < len; b++) {                                  \
+            int64_t t0 = b * block_size > start ? b * block_size : start;                                  \
+            int64_t t1 = (b + 1) * block_size < len ? (b + 1) * block_size : len;                          \
+            const T *v = v_cache + ((int64_t)blocks[b] * block_size + (t0 - b * block_size)) * stride_slot; \
+            for (int64_t t = t0; t < t1; t++, v += stride_slot) {                                          \
+                for (int g = 0; g < group; g++) {                                                          \
+                    float p = scores[g * n + (t - start)];                                                 \
+                    float *o = out + (int64_t)g * hs;                                                      \
+                    _Pragma("omp simd") for (int d = 0; d < hs; d++) o[d] += p * LOAD(v[d]);               \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int g = 0; g < group; g++) {                                                                  \
+            float inv = 1.0f / denom[g];                                                                   \
+            float *o = out + (int64_t)g * hs;                                                              \
+            for (int d = 0; d < hs; d++) o[d] *= inv;                                                      \
+        }                                                                                                  \
+    }
+
+#define LOAD_F32(x) (x)
+#define LOAD_BF16(x) bf16_to_f32(x)
+DEFINE_ATTEND(attend_f32, float, LOAD_F32, head_size)
+DEFINE_ATTEND(attend_bf16, uint16_t, LOAD_BF16, head_size)
+DEFINE_ATTEND(attend_f32_64, float, LOAD_F32, 64)
+DEFINE_ATTEND(attend_bf16_64, uint16_t, LOAD_BF16, 64)
+DEFINE_ATTEND(attend_f32_128, float, LOAD_F32, 128)
+DEFINE_ATTEND(attend_bf16_128, uint16_t, LOAD_BF16, 128)
+
+typedef void (*attend_fn)(const float *, const void *, const void *, int64_t, const int32_t *, int, int64_t,
+                          int64_t, int, int, float, float *, float *);
+
+static attend_fn pick_attend(int dtype, int head_size) {
+    if (head_size == 64) return dtype ? (attend_fn)attend_bf16_64 : (attend_fn)attend_f32_64;
+    if (head_size == 128) return dtype ? (attend_fn)attend_bf16_128 : (attend_fn)attend_f32_128;
+    return dtype ? (attend_fn)attend_bf16 : (attend_fn)attend_f32;
+}
+
+/* Decode attention for requests [req_begin, req_end) of the arrays below.
+ *
+ * dtype: 0 float32, 1 bfloat16 (query, cache and output alike).
+ * q: row r, head h at q + r * q_stride_row + h * head_size (elements).
+ * k_cache / v_cache: slot s, KV head j at cache + s * cache_stride_slot + j * head_size.
+ * block_table: request r's blocks at block_table + r * block_table_stride.
+ * seq_lens: request r attends to positions [max(0, len - sliding_window), len).
+ * out: [rows][num_heads][head_size], contiguous.
+ * sliding_window <= 0 and soft_cap <= 0 mean none.
+ * Returns 0, or -1 when a scratch buffer cannot be allocated or a size is out of range.
+ */
+int paged_decode(int dtype, const void *q, int64_t q_stride_row, const void *k_cache, const void *v_cache,
+                 int64_t cache_stride_slot, const int32_t *block_table, int64_t block_table_stride,
+                 const int32_t *seq_lens, void *out, int64_t req_begin, int64_t req_end, int num_heads,
+                 int num_kv_heads, int head_size, int block_size, float scale, int64_t sliding_window,
+                 float soft_cap) {
+    int group = num_heads / num_kv_heads;
+    if (group > MAX_GROUP || head_size > MAX_HEAD_SIZE || num_heads % num_kv_heads) return -1;
+    int64_t max_len = 1;
+    for (int64_t r = req_begin; r < req_end; r++)
+        if (seq_lens[r] > max_len) max_len = seq_lens[r];
+    float *scores = malloc(sizeof(float) * (size_t)group * (size_t)max_len);
+    float *acc = malloc(sizeof(float) * (size_t)group * (size_t)head_size);
+    float *qf = malloc(sizeof(float) * (size_t)group * (size_t)head_size);
+    if (!scores || !acc || !qf) {
+        free(scores), free(acc), free(qf);
+        return -1;
+    }
+    attend_fn attend = pick_attend(dtype, head_size);
+    for (int64_t r = req_begin; r < req_end; r++) {
+        int64_t len = seq_lens[r];
+        int64_t start = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+        const int32_t *blocks = block_table + r * block_table_stride;
+        for (int j = 0; j < num_kv_heads; j++) {
+            int64_t head0 = (int64_t)j * group; /* query heads head0 .. head0 + group - 1 */
+            for (int g = 0; g < group; g++)
+                for (int d = 0; d < head_size; d++) {
+                    int64_t i = r * q_stride_row + (head0 + g) * head_size + d;
+                    float x = dtype ? bf16_to_f32(((const uint16_t *)q)[i]) : ((const float *)q)[i];
+                    qf[g * head_size + d] = x * scale;
+                }
+            int64_t cache_off = (int64_t)j * head_size;
+            size_t elem = dtype ? sizeof(uint16_t) : sizeof(float);
+            attend(qf, (const char *)k_cache + cache_off * elem, (const char *)v_cache + cache_off * elem,
+                   cache_stride_slot, blocks, block_size, start, len, group, head_size, soft_cap, scores, acc);
+            for (int g = 0; g < group; g++)
+                for (int d = 0; d < head_size; d++) {
+                    int64_t i = (r * num_heads + head0 + g) * head_size + d;
+                    float x = acc[g * head_size + d];
+                    if (dtype)
+                        ((uint16_t *)out)[i] = f32_to_bf16(x);
+                    else
+                        ((float *)out)[i] = x;
+                }
+        }
+    }
+    free(scores), free(acc), free(qf);
+    return 0;
+}
