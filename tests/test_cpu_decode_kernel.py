@@ -1,0 +1,147 @@
+"""The CPU paged-decode kernel (attention_backends/csrc/paged_decode.c)
+against a float64 per-request reference in plain torch.
+
+Every case's cache holds NaN in the slots no request owns and its blocks are
+shuffled (helpers/attention_case.py), so reading a wrong slot shows.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.attention_case import build_case, run_backend
+
+from pagedllm.attention_backends import cpu_decode_kernel
+from pagedllm.attention_backends.torch_native import TorchNativeBackend
+
+pytestmark = pytest.mark.skipif(cpu_decode_kernel.load() is None, reason="no C compiler to build the kernel")
+
+
+def reference(case_requests: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], scale: float,
+              sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
+    """[B, H, D] float64: each request's last position attends over its keys."""
+    outs = []
+    for query, keys, values in case_requests:
+        num_heads, num_kv_heads = query.shape[1], keys.shape[1]
+        k = keys.double().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [S, H, D]
+        v = values.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("hd,shd->hs", query[-1].double(), k) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        seq_len = keys.shape[0]
+        if sliding_window is not None:
+            scores[:, : max(0, seq_len - sliding_window)] = float("-inf")
+        outs.append(torch.einsum("hs,shd->hd", torch.softmax(scores, dim=-1), v))
+    return torch.stack(outs)
+
+
+def run_kernel(seq_lens: list[int], dtype: torch.dtype, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel output [B, H, D], float64 reference) for one decode token per request."""
+    sliding_window, soft_cap = kwargs.get("sliding_window"), kwargs.get("soft_cap")
+    case = build_case(seq_lens, [1] * len(seq_lens), dtype=dtype, **kwargs)
+    head_size, block_size = case.head_size, case.block_size
+    # The step's own key and value go in the cache first, as the backend writes them.
+    slots = case.metadata.slot_mapping
+    key_cache = case.kv_cache[0].view(-1, case.num_kv_heads, head_size)
+    value_cache = case.kv_cache[1].view(-1, case.num_kv_heads, head_size)
+    key_cache[slots], value_cache[slots] = case.key, case.value
+    out = cpu_decode_kernel.paged_decode(
+        case.query, key_cache, value_cache, block_size, case.metadata.block_table, case.metadata.seq_lens_cpu,
+        head_size**-0.5, sliding_window, soft_cap,
+    )
+    return out, reference(case.requests, head_size**-0.5, sliding_window, soft_cap)
+
+
+SEQ_LENS = [1, 17, 40, 16, 95, 3, 64]
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 16, 80])  # the two compiled-in sizes and the generic loop
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(12, 4), (4, 4), (8, 1)])
+def test_float32_matches_the_reference(head_size: int, num_heads: int, num_kv_heads: int) -> None:
+    out, ref = run_kernel(SEQ_LENS, torch.float32, head_size=head_size, num_heads=num_heads,
+                          num_kv_heads=num_kv_heads)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("head_size", [64, 80])
+def test_bfloat16_is_the_float32_result_rounded_once(head_size: int) -> None:
+    """bf16 in, float32 softmax and sums, one rounding to bf16 at the end:
+    within half a bf16 ulp of the exact result, plus float32 summation error."""
+    out, ref = run_kernel(SEQ_LENS, torch.bfloat16, head_size=head_size, num_heads=12, num_kv_heads=4)
+    bound = torch.finfo(torch.bfloat16).eps / 2 * ref.abs() + 1e-6
+    assert bool(((out.double() - ref).abs() <= bound).all()), float(((out.double() - ref).abs() / bound).max())
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_block_sizes(block_size: int) -> None:
+    out, ref = run_kernel(SEQ_LENS, torch.float32, block_size=block_size)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 16, 200])
+def test_sliding_window_reads_only_the_last_positions(sliding_window: int) -> None:
+    out, ref = run_kernel(SEQ_LENS, torch.float32, sliding_window=sliding_window)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+
+
+def test_logits_soft_cap() -> None:
+    out, ref = run_kernel(SEQ_LENS, torch.float32, soft_cap=2.0, sliding_window=30)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+
+
+def test_a_batch_split_over_threads_is_bit_identical() -> None:
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = run_kernel(SEQ_LENS * 3, torch.bfloat16, num_heads=12, num_kv_heads=4, head_size=64)
+        torch.set_num_threads(3)
+        three, _ = run_kernel(SEQ_LENS * 3, torch.bfloat16, num_heads=12, num_kv_heads=4, head_size=64)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, three)
+
+
+def test_torch_native_decodes_go_through_the_kernel_and_match_the_gather_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A mixed batch: its decode rows take the kernel, the rest SDPA; switching
+    the kernel off gives the same output up to float32 rounding."""
+    calls = []
+    kernel = cpu_decode_kernel.paged_decode
+    monkeypatch.setattr(cpu_decode_kernel, "paged_decode", lambda *args: calls.append(1) or kernel(*args))
+    case = build_case([37, 20, 50, 9, 33], [12, 20, 1, 1, 1], num_heads=12, num_kv_heads=4, head_size=64)
+    with_kernel, _ = run_backend(TorchNativeBackend, case)
+    assert calls == [1, 1]  # the decodes are in two groups (contexts 9 vs 33 and 50: split_by_length)
+    monkeypatch.setattr(cpu_decode_kernel, "supports", lambda *args: False)
+    without, _ = run_backend(TorchNativeBackend, case)
+    assert calls == [1, 1]
+    torch.testing.assert_close(with_kernel, without, atol=2e-6, rtol=2e-6)
+
+
+def test_without_a_compiler_load_returns_none_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    cpu_decode_kernel.load.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger=cpu_decode_kernel.__name__):
+            assert cpu_decode_kernel.load() is None
+        assert "kernel unavailable" in caplog.text
+        assert not list((tmp_path / "kernels").glob("*.so"))  # no half-built library left behind
+    finally:
+        cpu_decode_kernel.load.cache_clear()
+
+
+def test_the_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_decode_kernel.ENV_SWITCH, "0")
+    cpu_decode_kernel.load.cache_clear()
+    try:
+        assert cpu_decode_kernel.load() is None
+        query, cache = torch.zeros(1, 4, 16), torch.zeros(16, 2, 16)
+        assert not cpu_decode_kernel.supports(query, cache, 4, 2)
+    finally:
+        cpu_decode_kernel.load.cache_clear()
