@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-share
 ENV_SWITCH = "PAGEDLLM_CPU_DECODE_KERNEL"
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_ARGTYPES = [_INT, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT, _INT, _INT, _INT,
+_ARGTYPES: list[Any] = [_INT, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT, _INT, _INT, _INT,
              _F32, _I64, _F32]
 
 
