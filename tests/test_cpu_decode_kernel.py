@@ -71,6 +71,10 @@ def test_bfloat16_is_the_float32_result_rounded_once(head_size: int) -> None:
     """bf16 in, float32 softmax and sums, one rounding to bf16 at the end:
     within half a bf16 ulp of the exact result, plus float32 summation error."""
     out, ref = run_kernel(SEQ_LENS, torch.bfloat16, head_size=head_size, num_heads=12, num_kv_heads=4)
+    assert_rounded_once(out, ref)
+
+
+def assert_rounded_once(out: torch.Tensor, ref: torch.Tensor) -> None:
     bound = torch.finfo(torch.bfloat16).eps / 2 * ref.abs() + 1e-6
     assert bool(((out.double() - ref).abs() <= bound).all()), float(((out.double() - ref).abs() / bound).max())
 
@@ -90,6 +94,13 @@ def test_sliding_window_reads_only_the_last_positions(sliding_window: int) -> No
 def test_logits_soft_cap() -> None:
     out, ref = run_kernel(SEQ_LENS, torch.float32, soft_cap=2.0, sliding_window=30)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("head_size", [32, 128])  # the AVX512-BF16 dot product path where the CPU has it
+def test_bfloat16_soft_cap_and_sliding_window(head_size: int) -> None:
+    out, ref = run_kernel(SEQ_LENS, torch.bfloat16, soft_cap=2.0, sliding_window=30, head_size=head_size,
+                          num_heads=6, num_kv_heads=2)
+    assert_rounded_once(out, ref)
 
 
 def test_a_batch_split_over_threads_is_bit_identical() -> None:
