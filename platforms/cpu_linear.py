@@ -48,10 +48,17 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
         return False
 
 
+# NOTE: under torch.compile (`device.compile_model`) the layers trace as plain
+# F.linear: Inductor's lowering of _linear_pointwise accepts only a weight it
+# packed itself (a frozen constant), and failed on ours for bfloat16 (an
+# InductorError at the first forward). is_compiling() is decided at trace
+# time, so the compiled graph holds no branch and eager mode pays one call.
 def _prepacked_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     packed_weight = module.packed_weight
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return nn.functional.linear(x, module.weight, module.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight, module.bias, "none", [], "")
 
     return forward
@@ -61,6 +68,8 @@ def _prepacked_gemm(module: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor |
     packed_weight = module.packed_weight
 
     def apply_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return nn.functional.linear(x, module.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
     return apply_linear

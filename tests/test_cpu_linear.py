@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,3 +77,27 @@ def test_int8_quantized_layers_keep_their_own_gemm() -> None:
     assert prepack_linear_layers(model) == 2
     assert model[1].apply_linear is int8_gemm
     assert model[1].weight.dtype == torch.int8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_layers_trace_as_f_linear_under_torch_compile(dtype: torch.dtype) -> None:
+    """`device.compile_model`: Inductor lowers only weights it packed itself, so
+    a compiled graph must hold aten linear ops, not our prepacked oneDNN calls."""
+    _skip_without(dtype)
+    model = _model(dtype)
+    x = torch.randn(5, 64).to(dtype)
+    expected = model(x)
+    assert prepack_linear_layers(model) == 3
+    targets: list[str] = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=recording_backend)
+    out = compiled(x)
+    assert any("linear" in target for target in targets), targets
+    assert not any("mkldnn" in target for target in targets), targets
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    assert torch.equal(model(x), expected)  # eager calls still take the prepacked path, same values
