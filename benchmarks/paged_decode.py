@@ -11,7 +11,8 @@ machine wall time mostly measures the other processes):
 - whole generate: `--runs` pairs of subprocesses, kernel on
   (`PAGEDLLM_CPU_DECODE_KERNEL=1`) and off, interleaved A/B/A/B; each
   subprocess times `--reps` generates after a warm-up and reports the
-  median. The table shows the median over runs and the ratio.
+  median, and the median CPU time of a decode step of the whole batch.
+  The table shows the medians over runs and the ratios.
 
     .venv/bin/python benchmarks/paged_decode.py [--model 100m|small] [--dtype bfloat16|float32] [--runs 2]
 """
@@ -74,25 +75,41 @@ def per_layer(args: argparse.Namespace) -> dict[str, float]:
     return {name: statistics.median(values) * 1e3 for name, values in times.items()}
 
 
-def whole_generate(args: argparse.Namespace) -> float:
-    """Median CPU seconds of one generate (this process, kernel per the environment)."""
+def whole_generate(args: argparse.Namespace) -> dict[str, float]:
+    """Median CPU seconds of one generate and CPU ms of one full-batch decode
+    step (this process, kernel per the environment)."""
+    from pagedllm.worker import model_runner
+
     llm, inputs, params = _make_llm(args)
+    decode_steps: list[float] = []
+    execute_model = model_runner.ModelRunner.execute_model
+
+    def timed_step(self: Any, scheduler_output: Any) -> Any:
+        start = time.thread_time()
+        output = execute_model(self, scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == len(scheduler_output.num_scheduled_tokens) == len(inputs):
+            decode_steps.append(time.thread_time() - start)
+        return output
+
+    model_runner.ModelRunner.execute_model = timed_step  # type: ignore[method-assign]
     llm.generate(inputs, params, use_tqdm=False)  # warm-up (and the kernel's build, if any)
+    decode_steps.clear()
     seconds = []
     for _ in range(args.reps):
         llm.reset_prefix_cache()
         start = time.thread_time()
         llm.generate(inputs, params, use_tqdm=False)
         seconds.append(time.thread_time() - start)
-    return statistics.median(seconds)
+    return {"seconds": statistics.median(seconds), "decode_ms": statistics.median(decode_steps) * 1e3}
 
 
-def run_child(args: argparse.Namespace, kernel: bool) -> float:
+def run_child(args: argparse.Namespace, kernel: bool) -> dict[str, float]:
     env = {**os.environ, "PAGEDLLM_CPU_DECODE_KERNEL": "1" if kernel else "0"}
     command = [sys.executable, __file__, "--child", "--model", args.model, "--dtype", args.dtype,
                "--reps", str(args.reps), "--num-new-tokens", str(args.num_new_tokens)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-    return float(json.loads(result.stdout.strip().splitlines()[-1])["seconds"])
+    child: dict[str, float] = json.loads(result.stdout.strip().splitlines()[-1])
+    return child
 
 
 def main() -> None:
@@ -106,11 +123,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.child:
-        print(json.dumps({"seconds": whole_generate(args)}))
+        print(json.dumps(whole_generate(args)))
         return
 
     layer = per_layer(args)
-    runs: dict[bool, list[float]] = {True: [], False: []}
+    runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     for i in range(args.runs):
         for kernel in (True, False) if i % 2 == 0 else (False, True):
             runs[kernel].append(run_child(args, kernel))
@@ -119,8 +136,11 @@ def main() -> None:
     print(f"{'measurement':<40}{'kernel':>12}{'gather+SDPA':>14}{'ratio':>8}")
     print(f"{'decode attention, ms per layer call':<40}{layer['kernel']:>12.3f}{layer['gather + SDPA']:>14.3f}"
           f"{layer['kernel'] / layer['gather + SDPA']:>8.2f}")
-    on, off = statistics.median(runs[True]), statistics.median(runs[False])
-    print(f"{'one generate (prefill + decode), s':<40}{on:>12.2f}{off:>14.2f}{on / off:>8.2f}")
+    rows = (("decode_ms", "one decode step (whole batch), ms"), ("seconds", "one generate (prefill + decode), s"))
+    for key, label in rows:
+        on = statistics.median(run[key] for run in runs[True])
+        off = statistics.median(run[key] for run in runs[False])
+        print(f"{label:<40}{on:>12.2f}{off:>14.2f}{on / off:>8.2f}")
 
 
 if __name__ == "__main__":
