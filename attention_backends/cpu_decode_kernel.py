@@ -119,6 +119,10 @@ def _pool(num_threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(num_threads, thread_name_prefix="paged-decode")
 
 
+# A forked child has none of the parent's pool threads: it makes its own.
+os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
 def paged_decode(
     query: torch.Tensor,  # [B, H, D], one row per request; heads and head dims contiguous
     key_cache: torch.Tensor,  # [num_blocks * block_size, Hkv, D]: flat slots, heads and head dims contiguous
