@@ -14,8 +14,11 @@ source version and CPU, into `$PAGEDLLM_CACHE_DIR/kernels/`. Without a
 compiler, or when `PAGEDLLM_CPU_DECODE_KERNEL=0`, `load()` returns None and
 torch_native keeps its gather + SDPA path; the reason is logged once.
 
-ctypes releases the GIL during the call, so at N torch threads a batch is
-split into N slices of requests run on N threads.
+It is built with OpenMP and links `libgomp.so.1`, which torch (imported
+first) has already loaded: its parallel loop over requests runs on torch's
+own thread team, at torch.get_num_threads() threads. Python threads (ctypes
+releases the GIL) gained nothing at 2 threads: torch's idle OpenMP threads
+spin for a while after each op and held the second core.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,7 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_GROUP = 64  # query heads per KV head (csrc/paged_decode.c)
 MAX_HEAD_SIZE = 512
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
 ENV_SWITCH = "PAGEDLLM_CPU_DECODE_KERNEL"
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -114,13 +116,6 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor, num_heads: int, num_k
     )
 
 
-@functools.cache
-def _pool(num_threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(num_threads, thread_name_prefix="paged-decode")
-
-
-# A forked child has none of the parent's pool threads: it makes its own.
-os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
 def paged_decode(
@@ -150,16 +145,7 @@ def paged_decode(
     )
     trailing = (num_heads, num_kv_heads, head_size, block_size, scale, sliding_window or 0, soft_cap or 0.0)
 
-    def run(begin: int, end: int) -> None:
-        if library.paged_decode(*leading, begin, end, *trailing) != 0:
-            raise RuntimeError(f"paged_decode kernel: unsupported shape (heads {num_heads}/{num_kv_heads}, "
-                               f"head size {head_size}) or out of memory")
-
-    num_threads = min(torch.get_num_threads(), num_reqs)
-    if num_threads <= 1:
-        run(0, num_reqs)
-        return out
-    bounds = [num_reqs * i // num_threads for i in range(num_threads + 1)]
-    # NOTE: list() waits for every slice and re-raises the first failure.
-    list(_pool(num_threads).map(run, bounds[:-1], bounds[1:]))
+    if library.paged_decode(*leading, 0, num_reqs, *trailing) != 0:
+        raise RuntimeError(f"paged_decode kernel: unsupported shape (heads {num_heads}/{num_kv_heads}, "
+                           f"head size {head_size}) or out of memory")
     return out

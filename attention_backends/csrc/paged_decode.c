@@ -183,19 +183,26 @@ int paged_decode(int dtype, const void *q, int64_t q_stride_row, const void *k_c
     int64_t max_len = 1;
     for (int64_t r = req_begin; r < req_end; r++)
         if (seq_lens[r] > max_len) max_len = seq_lens[r];
+    int failed = 0;
+    /* Requests are shared out one at a time (their lengths differ) over the
+     * OpenMP team. The library links the libgomp.so.1 torch has loaded, so
+     * this is torch's own thread team (torch.set_num_threads): a second
+     * runtime's threads, or Python threads, competed with torch's spinning
+     * idle threads for the cores and gained nothing at 2 threads. */
+#pragma omp parallel reduction(| : failed) if (req_end - req_begin > 1)
+    {
     size_t row = (size_t)num_heads * (size_t)head_size;
     float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)max_len);
     float *acc = malloc(sizeof(float) * row);
     float *qf = malloc(sizeof(float) * row);
     int *kv_head = malloc(sizeof(int) * (size_t)num_heads);
-    if (!scores || !acc || !qf || !kv_head) {
-        free(scores), free(acc), free(qf), free(kv_head);
-        return -1;
-    }
+    failed = !scores || !acc || !qf || !kv_head;
     /* An integer division per head and token was a third of the kernel's time. */
-    for (int h = 0; h < num_heads; h++) kv_head[h] = h / (num_heads / num_kv_heads);
+    for (int h = 0; !failed && h < num_heads; h++) kv_head[h] = h / (num_heads / num_kv_heads);
     attend_fn attend = pick_attend(dtype, head_size);
+#pragma omp for schedule(dynamic, 1)
     for (int64_t r = req_begin; r < req_end; r++) {
+        if (failed) continue;
         int64_t len = seq_lens[r];
         int64_t start = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
         for (size_t i = 0; i < row; i++) {
@@ -223,5 +230,6 @@ int paged_decode(int dtype, const void *q, int64_t q_stride_row, const void *k_c
         }
     }
     free(scores), free(acc), free(qf), free(kv_head);
-    return 0;
+    }
+    return failed ? -1 : 0;
 }
