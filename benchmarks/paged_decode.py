@@ -3,7 +3,8 @@
 Two measurements, both on the throughput workload (benchmarks/throughput.py;
 default the ~100M Llama in bfloat16, 32 prompts of 64-256 tokens, 64 greedy
 tokens each), one torch thread, CPU time of the main thread (on a shared
-machine wall time mostly measures the other processes):
+machine wall time mostly measures the other processes; `--threads 2` shows
+wall time instead):
 
 - per layer: every decode attention call of one generate runs both paths
   on the same inputs, alternating which goes first; the table shows the
@@ -32,6 +33,12 @@ import torch
 from throughput import MODELS, make_prompts
 
 
+def _clock() -> float:
+    """The main thread's CPU time at one thread; wall time at more (the
+    other threads' work would not count)."""
+    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
 def _make_llm(args: argparse.Namespace) -> tuple[Any, list[dict[str, list[int]]], Any]:
     from pagedllm import LLM, SamplingParams
     from pagedllm.model_registry import tiny
@@ -56,9 +63,9 @@ def per_layer(args: argparse.Namespace) -> dict[str, float]:
         saved = group.block_table
         if name == "gather + SDPA":
             group.block_table = None  # the group then takes the gather + SDPA path
-        start = time.thread_time()
+        start = _clock()
         out = attend(self, *call)
-        times[name].append(time.thread_time() - start)
+        times[name].append(_clock() - start)
         group.block_table = saved
         return out
 
@@ -85,10 +92,10 @@ def whole_generate(args: argparse.Namespace) -> dict[str, float]:
     execute_model = model_runner.ModelRunner.execute_model
 
     def timed_step(self: Any, scheduler_output: Any) -> Any:
-        start = time.thread_time()
+        start = _clock()
         output = execute_model(self, scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == len(scheduler_output.num_scheduled_tokens) == len(inputs):
-            decode_steps.append(time.thread_time() - start)
+            decode_steps.append(_clock() - start)
         return output
 
     model_runner.ModelRunner.execute_model = timed_step  # type: ignore[method-assign]
@@ -97,15 +104,16 @@ def whole_generate(args: argparse.Namespace) -> dict[str, float]:
     seconds = []
     for _ in range(args.reps):
         llm.reset_prefix_cache()
-        start = time.thread_time()
+        start = _clock()
         llm.generate(inputs, params, use_tqdm=False)
-        seconds.append(time.thread_time() - start)
+        seconds.append(_clock() - start)
     return {"seconds": statistics.median(seconds), "decode_ms": statistics.median(decode_steps) * 1e3}
 
 
 def run_child(args: argparse.Namespace, kernel: bool) -> dict[str, float]:
     env = {**os.environ, "PAGEDLLM_CPU_DECODE_KERNEL": "1" if kernel else "0"}
-    command = [sys.executable, __file__, "--child", "--model", args.model, "--dtype", args.dtype,
+    command = [sys.executable, __file__, "--child", "--model", args.model, "--dtype", args.dtype, "--threads",
+               str(args.threads),
                "--reps", str(args.reps), "--num-new-tokens", str(args.num_new_tokens)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     child: dict[str, float] = json.loads(result.stdout.strip().splitlines()[-1])
@@ -119,9 +127,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2, help="A/B subprocess pairs for the whole-generate rows")
     parser.add_argument("--reps", type=int, default=3, help="timed generates per subprocess")
     parser.add_argument("--num-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads; above 1 the table shows wall time")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     if args.child:
         print(json.dumps(whole_generate(args)))
         return
@@ -131,7 +140,8 @@ def main() -> None:
     for i in range(args.runs):
         for kernel in (True, False) if i % 2 == 0 else (False, True):
             runs[kernel].append(run_child(args, kernel))
-    print(f"\n{args.model}, {args.dtype}, 1 thread, CPU time; batch of {MODELS[args.model][1]} requests, "
+    clock = "CPU time" if args.threads == 1 else "wall time"
+    print(f"\n{args.model}, {args.dtype}, {args.threads} threads, {clock}; batch of {MODELS[args.model][1]} requests, "
           f"{args.num_new_tokens} new tokens each")
     print(f"{'measurement':<40}{'kernel':>12}{'gather+SDPA':>14}{'ratio':>8}")
     print(f"{'decode attention, ms per layer call':<40}{layer['kernel']:>12.3f}{layer['gather + SDPA']:>14.3f}"
