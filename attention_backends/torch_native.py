@@ -21,6 +21,11 @@ keys are exactly this step's keys) skips the cache and the padding: one
 causal SDPA call per request over its own rows, which lets the kernel skip
 the masked half. For 16 prompts of 64-256 tokens that is 2.2x less attention
 time than one padded, masked call (bfloat16 and float32, one thread).
+
+On the CPU, a pure-decode group over a float32 or bfloat16 cache skips the
+gather and SDPA: the C kernel of cpu_decode_kernel.py reads each request's
+keys and values in place through its block table (the group carries the
+block table rows and lengths for it).
 """
 
 from __future__ import annotations
