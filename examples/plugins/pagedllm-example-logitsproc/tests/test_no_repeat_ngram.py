@@ -94,12 +94,12 @@ def test_engine_output_has_no_repeated_ngram_and_matches_a_step_by_step_referenc
     size, max_tokens = 2, 10
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args={ARG: size})
     plain_params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm = LLM(model="tiny", num_kv_blocks=64, logits_processors=[PROCESSOR_NAME])
+    llm = LLM(model="tiny", dtype="float32", num_kv_blocks=64, logits_processors=[PROCESSOR_NAME])
     requests = [{"prompt_token_ids": p} for p in prompts]
     got = [list(o.outputs[0].token_ids) for o in llm.generate(requests + requests, [params] * 2 + [plain_params] * 2,
                                                                use_tqdm=False)]
     # Reference: one token at a time from the plain engine, the banned tokens biased by -100.
-    plain = LLM(model="tiny", num_kv_blocks=64)
+    plain = LLM(model="tiny", dtype="float32", num_kv_blocks=64)
     for prompt, output in zip(prompts, got[:2], strict=True):
         tokens = list(prompt)
         for _ in range(max_tokens):
