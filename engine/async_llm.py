@@ -125,36 +125,12 @@ class AsyncLLM:
             engine_core if engine_core is not None else start_async_engine_core(config, in_process=in_process)
         )
         try:
-            # The tokenizer loads while the core loads the model.
-            self.tokenizer = load_tokenizer(config.model.tokenizer or resolve_model_path(config.model.model))
-            ready = self.engine_core.wait_for_ready(startup_timeout_s)
+            self._start_front_end(config, startup_timeout_s)
         except BaseException:
-            self.engine_core.shutdown()
-            raise
-        self.ready = ready
-        self.input_processor = InputProcessor(
-            self.tokenizer, ready, config.structured_output, config.model.logits_processors
-        )
-        self.max_model_len = ready.max_model_len
-        self.vocab_size = ready.vocab_size
-        self.eos_token_id = self.input_processor.eos_token_id
-        self.model_name = config.server.served_model_name or (
-            served_name_of(config.model.model)
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        try:
-            self.stat_logger = StatLoggerManager(
-                model_name=self.model_name,
-                config=config,
-                num_kv_blocks=ready.num_kv_blocks,
-                max_model_len=ready.max_model_len,
-                world_size=ready.world_size,
-                custom_metrics=ready.custom_metrics,
-            )
-        except BaseException:
-            self.engine_core.shutdown()  # NOTE: a logger that cannot start must not leave the core behind
+            self.engine_core.shutdown()  # NOTE: a front end that cannot start must not leave the core behind
             raise
         self.kv_event_log = self._connect_routing(config)
+        ready = self.ready
         logger.info(
             "engine ready: executor %s, %d rank(s), collectives %s, attention backend %s, %d KV blocks",
             ready.executor, ready.world_size, ready.communicator, ready.attention_backend, ready.num_kv_blocks,
@@ -168,6 +144,28 @@ class AsyncLLM:
         self._health_ping_sent_at = 0.0
         self._output_task: asyncio.Task[None] | None = None
         self._output_loop: asyncio.AbstractEventLoop | None = None
+
+    def _start_front_end(self, config: EngineConfig, startup_timeout_s: float) -> None:
+        """Tokenizer, input/output processing and stat loggers, once the core is ready."""
+        # The tokenizer loads while the core loads the model.
+        self.tokenizer = load_tokenizer(config.model.tokenizer or resolve_model_path(config.model.model))
+        self.ready = ready = self.engine_core.wait_for_ready(startup_timeout_s)
+        self.input_processor = InputProcessor(
+            self.tokenizer, ready, config.structured_output, config.model.logits_processors
+        )
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.eos_token_id = self.input_processor.eos_token_id
+        self.model_name = config.server.served_model_name or served_name_of(config.model.model)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_logger = StatLoggerManager(
+            model_name=self.model_name,
+            config=config,
+            num_kv_blocks=ready.num_kv_blocks,
+            max_model_len=ready.max_model_len,
+            world_size=ready.world_size,
+            custom_metrics=ready.custom_metrics,
+        )
 
     @classmethod
     async def create(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
