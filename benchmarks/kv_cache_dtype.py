@@ -22,7 +22,6 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 
 BATCH_SIZES = (1, 32)
 CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2")
@@ -31,8 +30,9 @@ BUDGET_BYTES = 256 << 20
 
 def run_row(args: argparse.Namespace) -> dict:
     import torch
+    from throughput import timed_generate
 
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM
 
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
@@ -40,17 +40,9 @@ def run_row(args: argparse.Namespace) -> dict:
     llm = LLM(model=args.model_path, dtype=args.dtype, kv_cache_dtype=args.cache_dtype, max_num_seqs=256,
               kv_cache_memory_bytes=BUDGET_BYTES)
     num_blocks = llm.engine_core.ready.num_kv_blocks
-    params = SamplingParams(temperature=0.0, max_tokens=args.num_new_tokens, ignore_eos=True)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(inputs, params, use_tqdm=False)  # warm-up
-    times, outputs = [], []
-    for _ in range(args.reps):
-        llm.reset_prefix_cache()
-        start = time.perf_counter()
-        outputs = llm.generate(inputs, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
+    times, tokens = timed_generate(llm, prompts, args.num_new_tokens, args.reps)
     llm.shutdown()
-    return {"times": times, "num_blocks": num_blocks, "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+    return {"times": times, "num_blocks": num_blocks, "tokens": tokens}
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 
 BATCH_SIZES = (1, 32)
 METHODS = (None, "int8")
@@ -28,24 +27,17 @@ METHODS = (None, "int8")
 
 def run_row(args: argparse.Namespace) -> dict:
     import torch
+    from throughput import timed_generate
 
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM
 
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     prompts = [[rng.randrange(8, 8192) for _ in range(32)] for _ in range(args.batch_size)]
     llm = LLM(model=args.model_path, dtype=args.dtype, quantization=args.quantization, max_num_seqs=256)
-    params = SamplingParams(temperature=0.0, max_tokens=args.num_new_tokens, ignore_eos=True)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(inputs, params, use_tqdm=False)  # warm-up
-    times, outputs = [], []
-    for _ in range(args.reps):
-        llm.reset_prefix_cache()
-        start = time.perf_counter()
-        outputs = llm.generate(inputs, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
+    times, tokens = timed_generate(llm, prompts, args.num_new_tokens, args.reps)
     llm.shutdown()
-    return {"times": times, "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+    return {"times": times, "tokens": tokens}
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 from roofline import ModelShape, generation_flops, measure_peak_flops
@@ -48,23 +49,31 @@ def make_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int, 
     return [[rng.randrange(8, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_prompts)]
 
 
-def time_pagedllm(
-    model_path: str, prompts: list[list[int]], num_new_tokens: int, reps: int, dtype: str
-) -> tuple[list[float], list]:
-    from pagedllm import LLM, SamplingParams
+def timed_generate(llm: Any, prompts: list[list[int]], num_new_tokens: int, reps: int) -> tuple[list[float], list]:
+    """One warm-up, then `reps` timed greedy generates of `prompts` (each
+    starting cold: no prefix-cache hits from the last); the times and the
+    last run's output token ids."""
+    from pagedllm import SamplingParams
 
-    llm = LLM(model=model_path, dtype=dtype, max_num_seqs=256, max_num_batched_tokens=4096)
     params = SamplingParams(temperature=0.0, max_tokens=num_new_tokens, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(inputs, params, use_tqdm=False)  # warm-up
-    times, outputs = [], None
+    times, outputs = [], []
     for _ in range(reps):
-        # Every repetition starts cold: no prefix-cache hits from the last one.
         llm.reset_prefix_cache()
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
     return times, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def time_pagedllm(
+    model_path: str, prompts: list[list[int]], num_new_tokens: int, reps: int, dtype: str
+) -> tuple[list[float], list]:
+    from pagedllm import LLM
+
+    llm = LLM(model=model_path, dtype=dtype, max_num_seqs=256, max_num_batched_tokens=4096)
+    return timed_generate(llm, prompts, num_new_tokens, reps)
 
 
 def time_hf(
