@@ -26,19 +26,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from pagedllm.platforms.cpu_kernel_build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 # Storage dtypes the kernel reads (its `dtype` argument).
@@ -53,55 +46,13 @@ _ARGTYPES: list[Any] = [_INT, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _P
              _F32, _I64, _F32]
 
 
-def _cpu_fingerprint() -> str:
-    """-march=native code runs only on this CPU model: key the build by it."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return f"{platform.machine()} {flags}"
-
-
-def _library_path() -> Path:
-    from pagedllm.model_registry.tiny.cache import get_cache_root
-
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_fingerprint().encode())
-    return get_cache_root() / "kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
-
-
-def _build(target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc, gcc or $CC) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
-        os.replace(tmp, target)  # atomic: a concurrent builder's file is as good
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, built if needed; None when it cannot be (logged once)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
-    try:
-        path = _library_path()
-        if not path.exists():
-            _build(path)
-        library = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logger.info("CPU paged-decode kernel unavailable (%s %s); torch_native gathers and uses SDPA",
-                    exc, detail.decode(errors="replace")[:500])
-        return None
-    library.paged_decode.restype = ctypes.c_int
-    library.paged_decode.argtypes = _ARGTYPES
+    library = load_library(SOURCE, CFLAGS, ENV_SWITCH, "CPU paged-decode kernel")
+    if library is not None:
+        library.paged_decode.restype = ctypes.c_int
+        library.paged_decode.argtypes = _ARGTYPES
     return library
 
 

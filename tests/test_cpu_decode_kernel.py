@@ -16,6 +16,7 @@ from helpers.attention_case import build_case, run_backend
 
 from pagedllm.attention_backends import cpu_decode_kernel
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
+from pagedllm.platforms import cpu_kernel_build
 
 pytestmark = pytest.mark.skipif(cpu_decode_kernel.load() is None, reason="no C compiler to build the kernel")
 
@@ -139,7 +140,7 @@ def test_without_a_compiler_load_returns_none_and_says_why(
     monkeypatch.setenv("CC", "/bin/false")
     cpu_decode_kernel.load.cache_clear()
     try:
-        with caplog.at_level(logging.INFO, logger=cpu_decode_kernel.__name__):
+        with caplog.at_level(logging.INFO, logger=cpu_kernel_build.__name__):
             assert cpu_decode_kernel.load() is None
         assert "kernel unavailable" in caplog.text
         assert not list((tmp_path / "kernels").glob("*.so"))  # no half-built library left behind

@@ -1,0 +1,78 @@
+"""Build-on-first-use for the CPU kernels written in plain C (loaded with ctypes).
+
+A kernel library is one C file with no Python or torch headers: the system C
+compiler builds it in about a second, once per source version, flags and CPU
+model (-march=native code runs only on the CPU it was built for), into
+`$PAGEDLLM_CACHE_DIR/kernels/`. No compiler, a failed build or the kernel's
+environment switch set to 0 means no library: the caller keeps its torch
+path, and the reason is logged once per library.
+
+Libraries built with -fopenmp link `libgomp.so.1`, which torch (imported
+first) has already loaded: their parallel loops run on torch's own thread
+team, at torch.get_num_threads() threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def cpu_fingerprint() -> str:
+    """The CPU model's identity for -march=native code: architecture and flags."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {flags}"
+
+
+def library_path(source: Path, cflags: tuple[str, ...]) -> Path:
+    from pagedllm.model_registry.tiny.cache import get_cache_root
+
+    key = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode() + cpu_fingerprint().encode())
+    return get_cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
+
+
+def build(source: Path, cflags: tuple[str, ...], target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc or $CC) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *cflags, "-o", tmp, str(source)], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)  # atomic: a concurrent builder's file is as good
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_library(source: Path, cflags: tuple[str, ...], env_switch: str, what: str) -> ctypes.CDLL | None:
+    """The library built from `source` (built now if needed), or None when
+    `env_switch` is "0" or it cannot be built (logged at INFO, naming `what`)."""
+    if os.environ.get(env_switch, "1") == "0":
+        return None
+    try:
+        path = library_path(source, cflags)
+        if not path.exists():
+            build(source, cflags, path)
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        logger.info("%s unavailable (%s %s); the torch path runs instead",
+                    what, exc, detail.decode(errors="replace")[:500])
+        return None
