@@ -112,11 +112,13 @@ class CpuPlatform(Platform):
         return DEFAULT_CPU_KV_CACHE_BYTES
 
     def optimize_model(self, model: torch.nn.Module) -> None:
+        from pagedllm.platforms import cpu_ops
         from pagedllm.platforms.cpu_linear import prepack_linear_layers
 
         if not keep_freed_memory_in_process():
             logger.info("could not tune glibc malloc; large activations will be re-faulted")
         prepack_linear_layers(model)
+        cpu_ops.install()
 
     def total_memory_bytes(self) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -6,8 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model_registry.layers.op_kernels import SILU_AND_MUL, op_kernel
+
 
 class SiluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        kernel = op_kernel(SILU_AND_MUL)
+        if kernel is not None and (fused := kernel(gate_up)) is not None:
+            return fused
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.model_registry.layers.op_kernels import RMS_NORM, op_kernel
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -21,6 +23,11 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with ``residual``: (norm(x + residual), x + residual)."""
+        kernel = op_kernel(RMS_NORM)
+        if kernel is not None:
+            fused = kernel(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
         if residual is None:
             return self._norm(x)
         residual = x + residual

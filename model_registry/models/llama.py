@@ -123,8 +123,10 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata)
+        # x + h and its norm in one pass where a platform kernel fuses them
+        h, x = self.post_attention_layernorm(h, x)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,120 @@
+"""The CPU platform's fused kernels for the layers' elementwise ops.
+
+RMSNorm with its residual add, SiLU * mul and rotary embedding, from
+csrc/cpu_ops.c (built on first use, platforms/cpu_kernel_build.py), are
+registered as the layers' op kernels (model_registry/layers/op_kernels.py)
+when the CPU platform prepares a model. On the ~100M Llama in bfloat16 these
+ops took a quarter of a prefill step in torch, where each is several passes
+over memory with a float32 round trip per element; on a small float32 model
+at decode they are a string of tiny ops whose dispatch costs more than their
+arithmetic. `PAGEDLLM_CPU_FUSED_OPS=0` keeps the torch code.
+
+Each kernel takes float32 or bfloat16 CPU tensors whose last dimension is
+contiguous, and returns None otherwise (and while torch.compile traces: a
+ctypes call cannot be traced), so the layer's torch code runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from pagedllm.model_registry.layers import op_kernels
+from pagedllm.platforms.cpu_kernel_build import load_library
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
+# -ffp-contract=off: a fused multiply-add rounds differently from torch's ops.
+# -fno-trapping-math lets floorf (in exp) vectorise; it changes no result.
+CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp",
+          "-ffp-contract=off", "-shared", "-fPIC")
+ENV_SWITCH = "PAGEDLLM_CPU_FUSED_OPS"
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "rms_norm": [_INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32],
+    "silu_and_mul": [_INT, _PTR, _I64, _PTR, _I64, _I64, _I64],
+    "rotary_embedding": [_INT, _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _PTR, _PTR, _I64],
+}
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; None when it cannot be (logged once)."""
+    library = load_library(SOURCE, CFLAGS, ENV_SWITCH, "CPU fused layer ops")
+    if library is not None:
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.restype, function.argtypes = None, argtypes
+    return library
+
+
+def _takes(*tensors: torch.Tensor) -> bool:
+    dtype = tensors[0].dtype
+    return (
+        dtype in KERNEL_DTYPES
+        and all(t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1 for t in tensors)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """RMSNorm(x) * weight, or with `residual`: (that of x + residual, x + residual)."""
+    library = load()
+    operands = (x, weight) if residual is None else (x, weight, residual)
+    if library is None or x.dim() != 2 or not _takes(*operands):
+        return None
+    rows, hidden = x.shape
+    out = torch.empty(rows, hidden, dtype=x.dtype)
+    summed = None if residual is None else torch.empty(rows, hidden, dtype=x.dtype)
+    library.rms_norm(
+        KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+        None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
+        None if summed is None else summed.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
+    )
+    return out if summed is None else (out, summed)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of gate_up = [gate | up] along the last dimension."""
+    library = load()
+    if library is None or gate_up.dim() != 2 or not _takes(gate_up):
+        return None
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, width, dtype=gate_up.dtype)
+    library.silu_and_mul(KERNEL_DTYPES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width,
+                         rows, width)
+    return out
+
+
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x [T, heads, head_size] rotated in place by cos / sin [T, head_size]
+    (float32, or x's dtype: the model's buffers follow its dtype)."""
+    library = load()
+    table_ok = all(
+        t.device.type == "cpu" and t.dtype in (torch.float32, x.dtype) and t.dtype == cos.dtype and t.stride(-1) == 1
+        for t in (cos, sin)
+    )
+    if library is None or x.dim() != 3 or x.shape[-1] % 2 or not table_ok or cos.stride(0) != sin.stride(0):
+        return None
+    if not _takes(x):
+        return None
+    tokens, heads, head_size = x.shape
+    library.rotary_embedding(KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0), x.stride(1), tokens, heads, head_size,
+                             KERNEL_DTYPES[cos.dtype], cos.data_ptr(), sin.data_ptr(), cos.stride(0))
+    return x
+
+
+def install() -> bool:
+    """Register the kernels as the layers' op kernels; False when they cannot be built."""
+    if load() is None:
+        return False
+    op_kernels.register_op_kernel(op_kernels.RMS_NORM, rms_norm)
+    op_kernels.register_op_kernel(op_kernels.SILU_AND_MUL, silu_and_mul)
+    op_kernels.register_op_kernel(op_kernels.ROTARY_EMBEDDING, rotary_embedding)
+    return True

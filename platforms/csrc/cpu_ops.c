@@ -1,0 +1,215 @@
+/* Fused elementwise ops of the decoder layers on the CPU: RMSNorm (with the
+ * residual add), SwiGLU's SiLU * mul, and rotary embedding in place.
+ *
+ * In torch each is 4-8 ops, each a pass over memory and, in bfloat16, a
+ * round trip through float32 per element: on the ~100M Llama in bfloat16 they
+ * were 25 % of a 2,500-token prefill step. Here each is one pass, in float32,
+ * rounding where torch's op sequence rounds (so bfloat16 results match torch's
+ * to the bit but for the order of the RMSNorm sum). Built with
+ * -ffp-contract=off: a fused multiply-add would round differently from torch.
+ * Loaded through ctypes; see platforms/cpu_ops.py.
+ *
+ * dtype: 0 float32, 1 bfloat16 (every tensor argument of a call, except the
+ * float32 cos / sin tables). Strides are in elements.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* The value a bfloat16 op would have stored, as a float. */
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* exp(x) within 2 ulp of expf (Cephes' expf polynomial) in a form the
+ * compiler vectorises; x is clamped to [-87.3, 88.7], where expf is finite
+ * and normal. */
+static inline float exp_clamped(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Rows run on torch's OpenMP team (the library links the libgomp torch has
+ * loaded) when there are enough of them to pay for waking it. */
+#define PARALLEL_MIN_ELEMENTS 65536
+
+/* One row of RMSNorm: out = RMSNorm(s) * weight, s = x, or with a residual
+ * s = x + residual, rounded to T as torch's add would and stored in summed
+ * (which may be the residual itself). The norm follows torch's float32
+ * computation: y = s * rsqrt(mean(s^2) + eps), rounded to T (ROUND), then
+ * multiplied by the weight in T. */
+#define DEFINE_RMS_NORM_ROW(NAME, T, LOAD, STORE, ROUND)                                                    \
+    static void NAME(const T *x, const T *residual, T *summed, const T *weight, T *out, int64_t hidden,     \
+                     float eps) {                                                                         \
+        float sum = 0.0f;                                                                                 \
+        if (residual != NULL) {                                                                           \
+            _Pragma("omp simd") for (int64_t i = 0; i < hidden; i++) summed[i] =                          \
+                STORE(LOAD(x[i]) + LOAD(residual[i]));                                                   \
+            x = summed;                                                                                   \
+        }                                                                                                 \
+        _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < hidden; i++) sum +=                \
+            LOAD(x[i]) * LOAD(x[i]);                                                                      \
+        float inv = 1.0f / sqrtf(sum / (float)hidden + eps);                                              \
+        _Pragma("omp simd") for (int64_t i = 0; i < hidden; i++) out[i] =                                 \
+            STORE(LOAD(weight[i]) * ROUND(LOAD(x[i]) * inv));                                             \
+    }
+
+#define IDENTITY(x) (x)
+DEFINE_RMS_NORM_ROW(rms_norm_row_f32, float, IDENTITY, IDENTITY, IDENTITY)
+DEFINE_RMS_NORM_ROW(rms_norm_row_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+
+/* RMSNorm of `rows` rows of `hidden` (see above); x and residual rows at
+ * their strides, summed and out contiguous. */
+void rms_norm(int dtype, const void *x, int64_t x_stride, const void *residual, int64_t residual_stride,
+              void *summed, const void *weight, void *out, int64_t rows, int64_t hidden, float eps) {
+#pragma omp parallel for schedule(static) if (rows * hidden >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        if (dtype) {
+            const uint16_t *res = residual ? (const uint16_t *)residual + r * residual_stride : NULL;
+            rms_norm_row_bf16((const uint16_t *)x + r * x_stride, res, (uint16_t *)summed + r * hidden,
+                              (const uint16_t *)weight, (uint16_t *)out + r * hidden, hidden, eps);
+        } else {
+            const float *res = residual ? (const float *)residual + r * residual_stride : NULL;
+            rms_norm_row_f32((const float *)x + r * x_stride, res, (float *)summed + r * hidden,
+                             (const float *)weight, (float *)out + r * hidden, hidden, eps);
+        }
+    }
+}
+
+/* out[r] = silu(gate) * up, gate_up[r] = [gate | up], each `width` wide.
+ * silu is rounded to dtype before the product, as torch's two ops round. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+/* The bfloat16 row with AVX512-BF16's rounding conversion (vcvtneps2bf16,
+ * round to nearest even like f32_to_bf16) and the same exp polynomial: the
+ * portable loop spent most of its time rounding by integer arithmetic. */
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512 round16_bf16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+static inline __m512 exp16_clamped(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                  _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                             _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static void silu_and_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t width) {
+    int64_t i = 0;
+    for (; i + 16 <= width; i += 16) {
+        __m512 gi = load16_bf16(g + i);
+        __m512 silu = round16_bf16(_mm512_div_ps(gi, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16_clamped(
+                                                                          _mm512_sub_ps(_mm512_setzero_ps(), gi)))));
+        _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, load16_bf16(u + i))));
+    }
+    for (; i < width; i++) {
+        float gi = bf16_to_f32(g[i]);
+        o[i] = f32_to_bf16(round_bf16(gi / (1.0f + exp_clamped(-gi))) * bf16_to_f32(u[i]));
+    }
+}
+#else
+static void silu_and_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t width) {
+#pragma omp simd
+    for (int64_t i = 0; i < width; i++) {
+        float gi = bf16_to_f32(g[i]);
+        o[i] = f32_to_bf16(round_bf16(gi / (1.0f + exp_clamped(-gi))) * bf16_to_f32(u[i]));
+    }
+}
+#endif
+
+void silu_and_mul(int dtype, const void *gate_up, int64_t in_stride, void *out, int64_t out_stride, int64_t rows,
+                  int64_t width) {
+#pragma omp parallel for schedule(static) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t in_row = r * in_stride, out_row = r * out_stride;
+        if (dtype) {
+            const uint16_t *g = (const uint16_t *)gate_up + in_row;
+            silu_and_mul_row_bf16(g, g + width, (uint16_t *)out + out_row, width);
+        } else {
+            const float *g = (const float *)gate_up + in_row, *u = g + width;
+            float *o = (float *)out + out_row;
+#pragma omp simd
+            for (int64_t i = 0; i < width; i++) o[i] = g[i] / (1.0f + exp_clamped(-g[i])) * u[i];
+        }
+    }
+}
+
+/* Rotate-half (GPT-NeoX) rotary embedding of x[t, h, :] in place, for
+ * `heads` heads of `head_size` per token; cos / sin: [t, >= head_size / 2],
+ * float32 or bfloat16 (table_dtype; both halves of a head use the first
+ * half). In bfloat16 cos and sin are rounded to bfloat16 first and every
+ * product and sum is rounded, as torch's x * cos, out1 -= x2 * sin,
+ * out2 += x1 * sin do. */
+void rotary_embedding(int dtype, void *x, int64_t token_stride, int64_t head_stride, int64_t tokens, int64_t heads,
+                      int64_t head_size, int table_dtype, const void *cos, const void *sin, int64_t table_stride) {
+    int64_t half = head_size / 2;
+#pragma omp parallel for schedule(static) if (tokens * heads * head_size >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < tokens; t++) {
+        float c[half], s[half];
+        for (int64_t i = 0; i < half; i++) {
+            int64_t j = t * table_stride + i;
+            c[i] = table_dtype ? bf16_to_f32(((const uint16_t *)cos)[j]) : ((const float *)cos)[j];
+            s[i] = table_dtype ? bf16_to_f32(((const uint16_t *)sin)[j]) : ((const float *)sin)[j];
+            if (dtype) c[i] = round_bf16(c[i]), s[i] = round_bf16(s[i]);
+        }
+        for (int64_t h = 0; h < heads; h++) {
+            int64_t base = t * token_stride + h * head_stride;
+            if (dtype) {
+                uint16_t *x1 = (uint16_t *)x + base, *x2 = x1 + half;
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) {
+                    float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+                    x1[i] = f32_to_bf16(round_bf16(a * c[i]) - round_bf16(b * s[i]));
+                    x2[i] = f32_to_bf16(round_bf16(b * c[i]) + round_bf16(a * s[i]));
+                }
+            } else {
+                float *x1 = (float *)x + base, *x2 = x1 + half;
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) {
+                    float a = x1[i], b = x2[i];
+                    x1[i] = a * c[i] - b * s[i];
+                    x2[i] = b * c[i] + a * s[i];
+                }
+            }
+        }
+    }
+}
