@@ -72,9 +72,10 @@ class EagleHead(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         x = self.fc(torch.cat([input_embeds, hidden_states.to(input_embeds.dtype)], dim=-1))
         cos, sin = self.rotary_emb(positions)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn_metadata)
-        return x
+            x, residual = layer(x, cos, sin, attn_metadata, residual)
+        return x if residual is None else x + residual
 
     def get_attention_layers(self) -> list[Attention]:
         return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.layers]

@@ -121,12 +121,24 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(hf_config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata)
-        # x + h and its norm in one pass where a platform kernel fuses them
-        h, x = self.post_attention_layernorm(h, x)
-        return x + self.mlp(h)
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual): the layer's output is h + residual, left as two
+        tensors (vLLM's layout) so that the next norm adds them in its own
+        pass where a platform kernel fuses the two. `residual` None: x is the
+        first layer's input."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, attn_metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -146,9 +158,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions)  # [T, head_dim] each, shared by every layer
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn_metadata)
-        return self.norm(x)
+            x, residual = layer(x, cos, sin, attn_metadata, residual)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(ModelForCausalLM):
