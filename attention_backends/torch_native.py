@@ -31,6 +31,7 @@ block table rows and lengths for it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +44,12 @@ from pagedllm.attention_backends.kv_cache_dtype import dequantize_kv, is_fp8, qu
 
 @dataclass
 class RequestGroup:
-    """Requests attended together: queries padded to [B, max_query_len]."""
+    """Requests attended together: queries padded to [B, max_query_len].
+
+    The gather path's index tensors (key slots, positions, masks) are built
+    on first use: a decode group the CPU decode kernel serves never needs
+    them, and building them was most of a small model's per-step plan time.
+    """
 
     num_reqs: int
     max_query_len: int
@@ -54,15 +60,46 @@ class RequestGroup:
     # Row of each owned token in the padded [B * max_query_len] layout; None
     # when that layout is the flattened one (pure decode).
     padded_rows: torch.Tensor | None
-    key_slots: torch.Tensor  # int64 [B, max_seq_len], flat cache slot of each key position
-    query_pos: torch.Tensor  # int64 [B, max_query_len], padded rows clamped to the last position
-    key_pos: torch.Tensor  # int64 [max_seq_len]
-    flat_key_slots: torch.Tensor  # key_slots.view(-1)
+    req_block_table: torch.Tensor  # [B, W], the block table's rows (its dtype, on its device)
+    req_seq_lens: torch.Tensor  # int64 [B], CPU
+    query_lens: torch.Tensor  # int64 [B], CPU
+    block_size: int
     # Pure decode groups: the requests' block table rows (int32 [B, W]) and
     # context lengths (int32 [B]), for the CPU decode kernel.
     block_table: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    @functools.cached_property
+    def key_pos(self) -> torch.Tensor:  # int64 [max_seq_len]
+        return torch.arange(self.max_seq_len, device=self.req_block_table.device)
+
+    @functools.cached_property
+    def query_pos(self) -> torch.Tensor:
+        """int64 [B, max_query_len]; padded rows clamped to the last position."""
+        # NOTE: a padded query row gets the request's last position so that it
+        # attends to at least one real key (a fully masked row would be NaN).
+        seq_lens, query_lens = self.req_seq_lens[:, None], self.query_lens[:, None]
+        offsets = torch.arange(self.max_query_len)[None, :]
+        return torch.minimum(seq_lens - query_lens + offsets, seq_lens - 1).to(self.req_block_table.device)
+
+    @functools.cached_property
+    def key_slots(self) -> torch.Tensor:
+        """int64 [B, max_seq_len], the flat cache slot of each key position."""
+        device, block_size = self.req_block_table.device, self.block_size
+        key_pos = torch.arange(self.max_seq_len)
+        block_cols = (key_pos // block_size).clamp(max=self.req_block_table.shape[1] - 1)
+        block_ids = self.req_block_table.long()[:, block_cols.to(device)]
+        key_slots = block_ids * block_size + (key_pos % block_size).to(device)
+        # NOTE: key positions past a request's length may name unwritten (even
+        # NaN) memory; point them at the request's first key, which is always
+        # written, so that masked-out values stay finite (0 * NaN = NaN).
+        is_real_key = (key_pos[None, :] < self.req_seq_lens[:, None]).to(device)
+        return torch.where(is_real_key, key_slots, key_slots[:, :1])
+
+    @property
+    def flat_key_slots(self) -> torch.Tensor:
+        return self.key_slots.view(-1)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """bool [B, 1, max_query_len, max_seq_len]; True = attend."""
@@ -102,44 +139,29 @@ def _build_group(
     whole_batch: bool,
 ) -> RequestGroup:
     device = block_table.device
-    query_starts = query_start_loc_cpu[:-1].long()[req_ids]
     query_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).long()[req_ids]
     seq_lens = seq_lens_cpu.long()[req_ids]
     num_reqs = int(req_ids.numel())
     max_query_len = int(query_lens.max())
-    max_seq_len = int(seq_lens.max())
-
-    offsets = torch.arange(max_query_len)
-    is_real_query = offsets[None, :] < query_lens[:, None]  # [B, max_q]
-    token_rows = (query_starts[:, None] + offsets[None, :])[is_real_query]
-    padded_rows = (torch.arange(num_reqs)[:, None] * max_query_len + offsets[None, :])[is_real_query]
-    # NOTE: a padded query row gets the request's last position so that it
-    # attends to at least one real key (a fully masked row would be NaN).
-    query_pos = torch.minimum(
-        seq_lens[:, None] - query_lens[:, None] + offsets[None, :], seq_lens[:, None] - 1
-    )
-
-    key_pos = torch.arange(max_seq_len)
-    block_cols = (key_pos // block_size).clamp(max=block_table.shape[1] - 1)
-    req_block_table = block_table[req_ids.to(device)].long()  # [B, W]
-    key_slots = req_block_table[:, block_cols.to(device)] * block_size + (key_pos % block_size).to(device)
-    # NOTE: key positions past a request's length may name unwritten (even
-    # NaN) memory; point them at the request's first key, which is always
-    # written, so that masked-out values stay finite (0 * NaN = NaN).
-    is_real_key = (key_pos[None, :] < seq_lens[:, None]).to(device)
-    key_slots = torch.where(is_real_key, key_slots, key_slots[:, :1])
-
     is_pure_decode = max_query_len == 1
+    token_rows = padded_rows = None
+    if not whole_batch or not is_pure_decode:
+        offsets = torch.arange(max_query_len)
+        is_real_query = offsets[None, :] < query_lens[:, None]  # [B, max_q]
+        query_starts = query_start_loc_cpu[:-1].long()[req_ids]
+        token_rows = (query_starts[:, None] + offsets[None, :])[is_real_query]
+        padded_rows = (torch.arange(num_reqs)[:, None] * max_query_len + offsets[None, :])[is_real_query]
+    req_block_table = block_table[req_ids.to(device)]  # [B, W]
     return RequestGroup(
         num_reqs=num_reqs,
         max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-        token_rows=None if whole_batch else token_rows.to(device),
-        padded_rows=None if is_pure_decode else padded_rows.to(device),
-        key_slots=key_slots,
-        query_pos=query_pos.to(device),
-        key_pos=key_pos.to(device),
-        flat_key_slots=key_slots.reshape(-1),
+        max_seq_len=int(seq_lens.max()),
+        token_rows=None if whole_batch or token_rows is None else token_rows.to(device),
+        padded_rows=None if is_pure_decode or padded_rows is None else padded_rows.to(device),
+        req_block_table=req_block_table,
+        req_seq_lens=seq_lens,
+        query_lens=query_lens,
+        block_size=block_size,
         block_table=req_block_table.to(torch.int32).contiguous() if is_pure_decode else None,
         seq_lens=seq_lens.to(torch.int32).contiguous() if is_pure_decode else None,
     )
