@@ -1,4 +1,6 @@
-"""oneDNN-prepacked GEMMs for the linear layers of a model on the CPU.
+"""oneDNN-prepacked GEMMs for the linear layers of a model on the CPU (and
+MKL's sgemm on a transposed copy for small float32 weights, see
+MKL_MAX_WEIGHT_ELEMENTS).
 
 MKL's plain sgemm re-lays the weight out for every call; oneDNN can do it
 once at load time. For the small, skinny GEMMs of decode (64 x 256 x 8192 for
@@ -48,24 +50,29 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
         return False
 
 
+# A float32 weight of at most this many elements (2 MiB, half a core's L2)
+# runs on MKL's sgemm instead, from a [K, N] copy made at load: at decode
+# sizes MKL's small GEMMs took about half the time of the prepacked oneDNN
+# ones (1-8 rows of the 7M model's 256 x 256 ... 256 x 1376 layers, one
+# thread; decode steps of that model at batch 1 and 8: 0.84-0.88x the time)
+# and as little at prefill sizes, and MKL runs a small GEMM on fewer threads
+# instead of the whole team. Larger weights (the ~100M model's, 0.6M-3.1M
+# elements) were slower that way at batch 32 (1.1x the generate time), so
+# they keep oneDNN.
+MKL_MAX_WEIGHT_ELEMENTS = 1 << 19
+
+
+def _runs_on_mkl(module: nn.Linear) -> bool:
+    return module.weight.dtype == torch.float32 and module.weight.numel() <= MKL_MAX_WEIGHT_ELEMENTS
+
+
 # NOTE: under torch.compile (`device.compile_model`) the layers trace as plain
 # F.linear: Inductor's lowering of _linear_pointwise accepts only a weight it
 # packed itself (a frozen constant), and failed on ours for bfloat16 (an
 # InductorError at the first forward). is_compiling() is decided at trace
 # time, so the compiled graph holds no branch and eager mode pays one call.
-def _prepacked_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    packed_weight = module.packed_weight
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return nn.functional.linear(x, module.weight, module.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, module.bias, "none", [], "")
-
-    return forward
-
-
 def _prepacked_gemm(module: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-    packed_weight = module.packed_weight
+    packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), _PACK_BATCH_HINT)
 
     def apply_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -75,8 +82,30 @@ def _prepacked_gemm(module: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor |
     return apply_linear
 
 
+def _mkl_gemm(module: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    weight_t = module.weight.detach().t().contiguous()  # [K, N]: sgemm's plain layout
+
+    def apply_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return nn.functional.linear(x, module.weight, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.mm(rows, weight_t) if bias is None else torch.addmm(bias, rows, weight_t)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    return apply_linear
+
+
+def _forward(module: nn.Linear, gemm: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+             ) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return gemm(x, module.bias)
+
+    return forward
+
+
 def prepack_linear_layers(model: nn.Module) -> int:
-    """Switch every float32 or bfloat16 nn.Linear of `model` to a prepacked oneDNN GEMM.
+    """Switch every float32 or bfloat16 nn.Linear of `model` to a prepacked
+    oneDNN GEMM, or a small float32 one to MKL's sgemm on a [K, N] copy.
 
     The original weight stays registered (the model's parameters and tied
     embeddings keep working); returns how many layers were switched.
@@ -88,12 +117,10 @@ def prepack_linear_layers(model: nn.Module) -> int:
         return 0
     with torch.no_grad():
         for module in linears:
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
-                module.weight.detach(), _PACK_BATCH_HINT
-            )
+            gemm = _mkl_gemm(module) if _runs_on_mkl(module) else _prepacked_gemm(module)
             if hasattr(module, "apply_linear"):  # a tensor-parallel layer: swap only its GEMM, keep its collectives
-                module.apply_linear = _prepacked_gemm(module)  # type: ignore[assignment]  # a per-instance GEMM
+                module.apply_linear = gemm  # type: ignore[assignment]  # a per-instance GEMM
             else:
-                module.forward = _prepacked_forward(module)  # type: ignore[method-assign,assignment]  # a per-instance forward
-    logger.info("prepacked %d linear layers for oneDNN", len(linears))
+                module.forward = _forward(module, gemm)  # type: ignore[method-assign,assignment]  # a per-instance forward
+    logger.info("prepacked %d linear layers for oneDNN or MKL", len(linears))
     return len(linears)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model_registry.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from pagedllm.platforms.cpu_linear import onednn_linear_available, prepack_linear_layers
+from pagedllm.platforms.cpu_linear import MKL_MAX_WEIGHT_ELEMENTS, onednn_linear_available, prepack_linear_layers
 from pagedllm.quantization.int8 import Int8WeightOnlyMethod
 
 
@@ -101,3 +101,29 @@ def test_prepacked_layers_trace_as_f_linear_under_torch_compile(dtype: torch.dty
     assert not any("mkldnn" in target for target in targets), targets
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
     assert torch.equal(model(x), expected)  # eager calls still take the prepacked path, same values
+
+
+def _ops_run(fn: Callable[[], Any]) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        fn()
+    return {event.key for event in profile.key_averages()}
+
+
+def test_small_float32_weights_run_on_mkl_and_large_ones_on_prepacked_onednn() -> None:
+    """A float32 weight of at most MKL_MAX_WEIGHT_ELEMENTS runs MKL's sgemm on
+    a [K, N] copy (faster at decode sizes); a larger one stays on oneDNN."""
+    _skip_without(torch.float32)
+    generator = torch.Generator().manual_seed(2)
+    small = nn.Linear(64, 96, bias=True)
+    large = nn.Linear(512, 1025, bias=False)  # 524,800 elements > 1 << 19
+    assert small.weight.numel() <= MKL_MAX_WEIGHT_ELEMENTS < large.weight.numel()
+    x_small, x_large = torch.randn(3, 64, generator=generator), torch.randn(3, 512, generator=generator)
+    with torch.no_grad():
+        expected_small, expected_large = F.linear(x_small, small.weight, small.bias), F.linear(x_large, large.weight)
+        assert prepack_linear_layers(nn.Sequential(small, large)) == 2
+        small_ops = _ops_run(lambda: torch.testing.assert_close(small(x_small), expected_small, rtol=1e-5, atol=1e-5))
+        large_ops = _ops_run(lambda: torch.testing.assert_close(large(x_large), expected_large, rtol=1e-5, atol=1e-5))
+        assert "aten::addmm" in small_ops and "mkldnn::_linear_pointwise" not in small_ops
+        assert "mkldnn::_linear_pointwise" in large_ops
+        # [..., K] inputs keep their leading shape
+        assert small(x_small.view(3, 1, 64)).shape == (3, 1, 96)
