@@ -22,16 +22,19 @@ causal SDPA call per request over its own rows, which lets the kernel skip
 the masked half. For 16 prompts of 64-256 tokens that is 2.2x less attention
 time than one padded, masked call (bfloat16 and float32, one thread).
 
-On the CPU, a pure-decode group over a float32 or bfloat16 cache skips the
-gather and SDPA: the C kernel of cpu_decode_kernel.py reads each request's
-keys and values in place through its block table (the group carries the
-block table rows and lengths for it).
+On the CPU, the decodes over a float32 or bfloat16 cache skip the gather
+and SDPA: the C kernel of cpu_decode_kernel.py reads each request's keys and
+values in place through its block table (the group carries the block table
+rows and lengths for it). It pads nothing, so there the decodes stay one
+group, one kernel call per layer; the length split is built only for a layer
+that gathers (`TorchNativeBatchPlan.gather_groups`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -125,9 +128,18 @@ class TorchNativeBatchPlan:
     # Tokens whose slot is -1 are not written; None = every token is written.
     write_rows: torch.Tensor | None
     write_slots: torch.Tensor  # int64, one per written token
+    # Decodes in one group (the CPU decode kernel reads each request's own
+    # keys, whatever the lengths), then the prefill chunks with context.
     groups: list[RequestGroup]
     # Fresh prefills' rows of the flattened batch: [start, end) per request.
     fresh_prefill_rows: list[tuple[int, int]] = field(default_factory=list)
+    # Builds `groups` with the decodes split by length (split_by_length), for
+    # layers that gather and pad the keys instead; None: the same as `groups`.
+    _build_gather_groups: Callable[[], list[RequestGroup]] | None = None
+
+    @functools.cached_property
+    def gather_groups(self) -> list[RequestGroup]:
+        return self.groups if self._build_gather_groups is None else self._build_gather_groups()
 
 
 def _build_group(
@@ -214,13 +226,22 @@ def build_batch_plan(attn_metadata: AttentionMetadata, block_size: int) -> Torch
     fresh_prefill_rows = list(zip(query_start_loc_cpu[fresh_ids].tolist(), query_start_loc_cpu[fresh_ids + 1].tolist(),
                                   strict=True))
     chunks = (~is_decode & ~is_fresh_prefill).nonzero().squeeze(1)
-    kinds = [ids for ids in (*split_by_length(is_decode.nonzero().squeeze(1), seq_lens_cpu), chunks) if ids.numel()]
-    whole_batch = len(kinds) == 1 and not fresh_prefill_rows
-    groups = [
-        _build_group(req_ids, query_start_loc_cpu, seq_lens_cpu, attn_metadata.block_table, block_size, whole_batch)
-        for req_ids in kinds
-    ]
-    return TorchNativeBatchPlan(block_size, num_tokens, write_rows, write_slots, groups, fresh_prefill_rows)
+    decodes = is_decode.nonzero().squeeze(1)
+
+    def build_groups(decode_groups: list[torch.Tensor]) -> list[RequestGroup]:
+        kinds = [ids for ids in (*decode_groups, chunks) if ids.numel()]
+        whole_batch = len(kinds) == 1 and not fresh_prefill_rows
+        block_table = attn_metadata.block_table
+        return [_build_group(ids, query_start_loc_cpu, seq_lens_cpu, block_table, block_size, whole_batch)
+                for ids in kinds]
+
+    def build_gather_groups() -> list[RequestGroup]:
+        split = split_by_length(decodes, seq_lens_cpu)
+        return groups if len(split) == 1 else build_groups(split)
+
+    groups = build_groups([decodes])
+    return TorchNativeBatchPlan(block_size, num_tokens, write_rows, write_slots, groups, fresh_prefill_rows,
+                                build_gather_groups if decodes.numel() > 1 else None)
 
 
 @dataclass
@@ -256,8 +277,9 @@ class TorchNativeAttentionImpl(AttentionImpl):
             write_kv(key_cache, plan.write_slots, key[plan.write_rows], self.k_scale)
             write_kv(value_cache, plan.write_slots, value[plan.write_rows], self.v_scale)
 
-        if len(plan.groups) == 1 and plan.groups[0].token_rows is None:
-            return self._attend_group(query, key_cache, value_cache, plan.groups[0], plan.block_size)
+        groups = plan.groups if self._decode_kernel_runs(query, key_cache) else plan.gather_groups
+        if len(groups) == 1 and groups[0].token_rows is None:
+            return self._attend_group(query, key_cache, value_cache, groups[0], plan.block_size)
         # NOTE: every row belongs to one group or one fresh prefill, so every
         # row of `output` is written below.
         output = torch.empty_like(query)
@@ -267,11 +289,14 @@ class TorchNativeAttentionImpl(AttentionImpl):
             value = dequantize_kv(quantize_kv(value, value_cache.dtype, self.v_scale), query.dtype, self.v_scale)
         for start, end in plan.fresh_prefill_rows:
             output[start:end] = self._attend_fresh_prefill(query[start:end], key[start:end], value[start:end])
-        for group in plan.groups:  # at most three: decodes (in one or two groups), prefill chunks with context
+        for group in groups:  # at most three: decodes (in one or two groups), prefill chunks with context
             assert group.token_rows is not None
             group_out = self._attend_group(query[group.token_rows], key_cache, value_cache, group, plan.block_size)
             output.index_copy_(0, group.token_rows, group_out)
         return output
+
+    def _decode_kernel_runs(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        return cpu_decode_kernel.supports(query, key_cache, self.num_heads, self.num_kv_heads)
 
     def _attend_fresh_prefill(
         self,
@@ -303,8 +328,8 @@ class TorchNativeAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:  # [Tg, H, D]
         num_reqs, max_query_len = group.num_reqs, group.max_query_len
         num_heads, num_kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size
-        if group.block_table is not None and group.seq_lens is not None and cpu_decode_kernel.supports(
-            query, key_cache, num_heads, num_kv_heads
+        if group.block_table is not None and group.seq_lens is not None and self._decode_kernel_runs(
+            query, key_cache
         ):
             return cpu_decode_kernel.paged_decode(
                 query, key_cache, value_cache, block_size, group.block_table, group.seq_lens, self.scale,

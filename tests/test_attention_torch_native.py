@@ -194,8 +194,17 @@ def test_decodes_of_very_different_lengths_are_split_in_two_groups() -> None:
     assert [ids.tolist() for ids in split_by_length(req_ids, close)] == [[0, 1, 2, 3, 4, 5]]
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["decode-kernel", "gather"])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_split_decode_groups_match_reference(dtype: torch.dtype, atol: float) -> None:
+def test_split_decode_groups_match_reference(
+    dtype: torch.dtype, atol: float, kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the CPU decode kernel runs, the decodes stay one group; a layer
+    that gathers splits them by length (gather_groups). Both match."""
+    if not kernel:
+        from pagedllm.attention_backends import cpu_decode_kernel
+
+        monkeypatch.setattr(cpu_decode_kernel, "supports", lambda *args: False)
     seq_lens = [70, 3, 66, 5, 40, 2]
     query_lens = [1, 1, 1, 1, 12, 1]
     case_plan = build_batch_plan(
@@ -203,7 +212,8 @@ def test_split_decode_groups_match_reference(dtype: torch.dtype, atol: float) ->
                           torch.tensor(seq_lens, dtype=torch.int32), torch.zeros(6, 5, dtype=torch.int32),
                           torch.arange(17), torch.tensor([0, 1, 2, 3, 4, 16, 17], dtype=torch.int32),
                           torch.tensor(seq_lens, dtype=torch.int32)), block_size=16)
-    assert len(case_plan.groups) == 3  # short decodes, long decodes, the chunk with context
+    assert len(case_plan.groups) == 2  # the decodes, the chunk with context
+    assert len(case_plan.gather_groups) == 3  # short decodes, long decodes, the chunk
     out, ref = run_case(seq_lens=seq_lens, query_lens=query_lens, dtype=dtype)
     torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
 
