@@ -156,7 +156,7 @@ def results_table(results: ServingResults, concurrencies: list[int]) -> str:
 
 def run_round(rnd: int, args: argparse.Namespace, model_path: str, log_dir: Path, results: ServingResults) -> None:
     placement = placement_from_args(args)
-    for engine in engine_order(rnd):
+    for engine in (e for e in engine_order(rnd) if e in args.engines):
         log_path = log_dir / f"{engine}-round{rnd}.log"
         process, port, startup_s = start_server(engine, placement, model_path, args.dtype, log_path,
                                                 args.server_timeout)
@@ -184,6 +184,8 @@ def main() -> None:
                         help="comma-separated --max-concurrency levels (default 1,8,32)")
     parser.add_argument("--prompts-per-level", type=int, default=None, help="default: max(32, 8 x concurrency)")
     parser.add_argument("--rounds", type=int, default=2, help="server starts per engine (default %(default)s)")
+    parser.add_argument("--engines", type=lambda s: s.split(","), default=list(ENGINES),
+                        help="comma-separated subset of pagedllm,vllm (e.g. pagedllm alone for a before/after)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--server-timeout", type=float, default=900.0, help="seconds to the first completion")
