@@ -4,7 +4,10 @@
  * its block table: nothing is gathered into a padded copy, and a request
  * reads only its own keys. Scores, softmax and the weighted sum of values are
  * in float32 whatever the storage dtype (float32 or bfloat16), like
- * torch's SDPA CPU kernel. Loaded through ctypes (no Python or torch headers),
+ * torch's SDPA CPU kernel (bf16 scores: exact bf16 products summed in
+ * float32). Two implementations: AVX-512 (with AVX512-BF16's dot product
+ * where the CPU has it) when the compiler targets it (-march=native), and a
+ * portable C loop the compiler vectorises as it can. Loaded through ctypes (no Python or torch headers),
  * so building it takes a C compiler and well under a second; see
  * attention_backends/cpu_decode_kernel.py.
  */
@@ -53,7 +56,23 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-/* One request: every query head attends over keys [start, len).
+/* Each query head's scores [n] -> softmax probabilities, in place. */
+static void softmax_rows(float *scores, int num_heads, int64_t n) {
+    for (int h = 0; h < num_heads; h++) {
+        float *sh = scores + h * n, m = -INFINITY, sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) m = sh[i] > m ? sh[i] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) {
+            sh[i] = exp_nonpositive(sh[i] - m);
+            sum += sh[i];
+        }
+        float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) sh[i] *= inv;
+    }
+}
+
+/* The portable kernel. One request: every query head attends over keys [start, len).
  * Tokens are the outer loop and heads the inner one, so that K and V are read
  * in cache order, all KV heads of a slot together (a pass per KV head re-read
  * each slot's cache lines from memory: 1.1x slower than gather + SDPA in the
@@ -64,13 +83,12 @@ static inline float exp_nonpositive(float x) {
                      const T *k_cache, const T *v_cache, int64_t stride_slot, const int32_t *blocks,       \
                      int block_size, int64_t start, int64_t len, int num_heads, int num_kv_heads,          \
                      int head_size, float soft_cap, const int *kv_head, /* of each query head */        \
-                     int have_scores, /* scores already hold q.k (scores_bf16_dot) */                    \
                      float *scores, /* [num_heads][len - start] */                                        \
                      float *out /* [num_heads][head_size] */) {                                           \
         const int hs = HS;                                                                                 \
         const int64_t n = len - start;                                                                     \
         (void)head_size, (void)num_kv_heads;                                                               \
-        for (int64_t b = start / block_size; !have_scores && b * block_size < len; b++) {                  \
+        for (int64_t b = start / block_size; b * block_size < len; b++) {                  \
             int64_t t0 = b * block_size > start ? b * block_size : start;                                  \
             int64_t t1 = (b + 1) * block_size < len ? (b + 1) * block_size : len;                          \
             const T *k = k_cache + ((int64_t)blocks[b] * block_size + (t0 - b * block_size)) * stride_slot; \
@@ -86,16 +104,7 @@ static inline float exp_nonpositive(float x) {
                 }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
-        for (int h = 0; h < num_heads; h++) {                                                              \
-            float *sh = scores + h * n, m = -INFINITY, sum = 0.0f;                                         \
-            for (int64_t i = 0; i < n; i++) m = sh[i] > m ? sh[i] : m;                                     \
-            _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < n; i++) {                       \
-                sh[i] = exp_nonpositive(sh[i] - m);                                                        \
-                sum += sh[i];                                                                              \
-            }                                                                                              \
-            float inv = 1.0f / sum;                                                                        \
-            _Pragma("omp simd") for (int64_t i = 0; i < n; i++) sh[i] *= inv;                             \
-        }                                                                                                  \
+        softmax_rows(scores, num_heads, n);                                                                \
         memset(out, 0, sizeof(float) * (size_t)num_heads * (size_t)hs);                                    \
         for (int64_t b = start / block_size; b * block_size < len; b++) {                                  \
             int64_t t0 = b * block_size > start ? b * block_size : start;                                  \
@@ -112,39 +121,298 @@ static inline float exp_nonpositive(float x) {
         }                                                                                                  \
     }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
-#define HAVE_BF16_DOT 1
-/* q.k of every query head over keys [start, len) with AVX512-BF16's dot
- * product: bf16 pairs multiplied exactly and summed in float32, 32 values an
- * instruction, from the query as it is (the scale is applied to the sum).
- * Half the kernel's time at head size 64 went to these dot products. */
-static void scores_bf16_dot(const uint16_t *q, float scale, const uint16_t *k_cache, int64_t stride_slot,
-                            const int32_t *blocks, int block_size, int64_t start, int64_t len, int num_heads,
-                            int head_size, const int *kv_head, float soft_cap, float *scores) {
-    int64_t n = len - start;
-    for (int64_t b = start / block_size; b * block_size < len; b++) {
-        int64_t t0 = b * block_size > start ? b * block_size : start;
-        int64_t t1 = (b + 1) * block_size < len ? (b + 1) * block_size : len;
-        const uint16_t *k = k_cache + ((int64_t)blocks[b] * block_size + (t0 - b * block_size)) * stride_slot;
-        for (int64_t t = t0; t < t1; t++, k += stride_slot) {
-            for (int h = 0; h < num_heads; h++) {
-                const uint16_t *qh = q + (int64_t)h * head_size, *kh = k + (int64_t)kv_head[h] * head_size;
-                __m512 acc = _mm512_setzero_ps();
-                for (int d = 0; d < head_size; d += 32)
-                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + d),
-                                           (__m512bh)_mm512_loadu_si512(kh + d));
-                float s = _mm512_reduce_add_ps(acc) * scale;
-                if (soft_cap > 0.0f) s = soft_cap * tanhf(s / soft_cap);
-                scores[h * n + (t - start)] = s;
-            }
-        }
+#define HAVE_AVX512 1
+/* The AVX-512 kernel: keys and values are read CHUNK tokens at a time, the
+ * next chunks prefetched (prefetch_rows).
+ *
+ * Scores: a query head's dot products with 16 keys go into 16 vector
+ * accumulators, reduced together into one vector of 16 scores (sum16): the
+ * per-token horizontal sum (_mm512_reduce_add_ps, ~8 dependent shuffles and
+ * adds per token and head) was most of the old kernel's score time. The 16
+ * key rows stay in L1 while every query head of their KV head group uses them.
+ * Weighted sum: the query heads of a KV head group (up to 4 at a time) and 64
+ * head dims stay in registers over the chunk's 16 tokens, so each value row
+ * is loaded and converted to float32 once per group instead of once per head,
+ * and the float32 accumulators are not reloaded and stored per token. */
+#define CHUNK 16
+
+/* Lane i of the result is the sum of a[i]'s 16 lanes: a transpose-and-add
+ * tree, 45 shuffles and adds for 16 sums. */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 a[CHUNK]) {
+    __m512 b[8], c[4], d[2];
+    for (int k = 0; k < 8; k++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
+        b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 4; k++) { /* per 128-bit lane: the lane's sum of a[4k .. 4k+3] */
+        __m512d x = _mm512_castps_pd(b[2 * k]), y = _mm512_castps_pd(b[2 * k + 1]);
+        c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int k = 0; k < 2; k++) /* 128-bit lanes: sums of lanes 0+1 and 2+3 of a[8k .. 8k+3], then a[8k+4 ..] */
+        d[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+}
+
+/* Cache rows of tokens [t0, t0 + nt) of a request, in bytes from `cache`;
+ * the rows past nt repeat the first, so that a short chunk's loads stay in
+ * the request's memory (their lanes are never stored). */
+static inline void chunk_rows(const char *cache, int64_t slot_bytes, const int32_t *blocks, int block_size,
+                              int64_t t0, int nt, const char *rows[CHUNK]) {
+    int64_t b = t0 / block_size, off = t0 - b * block_size;
+    for (int i = 0; i < nt; i++) {
+        rows[i] = cache + ((int64_t)blocks[b] * block_size + off) * slot_bytes;
+        if (++off == block_size) off = 0, b++;
+    }
+    for (int i = nt; i < CHUNK; i++) rows[i] = rows[0];
+}
+
+/* prefetcht1 as volatile asm: GCC 12 deleted the loops of _mm_prefetch below
+ * as loops without side effects. */
+static inline void prefetch_l2(const char *p) { __asm__ volatile("prefetcht1 %0" : : "m"(*p)); }
+
+/* Asks for tokens [t0, t0 + nt)'s rows (row_bytes each) in L2 ahead of use.
+ * In the engine the cache is cold (the other layers' weights and caches ran
+ * through since this layer's last step) and a request's blocks are scattered
+ * 8 KB pieces (block 16, 4 KV heads of 64 bf16): without it the 100M model's
+ * layer call took 1.06-1.08x as long as with two chunks ahead (one, four and
+ * eight were no better; neither was prefetching the next request's first
+ * chunks). */
+static inline void prefetch_rows(const char *cache, int64_t slot_bytes, const int32_t *blocks, int block_size,
+                                 int64_t t0, int nt, int64_t row_bytes) {
+    int64_t b = t0 / block_size, off = t0 - b * block_size;
+    for (int i = 0; i < nt; i++) {
+        const char *row = cache + ((int64_t)blocks[b] * block_size + off) * slot_bytes;
+        for (int64_t o = 0; o < row_bytes; o += 64) prefetch_l2(row + o);
+        if (++off == block_size) off = 0, b++;
     }
 }
+
+#ifndef PREFETCH_CHUNKS
+#define PREFETCH_CHUNKS 2 /* how far ahead, in chunks */
+#endif
+/* Prefetches chunk t0's rows if t0 < len. */
+static inline void prefetch_chunk(const char *cache, int64_t slot_bytes, const int32_t *blocks, int block_size,
+                                  int64_t t0, int64_t len, int64_t row_bytes) {
+    if (t0 < len)
+        prefetch_rows(cache, slot_bytes, blocks, block_size, t0, len - t0 < CHUNK ? (int)(len - t0) : CHUNK, row_bytes);
+}
+
+static inline __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* exp_nonpositive on 16 lanes; the power of two by scalef. */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* softmax_rows in AVX-512: the compiler left the max and the exps scalar,
+ * and they took as long as the scores and the weighted sum together. */
+static void softmax_rows16(float *scores, int num_heads, int64_t n) {
+    for (int h = 0; h < num_heads; h++) {
+        float *sh = scores + h * n;
+        __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) m = _mm512_mask_max_ps(m, mask16(n - i), m, _mm512_maskz_loadu_ps(mask16(n - i), sh + i));
+        __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        for (int64_t i = 0; i < n; i += 16) {
+            __mmask16 k = mask16(n - i);
+            __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + i), mx));
+            sum = _mm512_mask_add_ps(sum, k, sum, e);
+            _mm512_mask_storeu_ps(sh + i, k, e);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+        for (int64_t i = 0; i < n; i += 16)
+            _mm512_mask_storeu_ps(sh + i, mask16(n - i), _mm512_mul_ps(_mm512_maskz_loadu_ps(mask16(n - i), sh + i), inv));
+    }
+}
+
+/* 16 storage elements as float32 (bfloat16 -> float32 is exact: a shift). */
+static inline __attribute__((always_inline)) __m512 load16(const char *p, int bf16, __mmask16 m) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    return _mm512_maskz_loadu_ps(m, p);
+}
+
+/* q . k for the 16 rows, float32 products: qf is the scaled float32 query head. */
+static inline __attribute__((always_inline)) __m512 qk_fma(const float *qf, const char *const rows[CHUNK],
+                                                           int64_t off, int hs, int bf16) {
+    __m512 acc[CHUNK];
+    int elt = bf16 ? 2 : 4;
+    for (int i = 0; i < CHUNK; i++) acc[i] = _mm512_setzero_ps();
+    for (int d = 0; d < hs; d += 16) {
+        __mmask16 m = mask16(hs - d);
+        __m512 qv = _mm512_maskz_loadu_ps(m, qf + d);
+#pragma GCC unroll 16
+        for (int i = 0; i < CHUNK; i++)
+            acc[i] = _mm512_fmadd_ps(qv, load16(rows[i] + off + (int64_t)d * elt, bf16, m), acc[i]);
+    }
+    return sum16(acc);
+}
+
+#if defined(__AVX512BF16__)
+/* q . k for the 16 rows with AVX512-BF16's dot product: bf16 pairs multiplied
+ * exactly and summed in float32, 32 values an instruction, from the query as
+ * it is (the caller scales the sums). Masked loads: past the head size, a
+ * key's neighbour in memory may be NaN, and 0 * NaN is NaN. */
+static inline __attribute__((always_inline)) __m512 qk_dpbf16(const uint16_t *q, const char *const rows[CHUNK],
+                                                              int64_t off, int hs) {
+    __m512 acc[CHUNK];
+    for (int i = 0; i < CHUNK; i++) acc[i] = _mm512_setzero_ps();
+    for (int d = 0; d < hs; d += 32) {
+        __mmask32 m = hs - d >= 32 ? 0xffffffffu : (1u << (hs - d)) - 1;
+        __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + d);
+#pragma GCC unroll 16
+        for (int i = 0; i < CHUNK; i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_maskz_loadu_epi16(m, rows[i] + off + 2 * (int64_t)d));
+    }
+    return sum16(acc);
+}
+#define HAVE_BF16_DOT 1
 #else
 #define HAVE_BF16_DOT 0
 #endif
 
+/* Scores of every query head for keys [start, len) into scores[h][t - start]. */
+static inline __attribute__((always_inline)) void qk_pass(int bf16, const void *q, const float *qf, float scale,
+                                                          const char *k_cache, int64_t slot_bytes,
+                                                          const int32_t *blocks, int block_size, int64_t start,
+                                                          int64_t len, int num_heads, int group, int hs,
+                                                          float *scores) {
+    const int64_t n = len - start, elt = bf16 ? 2 : 4, row_bytes = (int64_t)(num_heads / group) * hs * elt;
+    const char *rows[CHUNK];
+    for (int64_t t = start; t < start + PREFETCH_CHUNKS * CHUNK; t += CHUNK)
+        prefetch_chunk(k_cache, slot_bytes, blocks, block_size, t, len, row_bytes);
+    for (int64_t t0 = start; t0 < len; t0 += CHUNK) {
+        int nt = len - t0 < CHUNK ? (int)(len - t0) : CHUNK;
+        prefetch_chunk(k_cache, slot_bytes, blocks, block_size, t0 + PREFETCH_CHUNKS * CHUNK, len, row_bytes);
+        chunk_rows(k_cache, slot_bytes, blocks, block_size, t0, nt, rows);
+        for (int h = 0; h < num_heads; h++) {
+            int64_t off = (int64_t)(h / group) * hs * elt;
+            __m512 s;
+#if HAVE_BF16_DOT
+            if (bf16)
+                s = _mm512_mul_ps(qk_dpbf16((const uint16_t *)q + (int64_t)h * hs, rows, off, hs), _mm512_set1_ps(scale));
+            else
+#endif
+                s = qk_fma(qf + (int64_t)h * hs, rows, off, hs, bf16);
+            (void)q, (void)scale;
+            _mm512_mask_storeu_ps(scores + h * n + (t0 - start), mask16(nt), s);
+        }
+    }
+}
+
+/* out[h][d0 .. d0+64) += sum over the chunk's nt tokens of p[h][i] * v_i, for
+ * HT query heads of one KV head group; off: the KV head's dim d0 in a row. */
+static inline __attribute__((always_inline)) void pv_tile(const int HT, int bf16, float *out, int hs,
+                                                          const float *p, int64_t n, const char *const rows[CHUNK],
+                                                          int64_t off, int nt, int dims) {
+    const int elt = bf16 ? 2 : 4;
+    __mmask16 m[4];
+    __m512 acc[4][4];
+    for (int c = 0; c < 4; c++) m[c] = mask16(dims - 16 * c);
+    for (int h = 0; h < HT; h++)
+        for (int c = 0; c < 4; c++) acc[h][c] = _mm512_maskz_loadu_ps(m[c], out + (int64_t)h * hs + 16 * c);
+    for (int i = 0; i < nt; i++) {
+        __m512 v[4];
+        for (int c = 0; c < 4; c++) v[c] = load16(rows[i] + off + (int64_t)16 * c * elt, bf16, m[c]);
+        for (int h = 0; h < HT; h++) {
+            __m512 pb = _mm512_set1_ps(p[h * n + i]);
+            for (int c = 0; c < 4; c++) acc[h][c] = _mm512_fmadd_ps(pb, v[c], acc[h][c]);
+        }
+    }
+    for (int h = 0; h < HT; h++)
+        for (int c = 0; c < 4; c++) _mm512_mask_storeu_ps(out + (int64_t)h * hs + 16 * c, m[c], acc[h][c]);
+}
+
+static inline __attribute__((always_inline)) void pv_pass(int bf16, const char *v_cache, int64_t slot_bytes,
+                                                          const int32_t *blocks, int block_size, int64_t start,
+                                                          int64_t len, int num_heads, int group, int hs,
+                                                          const float *scores, float *out) {
+    const int64_t n = len - start, elt = bf16 ? 2 : 4, row_bytes = (int64_t)(num_heads / group) * hs * elt;
+    const char *rows[CHUNK];
+    memset(out, 0, sizeof(float) * (size_t)num_heads * (size_t)hs);
+    for (int64_t t0 = start; t0 < len; t0 += CHUNK) {
+        int nt = len - t0 < CHUNK ? (int)(len - t0) : CHUNK;
+        prefetch_chunk(v_cache, slot_bytes, blocks, block_size, t0 + PREFETCH_CHUNKS * CHUNK, len, row_bytes);
+        chunk_rows(v_cache, slot_bytes, blocks, block_size, t0, nt, rows);
+        for (int h0 = 0, ht; h0 < num_heads; h0 += ht) {
+            ht = group - h0 % group < 4 ? group - h0 % group : 4; /* heads left in h0's group, at most 4 */
+            const float *p = scores + h0 * n + (t0 - start);
+            for (int d0 = 0; d0 < hs; d0 += 64) {
+                float *o = out + (int64_t)h0 * hs + d0;
+                int64_t off = ((int64_t)(h0 / group) * hs + d0) * elt;
+                int dims = hs - d0 < 64 ? hs - d0 : 64;
+                switch (ht) {
+                case 1: pv_tile(1, bf16, o, hs, p, n, rows, off, nt, dims); break;
+                case 2: pv_tile(2, bf16, o, hs, p, n, rows, off, nt, dims); break;
+                case 3: pv_tile(3, bf16, o, hs, p, n, rows, off, nt, dims); break;
+                default: pv_tile(4, bf16, o, hs, p, n, rows, off, nt, dims); break;
+                }
+            }
+        }
+    }
+}
+
+/* One request, every query head over keys [start, len): scores, soft cap,
+ * softmax, weighted sum of values. HS and BF16 are constants at the call
+ * sites below, so the common head sizes' loops unroll. */
+static inline __attribute__((always_inline)) void attend_vec(int bf16, const void *q, const float *qf, float scale,
+                                                             const void *k_cache, const void *v_cache,
+                                                             int64_t stride_slot, const int32_t *blocks,
+                                                             int block_size, int64_t start, int64_t len,
+                                                             int num_heads, int group, int hs, float soft_cap,
+                                                             float *scores, float *out) {
+    const int64_t n = len - start, slot_bytes = stride_slot * (bf16 ? 2 : 4);
+    const int64_t row_bytes = (int64_t)(num_heads / group) * hs * (bf16 ? 2 : 4);
+    qk_pass(bf16, q, qf, scale, k_cache, slot_bytes, blocks, block_size, start, len, num_heads, group, hs, scores);
+    /* the values' first chunks arrive during the softmax */
+    for (int64_t t = start; t < start + PREFETCH_CHUNKS * CHUNK; t += CHUNK)
+        prefetch_chunk(v_cache, slot_bytes, blocks, block_size, t, len, row_bytes);
+    if (soft_cap > 0.0f)
+        for (int64_t i = 0; i < (int64_t)num_heads * n; i++) scores[i] = soft_cap * tanhf(scores[i] / soft_cap);
+    softmax_rows16(scores, num_heads, n);
+    pv_pass(bf16, v_cache, slot_bytes, blocks, block_size, start, len, num_heads, group, hs, scores, out);
+}
+
+typedef void (*attend_vec_fn)(const void *, const float *, float, const void *, const void *, int64_t,
+                              const int32_t *, int, int64_t, int64_t, int, int, int, float, float *, float *);
+
+#define DEFINE_ATTEND_VEC(NAME, BF16, HS)                                                                  \
+    static void NAME(const void *q, const float *qf, float scale, const void *k_cache, const void *v_cache, \
+                     int64_t stride_slot, const int32_t *blocks, int block_size, int64_t start, int64_t len, \
+                     int num_heads, int group, int head_size, float soft_cap, float *scores, float *out) {   \
+        (void)head_size;                                                                                   \
+        attend_vec(BF16, q, qf, scale, k_cache, v_cache, stride_slot, blocks, block_size, start, len,       \
+                   num_heads, group, HS, soft_cap, scores, out);                                           \
+    }
+DEFINE_ATTEND_VEC(attend_vec_f32, 0, head_size)
+DEFINE_ATTEND_VEC(attend_vec_bf16, 1, head_size)
+DEFINE_ATTEND_VEC(attend_vec_f32_64, 0, 64)
+DEFINE_ATTEND_VEC(attend_vec_bf16_64, 1, 64)
+DEFINE_ATTEND_VEC(attend_vec_f32_128, 0, 128)
+DEFINE_ATTEND_VEC(attend_vec_bf16_128, 1, 128)
+
+static attend_vec_fn pick_attend_vec(int dtype, int head_size) {
+    if (head_size == 64) return dtype ? attend_vec_bf16_64 : attend_vec_f32_64;
+    if (head_size == 128) return dtype ? attend_vec_bf16_128 : attend_vec_f32_128;
+    return dtype ? attend_vec_bf16 : attend_vec_f32;
+}
+#else
+#define HAVE_AVX512 0
+#endif
+
+#if !HAVE_AVX512
 #define LOAD_F32(x) (x)
 #define LOAD_BF16(x) bf16_to_f32(x)
 DEFINE_ATTEND(attend_f32, float, LOAD_F32, head_size)
@@ -155,13 +423,14 @@ DEFINE_ATTEND(attend_f32_128, float, LOAD_F32, 128)
 DEFINE_ATTEND(attend_bf16_128, uint16_t, LOAD_BF16, 128)
 
 typedef void (*attend_fn)(const float *, const void *, const void *, int64_t, const int32_t *, int, int64_t,
-                          int64_t, int, int, int, float, const int *, int, float *, float *);
+                          int64_t, int, int, int, float, const int *, float *, float *);
 
 static attend_fn pick_attend(int dtype, int head_size) {
     if (head_size == 64) return dtype ? (attend_fn)attend_bf16_64 : (attend_fn)attend_f32_64;
     if (head_size == 128) return dtype ? (attend_fn)attend_bf16_128 : (attend_fn)attend_f32_128;
     return dtype ? (attend_fn)attend_bf16 : (attend_fn)attend_f32;
 }
+#endif
 
 /* Decode attention for requests [req_begin, req_end) of the arrays below.
  *
@@ -199,7 +468,11 @@ int paged_decode(int dtype, const void *q, int64_t q_stride_row, const void *k_c
     failed = !scores || !acc || !qf || !kv_head;
     /* An integer division per head and token was a third of the kernel's time. */
     for (int h = 0; !failed && h < num_heads; h++) kv_head[h] = h / (num_heads / num_kv_heads);
+#if HAVE_AVX512
+    attend_vec_fn attend = pick_attend_vec(dtype, head_size);
+#else
     attend_fn attend = pick_attend(dtype, head_size);
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = req_begin; r < req_end; r++) {
         if (failed) continue;
@@ -211,16 +484,13 @@ int paged_decode(int dtype, const void *q, int64_t q_stride_row, const void *k_c
             qf[i] = x * scale;
         }
         const int32_t *blocks = block_table + r * block_table_stride;
-        int have_scores = 0;
-#if HAVE_BF16_DOT
-        if (dtype && head_size % 32 == 0) {
-            scores_bf16_dot((const uint16_t *)q + r * q_stride_row, scale, k_cache, cache_stride_slot, blocks,
-                            block_size, start, len, num_heads, head_size, kv_head, soft_cap, scores);
-            have_scores = 1;
-        }
-#endif
+#if HAVE_AVX512
+        attend((const char *)q + r * q_stride_row * (dtype ? 2 : 4), qf, scale, k_cache, v_cache, cache_stride_slot,
+               blocks, block_size, start, len, num_heads, num_heads / num_kv_heads, head_size, soft_cap, scores, acc);
+#else
         attend(qf, k_cache, v_cache, cache_stride_slot, blocks, block_size, start, len, num_heads, num_kv_heads,
-               head_size, soft_cap, kv_head, have_scores, scores, acc);
+               head_size, soft_cap, kv_head, scores, acc);
+#endif
         for (size_t i = 0; i < row; i++) {
             size_t dst_i = (size_t)r * row + i;
             if (dtype)
