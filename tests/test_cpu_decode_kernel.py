@@ -2,12 +2,19 @@
 against a float64 per-request reference in plain torch.
 
 Every case's cache holds NaN in the slots no request owns and its blocks are
-shuffled (helpers/attention_case.py), so reading a wrong slot shows.
+shuffled (helpers/attention_case.py), so reading a wrong slot shows. The
+lengths are not multiples of the kernel's 16-token chunks, and head sizes
+not multiples of its 16- and 32-lane vectors, so the masked tails run. The
+kernel built here is the AVX-512 one where this CPU has it; the portable C
+loop (and AVX-512 without BF16) are built with an older -march at the end.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import platform
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -59,20 +66,39 @@ def run_kernel(seq_lens: list[int], dtype: torch.dtype, **kwargs) -> tuple[torch
 SEQ_LENS = [1, 17, 40, 16, 95, 3, 64]
 
 
-@pytest.mark.parametrize("head_size", [64, 128, 16, 80])  # the two compiled-in sizes and the generic loop
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(12, 4), (4, 4), (8, 1)])
+HEAD_SIZES = [64, 128, 80, 32, 16]  # the two compiled-in sizes, then the generic loop with and without tails
+GROUPS = [(12, 4), (4, 4), (16, 2)]  # query heads per KV head: 3, 1, 8
+
+
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", GROUPS)
 def test_float32_matches_the_reference(head_size: int, num_heads: int, num_kv_heads: int) -> None:
     out, ref = run_kernel(SEQ_LENS, torch.float32, head_size=head_size, num_heads=num_heads,
                           num_kv_heads=num_kv_heads)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("head_size", [64, 80])
-def test_bfloat16_is_the_float32_result_rounded_once(head_size: int) -> None:
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", GROUPS)
+def test_bfloat16_is_the_float32_result_rounded_once(head_size: int, num_heads: int, num_kv_heads: int) -> None:
     """bf16 in, float32 softmax and sums, one rounding to bf16 at the end:
     within half a bf16 ulp of the exact result, plus float32 summation error."""
-    out, ref = run_kernel(SEQ_LENS, torch.bfloat16, head_size=head_size, num_heads=12, num_kv_heads=4)
+    out, ref = run_kernel(SEQ_LENS, torch.bfloat16, head_size=head_size, num_heads=num_heads,
+                          num_kv_heads=num_kv_heads)
     assert_rounded_once(out, ref)
+
+
+# Head sizes up to the limit, 4-head tiles of a group with a remainder (10/2,
+# 7/7), sizes below one vector (8) and past one 64-dim tile (96, 200).
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(512, 64, 1), (96, 10, 2), (8, 6, 3), (200, 7, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unusual_shapes(head_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
+    out, ref = run_kernel([1, 33, 70, 5], dtype, head_size=head_size, num_heads=num_heads,
+                          num_kv_heads=num_kv_heads)
+    if dtype == torch.bfloat16:
+        assert_rounded_once(out, ref)
+    else:
+        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
 
 
 def assert_rounded_once(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -80,10 +106,17 @@ def assert_rounded_once(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert bool(((out.double() - ref).abs() <= bound).all()), float(((out.double() - ref).abs() / bound).max())
 
 
-@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])  # a 16-token chunk spans blocks, or part of one
 def test_block_sizes(block_size: int) -> None:
     out, ref = run_kernel(SEQ_LENS, torch.float32, block_size=block_size)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 32])
+def test_bfloat16_block_sizes(block_size: int) -> None:
+    out, ref = run_kernel(SEQ_LENS, torch.bfloat16, block_size=block_size, head_size=64, num_heads=12,
+                          num_kv_heads=4)
+    assert_rounded_once(out, ref)
 
 
 @pytest.mark.parametrize("sliding_window", [1, 5, 16, 200])
@@ -97,10 +130,11 @@ def test_logits_soft_cap() -> None:
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("head_size", [32, 128])  # the AVX512-BF16 dot product path where the CPU has it
-def test_bfloat16_soft_cap_and_sliding_window(head_size: int) -> None:
-    out, ref = run_kernel(SEQ_LENS, torch.bfloat16, soft_cap=2.0, sliding_window=30, head_size=head_size,
-                          num_heads=6, num_kv_heads=2)
+@pytest.mark.parametrize("head_size", [32, 128, 80])
+@pytest.mark.parametrize("sliding_window", [30, 17, 1])  # windows that start inside a block and a chunk
+def test_bfloat16_soft_cap_and_sliding_window(head_size: int, sliding_window: int) -> None:
+    out, ref = run_kernel(SEQ_LENS, torch.bfloat16, soft_cap=2.0, sliding_window=sliding_window,
+                          head_size=head_size, num_heads=6, num_kv_heads=2)
     assert_rounded_once(out, ref)
 
 
@@ -159,3 +193,49 @@ def test_the_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> Non
         assert not cpu_decode_kernel.supports(query, cache, 4, 2)
     finally:
         cpu_decode_kernel.load.cache_clear()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            return set(next((line for line in cpuinfo if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+def _build_for(march: str, directory: Path) -> ctypes.CDLL:
+    """The kernel compiled for an older -march than this CPU's."""
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in cpu_decode_kernel.CFLAGS]
+    target = directory / f"paged_decode-{march}.so"
+    try:
+        subprocess.run(["cc", *flags, "-o", str(target), str(cpu_decode_kernel.SOURCE)], check=True,
+                       capture_output=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cc cannot build for -march={march}: {exc}")
+    library = ctypes.CDLL(str(target))
+    library.paged_decode.restype = ctypes.c_int
+    library.paged_decode.argtypes = cpu_decode_kernel._ARGTYPES
+    return library
+
+
+# x86-64-v3: AVX2, the portable C loop; skylake-avx512: the AVX-512 kernel
+# with float32 products for bf16 (no AVX512-BF16 dot product).
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 -march levels")
+@pytest.mark.parametrize("march,needs", [("x86-64-v3", {"avx2", "fma"}),
+                                         ("skylake-avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"})])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_builds_for_older_cpus_match_the_reference(
+    march: str, needs: set[str], dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not needs <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run -march={march} code")
+    library = _build_for(march, tmp_path)
+    monkeypatch.setattr(cpu_decode_kernel, "load", lambda: library)
+    for head_size, num_heads, num_kv_heads, window, cap in [(64, 12, 4, None, None), (80, 8, 1, 30, 2.0),
+                                                            (32, 4, 4, None, None), (128, 6, 2, 17, None)]:
+        out, ref = run_kernel(SEQ_LENS, dtype, head_size=head_size, num_heads=num_heads,
+                              num_kv_heads=num_kv_heads, sliding_window=window, soft_cap=cap)
+        if dtype == torch.bfloat16:
+            assert_rounded_once(out, ref)
+        else:
+            torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
