@@ -205,13 +205,12 @@ def _cpu_flags() -> set[str]:
 
 def _build_for(march: str, directory: Path) -> ctypes.CDLL:
     """The kernel compiled for an older -march than this CPU's."""
-    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in cpu_decode_kernel.CFLAGS]
+    flags = tuple(f"-march={march}" if flag == "-march=native" else flag for flag in cpu_decode_kernel.CFLAGS)
     target = directory / f"paged_decode-{march}.so"
     try:
-        subprocess.run(["cc", *flags, "-o", str(target), str(cpu_decode_kernel.SOURCE)], check=True,
-                       capture_output=True, timeout=120)
+        cpu_kernel_build.build(cpu_decode_kernel.SOURCE, flags, target)
     except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cc cannot build for -march={march}: {exc}")
+        pytest.skip(f"the C compiler cannot build for -march={march}: {exc}")
     library = ctypes.CDLL(str(target))
     library.paged_decode.restype = ctypes.c_int
     library.paged_decode.argtypes = cpu_decode_kernel._ARGTYPES
