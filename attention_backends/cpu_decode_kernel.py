@@ -4,10 +4,10 @@ Decode attention in plain torch gathers every request's keys and values out
 of the paged cache into a padded copy, then runs SDPA over it: the 100M
 Llama's decode step at batch 32 spent ~40 % of its time there. The kernel
 reads each request's own keys and values in place through its block table,
-one pass over K and one over V, float32 softmax and accumulation: 0.55-0.7x
-the time of gather + SDPA per layer at batch 32, contexts 65-320, bfloat16,
-at one and two threads, and a 0.75-0.86x decode step
-(`benchmarks/paged_decode.py`, `benchmarks/step_profile.py`).
+one pass over K and one over V, 16 tokens at a time with AVX-512 where the
+CPU has it, float32 softmax and accumulation: 0.45x the time of gather +
+SDPA per layer at batch 32, contexts 65-320, bfloat16 (0.30x in float32),
+one thread (`benchmarks/paged_decode.py`, `benchmarks/step_profile.py`).
 
 It is plain C loaded with ctypes, not a torch extension: building it takes
 the system C compiler about a second (no torch headers, no ninja), once per
