@@ -36,6 +36,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -252,6 +253,10 @@ class TorchNativeMetadata(AttentionMetadata):
 
 
 class TorchNativeAttentionImpl(AttentionImpl):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        cpu_decode_kernel.prebuild()
+
     def forward(
         self,
         query: torch.Tensor,

@@ -23,9 +23,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+# One build at a time per library: a second caller (a background prebuild
+# and the first use racing) waits and then loads what the first one built.
+_build_locks: dict[Path, threading.Lock] = {}
+_locks_guard = threading.Lock()
 
 
 @functools.cache
@@ -68,11 +74,22 @@ def load_library(source: Path, cflags: tuple[str, ...], env_switch: str, what: s
         return None
     try:
         path = library_path(source, cflags)
-        if not path.exists():
-            build(source, cflags, path)
+        with _locks_guard:
+            lock = _build_locks.setdefault(path, threading.Lock())
+        with lock:
+            if not path.exists():
+                build(source, cflags, path)
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         logger.info("%s unavailable (%s %s); the torch path runs instead",
                     what, exc, detail.decode(errors="replace")[:500])
         return None
+
+
+def prebuild_in_background(load: Callable[[], object]) -> None:
+    """Call `load` (a kernel's cached loader) on a daemon thread, so that a
+    first build's compile (about a second of CPU, once per machine) overlaps
+    the model's loading instead of delaying the first request. The compiler
+    runs in a subprocess, so the thread holds no GIL while it waits."""
+    threading.Thread(target=load, name="kernel-prebuild", daemon=True).start()

@@ -238,3 +238,30 @@ def test_builds_for_older_cpus_match_the_reference(
             assert_rounded_once(out, ref)
         else:
             torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+
+
+def test_a_torch_native_layer_starts_the_build_in_the_background_and_loads_build_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A new machine's first build overlaps the model's loading: the first
+    torch_native layer starts it on a thread; a load racing it waits for that
+    build instead of compiling a second time."""
+    import threading
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    builds: list[Path] = []
+    real_build = cpu_kernel_build.build
+    monkeypatch.setattr(cpu_kernel_build, "build", lambda *args: builds.append(args[-1]) or real_build(*args))
+    cpu_decode_kernel.load.cache_clear()
+    cpu_decode_kernel.prebuild.cache_clear()
+    try:
+        TorchNativeBackend.get_impl_cls()(4, 64, 0.125, 2)
+        racing = cpu_decode_kernel.load()  # while the background build may still run
+        for thread in threading.enumerate():
+            if thread.name == "kernel-prebuild":
+                thread.join(timeout=120)
+        assert racing is not None
+        assert len(builds) == 1 and builds[0].parent == tmp_path / "kernels" and builds[0].exists()
+    finally:
+        cpu_decode_kernel.load.cache_clear()
+        cpu_decode_kernel.prebuild.cache_clear()
