@@ -54,18 +54,22 @@ def load() -> ctypes.CDLL | None:
 
 def _takes(*tensors: torch.Tensor) -> bool:
     dtype = tensors[0].dtype
-    return (
-        dtype in KERNEL_DTYPES
-        and all(t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1 for t in tensors)
-        and not torch.compiler.is_compiling()
+    return dtype in KERNEL_DTYPES and all(
+        t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1 for t in tensors
     )
+
+
+def _library() -> ctypes.CDLL | None:
+    """The library, or None while torch.compile traces (it cannot trace a
+    ctypes call; checked first, so that it does not trace the loader either)."""
+    return None if torch.compiler.is_compiling() else load()
 
 
 def rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """RMSNorm(x) * weight, or with `residual`: (that of x + residual, x + residual)."""
-    library = load()
+    library = _library()
     operands = (x, weight) if residual is None else (x, weight, residual)
     if library is None or x.dim() != 2 or not _takes(*operands):
         return None
@@ -82,7 +86,7 @@ def rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of gate_up = [gate | up] along the last dimension."""
-    library = load()
+    library = _library()
     if library is None or gate_up.dim() != 2 or not _takes(gate_up):
         return None
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
@@ -95,7 +99,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """x [T, heads, head_size] rotated in place by cos / sin [T, head_size]
     (float32, or x's dtype: the model's buffers follow its dtype)."""
-    library = load()
+    library = _library()
     table_ok = all(
         t.device.type == "cpu" and t.dtype in (torch.float32, x.dtype) and t.dtype == cos.dtype and t.stride(-1) == 1
         for t in (cos, sin)
