@@ -1,0 +1,105 @@
+"""The CPU fresh-prefill attention kernel (csrc/prefill_attention.c), built on first use.
+
+A fresh prefill (no cached context) attends causally over its own rows. In
+plain torch that is one `scaled_dot_product_attention(is_causal=True)` call
+per request per layer plus a copy into the output rows. The kernel does
+every fresh prefill of the step in one call, writing straight into the
+output rows: flash-style blocks of 16 query rows x one KV head as parallel
+work items, keys packed so that scores need no horizontal sums, AVX512-BF16
+dot products for bfloat16, float32 softmax and accumulation.
+
+Built and loaded like cpu_decode_kernel.py (plain C, ctypes, the system C
+compiler, torch's OpenMP team). It needs AVX-512; without it, without a
+compiler, or with `PAGEDLLM_CPU_PREFILL_KERNEL=0`, `supports()` is False and
+torch_native keeps SDPA. Soft capping and sliding windows are not in the
+kernel: those layers keep SDPA too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedllm.platforms.cpu_kernel_build import load_library
+
+SOURCE = Path(__file__).parent / "csrc" / "prefill_attention.c"
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_HEAD_SIZE = 256  # and a multiple of 16 (csrc/prefill_attention.c)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
+ENV_SWITCH = "PAGEDLLM_CPU_PREFILL_KERNEL"
+
+_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_ARGTYPES: list[Any] = [_INT, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _INT, _INT, _INT, _F32]
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; None when it cannot be built or
+    the CPU lacks AVX-512 (logged once)."""
+    library = load_library(SOURCE, CFLAGS, ENV_SWITCH, "CPU prefill-attention kernel")
+    if library is None or not library.prefill_attention_available():
+        return None
+    library.prefill_attention.restype = ctypes.c_int
+    library.prefill_attention.argtypes = _ARGTYPES
+    return library
+
+
+def supports(
+    query: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    max_query_len: int,
+) -> bool:
+    """Whether the kernel can run this layer's fresh prefills (and is built)."""
+    head_size = query.shape[-1]
+    return (
+        query.device.type == "cpu"
+        and query.dtype in KERNEL_DTYPES
+        and soft_cap is None
+        and (sliding_window is None or sliding_window >= max_query_len)
+        and num_kv_heads > 0
+        and num_heads % num_kv_heads == 0
+        and head_size % 16 == 0
+        and head_size <= MAX_HEAD_SIZE
+        and load() is not None
+    )
+
+
+def _row_view(x: torch.Tensor) -> int:
+    """Row stride of a [T, heads, D] view whose heads and head dims are contiguous."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        raise ValueError(f"prefill kernel needs contiguous heads and head dims, got strides {x.stride()}")
+    return x.stride(0)
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [T, H, D]: rows of every fresh prefill; heads and head dims contiguous
+    key: torch.Tensor,  # [T, Hkv, D], same rows
+    value: torch.Tensor,  # [T, Hkv, D]
+    out: torch.Tensor,  # [T, H, D], written in place
+    row_starts: torch.Tensor,  # int64 [R + 1], contiguous: request r owns rows [row_starts[r], row_starts[r + 1])
+    scale: float,
+) -> None:
+    """Causal attention of each request's rows over its own rows, into `out`."""
+    library = load()
+    if library is None:
+        raise RuntimeError("the CPU prefill-attention kernel is not built; check supports() first")
+    tensors = (query, key, value, out)
+    if any(t.dtype != query.dtype for t in tensors) or row_starts.dtype != torch.int64:
+        raise ValueError("prefill kernel: q, k, v and out must share a dtype; row_starts must be int64")
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads = key.shape[1]
+    status = library.prefill_attention(
+        KERNEL_DTYPES[query.dtype], query.data_ptr(), _row_view(query), key.data_ptr(), _row_view(key),
+        value.data_ptr(), _row_view(value), out.data_ptr(), _row_view(out), row_starts.data_ptr(),
+        row_starts.numel() - 1, num_heads, num_kv_heads, head_size, scale,
+    )
+    if status != 0:
+        raise RuntimeError(f"prefill_attention kernel: unsupported shape (heads {num_heads}/{num_kv_heads}, "
+                           f"head size {head_size}) or out of memory")

@@ -1,0 +1,380 @@
+/* Causal attention of fresh prefills (a request's keys are exactly its own
+ * query rows of this step, nothing cached) on the CPU, every request of the
+ * step in one call.
+ *
+ * Flash-style: a work item is one request's block of QB query rows and one
+ * KV head, with the G query heads of that KV head (G * QB score rows); keys
+ * are taken KC at a time with an online softmax in float32 (a prompt of up
+ * to KC tokens is one chunk: no rescaling at all). The causal limit skips
+ * the key blocks past a tile's last row. Scores come from AVX512-BF16's dot
+ * product for bfloat16 (exact bf16 products summed in float32, as torch's
+ * SDPA), from float32 FMAs otherwise; P.V is accumulated in float32 from
+ * float32 probabilities.
+ *
+ * Layout trick: a first parallel pass packs each KV head's keys 16 at a time
+ * so that one vector holds one head dim (float32) or one pair of head dims
+ * (bfloat16) of 16 keys; a query row's scores against 16 keys are then D
+ * (or D/2) FMAs / dot products with the query's element broadcast, and no
+ * horizontal sums (the decode kernel's sum16 shuffles). Values are converted
+ * to float32 once in the same pass.
+ *
+ * Needs AVX-512 (-march=native on a CPU that has it): elsewhere the entry
+ * point returns -1 and prefill_attention_available() 0, and the caller keeps
+ * torch's SDPA. Loaded through ctypes; see attention_backends/cpu_prefill_kernel.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#if defined(__AVX512BF16__)
+#define HAVE_BF16_DOT 1
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
+#define QB 16      /* query rows of a work item */
+#define KC 256     /* keys per online-softmax chunk */
+#define RQ 8       /* score rows per QK register tile */
+#define RV 6       /* score rows per P.V register tile (6 x 4 accumulators) */
+#define MAX_HEAD_SIZE 256
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* exp(x) for x <= 0 on 16 lanes (paged_decode.c's Cephes polynomial). */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+typedef struct {
+    int bf16, kdot; /* kdot: keys packed as bf16 pairs for _mm512_dpbf16_ps */
+    const char *q, *k, *v;
+    char *out;
+    int64_t q_stride, k_stride, v_stride, out_stride; /* elements between rows */
+    int num_heads, num_kv_heads, head_size, group;
+    float scale;
+    const int64_t *row_starts; /* [num_reqs + 1] */
+    const int64_t *kblock_starts; /* [num_reqs + 1]: request r's first 16-key block */
+    int64_t total_blocks, total_rows;
+    char *kpack;  /* [Hkv][total_blocks][D (or D/2 pairs)][16] */
+    float *vpack; /* [Hkv][total_rows][D] */
+} plan_t;
+
+static inline int64_t kblock_bytes(const plan_t *p) { return (int64_t)p->head_size * 16 * (p->kdot ? 2 : 4); }
+
+/* Packs KV head j's keys of request r's block b and converts its values. */
+static void pack_block(const plan_t *p, int64_t r, int j, int64_t b) {
+    const int D = p->head_size, elt = p->bf16 ? 2 : 4;
+    const int64_t row0 = p->row_starts[r] + 16 * b, nt = p->row_starts[r + 1] - row0 < 16 ? p->row_starts[r + 1] - row0 : 16;
+    char *dst = p->kpack + ((int64_t)j * p->total_blocks + p->kblock_starts[r] + b) * kblock_bytes(p);
+    if (nt < 16) memset(dst, 0, (size_t)kblock_bytes(p)); /* padded keys: finite, masked out anyway */
+    for (int64_t t = 0; t < nt; t++) {
+        const char *krow = p->k + ((row0 + t) * p->k_stride + (int64_t)j * D) * elt;
+        if (p->kdot) {
+            const uint32_t *pairs = (const uint32_t *)krow;
+            for (int i = 0; i < D / 2; i++) ((uint32_t *)dst)[i * 16 + t] = pairs[i];
+        } else if (p->bf16) {
+            for (int d = 0; d < D; d++) ((float *)dst)[d * 16 + t] = bf16_to_f32(((const uint16_t *)krow)[d]);
+        } else {
+            for (int d = 0; d < D; d++) ((float *)dst)[d * 16 + t] = ((const float *)krow)[d];
+        }
+        const char *vrow = p->v + ((row0 + t) * p->v_stride + (int64_t)j * D) * elt;
+        float *vdst = p->vpack + ((int64_t)j * p->total_rows + row0 + t) * D;
+        for (int d = 0; d < D; d++) vdst[d] = p->bf16 ? bf16_to_f32(((const uint16_t *)vrow)[d]) : ((const float *)vrow)[d];
+    }
+}
+
+/* A work item's rows: score row s is query head j * G + s / nq, query row i0 + s % nq. */
+typedef struct {
+    int64_t r, i0; /* request, first query row (request-relative) */
+    int nq, j;
+} item_t;
+
+static inline const char *q_row(const plan_t *p, const item_t *it, int s) {
+    int g = s / it->nq, i = s % it->nq;
+    int64_t row = p->row_starts[it->r] + it->i0 + i;
+    return p->q + (row * p->q_stride + (int64_t)(it->j * p->group + g) * p->head_size) * (p->bf16 ? 2 : 4);
+}
+
+/* Scores of RQ rows against one packed block of 16 keys. */
+static inline __attribute__((always_inline)) void qk_tile(const plan_t *p, const char *const qr[RQ], const char *kb,
+                                                          __m512 acc[RQ]) {
+    const int D = p->head_size;
+    for (int s = 0; s < RQ; s++) acc[s] = _mm512_setzero_ps();
+#if HAVE_BF16_DOT
+    if (p->kdot) {
+        for (int i = 0; i < D / 2; i++) {
+            __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + (int64_t)i * 64);
+#pragma GCC unroll 8
+            for (int s = 0; s < RQ; s++)
+                acc[s] = _mm512_dpbf16_ps(acc[s], (__m512bh)_mm512_set1_epi32(((const int32_t *)qr[s])[i]), kv);
+        }
+        return;
+    }
+#endif
+    for (int d = 0; d < D; d++) {
+        __m512 kv = _mm512_loadu_ps(kb + (int64_t)d * 64);
+#pragma GCC unroll 8
+        for (int s = 0; s < RQ; s++) {
+            float qv = p->bf16 ? bf16_to_f32(((const uint16_t *)qr[s])[d]) : ((const float *)qr[s])[d];
+            acc[s] = _mm512_fmadd_ps(_mm512_set1_ps(qv), kv, acc[s]);
+        }
+    }
+}
+
+/* Scaled scores of the item's rows for keys [k0, k1) into S[s][t - k0];
+ * each row tile stops at its last row's causal limit. */
+static void qk_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, float *S) {
+    const int rows = p->group * it->nq;
+    const char *kbase = p->kpack + ((int64_t)it->j * p->total_blocks + p->kblock_starts[it->r]) * kblock_bytes(p);
+    const __m512 scale = _mm512_set1_ps(p->scale);
+    for (int s0 = 0; s0 < rows; s0 += RQ) {
+        const char *qr[RQ];
+        int64_t limit = 0; /* keys the tile's rows attend, past k0 */
+        for (int s = 0; s < RQ; s++) {
+            int ss = s0 + s < rows ? s0 + s : rows - 1;
+            qr[s] = q_row(p, it, ss);
+            int64_t last = it->i0 + ss % it->nq + 1;
+            limit = last > limit ? last : limit;
+        }
+        limit = limit < k1 ? limit : k1;
+        for (int64_t t0 = k0; t0 < limit; t0 += 16) {
+            __m512 acc[RQ];
+            qk_tile(p, qr, kbase + (t0 / 16) * kblock_bytes(p), acc);
+            for (int s = 0; s < RQ && s0 + s < rows; s++)
+                _mm512_storeu_ps(S + (int64_t)(s0 + s) * KC + (t0 - k0), _mm512_mul_ps(acc[s], scale));
+        }
+    }
+}
+
+/* Online softmax step of row s over keys [k0, k1): masks keys past the row,
+ * turns S into probabilities relative to the new running max, rescales O. */
+static void softmax_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, float *S, float *O, float *m,
+                          float *l) {
+    const int rows = p->group * it->nq, D = p->head_size;
+    for (int s = 0; s < rows; s++) {
+        int64_t end = it->i0 + s % it->nq + 1; /* causal: keys < end */
+        end = end < k1 ? end : k1;
+        float *sr = S + (int64_t)s * KC;
+        int64_t n = end - k0, width = ((k1 - k0 + 15) / 16) * 16;
+        if (n <= 0) { /* whole chunk masked for this row */
+            memset(sr, 0, sizeof(float) * (size_t)width);
+            continue;
+        }
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t i = 0; i < n; i += 16) mx = _mm512_mask_max_ps(mx, mask16(n - i), mx, _mm512_loadu_ps(sr + i));
+        float m_new = _mm512_reduce_max_ps(mx);
+        m_new = m_new > m[s] ? m_new : m[s];
+        float corr = m[s] == -INFINITY ? 0.0f : expf(m[s] - m_new);
+        __m512 mb = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < width; i += 16) {
+            __mmask16 k = mask16(n - i);
+            __m512 e = _mm512_maskz_mov_ps(k, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + i), mb)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_storeu_ps(sr + i, e);
+        }
+        l[s] = l[s] * corr + _mm512_reduce_add_ps(sum);
+        if (corr != 1.0f)
+            for (int d = 0; d < D; d++) O[(int64_t)s * D + d] *= corr;
+        m[s] = m_new;
+    }
+}
+
+/* O[s][d0 .. d0+64) += sum over keys [k0, limit) of P[s][t] * v_t for HT rows. */
+static inline __attribute__((always_inline)) void pv_tile(const int HT, const plan_t *p, const float *P, float *O,
+                                                          const float *vb, int64_t nk, int d0) {
+    const int D = p->head_size;
+    __mmask16 m[4];
+    __m512 acc[RV][4];
+    for (int c = 0; c < 4; c++) m[c] = mask16(D - d0 - 16 * c);
+    for (int h = 0; h < HT; h++)
+        for (int c = 0; c < 4; c++) acc[h][c] = _mm512_maskz_loadu_ps(m[c], O + (int64_t)h * D + d0 + 16 * c);
+    for (int64_t t = 0; t < nk; t++) {
+        __m512 v[4];
+        for (int c = 0; c < 4; c++) v[c] = _mm512_maskz_loadu_ps(m[c], vb + t * D + d0 + 16 * c);
+        for (int h = 0; h < HT; h++) {
+            __m512 pb = _mm512_set1_ps(P[(int64_t)h * KC + t]);
+            for (int c = 0; c < 4; c++) acc[h][c] = _mm512_fmadd_ps(pb, v[c], acc[h][c]);
+        }
+    }
+    for (int h = 0; h < HT; h++)
+        for (int c = 0; c < 4; c++) _mm512_mask_storeu_ps(O + (int64_t)h * D + d0 + 16 * c, m[c], acc[h][c]);
+}
+
+static void pv_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, const float *S, float *O) {
+    const int rows = p->group * it->nq, D = p->head_size;
+    const float *vb = p->vpack + ((int64_t)it->j * p->total_rows + p->row_starts[it->r] + k0) * D;
+    for (int s0 = 0; s0 < rows; s0 += RV) {
+        int ht = rows - s0 < RV ? rows - s0 : RV;
+        int64_t limit = 0;
+        for (int s = s0; s < s0 + ht; s++) {
+            int64_t last = it->i0 + s % it->nq + 1;
+            limit = last > limit ? last : limit;
+        }
+        limit = limit < k1 ? limit : k1;
+        if (limit <= k0) continue;
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            const float *P = S + (int64_t)s0 * KC;
+            float *o = O + (int64_t)s0 * D;
+            switch (ht) {
+            case 1: pv_tile(1, p, P, o, vb, limit - k0, d0); break;
+            case 2: pv_tile(2, p, P, o, vb, limit - k0, d0); break;
+            case 3: pv_tile(3, p, P, o, vb, limit - k0, d0); break;
+            case 4: pv_tile(4, p, P, o, vb, limit - k0, d0); break;
+            case 5: pv_tile(5, p, P, o, vb, limit - k0, d0); break;
+            default: pv_tile(6, p, P, o, vb, limit - k0, d0); break;
+            }
+        }
+    }
+}
+
+static void attend_item(const plan_t *p, const item_t *it, float *S, float *O, float *m, float *l) {
+    const int rows = p->group * it->nq, D = p->head_size, elt = p->bf16 ? 2 : 4;
+    const int64_t kend = it->i0 + it->nq;
+    for (int s = 0; s < rows; s++) m[s] = -INFINITY, l[s] = 0.0f;
+    memset(O, 0, sizeof(float) * (size_t)rows * (size_t)D);
+    for (int64_t k0 = 0; k0 < kend; k0 += KC) {
+        int64_t k1 = kend - k0 < KC ? kend : k0 + KC;
+#ifndef SKIP_QK
+        qk_chunk(p, it, k0, k1, S);
+#endif
+#ifndef SKIP_SM
+        softmax_chunk(p, it, k0, k1, S, O, m, l);
+#endif
+#ifndef SKIP_PV
+        pv_chunk(p, it, k0, k1, S, O);
+#endif
+    }
+    for (int s = 0; s < rows; s++) {
+        int g = s / it->nq, i = s % it->nq;
+        int64_t row = p->row_starts[it->r] + it->i0 + i;
+        char *dst = p->out + (row * p->out_stride + (int64_t)(it->j * p->group + g) * D) * elt;
+        float inv = 1.0f / l[s];
+        for (int d = 0; d < D; d++) {
+            float x = O[(int64_t)s * D + d] * inv;
+            if (p->bf16)
+                ((uint16_t *)dst)[d] = f32_to_bf16(x);
+            else
+                ((float *)dst)[d] = x;
+        }
+    }
+}
+
+int prefill_attention_available(void) { return 1; }
+
+/* Causal attention of num_reqs fresh prefills.
+ *
+ * dtype: 0 float32, 1 bfloat16 (q, k, v and out alike).
+ * Request r owns rows [row_starts[r], row_starts[r + 1]) of q, k, v and out.
+ * q: row t, head h at q + t * q_stride + h * head_size (elements); k and v
+ * likewise with their strides and num_kv_heads heads; out likewise.
+ * Returns 0, or -1 for an unsupported shape or a failed allocation.
+ */
+int prefill_attention(int dtype, const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+                      int64_t v_stride, void *out, int64_t out_stride, const int64_t *row_starts, int64_t num_reqs,
+                      int num_heads, int num_kv_heads, int head_size, float scale) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_size <= 0 || head_size % 16 ||
+        head_size > MAX_HEAD_SIZE || num_reqs <= 0 || (dtype != 0 && dtype != 1))
+        return -1;
+    plan_t p = {dtype, dtype == 1 && HAVE_BF16_DOT, q, k, v, out, q_stride, k_stride, v_stride, out_stride,
+                num_heads, num_kv_heads, head_size, num_heads / num_kv_heads, scale, row_starts, NULL, 0, 0, NULL, NULL};
+    int64_t *kblock_starts = malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));
+    if (!kblock_starts) return -1;
+    int64_t num_items = 0;
+    kblock_starts[0] = 0;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        int64_t len = row_starts[r + 1] - row_starts[r];
+        kblock_starts[r + 1] = kblock_starts[r] + (len + 15) / 16;
+        num_items += (len + QB - 1) / QB * num_kv_heads;
+    }
+    p.kblock_starts = kblock_starts;
+    p.total_blocks = kblock_starts[num_reqs];
+    p.total_rows = row_starts[num_reqs];
+    p.kpack = malloc((size_t)(num_kv_heads * p.total_blocks * kblock_bytes(&p)));
+    p.vpack = malloc(sizeof(float) * (size_t)(num_kv_heads * p.total_rows * head_size));
+    item_t *items = malloc(sizeof(item_t) * (size_t)(num_items > 0 ? num_items : 1));
+    if (!p.kpack || !p.vpack || !items) {
+        free(kblock_starts), free(p.kpack), free(p.vpack), free(items);
+        return -1;
+    }
+    int failed = 0;
+    /* Work items longest first (a query block's work grows with its last row),
+     * so the dynamic schedule ends with short items. */
+    int64_t n = 0, max_qb = 0;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        int64_t len = row_starts[r + 1] - row_starts[r];
+        max_qb = (len + QB - 1) / QB > max_qb ? (len + QB - 1) / QB : max_qb;
+    }
+    for (int64_t b = max_qb - 1; b >= 0; b--)
+        for (int64_t r = 0; r < num_reqs; r++) {
+            int64_t len = row_starts[r + 1] - row_starts[r];
+            if (b * QB >= len) continue;
+            for (int j = 0; j < num_kv_heads; j++)
+                items[n++] = (item_t){r, b * QB, (int)(len - b * QB < QB ? len - b * QB : QB), j};
+        }
+    /* One team for both passes: the packing's implicit barrier keeps every
+     * key block ready before any item reads it. Torch's own OpenMP team
+     * (libgomp.so.1, loaded by torch), as in paged_decode.c. */
+#pragma omp parallel if (num_items > 1) reduction(| : failed)
+    {
+        int rows = p.group * QB;
+        float *S = malloc(sizeof(float) * (size_t)rows * KC), *O = malloc(sizeof(float) * (size_t)rows * head_size);
+        float *m = malloc(sizeof(float) * (size_t)rows), *l = malloc(sizeof(float) * (size_t)rows);
+        failed = !S || !O || !m || !l; /* then this thread's items are skipped and the call fails */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < num_kv_heads * p.total_blocks; i++) {
+            int j = (int)(i / p.total_blocks);
+            int64_t blk = i % p.total_blocks, r = 0;
+            while (kblock_starts[r + 1] <= blk) r++; /* few requests: a scan is enough */
+            pack_block(&p, r, j, blk - kblock_starts[r]);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_items; i++)
+            if (!failed) attend_item(&p, &items[i], S, O, m, l);
+        free(S), free(O), free(m), free(l);
+    }
+    free(kblock_starts), free(p.kpack), free(p.vpack), free(items);
+    return failed ? -1 : 0;
+}
+#else
+int prefill_attention_available(void) { return 0; }
+
+int prefill_attention(int dtype, const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+                      int64_t v_stride, void *out, int64_t out_stride, const int64_t *row_starts, int64_t num_reqs,
+                      int num_heads, int num_kv_heads, int head_size, float scale) {
+    (void)dtype, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out;
+    (void)out_stride, (void)row_starts, (void)num_reqs, (void)num_heads, (void)num_kv_heads, (void)head_size, (void)scale;
+    return -1;
+}
+#endif
