@@ -33,7 +33,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "
 ENV_SWITCH = "PAGEDLLM_CPU_PREFILL_KERNEL"
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_ARGTYPES: list[Any] = [_INT, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _INT, _INT, _INT, _F32]
+_ARGTYPES: list[Any] = [_INT, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _INT, _INT, _INT, _F32, _INT]
 
 
 @functools.cache
@@ -50,6 +50,8 @@ def load() -> ctypes.CDLL | None:
 
 def supports(
     query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
     sliding_window: int | None,
@@ -61,6 +63,8 @@ def supports(
     return (
         query.device.type == "cpu"
         and query.dtype in KERNEL_DTYPES
+        and key.dtype == value.dtype == query.dtype
+        and all(_heads_contiguous(x) for x in (query, key, value))
         and soft_cap is None
         and (sliding_window is None or sliding_window >= max_query_len)
         and num_kv_heads > 0
@@ -71,9 +75,14 @@ def supports(
     )
 
 
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """Whether [T, heads, D] rows are strided but each row's heads and dims contiguous."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def _row_view(x: torch.Tensor) -> int:
     """Row stride of a [T, heads, D] view whose heads and head dims are contiguous."""
-    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+    if not _heads_contiguous(x):
         raise ValueError(f"prefill kernel needs contiguous heads and head dims, got strides {x.stride()}")
     return x.stride(0)
 
@@ -83,22 +92,23 @@ def prefill_attention(
     key: torch.Tensor,  # [T, Hkv, D], same rows
     value: torch.Tensor,  # [T, Hkv, D]
     out: torch.Tensor,  # [T, H, D], written in place
-    row_starts: torch.Tensor,  # int64 [R + 1], contiguous: request r owns rows [row_starts[r], row_starts[r + 1])
+    rows: torch.Tensor,  # int64 [R, 2], contiguous: request r owns rows [rows[r, 0], rows[r, 1])
     scale: float,
+    allow_amx: bool = True,
 ) -> None:
     """Causal attention of each request's rows over its own rows, into `out`."""
     library = load()
     if library is None:
         raise RuntimeError("the CPU prefill-attention kernel is not built; check supports() first")
     tensors = (query, key, value, out)
-    if any(t.dtype != query.dtype for t in tensors) or row_starts.dtype != torch.int64:
-        raise ValueError("prefill kernel: q, k, v and out must share a dtype; row_starts must be int64")
+    if any(t.dtype != query.dtype for t in tensors) or rows.dtype != torch.int64 or not rows.is_contiguous():
+        raise ValueError("prefill kernel: q, k, v and out must share a dtype; rows must be contiguous int64")
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key.shape[1]
     status = library.prefill_attention(
         KERNEL_DTYPES[query.dtype], query.data_ptr(), _row_view(query), key.data_ptr(), _row_view(key),
-        value.data_ptr(), _row_view(value), out.data_ptr(), _row_view(out), row_starts.data_ptr(),
-        row_starts.numel() - 1, num_heads, num_kv_heads, head_size, scale,
+        value.data_ptr(), _row_view(value), out.data_ptr(), _row_view(out), rows.data_ptr(),
+        rows.shape[0], num_heads, num_kv_heads, head_size, scale, int(allow_amx),
     )
     if status != 0:
         raise RuntimeError(f"prefill_attention kernel: unsupported shape (heads {num_heads}/{num_kv_heads}, "

@@ -20,7 +20,10 @@ thread, bfloat16; contexts spread evenly, 65-320, stay one group). A fresh prefi
 keys are exactly this step's keys) skips the cache and the padding: one
 causal SDPA call per request over its own rows, which lets the kernel skip
 the masked half. For 16 prompts of 64-256 tokens that is 2.2x less attention
-time than one padded, masked call (bfloat16 and float32, one thread).
+time than one padded, masked call (bfloat16 and float32, one thread). On the
+CPU (no soft cap, no window shorter than the prompt, an unquantized cache),
+the C kernel of cpu_prefill_kernel.py does all the fresh prefills of the
+layer in one call instead, writing into the output rows.
 
 On the CPU, the decodes over a float32 or bfloat16 cache skip the gather
 and SDPA: the C kernel of cpu_decode_kernel.py reads each request's keys and
@@ -41,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention_backends import cpu_decode_kernel
+from pagedllm.attention_backends import cpu_decode_kernel, cpu_prefill_kernel
 from pagedllm.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
 from pagedllm.attention_backends.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv, read_kv, write_kv
 
@@ -137,6 +140,15 @@ class TorchNativeBatchPlan:
     # Builds `groups` with the decodes split by length (split_by_length), for
     # layers that gather and pad the keys instead; None: the same as `groups`.
     _build_gather_groups: Callable[[], list[RequestGroup]] | None = None
+
+    @functools.cached_property
+    def fresh_prefill_bounds(self) -> torch.Tensor:
+        """int64 [R, 2], CPU: `fresh_prefill_rows` for the CPU prefill kernel."""
+        return torch.tensor(self.fresh_prefill_rows, dtype=torch.int64).view(-1, 2)
+
+    @functools.cached_property
+    def max_fresh_prefill_len(self) -> int:
+        return max((end - start for start, end in self.fresh_prefill_rows), default=0)
 
     @functools.cached_property
     def gather_groups(self) -> list[RequestGroup]:
@@ -292,8 +304,12 @@ class TorchNativeAttentionImpl(AttentionImpl):
             # Attend over what the cache holds, as every other row does.
             key = dequantize_kv(quantize_kv(key, key_cache.dtype, self.k_scale), query.dtype, self.k_scale)
             value = dequantize_kv(quantize_kv(value, value_cache.dtype, self.v_scale), query.dtype, self.v_scale)
-        for start, end in plan.fresh_prefill_rows:
-            output[start:end] = self._attend_fresh_prefill(query[start:end], key[start:end], value[start:end])
+        if plan.fresh_prefill_rows and not is_fp8(key_cache.dtype) and self._prefill_kernel_runs(query, key, value, plan):
+            # Every fresh prefill in one call, straight into its output rows.
+            cpu_prefill_kernel.prefill_attention(query, key, value, output, plan.fresh_prefill_bounds, self.scale)
+        else:
+            for start, end in plan.fresh_prefill_rows:
+                output[start:end] = self._attend_fresh_prefill(query[start:end], key[start:end], value[start:end])
         for group in groups:  # at most three: decodes (in one or two groups), prefill chunks with context
             assert group.token_rows is not None
             group_out = self._attend_group(query[group.token_rows], key_cache, value_cache, group, plan.block_size)
@@ -302,6 +318,12 @@ class TorchNativeAttentionImpl(AttentionImpl):
 
     def _decode_kernel_runs(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
         return cpu_decode_kernel.supports(query, key_cache, self.num_heads, self.num_kv_heads)
+
+    def _prefill_kernel_runs(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: TorchNativeBatchPlan
+    ) -> bool:
+        return cpu_prefill_kernel.supports(query, key, value, self.num_heads, self.num_kv_heads, self.sliding_window,
+                                           self.logits_soft_cap, plan.max_fresh_prefill_len)
 
     def _attend_fresh_prefill(
         self,

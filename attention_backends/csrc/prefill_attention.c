@@ -78,27 +78,32 @@ static inline __m512 exp16_nonpositive(__m512 x) {
 }
 
 typedef struct {
-    int bf16, kdot; /* kdot: keys packed as bf16 pairs for _mm512_dpbf16_ps */
+    int bf16, kdot; /* kdot: keys packed as bf16 pairs for _mm512_dpbf16_ps (and AMX) */
+    int amx;        /* scores by AMX tiles (bf16, CPU and kernel allow it) */
     const char *q, *k, *v;
     char *out;
     int64_t q_stride, k_stride, v_stride, out_stride; /* elements between rows */
     int num_heads, num_kv_heads, head_size, group;
     float scale;
-    const int64_t *row_starts; /* [num_reqs + 1] */
+    const int64_t *rows;          /* [num_reqs][2]: request r's rows [rows[2r], rows[2r + 1]) */
     const int64_t *kblock_starts; /* [num_reqs + 1]: request r's first 16-key block */
+    const int64_t *vrow_starts;   /* [num_reqs + 1]: request r's first row in vpack */
     int64_t total_blocks, total_rows;
     char *kpack;  /* [Hkv][total_blocks][D (or D/2 pairs)][16] */
     float *vpack; /* [Hkv][total_rows][D] */
 } plan_t;
 
-static inline int64_t kblock_bytes(const plan_t *p) { return (int64_t)p->head_size * 16 * (p->kdot ? 2 : 4); }
+/* Head dims of a packed key block: AMX reads 32 dims (16 pairs) per tile,
+ * so its blocks are padded with zero pairs to a multiple of 32. */
+static inline int packed_dims(const plan_t *p) { return p->amx ? (p->head_size + 31) / 32 * 32 : p->head_size; }
+static inline int64_t kblock_bytes(const plan_t *p) { return (int64_t)packed_dims(p) * 16 * (p->kdot ? 2 : 4); }
 
 /* Packs KV head j's keys of request r's block b and converts its values. */
 static void pack_block(const plan_t *p, int64_t r, int j, int64_t b) {
     const int D = p->head_size, elt = p->bf16 ? 2 : 4;
-    const int64_t row0 = p->row_starts[r] + 16 * b, nt = p->row_starts[r + 1] - row0 < 16 ? p->row_starts[r + 1] - row0 : 16;
+    const int64_t row0 = p->rows[2 * r] + 16 * b, nt = p->rows[2 * r + 1] - row0 < 16 ? p->rows[2 * r + 1] - row0 : 16;
     char *dst = p->kpack + ((int64_t)j * p->total_blocks + p->kblock_starts[r] + b) * kblock_bytes(p);
-    if (nt < 16) memset(dst, 0, (size_t)kblock_bytes(p)); /* padded keys: finite, masked out anyway */
+    if (nt < 16 || packed_dims(p) != D) memset(dst, 0, (size_t)kblock_bytes(p)); /* padding: finite, masked out or times 0 */
     for (int64_t t = 0; t < nt; t++) {
         const char *krow = p->k + ((row0 + t) * p->k_stride + (int64_t)j * D) * elt;
         if (p->kdot) {
@@ -110,7 +115,7 @@ static void pack_block(const plan_t *p, int64_t r, int j, int64_t b) {
             for (int d = 0; d < D; d++) ((float *)dst)[d * 16 + t] = ((const float *)krow)[d];
         }
         const char *vrow = p->v + ((row0 + t) * p->v_stride + (int64_t)j * D) * elt;
-        float *vdst = p->vpack + ((int64_t)j * p->total_rows + row0 + t) * D;
+        float *vdst = p->vpack + ((int64_t)j * p->total_rows + p->vrow_starts[r] + 16 * b + t) * D;
         for (int d = 0; d < D; d++) vdst[d] = p->bf16 ? bf16_to_f32(((const uint16_t *)vrow)[d]) : ((const float *)vrow)[d];
     }
 }
@@ -123,7 +128,7 @@ typedef struct {
 
 static inline const char *q_row(const plan_t *p, const item_t *it, int s) {
     int g = s / it->nq, i = s % it->nq;
-    int64_t row = p->row_starts[it->r] + it->i0 + i;
+    int64_t row = p->rows[2 * it->r] + it->i0 + i;
     return p->q + (row * p->q_stride + (int64_t)(it->j * p->group + g) * p->head_size) * (p->bf16 ? 2 : 4);
 }
 
@@ -177,6 +182,74 @@ static void qk_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, 
         }
     }
 }
+
+#if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Linux hands out AMX's tile state only to a process that asks for it (torch
+ * asks too when oneDNN uses AMX; asking twice is harmless). */
+static int amx_permitted(void) {
+    static int state = -1; /* a racing first call asks twice: same answer */
+    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+/* Tiles 0 (scores, 16 x 16 float32), 1 (16 query rows x 32 bf16 dims),
+ * 2 (16 dim pairs x 16 keys, the packed key block's layout). */
+static void amx_configure(void) {
+    tile_config_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 3; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* qk_chunk by AMX: 16 query rows of one head x 16 keys per tile product,
+ * from the item's zero-padded query rows qbuf [G][16][Dp]. The diagonal
+ * tile computes its masked half too (softmax_chunk masks it). */
+static void qk_chunk_amx(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, const uint16_t *qbuf, float *S) {
+    const int Dp = packed_dims(p);
+    const int64_t kb_bytes = kblock_bytes(p), kend = it->i0 + it->nq < k1 ? it->i0 + it->nq : k1;
+    const char *kbase = p->kpack + ((int64_t)it->j * p->total_blocks + p->kblock_starts[it->r]) * kb_bytes;
+    const __m512 scale = _mm512_set1_ps(p->scale);
+    float tile[16 * 16] __attribute__((aligned(64)));
+    for (int g = 0; g < p->group; g++) {
+        const uint16_t *qa = qbuf + (int64_t)g * 16 * Dp;
+        for (int64_t t0 = k0; t0 < kend; t0 += 16) {
+            const char *kb = kbase + (t0 / 16) * kb_bytes;
+            _tile_zero(0);
+            for (int c = 0; c < Dp / 32; c++) {
+                _tile_loadd(1, qa + c * 32, Dp * 2);
+                _tile_loadd(2, kb + (int64_t)c * 16 * 64, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, tile, 64);
+            for (int i = 0; i < it->nq; i++)
+                _mm512_storeu_ps(S + (int64_t)(g * it->nq + i) * KC + (t0 - k0), _mm512_mul_ps(_mm512_load_ps(tile + 16 * i), scale));
+        }
+    }
+}
+
+/* The item's query rows, head-major, zero-padded to 16 rows and Dp dims. */
+static void gather_queries(const plan_t *p, const item_t *it, uint16_t *qbuf) {
+    const int Dp = packed_dims(p), D = p->head_size;
+    memset(qbuf, 0, sizeof(uint16_t) * (size_t)p->group * 16 * (size_t)Dp);
+    for (int s = 0; s < p->group * it->nq; s++)
+        memcpy(qbuf + ((int64_t)(s / it->nq) * 16 + s % it->nq) * Dp, q_row(p, it, s), sizeof(uint16_t) * (size_t)D);
+}
+#else
+#define HAVE_AMX 0
+#endif
 
 /* Online softmax step of row s over keys [k0, k1): masks keys past the row,
  * turns S into probabilities relative to the new running max, rescales O. */
@@ -234,7 +307,7 @@ static inline __attribute__((always_inline)) void pv_tile(const int HT, const pl
 
 static void pv_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, const float *S, float *O) {
     const int rows = p->group * it->nq, D = p->head_size;
-    const float *vb = p->vpack + ((int64_t)it->j * p->total_rows + p->row_starts[it->r] + k0) * D;
+    const float *vb = p->vpack + ((int64_t)it->j * p->total_rows + p->vrow_starts[it->r] + k0) * D;
     for (int s0 = 0; s0 < rows; s0 += RV) {
         int ht = rows - s0 < RV ? rows - s0 : RV;
         int64_t limit = 0;
@@ -259,26 +332,30 @@ static void pv_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, 
     }
 }
 
-static void attend_item(const plan_t *p, const item_t *it, float *S, float *O, float *m, float *l) {
+static void attend_item(const plan_t *p, const item_t *it, float *S, float *O, float *m, float *l, uint16_t *qbuf) {
     const int rows = p->group * it->nq, D = p->head_size, elt = p->bf16 ? 2 : 4;
     const int64_t kend = it->i0 + it->nq;
     for (int s = 0; s < rows; s++) m[s] = -INFINITY, l[s] = 0.0f;
     memset(O, 0, sizeof(float) * (size_t)rows * (size_t)D);
+#if HAVE_AMX
+    if (p->amx) gather_queries(p, it, qbuf);
+#else
+    (void)qbuf;
+#endif
     for (int64_t k0 = 0; k0 < kend; k0 += KC) {
         int64_t k1 = kend - k0 < KC ? kend : k0 + KC;
-#ifndef SKIP_QK
-        qk_chunk(p, it, k0, k1, S);
+#if HAVE_AMX
+        if (p->amx)
+            qk_chunk_amx(p, it, k0, k1, qbuf, S);
+        else
 #endif
-#ifndef SKIP_SM
+            qk_chunk(p, it, k0, k1, S);
         softmax_chunk(p, it, k0, k1, S, O, m, l);
-#endif
-#ifndef SKIP_PV
         pv_chunk(p, it, k0, k1, S, O);
-#endif
     }
     for (int s = 0; s < rows; s++) {
         int g = s / it->nq, i = s % it->nq;
-        int64_t row = p->row_starts[it->r] + it->i0 + i;
+        int64_t row = p->rows[2 * it->r] + it->i0 + i;
         char *dst = p->out + (row * p->out_stride + (int64_t)(it->j * p->group + g) * D) * elt;
         float inv = 1.0f / l[s];
         for (int d = 0; d < D; d++) {
@@ -296,31 +373,40 @@ int prefill_attention_available(void) { return 1; }
 /* Causal attention of num_reqs fresh prefills.
  *
  * dtype: 0 float32, 1 bfloat16 (q, k, v and out alike).
- * Request r owns rows [row_starts[r], row_starts[r + 1]) of q, k, v and out.
+ * Request r owns rows [rows[2r], rows[2r + 1]) of q, k, v and out (requests
+ * need not be adjacent: decode rows may lie between them).
  * q: row t, head h at q + t * q_stride + h * head_size (elements); k and v
  * likewise with their strides and num_kv_heads heads; out likewise.
+ * allow_amx: 0 keeps bfloat16 scores on AVX512-BF16 even where AMX is there.
  * Returns 0, or -1 for an unsupported shape or a failed allocation.
  */
 int prefill_attention(int dtype, const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
-                      int64_t v_stride, void *out, int64_t out_stride, const int64_t *row_starts, int64_t num_reqs,
-                      int num_heads, int num_kv_heads, int head_size, float scale) {
+                      int64_t v_stride, void *out, int64_t out_stride, const int64_t *rows, int64_t num_reqs,
+                      int num_heads, int num_kv_heads, int head_size, float scale, int allow_amx) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_size <= 0 || head_size % 16 ||
         head_size > MAX_HEAD_SIZE || num_reqs <= 0 || (dtype != 0 && dtype != 1))
         return -1;
-    plan_t p = {dtype, dtype == 1 && HAVE_BF16_DOT, q, k, v, out, q_stride, k_stride, v_stride, out_stride,
-                num_heads, num_kv_heads, head_size, num_heads / num_kv_heads, scale, row_starts, NULL, 0, 0, NULL, NULL};
-    int64_t *kblock_starts = malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));
+    int amx = dtype == 1 && HAVE_AMX && allow_amx && amx_permitted();
+    plan_t p = {dtype, dtype == 1 && HAVE_BF16_DOT, amx, q, k, v, out, q_stride, k_stride, v_stride, out_stride,
+                num_heads, num_kv_heads, head_size, num_heads / num_kv_heads, scale, rows, NULL, NULL, 0, 0, NULL, NULL};
+    int64_t *kblock_starts = malloc(sizeof(int64_t) * 2 * (size_t)(num_reqs + 1));
     if (!kblock_starts) return -1;
+    int64_t *vrow_starts = kblock_starts + num_reqs + 1;
     int64_t num_items = 0;
-    kblock_starts[0] = 0;
+    kblock_starts[0] = vrow_starts[0] = 0;
     for (int64_t r = 0; r < num_reqs; r++) {
-        int64_t len = row_starts[r + 1] - row_starts[r];
+        int64_t len = rows[2 * r + 1] - rows[2 * r];
+        if (len <= 0) {
+            free(kblock_starts);
+            return -1;
+        }
         kblock_starts[r + 1] = kblock_starts[r] + (len + 15) / 16;
+        vrow_starts[r + 1] = vrow_starts[r] + len;
         num_items += (len + QB - 1) / QB * num_kv_heads;
     }
-    p.kblock_starts = kblock_starts;
+    p.kblock_starts = kblock_starts, p.vrow_starts = vrow_starts;
     p.total_blocks = kblock_starts[num_reqs];
-    p.total_rows = row_starts[num_reqs];
+    p.total_rows = vrow_starts[num_reqs];
     p.kpack = malloc((size_t)(num_kv_heads * p.total_blocks * kblock_bytes(&p)));
     p.vpack = malloc(sizeof(float) * (size_t)(num_kv_heads * p.total_rows * head_size));
     item_t *items = malloc(sizeof(item_t) * (size_t)(num_items > 0 ? num_items : 1));
@@ -333,12 +419,12 @@ int prefill_attention(int dtype, const void *q, int64_t q_stride, const void *k,
      * so the dynamic schedule ends with short items. */
     int64_t n = 0, max_qb = 0;
     for (int64_t r = 0; r < num_reqs; r++) {
-        int64_t len = row_starts[r + 1] - row_starts[r];
+        int64_t len = rows[2 * r + 1] - rows[2 * r];
         max_qb = (len + QB - 1) / QB > max_qb ? (len + QB - 1) / QB : max_qb;
     }
     for (int64_t b = max_qb - 1; b >= 0; b--)
         for (int64_t r = 0; r < num_reqs; r++) {
-            int64_t len = row_starts[r + 1] - row_starts[r];
+            int64_t len = rows[2 * r + 1] - rows[2 * r];
             if (b * QB >= len) continue;
             for (int j = 0; j < num_kv_heads; j++)
                 items[n++] = (item_t){r, b * QB, (int)(len - b * QB < QB ? len - b * QB : QB), j};
@@ -351,7 +437,11 @@ int prefill_attention(int dtype, const void *q, int64_t q_stride, const void *k,
         int rows = p.group * QB;
         float *S = malloc(sizeof(float) * (size_t)rows * KC), *O = malloc(sizeof(float) * (size_t)rows * head_size);
         float *m = malloc(sizeof(float) * (size_t)rows), *l = malloc(sizeof(float) * (size_t)rows);
-        failed = !S || !O || !m || !l; /* then this thread's items are skipped and the call fails */
+        uint16_t *qbuf = malloc(sizeof(uint16_t) * (size_t)p.group * 16 * (size_t)packed_dims(&p));
+        failed = !S || !O || !m || !l || !qbuf; /* then this thread's items are skipped and the call fails */
+#if HAVE_AMX
+        if (p.amx) amx_configure();
+#endif
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < num_kv_heads * p.total_blocks; i++) {
             int j = (int)(i / p.total_blocks);
@@ -361,8 +451,11 @@ int prefill_attention(int dtype, const void *q, int64_t q_stride, const void *k,
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; i++)
-            if (!failed) attend_item(&p, &items[i], S, O, m, l);
-        free(S), free(O), free(m), free(l);
+            if (!failed) attend_item(&p, &items[i], S, O, m, l, qbuf);
+#if HAVE_AMX
+        if (p.amx) _tile_release();
+#endif
+        free(S), free(O), free(m), free(l), free(qbuf);
     }
     free(kblock_starts), free(p.kpack), free(p.vpack), free(items);
     return failed ? -1 : 0;
@@ -371,10 +464,10 @@ int prefill_attention(int dtype, const void *q, int64_t q_stride, const void *k,
 int prefill_attention_available(void) { return 0; }
 
 int prefill_attention(int dtype, const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
-                      int64_t v_stride, void *out, int64_t out_stride, const int64_t *row_starts, int64_t num_reqs,
-                      int num_heads, int num_kv_heads, int head_size, float scale) {
-    (void)dtype, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out;
-    (void)out_stride, (void)row_starts, (void)num_reqs, (void)num_heads, (void)num_kv_heads, (void)head_size, (void)scale;
+                      int64_t v_stride, void *out, int64_t out_stride, const int64_t *rows, int64_t num_reqs,
+                      int num_heads, int num_kv_heads, int head_size, float scale, int allow_amx) {
+    (void)allow_amx, (void)dtype, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out;
+    (void)out_stride, (void)rows, (void)num_reqs, (void)num_heads, (void)num_kv_heads, (void)head_size, (void)scale;
     return -1;
 }
 #endif
