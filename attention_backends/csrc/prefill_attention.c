@@ -87,10 +87,10 @@ typedef struct {
     float scale;
     const int64_t *rows;          /* [num_reqs][2]: request r's rows [rows[2r], rows[2r + 1]) */
     const int64_t *kblock_starts; /* [num_reqs + 1]: request r's first 16-key block */
-    const int64_t *vrow_starts;   /* [num_reqs + 1]: request r's first row in vpack */
+    const int64_t *vrow_starts;   /* [num_reqs + 1]: request r's first row in vpack (AMX: padded to 32) */
     int64_t total_blocks, total_rows;
     char *kpack;  /* [Hkv][total_blocks][D (or D/2 pairs)][16] */
-    float *vpack; /* [Hkv][total_rows][D] */
+    char *vpack;  /* float32 [Hkv][total_rows][D]; AMX: bf16 key pairs [Hkv][total_rows / 2][D][2] */
 } plan_t;
 
 /* Head dims of a packed key block: AMX reads 32 dims (16 pairs) per tile,
@@ -99,6 +99,16 @@ static inline int packed_dims(const plan_t *p) { return p->amx ? (p->head_size +
 static inline int64_t kblock_bytes(const plan_t *p) { return (int64_t)packed_dims(p) * 16 * (p->kdot ? 2 : 4); }
 
 /* Packs KV head j's keys of request r's block b and converts its values. */
+/* permutex2var indices: lanes 2i, 2i + 1 = x[i], y[i] for i < 16 (lo) or 16 <= i < 32 (hi). */
+static inline __m512i interleave_lo(void) {
+    return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,
+                            34, 2, 33, 1, 32, 0);
+}
+static inline __m512i interleave_hi(void) {
+    return _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54, 22, 53, 21, 52, 20,
+                            51, 19, 50, 18, 49, 17, 48, 16);
+}
+
 static void pack_block(const plan_t *p, int64_t r, int j, int64_t b) {
     const int D = p->head_size, elt = p->bf16 ? 2 : 4;
     const int64_t row0 = p->rows[2 * r] + 16 * b, nt = p->rows[2 * r + 1] - row0 < 16 ? p->rows[2 * r + 1] - row0 : 16;
@@ -106,18 +116,39 @@ static void pack_block(const plan_t *p, int64_t r, int j, int64_t b) {
     if (nt < 16 || packed_dims(p) != D) memset(dst, 0, (size_t)kblock_bytes(p)); /* padding: finite, masked out or times 0 */
     for (int64_t t = 0; t < nt; t++) {
         const char *krow = p->k + ((row0 + t) * p->k_stride + (int64_t)j * D) * elt;
-        if (p->kdot) {
-            const uint32_t *pairs = (const uint32_t *)krow;
-            for (int i = 0; i < D / 2; i++) ((uint32_t *)dst)[i * 16 + t] = pairs[i];
+        if (p->kdot) { /* a scatter per 16 pairs: the scalar transpose was 5 % of the kernel */
+            const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                      _mm512_set1_epi32(16));
+            for (int i = 0; i < D / 2; i += 16)
+                _mm512_i32scatter_epi32((uint32_t *)dst + i * 16 + t, stride, _mm512_loadu_si512(krow + 4 * i), 4);
         } else if (p->bf16) {
             for (int d = 0; d < D; d++) ((float *)dst)[d * 16 + t] = bf16_to_f32(((const uint16_t *)krow)[d]);
         } else {
             for (int d = 0; d < D; d++) ((float *)dst)[d * 16 + t] = ((const float *)krow)[d];
         }
         const char *vrow = p->v + ((row0 + t) * p->v_stride + (int64_t)j * D) * elt;
-        float *vdst = p->vpack + ((int64_t)j * p->total_rows + p->vrow_starts[r] + 16 * b + t) * D;
+        int64_t vr = p->vrow_starts[r] + 16 * b + t;
+        if (p->amx) { /* keys t and t + 1 interleaved (vrow_starts and blocks are even) */
+            if (t % 2) continue;
+            const uint16_t *a = (const uint16_t *)vrow, *c = (const uint16_t *)(vrow + p->v_stride * elt);
+            uint16_t *vdst = (uint16_t *)p->vpack + (int64_t)j * p->total_rows * D + vr * D;
+            for (int d = 0; d < D; d += 32) {
+                __mmask32 mk = D - d >= 32 ? 0xffffffffu : (1u << (D - d)) - 1, mc = t + 1 < nt ? mk : 0;
+                __m512i x = _mm512_maskz_loadu_epi16(mk, a + d), y = _mm512_maskz_loadu_epi16(mc, c + d);
+                _mm512_storeu_si512(vdst + 2 * d, _mm512_permutex2var_epi16(x, interleave_lo(), y));
+                if (D - d > 16) _mm512_storeu_si512(vdst + 2 * d + 32, _mm512_permutex2var_epi16(x, interleave_hi(), y));
+            }
+            continue;
+        }
+        float *vdst = (float *)p->vpack + ((int64_t)j * p->total_rows + vr) * D;
         for (int d = 0; d < D; d++) vdst[d] = p->bf16 ? bf16_to_f32(((const uint16_t *)vrow)[d]) : ((const float *)vrow)[d];
     }
+    int64_t len = p->rows[2 * r + 1] - p->rows[2 * r];
+    if (p->amx && 16 * b + 16 >= len) /* last block: zero values up to the 32-key padding (0 * NaN is NaN) */
+        for (int64_t vr = p->vrow_starts[r] + len; vr < p->vrow_starts[r + 1]; vr++) {
+            uint16_t *vdst = (uint16_t *)p->vpack + (int64_t)j * p->total_rows * D + (vr / 2) * 2 * D + vr % 2;
+            for (int d = 0; d < D; d++) vdst[2 * d] = 0;
+        }
 }
 
 /* A work item's rows: score row s is query head j * G + s / nq, query row i0 + s % nq. */
@@ -125,6 +156,11 @@ typedef struct {
     int64_t r, i0; /* request, first query row (request-relative) */
     int nq, j;
 } item_t;
+
+/* Score row s's accumulator row: AMX tiles take 16 rows of one head. */
+static inline int64_t o_row(const plan_t *p, const item_t *it, int s) {
+    return p->amx ? (int64_t)(s / it->nq) * 16 + s % it->nq : s;
+}
 
 static inline const char *q_row(const plan_t *p, const item_t *it, int s) {
     int g = s / it->nq, i = s % it->nq;
@@ -204,13 +240,15 @@ typedef struct {
     uint8_t rows[16];
 } tile_config_t;
 
-/* Tiles 0 (scores, 16 x 16 float32), 1 (16 query rows x 32 bf16 dims),
- * 2 (16 dim pairs x 16 keys, the packed key block's layout). */
+/* All four tiles 16 rows x 64 bytes. Scores: 0 (16 x 16 float32), 1 (16
+ * query rows x 32 bf16 dims), 2 (16 dim pairs x 16 keys, the packed key
+ * block). P.V: 0 (16 rows x 16 dims float32), 1 and 3 (16 rows x 32 keys of
+ * P's high and low bf16 parts), 2 (16 key pairs x 16 dims of V). */
 static void amx_configure(void) {
     tile_config_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 3; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    for (int t = 0; t < 4; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
     _tile_loadconfig(&cfg);
 }
 
@@ -240,6 +278,30 @@ static void qk_chunk_amx(const plan_t *p, const item_t *it, int64_t k0, int64_t 
     }
 }
 
+/* pv_chunk by AMX, from softmax_chunk's P as bf16 high and low parts, each
+ * multiplied by the exact bf16 values: P is kept to ~16 bits, not rounded
+ * to bf16's 8 as a single bf16 product would (torch's SDPA rounds it). */
+static void pv_chunk_amx(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, const uint16_t *pb, float *O) {
+    const int D = p->head_size;
+    const int64_t kend = it->i0 + it->nq < k1 ? it->i0 + it->nq : k1, n32 = (kend - k0 + 31) / 32 * 32;
+    const char *vbase = p->vpack + ((int64_t)it->j * p->total_rows + p->vrow_starts[it->r] + k0) * D * 2;
+    for (int g = 0; g < p->group; g++) {
+        const uint16_t *phi = pb + (int64_t)g * 32 * KC, *plo = phi + 16 * KC;
+        float *og = O + (int64_t)g * 16 * D;
+        for (int c = 0; c < D / 16; c++) {
+            _tile_loadd(0, og + c * 16, D * 4);
+            for (int64_t kk = 0; kk < n32; kk += 32) {
+                _tile_loadd(1, phi + kk, KC * 2);
+                _tile_loadd(3, plo + kk, KC * 2);
+                _tile_loadd(2, vbase + kk * D * 2 + c * 64, D * 4);
+                _tile_dpbf16ps(0, 1, 2);
+                _tile_dpbf16ps(0, 3, 2);
+            }
+            _tile_stored(0, og + c * 16, D * 4);
+        }
+    }
+}
+
 /* The item's query rows, head-major, zero-padded to 16 rows and Dp dims. */
 static void gather_queries(const plan_t *p, const item_t *it, uint16_t *qbuf) {
     const int Dp = packed_dims(p), D = p->head_size;
@@ -251,18 +313,25 @@ static void gather_queries(const plan_t *p, const item_t *it, uint16_t *qbuf) {
 #define HAVE_AMX 0
 #endif
 
-/* Online softmax step of row s over keys [k0, k1): masks keys past the row,
- * turns S into probabilities relative to the new running max, rescales O. */
+/* Online softmax step of every row over keys [k0, k1): masks keys past the
+ * row, turns S into probabilities relative to the new running max, rescales
+ * O. With pb (AMX), the probabilities go to pb [G][2][16][KC] as bf16 high
+ * and low parts instead, zero up to a multiple of 32 keys: a second pass
+ * over S to convert them cost as much as the exps. */
 static void softmax_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, float *S, float *O, float *m,
-                          float *l) {
+                          float *l, uint16_t *pb) {
     const int rows = p->group * it->nq, D = p->head_size;
     for (int s = 0; s < rows; s++) {
         int64_t end = it->i0 + s % it->nq + 1; /* causal: keys < end */
         end = end < k1 ? end : k1;
         float *sr = S + (int64_t)s * KC;
-        int64_t n = end - k0, width = ((k1 - k0 + 15) / 16) * 16;
-        if (n <= 0) { /* whole chunk masked for this row */
-            memset(sr, 0, sizeof(float) * (size_t)width);
+        int64_t n = end - k0, width = pb ? (k1 - k0 + 31) / 32 * 32 : (k1 - k0 + 15) / 16 * 16;
+        uint16_t *hi = pb ? pb + ((int64_t)(s / it->nq) * 32 + s % it->nq) * KC : NULL, *lo = hi ? hi + 16 * KC : NULL;
+        if (n <= 0) { /* whole chunk masked for this row (not reached: chunks start at a query block) */
+            if (pb)
+                memset(hi, 0, sizeof(uint16_t) * (size_t)width), memset(lo, 0, sizeof(uint16_t) * (size_t)width);
+            else
+                memset(sr, 0, sizeof(float) * (size_t)width);
             continue;
         }
         __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -275,11 +344,20 @@ static void softmax_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t
             __mmask16 k = mask16(n - i);
             __m512 e = _mm512_maskz_mov_ps(k, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + i), mb)));
             sum = _mm512_add_ps(sum, e);
+#if HAVE_AMX
+            if (pb) {
+                __m256i h = (__m256i)_mm512_cvtneps_pbh(e);
+                __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                _mm256_storeu_si256((__m256i *)(hi + i), h);
+                _mm256_storeu_si256((__m256i *)(lo + i), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, back)));
+                continue;
+            }
+#endif
             _mm512_storeu_ps(sr + i, e);
         }
         l[s] = l[s] * corr + _mm512_reduce_add_ps(sum);
-        if (corr != 1.0f)
-            for (int d = 0; d < D; d++) O[(int64_t)s * D + d] *= corr;
+        if (corr != 1.0f && m[s] != -INFINITY) /* the first chunk's O is still 0 */
+            for (int d = 0; d < D; d++) O[o_row(p, it, s) * D + d] *= corr;
         m[s] = m_new;
     }
 }
@@ -307,7 +385,7 @@ static inline __attribute__((always_inline)) void pv_tile(const int HT, const pl
 
 static void pv_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, const float *S, float *O) {
     const int rows = p->group * it->nq, D = p->head_size;
-    const float *vb = p->vpack + ((int64_t)it->j * p->total_rows + p->vrow_starts[it->r] + k0) * D;
+    const float *vb = (const float *)p->vpack + ((int64_t)it->j * p->total_rows + p->vrow_starts[it->r] + k0) * D;
     for (int s0 = 0; s0 < rows; s0 += RV) {
         int ht = rows - s0 < RV ? rows - s0 : RV;
         int64_t limit = 0;
@@ -332,15 +410,18 @@ static void pv_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, 
     }
 }
 
-static void attend_item(const plan_t *p, const item_t *it, float *S, float *O, float *m, float *l, uint16_t *qbuf) {
+static void attend_item(const plan_t *p, const item_t *it, float *S, float *O, float *m, float *l, uint16_t *qbuf,
+                        uint16_t *pbuf /* [G][2][16][KC] */) {
     const int rows = p->group * it->nq, D = p->head_size, elt = p->bf16 ? 2 : 4;
     const int64_t kend = it->i0 + it->nq;
     for (int s = 0; s < rows; s++) m[s] = -INFINITY, l[s] = 0.0f;
-    memset(O, 0, sizeof(float) * (size_t)rows * (size_t)D);
+    memset(O, 0, sizeof(float) * (size_t)p->group * QB * (size_t)D);
 #if HAVE_AMX
     if (p->amx) gather_queries(p, it, qbuf);
+    if (p->amx && it->nq < QB) /* the tiles' rows past the item's: P = 0 */
+        memset(pbuf, 0, sizeof(uint16_t) * (size_t)p->group * 32 * KC);
 #else
-    (void)qbuf;
+    (void)qbuf, (void)pbuf;
 #endif
     for (int64_t k0 = 0; k0 < kend; k0 += KC) {
         int64_t k1 = kend - k0 < KC ? kend : k0 + KC;
@@ -350,8 +431,13 @@ static void attend_item(const plan_t *p, const item_t *it, float *S, float *O, f
         else
 #endif
             qk_chunk(p, it, k0, k1, S);
-        softmax_chunk(p, it, k0, k1, S, O, m, l);
-        pv_chunk(p, it, k0, k1, S, O);
+        softmax_chunk(p, it, k0, k1, S, O, m, l, p->amx ? pbuf : NULL);
+#if HAVE_AMX
+        if (p->amx)
+            pv_chunk_amx(p, it, k0, k1, pbuf, O);
+        else
+#endif
+            pv_chunk(p, it, k0, k1, S, O);
     }
     for (int s = 0; s < rows; s++) {
         int g = s / it->nq, i = s % it->nq;
@@ -359,7 +445,7 @@ static void attend_item(const plan_t *p, const item_t *it, float *S, float *O, f
         char *dst = p->out + (row * p->out_stride + (int64_t)(it->j * p->group + g) * D) * elt;
         float inv = 1.0f / l[s];
         for (int d = 0; d < D; d++) {
-            float x = O[(int64_t)s * D + d] * inv;
+            float x = O[o_row(p, it, s) * D + d] * inv;
             if (p->bf16)
                 ((uint16_t *)dst)[d] = f32_to_bf16(x);
             else
@@ -401,14 +487,14 @@ int prefill_attention(int dtype, const void *q, int64_t q_stride, const void *k,
             return -1;
         }
         kblock_starts[r + 1] = kblock_starts[r] + (len + 15) / 16;
-        vrow_starts[r + 1] = vrow_starts[r] + len;
+        vrow_starts[r + 1] = vrow_starts[r] + (p.amx ? (len + 31) / 32 * 32 : len);
         num_items += (len + QB - 1) / QB * num_kv_heads;
     }
     p.kblock_starts = kblock_starts, p.vrow_starts = vrow_starts;
     p.total_blocks = kblock_starts[num_reqs];
     p.total_rows = vrow_starts[num_reqs];
     p.kpack = malloc((size_t)(num_kv_heads * p.total_blocks * kblock_bytes(&p)));
-    p.vpack = malloc(sizeof(float) * (size_t)(num_kv_heads * p.total_rows * head_size));
+    p.vpack = malloc((size_t)(num_kv_heads * p.total_rows * head_size * (p.amx ? 2 : 4)));
     item_t *items = malloc(sizeof(item_t) * (size_t)(num_items > 0 ? num_items : 1));
     if (!p.kpack || !p.vpack || !items) {
         free(kblock_starts), free(p.kpack), free(p.vpack), free(items);
@@ -438,7 +524,8 @@ int prefill_attention(int dtype, const void *q, int64_t q_stride, const void *k,
         float *S = malloc(sizeof(float) * (size_t)rows * KC), *O = malloc(sizeof(float) * (size_t)rows * head_size);
         float *m = malloc(sizeof(float) * (size_t)rows), *l = malloc(sizeof(float) * (size_t)rows);
         uint16_t *qbuf = malloc(sizeof(uint16_t) * (size_t)p.group * 16 * (size_t)packed_dims(&p));
-        failed = !S || !O || !m || !l || !qbuf; /* then this thread's items are skipped and the call fails */
+        uint16_t *pbuf = malloc(sizeof(uint16_t) * (size_t)p.group * 32 * KC);
+        failed = !S || !O || !m || !l || !qbuf || !pbuf; /* then this thread's items are skipped and the call fails */
         /* Flush denormals to zero while this thread is in the kernel: a
          * probability near exp(-87) times a value is a denormal product, and
          * each cost ~100 cycles; real prompts have such scores (the step took
@@ -457,12 +544,12 @@ int prefill_attention(int dtype, const void *q, int64_t q_stride, const void *k,
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; i++)
-            if (!failed) attend_item(&p, &items[i], S, O, m, l, qbuf);
+            if (!failed) attend_item(&p, &items[i], S, O, m, l, qbuf, pbuf);
 #if HAVE_AMX
         if (p.amx) _tile_release();
 #endif
         _mm_setcsr(csr);
-        free(S), free(O), free(m), free(l), free(qbuf);
+        free(S), free(O), free(m), free(l), free(qbuf), free(pbuf);
     }
     free(kblock_starts), free(p.kpack), free(p.vpack), free(items);
     return failed ? -1 : 0;
