@@ -240,15 +240,23 @@ typedef struct {
     uint8_t rows[16];
 } tile_config_t;
 
-/* All four tiles 16 rows x 64 bytes. Scores: 0 (16 x 16 float32), 1 (16
- * query rows x 32 bf16 dims), 2 (16 dim pairs x 16 keys, the packed key
- * block). P.V: 0 (16 rows x 16 dims float32), 1 and 3 (16 rows x 32 keys of
- * P's high and low bf16 parts), 2 (16 key pairs x 16 dims of V). */
+/* P's bf16 parts: P = p0 + p1 to ~17 bits (p0 + p1 + p2 to float32's 24).
+ * Two parts put a bf16 output at most half an ulp plus ~1e-5 from the exact
+ * result (three: plus float32 summation error only), for 1.1-1.2x the time
+ * of the whole kernel on the 100M model's prompts. */
+#ifndef P_PARTS
+#define P_PARTS 2
+#endif
+
+/* All tiles 16 rows x 64 bytes. Scores: 0 (16 x 16 float32), 1 (16 query
+ * rows x 32 bf16 dims), 2 (16 dim pairs x 16 keys, the packed key block).
+ * P.V: 0 (16 rows x 16 dims float32), 3, 4, 5 (16 rows x 32 keys of each
+ * of P's bf16 parts), 2 (16 key pairs x 16 dims of V). */
 static void amx_configure(void) {
     tile_config_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 4; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    for (int t = 0; t < 3 + P_PARTS; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
     _tile_loadconfig(&cfg);
 }
 
@@ -278,23 +286,28 @@ static void qk_chunk_amx(const plan_t *p, const item_t *it, int64_t k0, int64_t 
     }
 }
 
-/* pv_chunk by AMX, from softmax_chunk's P as bf16 high and low parts, each
- * multiplied by the exact bf16 values: P is kept to ~16 bits, not rounded
- * to bf16's 8 as a single bf16 product would (torch's SDPA rounds it). */
+/* pv_chunk by AMX, from softmax_chunk's P as bf16 parts, each multiplied by
+ * the exact bf16 values: P keeps float32's precision instead of being
+ * rounded to bf16's 8 bits as a single bf16 product would (torch's SDPA
+ * rounds it). */
 static void pv_chunk_amx(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, const uint16_t *pb, float *O) {
     const int D = p->head_size;
     const int64_t kend = it->i0 + it->nq < k1 ? it->i0 + it->nq : k1, n32 = (kend - k0 + 31) / 32 * 32;
     const char *vbase = p->vpack + ((int64_t)it->j * p->total_rows + p->vrow_starts[it->r] + k0) * D * 2;
     for (int g = 0; g < p->group; g++) {
-        const uint16_t *phi = pb + (int64_t)g * 32 * KC, *plo = phi + 16 * KC;
+        const uint16_t *pg = pb + (int64_t)g * P_PARTS * 16 * KC;
         float *og = O + (int64_t)g * 16 * D;
         for (int c = 0; c < D / 16; c++) {
             _tile_loadd(0, og + c * 16, D * 4);
             for (int64_t kk = 0; kk < n32; kk += 32) {
-                _tile_loadd(1, phi + kk, KC * 2);
-                _tile_loadd(3, plo + kk, KC * 2);
                 _tile_loadd(2, vbase + kk * D * 2 + c * 64, D * 4);
-                _tile_dpbf16ps(0, 1, 2);
+                _tile_loadd(3, pg + kk, KC * 2);
+                _tile_loadd(4, pg + 16 * KC + kk, KC * 2);
+#if P_PARTS == 3
+                _tile_loadd(5, pg + 32 * KC + kk, KC * 2);
+                _tile_dpbf16ps(0, 5, 2); /* smallest part first */
+#endif
+                _tile_dpbf16ps(0, 4, 2);
                 _tile_dpbf16ps(0, 3, 2);
             }
             _tile_stored(0, og + c * 16, D * 4);
@@ -315,8 +328,8 @@ static void gather_queries(const plan_t *p, const item_t *it, uint16_t *qbuf) {
 
 /* Online softmax step of every row over keys [k0, k1): masks keys past the
  * row, turns S into probabilities relative to the new running max, rescales
- * O. With pb (AMX), the probabilities go to pb [G][2][16][KC] as bf16 high
- * and low parts instead, zero up to a multiple of 32 keys: a second pass
+ * O. With pb (AMX), the probabilities go to pb [G][P_PARTS][16][KC] as
+ * bf16 parts instead, zero up to a multiple of 32 keys: a second pass
  * over S to convert them cost as much as the exps. */
 static void softmax_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, float *S, float *O, float *m,
                           float *l, uint16_t *pb) {
@@ -326,11 +339,10 @@ static void softmax_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t
         end = end < k1 ? end : k1;
         float *sr = S + (int64_t)s * KC;
         int64_t n = end - k0, width = pb ? (k1 - k0 + 31) / 32 * 32 : (k1 - k0 + 15) / 16 * 16;
-        uint16_t *hi = pb ? pb + ((int64_t)(s / it->nq) * 32 + s % it->nq) * KC : NULL, *lo = hi ? hi + 16 * KC : NULL;
+        uint16_t *part = pb ? pb + ((int64_t)(s / it->nq) * P_PARTS * 16 + s % it->nq) * KC : NULL;
         if (n <= 0) { /* whole chunk masked for this row (not reached: chunks start at a query block) */
-            if (pb)
-                memset(hi, 0, sizeof(uint16_t) * (size_t)width), memset(lo, 0, sizeof(uint16_t) * (size_t)width);
-            else
+            for (int c = 0; pb && c < P_PARTS; c++) memset(part + c * 16 * KC, 0, sizeof(uint16_t) * (size_t)width);
+            if (!pb)
                 memset(sr, 0, sizeof(float) * (size_t)width);
             continue;
         }
@@ -346,10 +358,12 @@ static void softmax_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t
             sum = _mm512_add_ps(sum, e);
 #if HAVE_AMX
             if (pb) {
-                __m256i h = (__m256i)_mm512_cvtneps_pbh(e);
-                __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-                _mm256_storeu_si256((__m256i *)(hi + i), h);
-                _mm256_storeu_si256((__m256i *)(lo + i), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, back)));
+                __m512 rest = e;
+                for (int c = 0; c < P_PARTS; c++) {
+                    __m256i h = (__m256i)_mm512_cvtneps_pbh(rest);
+                    _mm256_storeu_si256((__m256i *)(part + c * 16 * KC + i), h);
+                    rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+                }
                 continue;
             }
 #endif
@@ -411,15 +425,18 @@ static void pv_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, 
 }
 
 static void attend_item(const plan_t *p, const item_t *it, float *S, float *O, float *m, float *l, uint16_t *qbuf,
-                        uint16_t *pbuf /* [G][2][16][KC] */) {
+                        uint16_t *pbuf /* [G][P_PARTS][16][KC] */) {
     const int rows = p->group * it->nq, D = p->head_size, elt = p->bf16 ? 2 : 4;
     const int64_t kend = it->i0 + it->nq;
     for (int s = 0; s < rows; s++) m[s] = -INFINITY, l[s] = 0.0f;
     memset(O, 0, sizeof(float) * (size_t)p->group * QB * (size_t)D);
 #if HAVE_AMX
     if (p->amx) gather_queries(p, it, qbuf);
-    if (p->amx && it->nq < QB) /* the tiles' rows past the item's: P = 0 */
-        memset(pbuf, 0, sizeof(uint16_t) * (size_t)p->group * 32 * KC);
+    if (p->amx && it->nq < QB) { /* the tiles' rows past the item's, as far as P.V reads: P = 0 */
+        int64_t cols = (kend < KC ? (kend + 31) / 32 * 32 : KC);
+        for (int r = 0; r < p->group * P_PARTS; r++)
+            for (int i = it->nq; i < 16; i++) memset(pbuf + ((int64_t)r * 16 + i) * KC, 0, sizeof(uint16_t) * (size_t)cols);
+    }
 #else
     (void)qbuf, (void)pbuf;
 #endif
@@ -524,7 +541,7 @@ int prefill_attention(int dtype, const void *q, int64_t q_stride, const void *k,
         float *S = malloc(sizeof(float) * (size_t)rows * KC), *O = malloc(sizeof(float) * (size_t)rows * head_size);
         float *m = malloc(sizeof(float) * (size_t)rows), *l = malloc(sizeof(float) * (size_t)rows);
         uint16_t *qbuf = malloc(sizeof(uint16_t) * (size_t)p.group * 16 * (size_t)packed_dims(&p));
-        uint16_t *pbuf = malloc(sizeof(uint16_t) * (size_t)p.group * 32 * KC);
+        uint16_t *pbuf = malloc(sizeof(uint16_t) * (size_t)p.group * P_PARTS * 16 * KC);
         failed = !S || !O || !m || !l || !qbuf || !pbuf; /* then this thread's items are skipped and the call fails */
         /* Flush denormals to zero while this thread is in the kernel: a
          * probability near exp(-87) times a value is a denormal product, and
