@@ -11,12 +11,18 @@ chunks; head sizes 32 and 80 are not multiples of AMX's 32-dim tiles.
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from helpers.attention_case import build_case, run_backend
 
 from pagedllm.attention_backends import cpu_prefill_kernel
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
+from pagedllm.platforms import cpu_kernel_build
 
 pytestmark = pytest.mark.skipif(cpu_prefill_kernel.load() is None,
                                 reason="no C compiler or no AVX-512 to build the kernel")
@@ -196,3 +202,34 @@ def test_the_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> Non
         assert calls == []
     finally:
         cpu_prefill_kernel.load.cache_clear()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            return set(next((line for line in cpuinfo if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 -march levels")
+def test_a_build_for_avx512_without_bf16_or_amx_matches_the_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """skylake-avx512: bf16 keys converted to float32 and FMAs, no AMX."""
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags():
+        pytest.skip("this CPU cannot run -march=skylake-avx512 code")
+    flags = tuple("-march=skylake-avx512" if flag == "-march=native" else flag for flag in cpu_prefill_kernel.CFLAGS)
+    target = tmp_path / "prefill_attention-skx.so"
+    try:
+        cpu_kernel_build.build(cpu_prefill_kernel.SOURCE, flags, target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"the C compiler cannot build for -march=skylake-avx512: {exc}")
+    library = ctypes.CDLL(str(target))
+    library.prefill_attention.restype = ctypes.c_int
+    library.prefill_attention.argtypes = cpu_prefill_kernel._ARGTYPES
+    monkeypatch.setattr(cpu_prefill_kernel, "load", lambda: library)
+    for dtype in (torch.float32, torch.bfloat16):
+        for head_size, group in ((64, 3), (80, 1), (32, 8)):
+            out, ref, rows = run_kernel(LENGTHS, 2 * group, 2, head_size, dtype)
+            assert_matches(out, ref, rows)

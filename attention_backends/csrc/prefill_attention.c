@@ -41,6 +41,13 @@
 #define RQ 8       /* score rows per QK register tile */
 #define RV 6       /* score rows per P.V register tile (6 x 4 accumulators) */
 #define MAX_HEAD_SIZE 256
+/* P's bf16 parts: P = p0 + p1 to ~17 bits (p0 + p1 + p2 to float32's 24).
+ * Two parts put a bf16 output at most half an ulp plus ~1e-5 from the exact
+ * result (three: plus float32 summation error only); three took 1.3x the
+ * time of the whole kernel on the 100M model's prompts. */
+#ifndef P_PARTS
+#define P_PARTS 2
+#endif
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
@@ -56,6 +63,20 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
     bits += 0x7fffu + ((bits >> 16) & 1u);
     return (uint16_t)(bits >> 16);
+}
+
+/* 16 floats to bf16, rounded to nearest even as f32_to_bf16 (NaN stays NaN). */
+static inline __m256i bf16x16(__m512 x) {
+#if HAVE_BF16_DOT
+    return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
 }
 
 static inline __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
@@ -240,13 +261,6 @@ typedef struct {
     uint8_t rows[16];
 } tile_config_t;
 
-/* P's bf16 parts: P = p0 + p1 to ~17 bits (p0 + p1 + p2 to float32's 24).
- * Two parts put a bf16 output at most half an ulp plus ~1e-5 from the exact
- * result (three: plus float32 summation error only), for 1.1-1.2x the time
- * of the whole kernel on the 100M model's prompts. */
-#ifndef P_PARTS
-#define P_PARTS 2
-#endif
 
 /* All tiles 16 rows x 64 bytes. Scores: 0 (16 x 16 float32), 1 (16 query
  * rows x 32 bf16 dims), 2 (16 dim pairs x 16 keys, the packed key block).
@@ -324,6 +338,7 @@ static void gather_queries(const plan_t *p, const item_t *it, uint16_t *qbuf) {
 }
 #else
 #define HAVE_AMX 0
+static int amx_permitted(void) { return 0; }
 #endif
 
 /* Online softmax step of every row over keys [k0, k1): masks keys past the
@@ -460,13 +475,14 @@ static void attend_item(const plan_t *p, const item_t *it, float *S, float *O, f
         int g = s / it->nq, i = s % it->nq;
         int64_t row = p->rows[2 * it->r] + it->i0 + i;
         char *dst = p->out + (row * p->out_stride + (int64_t)(it->j * p->group + g) * D) * elt;
-        float inv = 1.0f / l[s];
-        for (int d = 0; d < D; d++) {
-            float x = O[o_row(p, it, s) * D + d] * inv;
+        const __m512 inv = _mm512_set1_ps(1.0f / l[s]);
+        const float *o = O + o_row(p, it, s) * D;
+        for (int d = 0; d < D; d += 16) { /* head sizes are multiples of 16 */
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o + d), inv);
             if (p->bf16)
-                ((uint16_t *)dst)[d] = f32_to_bf16(x);
+                _mm256_storeu_si256((__m256i *)((uint16_t *)dst + d), bf16x16(x));
             else
-                ((float *)dst)[d] = x;
+                _mm512_storeu_ps((float *)dst + d, x);
         }
     }
 }
