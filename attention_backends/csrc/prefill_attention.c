@@ -264,13 +264,13 @@ typedef struct {
 
 /* All tiles 16 rows x 64 bytes. Scores: 0 (16 x 16 float32), 1 (16 query
  * rows x 32 bf16 dims), 2 (16 dim pairs x 16 keys, the packed key block).
- * P.V: 0 (16 rows x 16 dims float32), 3, 4, 5 (16 rows x 32 keys of each
- * of P's bf16 parts), 2 (16 key pairs x 16 dims of V). */
+ * P.V: 0-3 (16 rows x 16 dims of O, float32), 4 (16 key pairs x 16 dims
+ * of V), 5, 6, 7 (16 rows x 32 keys of each of P's bf16 parts). */
 static void amx_configure(void) {
     tile_config_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 3 + P_PARTS; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
     _tile_loadconfig(&cfg);
 }
 
@@ -305,26 +305,53 @@ static void qk_chunk_amx(const plan_t *p, const item_t *it, int64_t k0, int64_t 
  * rounded to bf16's 8 bits as a single bf16 product would (torch's SDPA
  * rounds it). */
 static void pv_chunk_amx(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, const uint16_t *pb, float *O) {
-    const int D = p->head_size;
+    const int D = p->head_size, slices = D / 16;
     const int64_t kend = it->i0 + it->nq < k1 ? it->i0 + it->nq : k1, n32 = (kend - k0 + 31) / 32 * 32;
     const char *vbase = p->vpack + ((int64_t)it->j * p->total_rows + p->vrow_starts[it->r] + k0) * D * 2;
     for (int g = 0; g < p->group; g++) {
         const uint16_t *pg = pb + (int64_t)g * P_PARTS * 16 * KC;
         float *og = O + (int64_t)g * 16 * D;
-        for (int c = 0; c < D / 16; c++) {
-            _tile_loadd(0, og + c * 16, D * 4);
+        /* Up to 4 16-dim slices of O stay in tiles 0-3 over the chunk, so
+         * P's tiles are loaded once per 4 slices, not once per slice. */
+        for (int c0 = 0; c0 < slices; c0 += 4) {
+            const int nc = slices - c0 < 4 ? slices - c0 : 4;
+            float *oc = og + c0 * 16;
+            const char *vc = vbase + (int64_t)c0 * 64;
+            _tile_loadd(0, oc, D * 4);
+            if (nc > 1) _tile_loadd(1, oc + 16, D * 4);
+            if (nc > 2) _tile_loadd(2, oc + 32, D * 4);
+            if (nc > 3) _tile_loadd(3, oc + 48, D * 4);
             for (int64_t kk = 0; kk < n32; kk += 32) {
-                _tile_loadd(2, vbase + kk * D * 2 + c * 64, D * 4);
-                _tile_loadd(3, pg + kk, KC * 2);
-                _tile_loadd(4, pg + 16 * KC + kk, KC * 2);
+                const char *v = vc + kk * D * 2;
+                _tile_loadd(5, pg + kk, KC * 2);
+                _tile_loadd(6, pg + 16 * KC + kk, KC * 2);
 #if P_PARTS == 3
-                _tile_loadd(5, pg + 32 * KC + kk, KC * 2);
-                _tile_dpbf16ps(0, 5, 2); /* smallest part first */
+                _tile_loadd(7, pg + 32 * KC + kk, KC * 2);
+#define PV_SLICE(T)                                                                                            \
+    do {                                                                                                       \
+        _tile_loadd(4, v + (T) * 64, D * 4);                                                                   \
+        _tile_dpbf16ps(T, 7, 4);                                                                               \
+        _tile_dpbf16ps(T, 6, 4);                                                                               \
+        _tile_dpbf16ps(T, 5, 4);                                                                               \
+    } while (0)
+#else
+#define PV_SLICE(T)                                                                                            \
+    do {                                                                                                       \
+        _tile_loadd(4, v + (T) * 64, D * 4);                                                                   \
+        _tile_dpbf16ps(T, 6, 4);                                                                               \
+        _tile_dpbf16ps(T, 5, 4);                                                                               \
+    } while (0)
 #endif
-                _tile_dpbf16ps(0, 4, 2);
-                _tile_dpbf16ps(0, 3, 2);
+                PV_SLICE(0);
+                if (nc > 1) PV_SLICE(1);
+                if (nc > 2) PV_SLICE(2);
+                if (nc > 3) PV_SLICE(3);
+#undef PV_SLICE
             }
-            _tile_stored(0, og + c * 16, D * 4);
+            _tile_stored(0, oc, D * 4);
+            if (nc > 1) _tile_stored(1, oc + 16, D * 4);
+            if (nc > 2) _tile_stored(2, oc + 32, D * 4);
+            if (nc > 3) _tile_stored(3, oc + 48, D * 4);
         }
     }
 }
