@@ -300,16 +300,8 @@ class TorchNativeAttentionImpl(AttentionImpl):
         # NOTE: every row belongs to one group or one fresh prefill, so every
         # row of `output` is written below.
         output = torch.empty_like(query)
-        if plan.fresh_prefill_rows and is_fp8(key_cache.dtype):
-            # Attend over what the cache holds, as every other row does.
-            key = dequantize_kv(quantize_kv(key, key_cache.dtype, self.k_scale), query.dtype, self.k_scale)
-            value = dequantize_kv(quantize_kv(value, value_cache.dtype, self.v_scale), query.dtype, self.v_scale)
-        if plan.fresh_prefill_rows and not is_fp8(key_cache.dtype) and self._prefill_kernel_runs(query, key, value, plan):
-            # Every fresh prefill in one call, straight into its output rows.
-            cpu_prefill_kernel.prefill_attention(query, key, value, output, plan.fresh_prefill_bounds, self.scale)
-        else:
-            for start, end in plan.fresh_prefill_rows:
-                output[start:end] = self._attend_fresh_prefill(query[start:end], key[start:end], value[start:end])
+        if plan.fresh_prefill_rows:
+            self._attend_fresh_prefills(query, key, value, key_cache.dtype, plan, output)
         for group in groups:  # at most three: decodes (in one or two groups), prefill chunks with context
             assert group.token_rows is not None
             group_out = self._attend_group(query[group.token_rows], key_cache, value_cache, group, plan.block_size)
@@ -318,6 +310,26 @@ class TorchNativeAttentionImpl(AttentionImpl):
 
     def _decode_kernel_runs(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
         return cpu_decode_kernel.supports(query, key_cache, self.num_heads, self.num_kv_heads)
+
+    def _attend_fresh_prefills(
+        self,
+        query: torch.Tensor,  # [T, H, D], the whole batch
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,
+        cache_dtype: torch.dtype,
+        plan: TorchNativeBatchPlan,
+        output: torch.Tensor,  # [T, H, D]; the fresh prefills' rows are written
+    ) -> None:
+        if is_fp8(cache_dtype):
+            # Attend over what the cache holds, as every other row does.
+            key = dequantize_kv(quantize_kv(key, cache_dtype, self.k_scale), query.dtype, self.k_scale)
+            value = dequantize_kv(quantize_kv(value, cache_dtype, self.v_scale), query.dtype, self.v_scale)
+        elif self._prefill_kernel_runs(query, key, value, plan):
+            # Every fresh prefill in one call, straight into its output rows.
+            cpu_prefill_kernel.prefill_attention(query, key, value, output, plan.fresh_prefill_bounds, self.scale)
+            return
+        for start, end in plan.fresh_prefill_rows:
+            output[start:end] = self._attend_fresh_prefill(query[start:end], key[start:end], value[start:end])
 
     def _prefill_kernel_runs(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: TorchNativeBatchPlan
