@@ -145,8 +145,11 @@ static void pack_block(const plan_t *p, int64_t r, int j, int64_t b) {
         if (p->kdot) { /* a scatter per 16 pairs: the scalar transpose was 5 % of the kernel */
             const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                       _mm512_set1_epi32(16));
-            for (int i = 0; i < D / 2; i += 16)
-                _mm512_i32scatter_epi32((uint32_t *)dst + i * 16 + t, stride, _mm512_loadu_si512(krow + 4 * i), 4);
+            for (int i = 0; i < D / 2; i += 16) { /* masked: D = 80 has 40 pairs, not 48 */
+                __mmask16 mk = mask16(D / 2 - i);
+                _mm512_mask_i32scatter_epi32((uint32_t *)dst + i * 16 + t, mk, stride,
+                                             _mm512_maskz_loadu_epi32(mk, krow + 4 * i), 4);
+            }
         } else if (p->bf16) {
             for (int d = 0; d < D; d++) ((float *)dst)[d * 16 + t] = bf16_to_f32(((const uint16_t *)krow)[d]);
         } else {
