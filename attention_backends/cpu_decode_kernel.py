@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.platforms.cpu_kernel_build import load_library, prebuild_in_background
+from pagedllm.platforms.cpu_kernel_build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 # Storage dtypes the kernel reads (its `dtype` argument).
@@ -54,15 +54,6 @@ def load() -> ctypes.CDLL | None:
         library.paged_decode.restype = ctypes.c_int
         library.paged_decode.argtypes = _ARGTYPES
     return library
-
-
-@functools.cache
-def prebuild() -> None:
-    """Start building the library in the background (once per process), so
-    that a new machine's first build overlaps the model's loading instead of
-    the first request's first decode step."""
-    if load.cache_info().currsize == 0:
-        prebuild_in_background(load)
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:

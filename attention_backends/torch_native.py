@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from pagedllm.attention_backends import cpu_decode_kernel, cpu_prefill_kernel
 from pagedllm.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
 from pagedllm.attention_backends.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv, read_kv, write_kv
+from pagedllm.platforms.cpu_kernel_build import prebuild_in_background
 
 
 @dataclass
@@ -267,7 +268,9 @@ class TorchNativeMetadata(AttentionMetadata):
 class TorchNativeAttentionImpl(AttentionImpl):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        cpu_decode_kernel.prebuild()
+        # A new machine's first builds overlap the model's loading.
+        prebuild_in_background(cpu_decode_kernel.load)
+        prebuild_in_background(cpu_prefill_kernel.load)
 
     def forward(
         self,

@@ -45,10 +45,16 @@ def cpu_fingerprint() -> str:
     return f"{platform.machine()} {flags}"
 
 
+# The kernels' shared header (cpu_kernel_math.h): on every build's include
+# path, and part of every build's key.
+INCLUDE_DIR = Path(__file__).parent / "csrc"
+
+
 def library_path(source: Path, cflags: tuple[str, ...]) -> Path:
     from pagedllm.model_registry.tiny.cache import get_cache_root
 
-    key = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode() + cpu_fingerprint().encode())
+    headers = b"".join(header.read_bytes() for header in sorted(INCLUDE_DIR.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode() + cpu_fingerprint().encode())
     return get_cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
@@ -60,7 +66,8 @@ def build(source: Path, cflags: tuple[str, ...], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *cflags, "-o", tmp, str(source)], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *cflags, f"-I{INCLUDE_DIR}", "-o", tmp, str(source)], check=True,
+                       capture_output=True, timeout=120)
         os.replace(tmp, target)  # atomic: a concurrent builder's file is as good
     finally:
         if os.path.exists(tmp):
@@ -87,9 +94,17 @@ def load_library(source: Path, cflags: tuple[str, ...], env_switch: str, what: s
         return None
 
 
+_prebuilt: set[Callable[[], object]] = set()
+
+
 def prebuild_in_background(load: Callable[[], object]) -> None:
-    """Call `load` (a kernel's cached loader) on a daemon thread, so that a
-    first build's compile (about a second of CPU, once per machine) overlaps
-    the model's loading instead of delaying the first request. The compiler
-    runs in a subprocess, so the thread holds no GIL while it waits."""
+    """Call `load` (a kernel's cached loader) on a daemon thread, once per
+    process, so that a first build's compile (about a second of CPU, once per
+    machine) overlaps the model's loading instead of delaying the first
+    request. The compiler runs in a subprocess, so the thread holds no GIL
+    while it waits."""
+    with _locks_guard:
+        if load in _prebuilt:
+            return
+        _prebuilt.add(load)
     threading.Thread(target=load, name="kernel-prebuild", daemon=True).start()

@@ -14,12 +14,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import platform
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.attention_case import build_case, run_backend
+from helpers.kernel_builds import build_for_march, cpu_flags
 
 from pagedllm.attention_backends import cpu_decode_kernel
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
@@ -195,23 +195,9 @@ def test_the_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> Non
         cpu_decode_kernel.load.cache_clear()
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            return set(next((line for line in cpuinfo if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
 def _build_for(march: str, directory: Path) -> ctypes.CDLL:
     """The kernel compiled for an older -march than this CPU's."""
-    flags = tuple(f"-march={march}" if flag == "-march=native" else flag for flag in cpu_decode_kernel.CFLAGS)
-    target = directory / f"paged_decode-{march}.so"
-    try:
-        cpu_kernel_build.build(cpu_decode_kernel.SOURCE, flags, target)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"the C compiler cannot build for -march={march}: {exc}")
-    library = ctypes.CDLL(str(target))
+    library = build_for_march(cpu_decode_kernel.SOURCE, cpu_decode_kernel.CFLAGS, march, directory)
     library.paged_decode.restype = ctypes.c_int
     library.paged_decode.argtypes = cpu_decode_kernel._ARGTYPES
     return library
@@ -226,7 +212,7 @@ def _build_for(march: str, directory: Path) -> ctypes.CDLL:
 def test_builds_for_older_cpus_match_the_reference(
     march: str, needs: set[str], dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not needs <= _cpu_flags():
+    if not needs <= cpu_flags():
         pytest.skip(f"this CPU cannot run -march={march} code")
     library = _build_for(march, tmp_path)
     monkeypatch.setattr(cpu_decode_kernel, "load", lambda: library)
@@ -253,7 +239,7 @@ def test_a_torch_native_layer_starts_the_build_in_the_background_and_loads_build
     real_build = cpu_kernel_build.build
     monkeypatch.setattr(cpu_kernel_build, "build", lambda *args: builds.append(args[-1]) or real_build(*args))
     cpu_decode_kernel.load.cache_clear()
-    cpu_decode_kernel.prebuild.cache_clear()
+    monkeypatch.setattr(cpu_kernel_build, "_prebuilt", set())
     try:
         TorchNativeBackend.get_impl_cls()(4, 64, 0.125, 2)
         racing = cpu_decode_kernel.load()  # while the background build may still run
@@ -261,7 +247,8 @@ def test_a_torch_native_layer_starts_the_build_in_the_background_and_loads_build
             if thread.name == "kernel-prebuild":
                 thread.join(timeout=120)
         assert racing is not None
-        assert len(builds) == 1 and builds[0].parent == tmp_path / "kernels" and builds[0].exists()
+        decode_builds = [path for path in builds if path.name.startswith("paged_decode-")]
+        assert len(decode_builds) == 1 and decode_builds[0].parent == tmp_path / "kernels"
+        assert decode_builds[0].exists()
     finally:
         cpu_decode_kernel.load.cache_clear()
-        cpu_decode_kernel.prebuild.cache_clear()

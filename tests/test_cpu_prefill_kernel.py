@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import ctypes
 import platform
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.attention_case import build_case, run_backend
+from helpers.kernel_builds import build_for_march, cpu_flags
 
 from pagedllm.attention_backends import cpu_prefill_kernel
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
-from pagedllm.platforms import cpu_kernel_build
 
 pytestmark = pytest.mark.skipif(cpu_prefill_kernel.load() is None,
                                 reason="no C compiler or no AVX-512 to build the kernel")
@@ -204,28 +203,14 @@ def test_the_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> Non
         cpu_prefill_kernel.load.cache_clear()
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            return set(next((line for line in cpuinfo if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 -march levels")
 def test_a_build_for_avx512_without_bf16_or_amx_matches_the_reference(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """skylake-avx512: bf16 keys converted to float32 and FMAs, no AMX."""
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags():
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags():
         pytest.skip("this CPU cannot run -march=skylake-avx512 code")
-    flags = tuple("-march=skylake-avx512" if flag == "-march=native" else flag for flag in cpu_prefill_kernel.CFLAGS)
-    target = tmp_path / "prefill_attention-skx.so"
-    try:
-        cpu_kernel_build.build(cpu_prefill_kernel.SOURCE, flags, target)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"the C compiler cannot build for -march=skylake-avx512: {exc}")
-    library = ctypes.CDLL(str(target))
+    library = build_for_march(cpu_prefill_kernel.SOURCE, cpu_prefill_kernel.CFLAGS, "skylake-avx512", tmp_path)
     library.prefill_attention.restype = ctypes.c_int
     library.prefill_attention.argtypes = cpu_prefill_kernel._ARGTYPES
     monkeypatch.setattr(cpu_prefill_kernel, "load", lambda: library)

@@ -16,45 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernel_math.h"
+
 #define MAX_HEAD_SIZE 512
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 conversion. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* exp(x) for x <= 0, within 2 ulp of expf (Cephes' expf polynomial), in a
- * form the compiler vectorises: libm's expf is a scalar call, and the
- * softmax's exps were a third of the kernel's time. Below -87.3 it returns
- * exp(-87.3) ~ 1.2e-38 instead of a smaller number: against a softmax
- * denominator of at least 1 that is 0. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* Each query head's scores [n] -> softmax probabilities, in place. */
 static void softmax_rows(float *scores, int num_heads, int64_t n) {
@@ -63,7 +27,7 @@ static void softmax_rows(float *scores, int num_heads, int64_t n) {
         for (int64_t i = 0; i < n; i++) m = sh[i] > m ? sh[i] : m;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; i++) {
-            sh[i] = exp_nonpositive(sh[i] - m);
+            sh[i] = exp_clamped(sh[i] - m);
             sum += sh[i];
         }
         float inv = 1.0f / sum;
@@ -198,25 +162,6 @@ static inline void prefetch_chunk(const char *cache, int64_t slot_bytes, const i
         prefetch_rows(cache, slot_bytes, blocks, block_size, t0, len - t0 < CHUNK ? (int)(len - t0) : CHUNK, row_bytes);
 }
 
-static inline __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
-
-/* exp_nonpositive on 16 lanes; the power of two by scalef. */
-static inline __m512 exp16_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* softmax_rows in AVX-512: the compiler left the max and the exps scalar,
  * and they took as long as the scores and the weighted sum together. */
 static void softmax_rows16(float *scores, int num_heads, int64_t n) {
@@ -227,7 +172,7 @@ static void softmax_rows16(float *scores, int num_heads, int64_t n) {
         __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
         for (int64_t i = 0; i < n; i += 16) {
             __mmask16 k = mask16(n - i);
-            __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + i), mx));
+            __m512 e = exp16_clamped(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + i), mx));
             sum = _mm512_mask_add_ps(sum, k, sum, e);
             _mm512_mask_storeu_ps(sh + i, k, e);
         }

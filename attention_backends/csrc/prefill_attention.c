@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernel_math.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
@@ -53,55 +55,6 @@
 #ifndef P_PARTS
 #define P_PARTS 2
 #endif
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 conversion. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* 16 floats to bf16, rounded to nearest even as f32_to_bf16 (NaN stays NaN). */
-static inline __m256i bf16x16(__m512 x) {
-#if HAVE_BF16_DOT
-    return (__m256i)_mm512_cvtneps_pbh(x);
-#else
-    __m512i bits = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-#endif
-}
-
-static inline __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
-
-/* exp(x) for x <= 0 on 16 lanes (paged_decode.c's Cephes polynomial). */
-static inline __m512 exp16_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 typedef struct {
     int bf16, kdot; /* kdot: keys packed as bf16 pairs for _mm512_dpbf16_ps (and AMX) */
@@ -404,7 +357,7 @@ static void softmax_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t
         __m512 mb = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
         for (int64_t i = 0; i < width; i += 16) {
             __mmask16 k = mask16(n - i);
-            __m512 e = _mm512_maskz_mov_ps(k, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + i), mb)));
+            __m512 e = _mm512_maskz_mov_ps(k, exp16_clamped(_mm512_sub_ps(_mm512_loadu_ps(sr + i), mb)));
             sum = _mm512_add_ps(sum, e);
 #if HAVE_AMX
             if (pb) {

@@ -12,48 +12,9 @@
  * dtype: 0 float32, 1 bfloat16 (every tensor argument of a call, except the
  * float32 cos / sin tables). Strides are in elements.
  */
-#include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 conversion. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* The value a bfloat16 op would have stored, as a float. */
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
-/* exp(x) within 2 ulp of expf (Cephes' expf polynomial) in a form the
- * compiler vectorises; x is clamped to [-87.3, 88.7], where expf is finite
- * and normal. */
-static inline float exp_clamped(float x) {
-    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+#include "cpu_kernel_math.h"
 
 /* Rows run on torch's OpenMP team (the library links the libgomp torch has
  * loaded) when there are enough of them to pay for waking it. */
@@ -102,44 +63,17 @@ void rms_norm(int dtype, const void *x, int64_t x_stride, const void *residual, 
     }
 }
 
-/* out[r] = silu(gate) * up, gate_up[r] = [gate | up], each `width` wide.
- * silu is rounded to dtype before the product, as torch's two ops round. */
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* The bfloat16 row with AVX512-BF16's rounding conversion (vcvtneps2bf16,
  * round to nearest even like f32_to_bf16) and the same exp polynomial: the
  * portable loop spent most of its time rounding by integer arithmetic. */
-static inline __m512 load16_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-static inline __m512 round16_bf16(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
-
-static inline __m512 exp16_clamped(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-    __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                                  _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                             _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 static void silu_and_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t width) {
     int64_t i = 0;
     for (; i + 16 <= width; i += 16) {
-        __m512 gi = load16_bf16(g + i);
-        __m512 silu = round16_bf16(_mm512_div_ps(gi, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16_clamped(
-                                                                          _mm512_sub_ps(_mm512_setzero_ps(), gi)))));
-        _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, load16_bf16(u + i))));
+        __m512 gi = load16_bf16(g + i, 0xffff);
+        __m512 one_plus_exp = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16_clamped(_mm512_sub_ps(_mm512_setzero_ps(), gi)));
+        __m512 silu = widen16_bf16(bf16x16(_mm512_div_ps(gi, one_plus_exp)));
+        _mm256_storeu_si256((__m256i *)(o + i), bf16x16(_mm512_mul_ps(silu, load16_bf16(u + i, 0xffff))));
     }
     for (; i < width; i++) {
         float gi = bf16_to_f32(g[i]);
@@ -156,6 +90,8 @@ static void silu_and_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t
 }
 #endif
 
+/* out[r] = silu(gate) * up, gate_up[r] = [gate | up], each `width` wide.
+ * silu is rounded to dtype before the product, as torch's two ops round. */
 void silu_and_mul(int dtype, const void *gate_up, int64_t in_stride, void *out, int64_t out_stride, int64_t rows,
                   int64_t width) {
 #pragma omp parallel for schedule(static) if (rows * width >= PARALLEL_MIN_ELEMENTS)
