@@ -20,6 +20,16 @@ EXAMPLE_PLUGINS := examples/plugins/pagedllm-example-model \
 	examples/plugins/pagedllm-example-logitsproc \
 	examples/plugins/pagedllm-example-statlogger
 
+# The CPU C kernels are compiled on first use (a few seconds of CPU in all);
+# building them at install keeps that off the first `pagedllm serve`.
+define PREBUILD_CPU_KERNELS
+from pagedllm.attention_backends import cpu_decode_kernel, cpu_prefill_kernel
+from pagedllm.platforms import cpu_ops
+for kernel in (cpu_ops, cpu_decode_kernel, cpu_prefill_kernel):
+    kernel.load()
+endef
+export PREBUILD_CPU_KERNELS
+
 # NOTE: torch==2.13.0 first, so that no later requirement pulls a CUDA build.
 # The ray extra too: CI runs the ray executor's tests.
 # The example plugins are installed the way a user installs a plugin: pip
@@ -30,6 +40,7 @@ $(STAMP): $(PY) pyproject.toml tests/plugins/pagedllm-test-plugin/pyproject.toml
 	$(PIP) install -q -e '.[dev,ray]'
 	$(PIP) install -q -e tests/plugins/pagedllm-test-plugin
 	$(PIP) install -q $(addprefix -e ,$(EXAMPLE_PLUGINS))
+	$(PY) -c "$$PREBUILD_CPU_KERNELS"
 	touch $(STAMP)
 
 install: $(STAMP)
