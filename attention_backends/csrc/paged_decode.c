@@ -18,8 +18,15 @@
 
 #include "cpu_kernel_math.h"
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+
 #define MAX_HEAD_SIZE 512
 
+#if !HAVE_AVX512 /* the portable kernel */
 /* Each query head's scores [n] -> softmax probabilities, in place. */
 static void softmax_rows(float *scores, int num_heads, int64_t n) {
     for (int h = 0; h < num_heads; h++) {
@@ -84,10 +91,10 @@ static void softmax_rows(float *scores, int num_heads, int64_t n) {
             }                                                                                              \
         }                                                                                                  \
     }
+#endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if HAVE_AVX512
 #include <immintrin.h>
-#define HAVE_AVX512 1
 /* The AVX-512 kernel: keys and values are read CHUNK tokens at a time, the
  * next chunks prefetched (prefetch_rows).
  *
@@ -353,8 +360,6 @@ static attend_vec_fn pick_attend_vec(int dtype, int head_size) {
     if (head_size == 128) return dtype ? attend_vec_bf16_128 : attend_vec_f32_128;
     return dtype ? attend_vec_bf16 : attend_vec_f32;
 }
-#else
-#define HAVE_AVX512 0
 #endif
 
 #if !HAVE_AVX512
