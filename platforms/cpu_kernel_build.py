@@ -58,8 +58,13 @@ def library_path(source: Path, cflags: tuple[str, ...]) -> Path:
     return get_cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
+def find_compiler() -> str | None:
+    """The C compiler builds use: $CC, else cc or gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def build(source: Path, cflags: tuple[str, ...], target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         raise OSError("no C compiler (cc, gcc or $CC) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.attention_case import build_case, run_backend
-from helpers.kernel_builds import build_for_march, cpu_flags
+from helpers.kernel_builds import NO_COMPILER, build_for_march, cpu_flags
 
 from pagedllm.attention_backends import cpu_decode_kernel
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
 from pagedllm.platforms import cpu_kernel_build
 
-pytestmark = pytest.mark.skipif(cpu_decode_kernel.load() is None, reason="no C compiler to build the kernel")
+pytestmark = NO_COMPILER
 
 
 def reference(case_requests: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], scale: float,

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers.kernel_builds import NO_COMPILER
 
 from pagedllm.model_registry.layers import op_kernels
 from pagedllm.model_registry.layers.activation import SiluAndMul
@@ -20,7 +21,7 @@ from pagedllm.model_registry.layers.norm import RMSNorm
 from pagedllm.model_registry.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from pagedllm.platforms import cpu_ops
 
-pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="no C compiler to build the kernels")
+pytestmark = NO_COMPILER
 
 DTYPES = [torch.float32, torch.bfloat16]
 # One unit in the last place, relative (float32: a few ulps of exp / sum order).

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.attention_case import build_case, run_backend
-from helpers.kernel_builds import build_for_march, cpu_flags
+from helpers.kernel_builds import NO_COMPILER, build_for_march, cpu_flags
 
 from pagedllm.attention_backends import cpu_prefill_kernel
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
 
-pytestmark = pytest.mark.skipif(cpu_prefill_kernel.load() is None,
-                                reason="no C compiler or no AVX-512 to build the kernel")
+pytestmark = [NO_COMPILER, pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags(),
+                                              reason="the kernel needs AVX-512")]
 
 LENGTHS = [1, 5, 16, 17, 64, 160, 257]
 HEAD_SIZES = [64, 128, 80, 32]
