@@ -12,6 +12,12 @@ bit-identical to F.linear. A dtype is prepacked only after a probe shows
 the oneDNN op exists and agrees with F.linear; otherwise nothing changes.
 Layers whose weight is of another dtype (int8 from quantization/) keep
 their own GEMM.
+
+On a CPU with AMX, bfloat16 batches of at most cpu_amx_linear.AMX_MAX_ROWS
+rows (decode) run on our own AMX kernel instead, which streams the weights
+faster than oneDNN at those sizes (cpu_amx_linear.py). Its packed copy is
+one more weight-sized buffer per layer; `PAGEDLLM_CPU_AMX_LINEAR=0` goes
+without it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from pagedllm.platforms import cpu_amx_linear
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +90,25 @@ def _prepacked_gemm(module: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor |
     return apply_linear
 
 
+def _with_amx_for_few_rows(module: nn.Linear, gemm: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+                           ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """`gemm`, but batches of at most AMX_MAX_ROWS rows (decode) on the AMX
+    kernel (cpu_amx_linear.py) where it takes the weight."""
+    packed = cpu_amx_linear.pack(module.weight)
+    if packed is None:
+        return gemm
+    num_out, num_in = module.weight.shape
+
+    def apply_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and x.numel() <= cpu_amx_linear.AMX_MAX_ROWS * num_in:
+            out = cpu_amx_linear.linear(x.reshape(-1, num_in), packed, num_out, bias)
+            if out is not None:
+                return out.view(*x.shape[:-1], num_out)
+        return gemm(x, bias)
+
+    return apply_linear
+
+
 def _mkl_gemm(module: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
     weight_t = module.weight.detach().t().contiguous()  # [K, N]: sgemm's plain layout
 
@@ -118,6 +145,8 @@ def prepack_linear_layers(model: nn.Module) -> int:
     with torch.no_grad():
         for module in linears:
             gemm = _mkl_gemm(module) if _runs_on_mkl(module) else _prepacked_gemm(module)
+            if module.weight.dtype == torch.bfloat16:
+                gemm = _with_amx_for_few_rows(module, gemm)
             if hasattr(module, "apply_linear"):  # a tensor-parallel layer: swap only its GEMM, keep its collectives
                 module.apply_linear = gemm  # type: ignore[assignment]  # a per-instance GEMM
             else:

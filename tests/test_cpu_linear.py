@@ -11,8 +11,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model_registry.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pagedllm.platforms import cpu_amx_linear
 from pagedllm.platforms.cpu_linear import MKL_MAX_WEIGHT_ELEMENTS, onednn_linear_available, prepack_linear_layers
 from pagedllm.quantization.int8 import Int8WeightOnlyMethod
+
+
+@pytest.fixture(autouse=True)
+def _onednn_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the oneDNN and MKL GEMMs: the AMX kernel that
+    takes few-row bfloat16 batches on an AMX CPU has its own tests
+    (test_cpu_amx_linear.py)."""
+    monkeypatch.setattr(cpu_amx_linear, "load", lambda: None)
 
 
 def _skip_without(dtype: torch.dtype) -> None:

@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_amx.h"
 #include "cpu_kernel_math.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -201,26 +202,7 @@ static void qk_chunk(const plan_t *p, const item_t *it, int64_t k0, int64_t k1, 
     }
 }
 
-#if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HAVE_AMX 1
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Linux hands out AMX's tile state only to a process that asks for it (torch
- * asks too when oneDNN uses AMX; asking twice is harmless). */
-static int amx_permitted(void) {
-    static int state = -1; /* a racing first call asks twice: same answer */
-    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return state;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config_t;
+#if HAVE_AMX
 
 
 /* All tiles 16 rows x 64 bytes. Scores: 0 (16 x 16 float32), 1 (16 query
@@ -325,7 +307,6 @@ static void gather_queries(const plan_t *p, const item_t *it, uint16_t *qbuf) {
         memcpy(qbuf + ((int64_t)(s / it->nq) * 16 + s % it->nq) * Dp, q_row(p, it, s), sizeof(uint16_t) * (size_t)D);
 }
 #else
-#define HAVE_AMX 0
 static int amx_permitted(void) { return 0; }
 #endif
 
