@@ -42,8 +42,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "
 ENV_SWITCH = "PAGEDLLM_CPU_DECODE_KERNEL"
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_ARGTYPES: list[Any] = [_INT, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT, _INT, _INT, _INT,
-             _F32, _I64, _F32]
+_ARGTYPES: list[Any] = [_INT, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64,
+                        _I64, _INT, _INT, _INT, _INT, _F32, _I64, _F32]
 
 
 @functools.cache
@@ -68,6 +68,14 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor, num_heads: int, num_k
     )
 
 
+def takes_new_kv(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether paged_decode can write these rows itself (`new_kv`)."""
+    row = key_cache.shape[1:]
+    return (
+        slots.dtype == torch.int64 and slots.is_contiguous() and key.shape[0] == value.shape[0] == slots.numel()
+        and all(x.dtype == key_cache.dtype and x.shape[1:] == row and x.stride(2) == 1 and x.stride(1) == row[1]
+                for x in (key, value))
+    )
 
 
 def paged_decode(
@@ -80,8 +88,14 @@ def paged_decode(
     scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [B, H, D]
-    """Attention of each request's one query token over its cached keys."""
+    """Attention of each request's one query token over its cached keys.
+
+    `new_kv` (key [B, Hkv, D], value [B, Hkv, D], int64 slots [B]): each
+    request's new key and value, written to its slot in the caches first
+    (what write_kv would do before the call). Their heads and head dims
+    must be contiguous (`takes_new_kv`)."""
     library = load()
     if library is None:
         raise RuntimeError("the CPU paged-decode kernel is not built; check supports() first")
@@ -90,10 +104,16 @@ def paged_decode(
     if query.stride(2) != 1 or query.stride(1) != head_size:
         query = query.contiguous()
     out = torch.empty(num_reqs, num_heads, head_size, dtype=query.dtype)
+    new_rows: tuple[int | None, int, int | None, int, int | None] = (None, 0, None, 0, None)
+    if new_kv is not None:
+        key, value, slots = new_kv
+        if not takes_new_kv(key, value, slots, key_cache) or slots.numel() != num_reqs:
+            raise ValueError("paged_decode: new_kv must be [B, Hkv, D] rows with contiguous heads and int64 slots")
+        new_rows = (key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr())
     leading = (
         KERNEL_DTYPES[key_cache.dtype], query.data_ptr(), query.stride(0), key_cache.data_ptr(),
         value_cache.data_ptr(), key_cache.stride(0), block_table.data_ptr(), block_table.stride(0),
-        seq_lens.data_ptr(), out.data_ptr(),
+        seq_lens.data_ptr(), out.data_ptr(), *new_rows,
     )
     trailing = (num_heads, num_kv_heads, head_size, block_size, scale, sliding_window or 0, soft_cap or 0.0)
 

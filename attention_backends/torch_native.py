@@ -289,6 +289,13 @@ class TorchNativeAttentionImpl(AttentionImpl):
         # [2, num_blocks, block_size, Hkv, D] -> flat slots [num_blocks * block_size, Hkv, D]
         key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
         value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
+        kernel_runs = self._decode_kernel_runs(query, key_cache)
+        groups = plan.groups if kernel_runs else plan.gather_groups
+        if kernel_runs and self._kernel_writes_kv(groups, key, value, key_cache, plan):
+            # A whole batch of decodes on the kernel: it writes each request's
+            # new key and value itself, in its pass over the request.
+            return self._attend_group(query, key_cache, value_cache, groups[0], plan.block_size,
+                                      new_kv=(key, value, plan.write_slots))
         # write_kv / read_kv: an fp8 cache converts on the way in and out.
         if plan.write_rows is None:
             write_kv(key_cache, plan.write_slots, key, self.k_scale)
@@ -297,7 +304,6 @@ class TorchNativeAttentionImpl(AttentionImpl):
             write_kv(key_cache, plan.write_slots, key[plan.write_rows], self.k_scale)
             write_kv(value_cache, plan.write_slots, value[plan.write_rows], self.v_scale)
 
-        groups = plan.groups if self._decode_kernel_runs(query, key_cache) else plan.gather_groups
         if len(groups) == 1 and groups[0].token_rows is None:
             return self._attend_group(query, key_cache, value_cache, groups[0], plan.block_size)
         # NOTE: every row belongs to one group or one fresh prefill, so every
@@ -313,6 +319,18 @@ class TorchNativeAttentionImpl(AttentionImpl):
 
     def _decode_kernel_runs(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
         return cpu_decode_kernel.supports(query, key_cache, self.num_heads, self.num_kv_heads)
+
+    @staticmethod
+    def _kernel_writes_kv(
+        groups: list[RequestGroup], key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+        plan: TorchNativeBatchPlan,
+    ) -> bool:
+        """With the decode kernel running: one group, the whole batch, all
+        decodes (`seq_lens` is set only for those), every row written to
+        the cache."""
+        if len(groups) != 1 or groups[0].token_rows is not None or groups[0].seq_lens is None:
+            return False
+        return plan.write_rows is None and cpu_decode_kernel.takes_new_kv(key, value, plan.write_slots, key_cache)
 
     def _attend_fresh_prefills(
         self,
@@ -367,6 +385,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
         value_cache: torch.Tensor,
         group: RequestGroup,
         block_size: int,
+        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [Tg, H, D]
         num_reqs, max_query_len = group.num_reqs, group.max_query_len
         num_heads, num_kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size
@@ -375,7 +394,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
         ):
             return cpu_decode_kernel.paged_decode(
                 query, key_cache, value_cache, block_size, group.block_table, group.seq_lens, self.scale,
-                self.sliding_window, self.logits_soft_cap,
+                self.sliding_window, self.logits_soft_cap, new_kv,
             )
 
         if group.padded_rows is None:

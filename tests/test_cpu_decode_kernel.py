@@ -21,7 +21,7 @@ import torch
 from helpers.attention_case import build_case, run_backend
 from helpers.kernel_builds import NO_COMPILER, build_for_march, cpu_flags
 
-from pagedllm.attention_backends import cpu_decode_kernel
+from pagedllm.attention_backends import cpu_decode_kernel, torch_native
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
 from pagedllm.platforms import cpu_kernel_build
 
@@ -252,3 +252,67 @@ def test_a_torch_native_layer_starts_the_build_in_the_background_and_loads_build
         assert decode_builds[0].exists()
     finally:
         cpu_decode_kernel.load.cache_clear()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal (torch.equal says NaN != NaN)."""
+    as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+    return torch.equal(a.view(as_int[a.dtype]), b.view(as_int[b.dtype]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_kv_rows_are_written_to_their_slots_before_attending(dtype: torch.dtype) -> None:
+    """paged_decode(new_kv=...) leaves the caches as index_copy_ of the new
+    rows would, and its output is bit-identical to writing first, then
+    calling the kernel."""
+    case = build_case(SEQ_LENS, [1] * len(SEQ_LENS), dtype=dtype, num_heads=12, num_kv_heads=4, head_size=64)
+    slots = case.metadata.slot_mapping.long()
+    caches = []
+    for fused in (False, True):
+        kv_cache = case.kv_cache.clone()
+        key_cache, value_cache = (kv_cache[i].view(-1, case.num_kv_heads, case.head_size) for i in (0, 1))
+        if not fused:
+            key_cache.index_copy_(0, slots, case.key)
+            value_cache.index_copy_(0, slots, case.value)
+        out = cpu_decode_kernel.paged_decode(
+            case.query, key_cache, value_cache, case.block_size, case.metadata.block_table,
+            case.metadata.seq_lens_cpu, 0.125, None, None, (case.key, case.value, slots) if fused else None,
+        )
+        caches.append((out, kv_cache))
+    (unfused_out, unfused_cache), (fused_out, fused_cache) = caches
+    assert same_bits(fused_cache, unfused_cache)  # the unowned slots hold NaN
+    assert not same_bits(fused_cache, case.kv_cache)  # the rows were new
+    assert torch.equal(fused_out, unfused_out)
+
+
+def test_new_kv_rows_must_have_contiguous_heads_and_int64_slots() -> None:
+    case = build_case([5, 9], [1, 1], num_heads=4, num_kv_heads=2, head_size=32)
+    key_cache = case.kv_cache[0].view(-1, 2, 32)
+    slots = case.metadata.slot_mapping.long()
+    assert cpu_decode_kernel.takes_new_kv(case.key, case.value, slots, key_cache)
+    assert not cpu_decode_kernel.takes_new_kv(case.key, case.value, slots.int(), key_cache)
+    strided = torch.zeros(2, 32, 2)[..., 0].unsqueeze(1).expand(2, 2, 32)  # head dims 2 elements apart
+    assert not cpu_decode_kernel.takes_new_kv(strided, case.value, slots, key_cache)
+    assert not cpu_decode_kernel.takes_new_kv(case.key[:1], case.value, slots, key_cache)
+    with pytest.raises(ValueError, match="new_kv"):
+        cpu_decode_kernel.paged_decode(case.query, key_cache, case.kv_cache[1].view(-1, 2, 32), case.block_size,
+                                       case.metadata.block_table, case.metadata.seq_lens_cpu, 0.1, None, None,
+                                       (case.key, case.value, slots.int()))
+
+
+def test_a_decode_only_batch_writes_its_kv_in_the_kernel_and_matches_the_separate_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch_native hands a whole batch of decodes' new K/V to the kernel (no
+    write_kv); output and cache are bit-identical to writing them first."""
+    case = build_case([37, 20, 50, 9, 33], [1] * 5, dtype=torch.bfloat16, num_heads=12, num_kv_heads=4,
+                      head_size=64)
+    writes = []
+    real_write_kv = torch_native.write_kv
+    monkeypatch.setattr(torch_native, "write_kv", lambda *args: writes.append(1) or real_write_kv(*args))
+    fused_out, fused_cache = run_backend(TorchNativeBackend, case)
+    assert writes == []
+    monkeypatch.setattr(cpu_decode_kernel, "takes_new_kv", lambda *args: False)
+    separate_out, separate_cache = run_backend(TorchNativeBackend, case)
+    assert writes == [1, 1]
+    assert torch.equal(fused_out, separate_out) and same_bits(fused_cache, separate_cache)

@@ -390,12 +390,17 @@ static attend_fn pick_attend(int dtype, int head_size) {
  * block_table: request r's blocks at block_table + r * block_table_stride.
  * seq_lens: request r attends to positions [max(0, len - sliding_window), len).
  * out: [rows][num_heads][head_size], contiguous.
+ * k_new / v_new (NULL: none): request r's new key and value, its KV heads
+ * contiguous at k_new + r * k_new_stride (elements), written to cache slot
+ * new_slots[r] before the request attends (its own slot: no other request
+ * reads it), which saves torch two index_copy_ passes per layer.
  * sliding_window <= 0 and soft_cap <= 0 mean none.
  * Returns 0, or -1 when a scratch buffer cannot be allocated or a size is out of range.
  */
-int paged_decode(int dtype, const void *q, int64_t q_stride_row, const void *k_cache, const void *v_cache,
+int paged_decode(int dtype, const void *q, int64_t q_stride_row, void *k_cache, void *v_cache,
                  int64_t cache_stride_slot, const int32_t *block_table, int64_t block_table_stride,
-                 const int32_t *seq_lens, void *out, int64_t req_begin, int64_t req_end, int num_heads,
+                 const int32_t *seq_lens, void *out, const void *k_new, int64_t k_new_stride, const void *v_new,
+                 int64_t v_new_stride, const int64_t *new_slots, int64_t req_begin, int64_t req_end, int num_heads,
                  int num_kv_heads, int head_size, int block_size, float scale, int64_t sliding_window,
                  float soft_cap) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_size > MAX_HEAD_SIZE) return -1;
@@ -428,6 +433,13 @@ int paged_decode(int dtype, const void *q, int64_t q_stride_row, const void *k_c
         if (failed) continue;
         int64_t len = seq_lens[r];
         int64_t start = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+        if (k_new) {
+            size_t elem = dtype ? 2 : 4, kv_row = (size_t)num_kv_heads * (size_t)head_size * elem;
+            memcpy((char *)k_cache + new_slots[r] * cache_stride_slot * (int64_t)elem,
+                   (const char *)k_new + r * k_new_stride * (int64_t)elem, kv_row);
+            memcpy((char *)v_cache + new_slots[r] * cache_stride_slot * (int64_t)elem,
+                   (const char *)v_new + r * v_new_stride * (int64_t)elem, kv_row);
+        }
         for (size_t i = 0; i < row; i++) {
             int64_t src_i = r * q_stride_row + (int64_t)i;
             float x = dtype ? bf16_to_f32(((const uint16_t *)q)[src_i]) : ((const float *)q)[src_i];
