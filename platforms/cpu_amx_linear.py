@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.platforms.cpu_kernel_build import load_library
+from pagedllm.platforms.host_memory import anonymous_zeros
 
 SOURCE = Path(__file__).parent / "csrc" / "amx_linear.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -65,7 +66,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     weight = weight.detach()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    packed = torch.empty(library.amx_linear_packed_bytes(num_out, num_in) // 2, dtype=torch.bfloat16)
+    # Huge pages: a decode step streams every packed weight (host_memory.py).
+    packed = anonymous_zeros(library.amx_linear_packed_bytes(num_out, num_in) // 2, torch.bfloat16,
+                             huge_pages=True)
     library.amx_linear_pack(weight.data_ptr(), weight.stride(0), num_out, num_in, packed.data_ptr())
     return packed
 

@@ -9,11 +9,12 @@ block tables) and the memory profiler's throwaway cache all come through
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from pagedllm.platforms.host_memory import anonymous_zeros
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
@@ -53,19 +54,14 @@ def allocate_kv_caches(
 
 
 def zeroed_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A tensor of zeros. On the CPU its memory is a fresh anonymous mapping,
-    whose pages the kernel zero-fills when they are first touched, so no page
-    is written now: torch.zeros writes the whole 1 GiB default KV cache at
-    start (0.4 s on an idle 2-core machine, 3 s on a loaded one) for blocks
-    that may never be used."""
+    """A tensor of zeros. On the CPU its memory is a fresh anonymous mapping
+    (platforms/host_memory.py), whose pages the kernel zero-fills when they
+    are first touched, so no page is written now: torch.zeros writes the
+    whole 1 GiB default KV cache at start (0.4 s on an idle 2-core machine,
+    3 s on a loaded one) for blocks that may never be used."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = math.prod(shape)
-    if numel == 0:
-        return torch.zeros(shape, dtype=dtype)
-    # NOTE: private and anonymous: zero by the kernel's guarantee, never shared with a child.
-    buffer = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(*shape)
+    return anonymous_zeros(math.prod(shape), dtype).view(*shape)
 
 
 def unbind_kv_caches(model: PagedModule) -> None:
