@@ -45,17 +45,29 @@ def load() -> ctypes.CDLL | None:
     library = load_library(SOURCE, CFLAGS, ENV_SWITCH, "CPU AMX linear kernel")
     if library is None or not library.amx_linear_available():
         return None
-    library.amx_linear_packed_bytes.restype, library.amx_linear_packed_bytes.argtypes = _I64, [_I64, _I64]
-    library.amx_linear_pack.restype, library.amx_linear_pack.argtypes = None, [_PTR, _I64, _I64, _I64, _PTR]
-    library.amx_linear.restype = ctypes.c_int
+    library.amx_linear_packed_elements.restype, library.amx_linear_packed_elements.argtypes = _I64, [_I64, _I64]
+    for name in ("amx_linear_pack", "amx_linear_pack_int8"):
+        getattr(library, name).restype, getattr(library, name).argtypes = None, [_PTR, _I64, _I64, _I64, _PTR]
+    library.amx_linear.restype = library.amx_linear_int8.restype = ctypes.c_int
     library.amx_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+    library.amx_linear_int8.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
     return library
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [N, K] in the kernel's tile layout, or None where the kernel
     cannot take it (not bfloat16 on the CPU, K not a multiple of 32, no AMX)."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+    return _pack(weight, torch.bfloat16, "amx_linear_pack")
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor | None:
+    """int8 weights q [N, K] (of W = q * scale[n]) in the kernel's tile
+    layout, one byte an element (`linear_int8`); None as for `pack`."""
+    return _pack(q, torch.int8, "amx_linear_pack_int8")
+
+
+def _pack(weight: torch.Tensor, dtype: torch.dtype, packer: str) -> torch.Tensor | None:
+    if weight.dtype != dtype or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     num_out, num_in = weight.shape
     if num_in % K_MULTIPLE or num_in == 0 or num_out == 0:
@@ -67,24 +79,49 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     # Huge pages: a decode step streams every packed weight (host_memory.py).
-    packed = anonymous_zeros(library.amx_linear_packed_bytes(num_out, num_in) // 2, torch.bfloat16,
-                             huge_pages=True)
-    library.amx_linear_pack(weight.data_ptr(), weight.stride(0), num_out, num_in, packed.data_ptr())
+    packed = anonymous_zeros(library.amx_linear_packed_elements(num_out, num_in), dtype, huge_pages=True)
+    getattr(library, packer)(weight.data_ptr(), weight.stride(0), num_out, num_in, packed.data_ptr())
     return packed
+
+
+def _takes_rows(x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu"
+
+
+def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().float().contiguous()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [M, K] (bfloat16, rows with contiguous elements) times the packed
     weight, plus bias; None when x is of another kind (the caller's GEMM runs)."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu":
-        return None
     library = load()
-    if library is None:
+    if library is None or not _takes_rows(x):
         return None
     num_rows, num_in = x.shape
     out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
-    bias_f32 = None if bias is None else bias.detach().float().contiguous()
+    bias_f32 = _float32(bias)
     status = library.amx_linear(x.data_ptr(), x.stride(0), packed.data_ptr(),
                                 None if bias_f32 is None else bias_f32.data_ptr(), out.data_ptr(), num_out, num_rows,
                                 num_out, num_in)
+    return out if status == 0 else None
+
+
+def linear_int8(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """x [M, K] (bfloat16) times W = q * scale[n] with q packed by
+    `pack_int8`: (x . q^T) * scale + bias, the float32 sums scaled and
+    rounded to bfloat16 once; None when x is of another kind."""
+    library = load()
+    if library is None or not _takes_rows(x):
+        return None
+    num_rows, num_in = x.shape
+    num_out = scale.shape[0]
+    out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
+    scale_f32, bias_f32 = _float32(scale), _float32(bias)
+    assert scale_f32 is not None
+    status = library.amx_linear_int8(x.data_ptr(), x.stride(0), packed.data_ptr(), scale_f32.data_ptr(),
+                                     None if bias_f32 is None else bias_f32.data_ptr(), out.data_ptr(), num_out,
+                                     num_rows, num_out, num_in)
     return out if status == 0 else None

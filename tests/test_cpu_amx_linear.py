@@ -61,6 +61,33 @@ def test_kernel_matches_the_exact_product_rounded_to_bfloat16(
     _assert_rounds_like_reference(out, _reference(x, weight, bias), x, weight)
 
 
+@pytest.mark.parametrize(("rows", "num_out", "num_in"), [(1, 768, 768), (17, 100, 64), (32, 4096, 96), (64, 33, 2048)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_kernel_matches_the_exact_scaled_product_rounded_to_bfloat16(
+    rows: int, num_out: int, num_in: int, with_bias: bool
+) -> None:
+    """y = (x . q^T) * scale + bias: int8 weights widened exactly (the whole
+    range, -128 and 127 included), each column's float32 sum scaled once."""
+    generator = torch.Generator().manual_seed(rows + num_out)
+    x = torch.randn(rows, num_in, generator=generator).to(torch.bfloat16)
+    q = torch.randint(-128, 128, (num_out, num_in), generator=generator, dtype=torch.int8)
+    q[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)
+    scale = (torch.rand(num_out, generator=generator) * 0.02 + 1e-3).to(torch.bfloat16)
+    bias = torch.randn(num_out, generator=generator).to(torch.bfloat16) if with_bias else None
+    packed = cpu_amx_linear.pack_int8(q)
+    assert packed is not None and packed.dtype == torch.int8
+    out = cpu_amx_linear.linear_int8(x, packed, scale, bias)
+    assert out is not None
+    exact = (x.double() @ q.double().T) * scale.double()
+    if bias is not None:
+        exact += bias.double()
+    expected = exact.float().to(torch.bfloat16)
+    sum_error = num_in * 2.0**-24 * (x.double().abs() @ q.double().abs().T) * scale.double()
+    bound = expected.double().abs() * 2.0**-7 + sum_error
+    assert bool(((out.double() - expected.double()).abs() <= bound).all())
+    assert (out == expected).double().mean().item() > 0.99
+
+
 def test_kernel_reads_rows_at_their_stride_and_propagates_nan() -> None:
     generator = torch.Generator().manual_seed(3)
     wide = torch.randn(20, 160, generator=generator).to(torch.bfloat16)
@@ -81,6 +108,8 @@ def test_kernel_reads_rows_at_their_stride_and_propagates_nan() -> None:
 def test_pack_refuses_what_the_kernel_cannot_take() -> None:
     assert cpu_amx_linear.pack(torch.randn(8, 48).to(torch.bfloat16)) is None  # K not a multiple of 32
     assert cpu_amx_linear.pack(torch.randn(8, 64)) is None  # float32
+    assert cpu_amx_linear.pack_int8(torch.zeros(8, 48, dtype=torch.int8)) is None
+    assert cpu_amx_linear.pack_int8(torch.zeros(8, 64).to(torch.bfloat16)) is None  # pack_int8 takes int8 only
     packed = cpu_amx_linear.pack(torch.randn(8, 64).to(torch.bfloat16))
     assert packed is not None
     assert cpu_amx_linear.linear(torch.randn(2, 64), packed, 8, None) is None  # float32 rows

@@ -19,6 +19,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError, UnknownComponentError
 from pagedllm.kv_connectors.base import model_fingerprint
 from pagedllm.model_registry.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedllm.platforms import cpu_amx_linear
 from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
 from pagedllm.quantization.base import QuantizationMethod
 from pagedllm.quantization.int8 import Int8WeightOnlyMethod, quantize_per_channel
@@ -52,6 +53,9 @@ def test_the_int8_gemm_is_x_times_the_dequantized_weight(
     packed_calls: list[int] = []
     packed_mm = torch._weight_int8pack_mm
     monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, q, s: packed_calls.append(len(x)) or packed_mm(x, q, s))
+    amx_calls: list[int] = []
+    amx_int8 = cpu_amx_linear.linear_int8
+    monkeypatch.setattr(cpu_amx_linear, "linear_int8", lambda x, *args: amx_calls.append(len(x)) or amx_int8(x, *args))
     torch.manual_seed(1)
     layer = layer_cls(in_features, 16, bias=True).to(dtype)  # type: ignore[call-arg]
     q, scale = quantize_per_channel(layer.weight)
@@ -62,8 +66,12 @@ def test_the_int8_gemm_is_x_times_the_dequantized_weight(
     reference = x.float() @ (q.float() * scale[:, None]).T + bias.float()
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
     torch.testing.assert_close(layer(x).float(), reference, atol=tolerance, rtol=tolerance)
-    # torch's packed kernel on its grid at decode-sized batches; the dequantized GEMM otherwise.
-    assert packed_calls == ([num_rows] if in_features % 16 == 0 and num_rows <= 8 else [])
+    # bfloat16 on an AMX CPU: the platform's AMX kernel (K a multiple of 32);
+    # else torch's packed kernel on its grid at decode-sized batches; the
+    # dequantized GEMM otherwise.
+    on_amx = dtype == torch.bfloat16 and in_features % 32 == 0 and cpu_amx_linear.load() is not None
+    assert amx_calls == ([num_rows] if on_amx else [])
+    assert packed_calls == ([num_rows] if in_features % 16 == 0 and num_rows <= 8 and not on_amx else [])
 
 
 def _greedy_tokens(**engine: object) -> tuple[list[list[int]], LLM]:
