@@ -75,18 +75,30 @@ static inline __m512 exp16_clamped(__m512 x) {
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-/* 16 floats to bf16, rounded to nearest even as f32_to_bf16 (NaN stays NaN):
- * AVX512-BF16's conversion where the CPU has it. */
-static inline __m256i bf16x16(__m512 x) {
-#if defined(__AVX512BF16__)
-    return (__m256i)_mm512_cvtneps_pbh(x);
-#else
+/* 16 floats to bf16 by integer arithmetic, rounded to nearest even as
+ * f32_to_bf16 (NaN stays NaN, quieted). */
+static inline __m256i bf16x16_by_integers(__m512 x) {
     __m512i bits = _mm512_castps_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
     __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+/* 16 floats to bf16, rounded to nearest even as f32_to_bf16 (NaN stays NaN):
+ * AVX512-BF16's conversion where the CPU has it. That conversion reads a
+ * denormal float as zero (torch's does not), so lanes holding one, rare,
+ * take the integer rounding. */
+static inline __m256i bf16x16(__m512 x) {
+#if defined(__AVX512BF16__)
+    __m256i converted = (__m256i)_mm512_cvtneps_pbh(x);
+    __mmask16 denormal = _mm512_fpclass_ps_mask(x, 0x20);
+    if (__builtin_expect(denormal != 0, 0))
+        converted = _mm256_mask_mov_epi16(converted, denormal, bf16x16_by_integers(x));
+    return converted;
+#else
+    return bf16x16_by_integers(x);
 #endif
 }
 
