@@ -75,15 +75,19 @@ static inline __m512 exp16_clamped(__m512 x) {
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-/* 16 floats to bf16 by integer arithmetic, rounded to nearest even as
- * f32_to_bf16 (NaN stays NaN, quieted). */
-static inline __m256i bf16x16_by_integers(__m512 x) {
+/* 16 floats rounded to bf16 by integer arithmetic, as f32_to_bf16 (NaN
+ * stays NaN, quieted): each lane's bf16 in its upper 16 bits. */
+static inline __m512i bf16_bits_by_integers(__m512 x) {
     __m512i bits = _mm512_castps_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
     __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+    return _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
+}
+
+/* 16 floats to bf16 by integer arithmetic (see bf16_bits_by_integers). */
+static inline __m256i bf16x16_by_integers(__m512 x) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits_by_integers(x), 16));
 }
 
 /* 16 floats to bf16, rounded to nearest even as f32_to_bf16 (NaN stays NaN):
@@ -109,6 +113,66 @@ static inline __m512 widen16_bf16(__m256i x) {
 
 /* 16 bf16 values from memory (masked lanes read as 0) as floats. */
 static inline __m512 load16_bf16(const uint16_t *p, __mmask16 m) { return widen16_bf16(_mm256_maskz_loadu_epi16(m, p)); }
+
+/* Lanes [0, n) of 32. */
+static inline __mmask32 mask32(int64_t n) {
+    return n >= 32 ? (__mmask32)0xffffffffu : n <= 0 ? 0 : (__mmask32)((1u << n) - 1);
+}
+
+/* 32 bf16 values in the even/odd layout: 32 consecutive bf16 in one
+ * register widen to two float registers with one operation each, the
+ * even-indexed elements in `even` and the odd ones in `odd` (lane j holds
+ * elements 2j and 2j + 1), instead of two each in element order.
+ * Elementwise arithmetic does not care, as long as every operand is in it. */
+static inline __m512 even_bf16(__m512i packed) { return _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16)); }
+static inline __m512 odd_bf16(__m512i packed) {
+    return _mm512_castsi512_ps(_mm512_and_si512(packed, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* 32 floats in the even/odd layout to 32 bf16 in element order, rounded as
+ * f32_to_bf16: vcvtne2ps2bf16 converts 32 in the time vcvtneps2bf16 takes
+ * for 16, and one word permutation interleaves them. Lanes holding a
+ * denormal, which it reads as zero, take the integer rounding. */
+static inline __m512i bf16x32_even_odd(__m512 even, __m512 odd) {
+#if defined(__AVX512BF16__)
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    if (__builtin_expect(_kortestz_mask16_u8(_mm512_fpclass_ps_mask(even, 0x20), _mm512_fpclass_ps_mask(odd, 0x20)), 1)) {
+        __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* evens in words 0-15, odds in 16-31 */
+        return _mm512_permutexvar_epi16(_mm512_loadu_si512(interleave), packed);
+    }
+#endif
+    return _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(bf16_bits_by_integers(even), 16),
+                                   bf16_bits_by_integers(odd));
+}
+
+/* a and b rounded to bf16 (as f32_to_bf16) and back to floats, lanes in
+ * place: one vcvtne2ps2bf16 for both, and a word permutation that puts a's
+ * in the upper and b's in the lower half of each 32-bit lane. */
+static inline void round2_bf16(__m512 *a, __m512 *b) {
+#if defined(__AVX512BF16__)
+    static const uint16_t spread[32] = {16, 0, 17, 1, 18, 2, 19, 3, 20, 4, 21, 5, 22, 6, 23, 7,
+                                        24, 8, 25, 9, 26, 10, 27, 11, 28, 12, 29, 13, 30, 14, 31, 15};
+    if (__builtin_expect(_kortestz_mask16_u8(_mm512_fpclass_ps_mask(*a, 0x20), _mm512_fpclass_ps_mask(*b, 0x20)), 1)) {
+        __m512i both = _mm512_permutexvar_epi16(_mm512_loadu_si512(spread), (__m512i)_mm512_cvtne2ps_pbh(*b, *a));
+        *a = odd_bf16(both);
+        *b = even_bf16(both);
+        return;
+    }
+#endif
+    __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    *a = _mm512_castsi512_ps(_mm512_and_si512(bf16_bits_by_integers(*a), high));
+    *b = _mm512_castsi512_ps(_mm512_and_si512(bf16_bits_by_integers(*b), high));
+}
+
+/* 32 floats, elements 0-15 in lo and 16-31 in hi, to 32 bf16 in order. */
+static inline __m512i bf16x32(__m512 lo, __m512 hi) {
+#if defined(__AVX512BF16__)
+    if (__builtin_expect(_kortestz_mask16_u8(_mm512_fpclass_ps_mask(lo, 0x20), _mm512_fpclass_ps_mask(hi, 0x20)), 1))
+        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+#endif
+    return _mm512_inserti64x4(_mm512_castsi256_si512(bf16x16_by_integers(lo)), bf16x16_by_integers(hi), 1);
+}
 #endif /* __AVX512BW__ && __AVX512VL__ */
 #endif /* __AVX512F__ */
 

@@ -46,45 +46,50 @@ DEFINE_RMS_NORM_ROW(rms_norm_row_f32, float, IDENTITY, IDENTITY, IDENTITY)
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 /* The bfloat16 row in AVX-512, to the bit what the portable loop below
- * returns as GCC vectorises it: the squares summed in 32 lanes (16 per
- * register, two registers per 32 elements), the last hidden % 32 added one
- * by one to lane 0, then the lanes in order from 0. The portable loop spent
- * most of its time rounding by integer arithmetic (bf16x16 uses
- * vcvtneps2bf16 where the CPU has it) and passed over the row three times. */
-static void rms_norm_row_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *summed, const uint16_t *weight,
-                              uint16_t *out, int64_t hidden, float eps) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int64_t body = hidden & ~(int64_t)31, i = 0;
-    if (residual != NULL) {
-        for (; i < body; i += 32) {
-            __m256i s0 = bf16x16(_mm512_add_ps(load16_bf16(x + i, 0xffff), load16_bf16(residual + i, 0xffff)));
-            __m256i s1 = bf16x16(_mm512_add_ps(load16_bf16(x + i + 16, 0xffff), load16_bf16(residual + i + 16, 0xffff)));
-            _mm256_storeu_si256((__m256i *)(summed + i), s0);
-            _mm256_storeu_si256((__m256i *)(summed + i + 16), s1);
-            __m512 f0 = widen16_bf16(s0), f1 = widen16_bf16(s1);
-            acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(f0, f0));
-            acc1 = _mm512_add_ps(acc1, _mm512_mul_ps(f1, f1));
+ * returns as GCC vectorises it: the squares summed in 32 lanes, one per
+ * position in each 32 elements, the last hidden % 32 added one by one to
+ * position 0's lane, then the lanes in order from position 0. The portable
+ * loop spent most of its time rounding by integer arithmetic and passed
+ * over the row three times; here the residual add and the sum are one pass,
+ * in the even/odd layout (cpu_kernel_math.h), where position 2j's lane is
+ * even's j and position 2j + 1's is odd's j. */
+static float sum_of_squares_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *summed, int64_t hidden) {
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    int64_t body = hidden & ~(int64_t)31;
+    for (int64_t i = 0; i < body; i += 32) {
+        __m512i s = _mm512_loadu_si512(x + i);
+        if (residual != NULL) {
+            __m512i r = _mm512_loadu_si512(residual + i);
+            s = bf16x32_even_odd(_mm512_add_ps(even_bf16(s), even_bf16(r)), _mm512_add_ps(odd_bf16(s), odd_bf16(r)));
+            _mm512_storeu_si512(summed + i, s);
         }
+        even = _mm512_add_ps(even, _mm512_mul_ps(even_bf16(s), even_bf16(s)));
+        odd = _mm512_add_ps(odd, _mm512_mul_ps(odd_bf16(s), odd_bf16(s)));
+    }
+    if (residual != NULL) {
         for (int64_t j = body; j < hidden; j++) summed[j] = f32_to_bf16(bf16_to_f32(x[j]) + bf16_to_f32(residual[j]));
         x = summed;
-    } else {
-        for (; i < body; i += 32) {
-            __m512 f0 = load16_bf16(x + i, 0xffff), f1 = load16_bf16(x + i + 16, 0xffff);
-            acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(f0, f0));
-            acc1 = _mm512_add_ps(acc1, _mm512_mul_ps(f1, f1));
-        }
     }
-    float lanes[32];
-    _mm512_storeu_ps(lanes, acc0);
-    _mm512_storeu_ps(lanes + 16, acc1);
-    for (int64_t j = body; j < hidden; j++) lanes[0] += bf16_to_f32(x[j]) * bf16_to_f32(x[j]);
+    float lanes[2][16];
+    _mm512_storeu_ps(lanes[0], even);
+    _mm512_storeu_ps(lanes[1], odd);
+    for (int64_t j = body; j < hidden; j++) lanes[0][0] += bf16_to_f32(x[j]) * bf16_to_f32(x[j]);
     float sum = 0.0f;
-    for (int j = 0; j < 32; j++) sum += lanes[j];
+    for (int position = 0; position < 32; position++) sum += lanes[position & 1][position >> 1];
+    return sum;
+}
+
+static void rms_norm_row_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *summed, const uint16_t *weight,
+                              uint16_t *out, int64_t hidden, float eps) {
+    float sum = sum_of_squares_bf16(x, residual, summed, hidden);
+    if (residual != NULL) x = summed;
     __m512 inv = _mm512_set1_ps(1.0f / sqrtf(sum / (float)hidden + eps));
-    for (i = 0; i < hidden; i += 16) {
-        __mmask16 m = mask16(hidden - i);
-        __m512 y = widen16_bf16(bf16x16(_mm512_mul_ps(load16_bf16(x + i, m), inv)));
-        _mm256_mask_storeu_epi16(out + i, m, bf16x16(_mm512_mul_ps(load16_bf16(weight + i, m), y)));
+    for (int64_t i = 0; i < hidden; i += 32) {
+        __mmask32 m = mask32(hidden - i);
+        __m512i xs = _mm512_maskz_loadu_epi16(m, x + i), ws = _mm512_maskz_loadu_epi16(m, weight + i);
+        __m512i y = bf16x32_even_odd(_mm512_mul_ps(even_bf16(xs), inv), _mm512_mul_ps(odd_bf16(xs), inv));
+        __m512i o = bf16x32_even_odd(_mm512_mul_ps(even_bf16(ws), even_bf16(y)), _mm512_mul_ps(odd_bf16(ws), odd_bf16(y)));
+        _mm512_mask_storeu_epi16(out + i, m, o);
     }
 }
 #else
@@ -155,6 +160,33 @@ void silu_and_mul(int dtype, const void *gate_up, int64_t in_stride, void *out, 
     }
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* One head's bfloat16 rotation, 16 pairs a time (the last masked), every
+ * product and sum rounded as the portable loop below. */
+static void rotate_head_bf16(uint16_t *x1, uint16_t *x2, const float *c, const float *s, int64_t half) {
+    for (int64_t i = 0; i < half; i += 16) {
+        __mmask16 m = mask16(half - i);
+        __m512 a = load16_bf16(x1 + i, m), b = load16_bf16(x2 + i, m);
+        __m512 ci = _mm512_maskz_loadu_ps(m, c + i), si = _mm512_maskz_loadu_ps(m, s + i);
+        __m512 ac = _mm512_mul_ps(a, ci), bs = _mm512_mul_ps(b, si), bc = _mm512_mul_ps(b, ci), as = _mm512_mul_ps(a, si);
+        round2_bf16(&ac, &bs);
+        round2_bf16(&bc, &as);
+        __m512i both = bf16x32(_mm512_sub_ps(ac, bs), _mm512_add_ps(bc, as));
+        _mm256_mask_storeu_epi16(x1 + i, m, _mm512_castsi512_si256(both));
+        _mm256_mask_storeu_epi16(x2 + i, m, _mm512_extracti64x4_epi64(both, 1));
+    }
+}
+#else
+static void rotate_head_bf16(uint16_t *x1, uint16_t *x2, const float *c, const float *s, int64_t half) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+        x1[i] = f32_to_bf16(round_bf16(a * c[i]) - round_bf16(b * s[i]));
+        x2[i] = f32_to_bf16(round_bf16(b * c[i]) + round_bf16(a * s[i]));
+    }
+}
+#endif
+
 /* Rotate-half (GPT-NeoX) rotary embedding of x[t, h, :] in place, for
  * `heads` heads of `head_size` per token; cos / sin: [t, >= head_size / 2],
  * float32 or bfloat16 (table_dtype; both halves of a head use the first
@@ -176,13 +208,8 @@ void rotary_embedding(int dtype, void *x, int64_t token_stride, int64_t head_str
         for (int64_t h = 0; h < heads; h++) {
             int64_t base = t * token_stride + h * head_stride;
             if (dtype) {
-                uint16_t *x1 = (uint16_t *)x + base, *x2 = x1 + half;
-#pragma omp simd
-                for (int64_t i = 0; i < half; i++) {
-                    float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
-                    x1[i] = f32_to_bf16(round_bf16(a * c[i]) - round_bf16(b * s[i]));
-                    x2[i] = f32_to_bf16(round_bf16(b * c[i]) + round_bf16(a * s[i]));
-                }
+                uint16_t *x1 = (uint16_t *)x + base;
+                rotate_head_bf16(x1, x1 + half, c, s, half);
             } else {
                 float *x1 = (float *)x + base, *x2 = x1 + half;
 #pragma omp simd
