@@ -53,10 +53,15 @@ def load() -> ctypes.CDLL | None:
 
 
 def _takes(*tensors: torch.Tensor) -> bool:
+    # A plain loop and is_cpu: this runs for every op of every layer, where
+    # all() over a generator and t.device.type took 2 us of a 9 us kernel.
     dtype = tensors[0].dtype
-    return dtype in KERNEL_DTYPES and all(
-        t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1 for t in tensors
-    )
+    if dtype not in KERNEL_DTYPES:
+        return False
+    for t in tensors:
+        if not t.is_cpu or t.dtype != dtype or t.stride(-1) != 1:
+            return False
+    return True
 
 
 def _library() -> ctypes.CDLL | None:
@@ -100,13 +105,9 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     """x [T, heads, head_size] rotated in place by cos / sin [T, head_size]
     (float32, or x's dtype: the model's buffers follow its dtype)."""
     library = _library()
-    table_ok = all(
-        t.device.type == "cpu" and t.dtype in (torch.float32, x.dtype) and t.dtype == cos.dtype and t.stride(-1) == 1
-        for t in (cos, sin)
-    )
-    if library is None or x.dim() != 3 or x.shape[-1] % 2 or not table_ok or cos.stride(0) != sin.stride(0):
+    if library is None or x.dim() != 3 or x.shape[-1] % 2 or not _takes(x) or not _takes(cos, sin):
         return None
-    if not _takes(x):
+    if cos.dtype not in (torch.float32, x.dtype) or cos.stride(0) != sin.stride(0):
         return None
     tokens, heads, head_size = x.shape
     library.rotary_embedding(KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0), x.stride(1), tokens, heads, head_size,
