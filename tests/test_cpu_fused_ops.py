@@ -325,3 +325,21 @@ def test_silu_and_mul_keeps_denormal_results_as_torch_does(
         _assert_same_bits(out[row, columns], expected[row, columns])
     assert (out[:2, :3] != 0).all()  # kept, not flushed to zero
     _close_to_an_ulp(out[:, 3:], expected[:, 3:])
+
+
+def test_silu_and_mul_over_every_bfloat16_gate(no_kernels: None, build: str) -> None:
+    """Every bfloat16 value as a gate (the AVX512-BF16 build looks silu up in
+    a table of all of them), up = 1: NaN where torch has NaN, elsewhere
+    torch's value to an ulp, denormal results included. Below -88.7 exp is
+    clamped (silu is g / 3.4e38 there, where torch's is ~0, and -inf at -inf,
+    where torch's is NaN): left out."""
+    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate_up = torch.cat([gate, torch.ones_like(gate)]).view(1, -1)
+    expected = SiluAndMul()(gate_up)[0]
+
+    out = cpu_ops.silu_and_mul(gate_up)
+    assert out is not None
+    compared = gate.isnan() | (gate >= -88.7)
+    assert torch.equal(out[0][compared].isnan(), expected[compared].isnan())
+    compared &= ~gate.isnan()
+    _close_to_an_ulp(out[0][compared], expected[compared])
