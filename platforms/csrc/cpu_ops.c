@@ -46,7 +46,8 @@ DEFINE_RMS_NORM_ROW(rms_norm_row_f32, float, IDENTITY, IDENTITY, IDENTITY)
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 /* The bfloat16 row in AVX-512, to the bit what the portable loop below
- * returns as GCC vectorises it: the squares summed in 32 lanes, one per
+ * returned as GCC 12 vectorised it for AVX-512 (tests/test_cpu_fused_ops.py
+ * states the order in torch): the squares summed in 32 lanes, one per
  * position in each 32 elements, the last hidden % 32 added one by one to
  * position 0's lane, then the lanes in order from position 0. The portable
  * loop spent most of its time rounding by integer arithmetic and passed
