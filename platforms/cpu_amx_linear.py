@@ -34,6 +34,7 @@ ENV_SWITCH = "PAGEDLLM_CPU_AMX_LINEAR"
 # Batches of at most this many rows run on the kernel.
 AMX_MAX_ROWS = 64
 K_MULTIPLE = 32
+RUN = 32  # output columns per packed run (csrc/amx_linear.c): N is padded to a multiple
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -84,7 +85,11 @@ def _pack(weight: torch.Tensor, dtype: torch.dtype, packer: str) -> torch.Tensor
     return packed
 
 
-def _takes_rows(x: torch.Tensor) -> bool:
+def _takes_rows(x: torch.Tensor, packed: torch.Tensor, num_out: int) -> bool:
+    """Whether the kernel takes x; a packed weight of another shape than
+    [num_out, x's K] is a caller's error (the kernel would read past it)."""
+    if x.dim() == 2 and packed.numel() != -(-num_out // RUN) * RUN * x.shape[1]:
+        raise ValueError(f"packed weight of {packed.numel()} elements is not [{num_out}, {x.shape[1]}]")
     return x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu"
 
 
@@ -96,7 +101,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: torch.Tens
     """x [M, K] (bfloat16, rows with contiguous elements) times the packed
     weight, plus bias; None when x is of another kind (the caller's GEMM runs)."""
     library = load()
-    if library is None or not _takes_rows(x):
+    if library is None or not _takes_rows(x, packed, num_out):
         return None
     num_rows, num_in = x.shape
     out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
@@ -113,14 +118,13 @@ def linear_int8(
     """x [M, K] (bfloat16) times W = q * scale[n] with q packed by
     `pack_int8`: (x . q^T) * scale + bias, the float32 sums scaled and
     rounded to bfloat16 once; None when x is of another kind."""
+    num_out = scale.shape[0]
     library = load()
-    if library is None or not _takes_rows(x):
+    if library is None or not _takes_rows(x, packed, num_out):
         return None
     num_rows, num_in = x.shape
-    num_out = scale.shape[0]
     out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
-    scale_f32, bias_f32 = _float32(scale), _float32(bias)
-    assert scale_f32 is not None
+    scale_f32, bias_f32 = scale.detach().float().contiguous(), _float32(bias)
     status = library.amx_linear_int8(x.data_ptr(), x.stride(0), packed.data_ptr(), scale_f32.data_ptr(),
                                      None if bias_f32 is None else bias_f32.data_ptr(), out.data_ptr(), num_out,
                                      num_rows, num_out, num_in)

@@ -114,6 +114,8 @@ def test_pack_refuses_what_the_kernel_cannot_take() -> None:
     assert packed is not None
     assert cpu_amx_linear.linear(torch.randn(2, 64), packed, 8, None) is None  # float32 rows
     assert cpu_amx_linear.linear(torch.randn(64, 2).to(torch.bfloat16).T, packed, 8, None) is None  # strided elements
+    with pytest.raises(ValueError, match="packed weight"):  # K of another weight: would read past the packed one
+        cpu_amx_linear.linear(torch.randn(2, 96).to(torch.bfloat16), packed, 8, None)
 
 
 def test_layers_run_few_rows_on_the_kernel_and_more_on_onednn() -> None:

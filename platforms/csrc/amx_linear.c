@@ -63,6 +63,7 @@ void amx_linear_pack_int8(const int8_t *q, int64_t ldq, int64_t n, int64_t k, in
     pack((const char *)q, ldq, n, k, (char *)packed, 1);
 }
 
+/* 1 where the kernel runs: built for AMX, and Linux lets this process use the tiles. */
 int amx_linear_available(void) {
 #if HAVE_AMX
     return amx_permitted();
