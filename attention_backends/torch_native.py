@@ -294,7 +294,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
         if kernel_runs and self._kernel_writes_kv(groups, key, value, key_cache, plan):
             # A whole batch of decodes on the kernel: it writes each request's
             # new key and value itself, in its pass over the request.
-            return self._attend_group(query, key_cache, value_cache, groups[0], plan.block_size,
+            return self._attend_group(query, key_cache, value_cache, groups[0], plan.block_size, kernel_runs,
                                       new_kv=(key, value, plan.write_slots))
         # write_kv / read_kv: an fp8 cache converts on the way in and out.
         if plan.write_rows is None:
@@ -305,7 +305,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
             write_kv(value_cache, plan.write_slots, value[plan.write_rows], self.v_scale)
 
         if len(groups) == 1 and groups[0].token_rows is None:
-            return self._attend_group(query, key_cache, value_cache, groups[0], plan.block_size)
+            return self._attend_group(query, key_cache, value_cache, groups[0], plan.block_size, kernel_runs)
         # NOTE: every row belongs to one group or one fresh prefill, so every
         # row of `output` is written below.
         output = torch.empty_like(query)
@@ -313,7 +313,8 @@ class TorchNativeAttentionImpl(AttentionImpl):
             self._attend_fresh_prefills(query, key, value, key_cache.dtype, plan, output)
         for group in groups:  # at most three: decodes (in one or two groups), prefill chunks with context
             assert group.token_rows is not None
-            group_out = self._attend_group(query[group.token_rows], key_cache, value_cache, group, plan.block_size)
+            group_out = self._attend_group(query[group.token_rows], key_cache, value_cache, group, plan.block_size,
+                                           kernel_runs)
             output.index_copy_(0, group.token_rows, group_out)
         return output
 
@@ -385,13 +386,12 @@ class TorchNativeAttentionImpl(AttentionImpl):
         value_cache: torch.Tensor,
         group: RequestGroup,
         block_size: int,
+        decode_kernel_runs: bool,  # _decode_kernel_runs, decided once per layer
         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [Tg, H, D]
         num_reqs, max_query_len = group.num_reqs, group.max_query_len
         num_heads, num_kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size
-        if group.block_table is not None and group.seq_lens is not None and self._decode_kernel_runs(
-            query, key_cache
-        ):
+        if decode_kernel_runs and group.block_table is not None and group.seq_lens is not None:
             return cpu_decode_kernel.paged_decode(
                 query, key_cache, value_cache, block_size, group.block_table, group.seq_lens, self.scale,
                 self.sliding_window, self.logits_soft_cap, new_kv,

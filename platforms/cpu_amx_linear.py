@@ -93,8 +93,9 @@ def _takes_rows(x: torch.Tensor, packed: torch.Tensor, num_out: int) -> bool:
     return x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu"
 
 
-def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().float().contiguous()
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    """t as the kernel's contiguous float32 (t itself when it is one already)."""
+    return t.detach().float().contiguous()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -105,7 +106,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: torch.Tens
         return None
     num_rows, num_in = x.shape
     out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
-    bias_f32 = _float32(bias)
+    bias_f32 = None if bias is None else _float32(bias)
     status = library.amx_linear(x.data_ptr(), x.stride(0), packed.data_ptr(),
                                 None if bias_f32 is None else bias_f32.data_ptr(), out.data_ptr(), num_out, num_rows,
                                 num_out, num_in)
@@ -117,14 +118,15 @@ def linear_int8(
 ) -> torch.Tensor | None:
     """x [M, K] (bfloat16) times W = q * scale[n] with q packed by
     `pack_int8`: (x . q^T) * scale + bias, the float32 sums scaled and
-    rounded to bfloat16 once; None when x is of another kind."""
+    rounded to bfloat16 once; None when x is of another kind. A float32
+    `scale` is used as it is (a caller converts it once, not every call)."""
     num_out = scale.shape[0]
     library = load()
     if library is None or not _takes_rows(x, packed, num_out):
         return None
     num_rows, num_in = x.shape
     out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
-    scale_f32, bias_f32 = scale.detach().float().contiguous(), _float32(bias)
+    scale_f32, bias_f32 = _float32(scale), None if bias is None else _float32(bias)
     status = library.amx_linear_int8(x.data_ptr(), x.stride(0), packed.data_ptr(), scale_f32.data_ptr(),
                                      None if bias_f32 is None else bias_f32.data_ptr(), out.data_ptr(), num_out,
                                      num_rows, num_out, num_in)

@@ -45,8 +45,8 @@ def cpu_fingerprint() -> str:
     return f"{platform.machine()} {flags}"
 
 
-# The kernels' shared header (cpu_kernel_math.h): on every build's include
-# path, and part of every build's key.
+# The kernels' shared headers (cpu_kernel_math.h, cpu_amx.h): on every
+# build's include path, and part of every build's key.
 INCLUDE_DIR = Path(__file__).parent / "csrc"
 
 

@@ -47,12 +47,13 @@ def _int8_gemm(q: torch.Tensor, scale: torch.Tensor) -> Callable[[torch.Tensor, 
     # bfloat16 on an AMX CPU: decode batches on the platform's AMX kernel,
     # which streams the int8 tiles and widens them in cache.
     amx_packed = cpu_amx_linear.pack_int8(q) if scale.dtype == torch.bfloat16 else None
+    scale_f32 = scale.float()  # the kernel's scales, converted once
 
     def apply_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if amx_packed is not None and rows.shape[0] <= cpu_amx_linear.AMX_MAX_ROWS \
                 and not torch.compiler.is_compiling():
-            amx_out = cpu_amx_linear.linear_int8(rows, amx_packed, scale, bias)
+            amx_out = cpu_amx_linear.linear_int8(rows, amx_packed, scale_f32, bias)
             if amx_out is not None:
                 return amx_out.reshape(*x.shape[:-1], q.shape[0])
         if packed_mm and rows.shape[0] <= PACKED_MM_MAX_ROWS:
