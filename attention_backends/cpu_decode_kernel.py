@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.platforms.cpu_graph import kernel_call
 from pagedllm.platforms.cpu_kernel_build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
@@ -104,20 +105,19 @@ def paged_decode(
     if query.stride(2) != 1 or query.stride(1) != head_size:
         query = query.contiguous()
     out = torch.empty(num_reqs, num_heads, head_size, dtype=query.dtype)
-    new_rows: tuple[int | None, int, int | None, int, int | None] = (None, 0, None, 0, None)
+    new_rows: tuple[torch.Tensor | None, int, torch.Tensor | None, int, torch.Tensor | None] = (None, 0, None, 0, None)
     if new_kv is not None:
         key, value, slots = new_kv
         if not takes_new_kv(key, value, slots, key_cache) or slots.numel() != num_reqs:
             raise ValueError("paged_decode: new_kv must be [B, Hkv, D] rows with contiguous heads and int64 slots")
-        new_rows = (key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr())
+        new_rows = (key, key.stride(0), value, value.stride(0), slots)
     leading = (
-        KERNEL_DTYPES[key_cache.dtype], query.data_ptr(), query.stride(0), key_cache.data_ptr(),
-        value_cache.data_ptr(), key_cache.stride(0), block_table.data_ptr(), block_table.stride(0),
-        seq_lens.data_ptr(), out.data_ptr(), *new_rows,
+        KERNEL_DTYPES[key_cache.dtype], query, query.stride(0), key_cache, value_cache, key_cache.stride(0),
+        block_table, block_table.stride(0), seq_lens, out, *new_rows,
     )
     trailing = (num_heads, num_kv_heads, head_size, block_size, scale, sliding_window or 0, soft_cap or 0.0)
 
-    if library.paged_decode(*leading, 0, num_reqs, *trailing) != 0:
+    if kernel_call(library.paged_decode, *leading, 0, num_reqs, *trailing) != 0:
         raise RuntimeError(f"paged_decode kernel: unsupported shape (heads {num_heads}/{num_kv_heads}, "
                            f"head size {head_size}) or out of memory")
     return out

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.platforms.cpu_graph import kernel_call
 from pagedllm.platforms.cpu_kernel_build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "prefill_attention.c"
@@ -115,10 +116,10 @@ def prefill_attention(
         raise ValueError("prefill kernel: q, k, v and out must share a dtype; rows must be contiguous int64")
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key.shape[1]
-    status = library.prefill_attention(
-        KERNEL_DTYPES[query.dtype], query.data_ptr(), _row_view(query), key.data_ptr(), _row_view(key),
-        value.data_ptr(), _row_view(value), out.data_ptr(), _row_view(out), rows.data_ptr(),
-        rows.shape[0], num_heads, num_kv_heads, head_size, scale, int(allow_amx),
+    status = kernel_call(
+        library.prefill_attention, KERNEL_DTYPES[query.dtype], query, _row_view(query), key, _row_view(key), value,
+        _row_view(value), out, _row_view(out), rows, rows.shape[0], num_heads, num_kv_heads, head_size, scale,
+        int(allow_amx),
     )
     if status != 0:
         raise RuntimeError(f"prefill_attention kernel: unsupported shape (heads {num_heads}/{num_kv_heads}, "

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from pagedllm.attention_backends import cpu_decode_kernel, cpu_prefill_kernel
 from pagedllm.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
 from pagedllm.attention_backends.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv, read_kv, write_kv
+from pagedllm.platforms.cpu_graph import refuse_capture
 from pagedllm.platforms.cpu_kernel_build import prebuild_in_background
 
 
@@ -133,6 +134,7 @@ class TorchNativeBatchPlan:
     # Tokens whose slot is -1 are not written; None = every token is written.
     write_rows: torch.Tensor | None
     write_slots: torch.Tensor  # int64, one per written token
+    slot_mapping: torch.Tensor  # int64, one per token (-1: not written), the metadata's own tensor where it is one
     # Decodes in one group (the CPU decode kernel reads each request's own
     # keys, whatever the lengths), then the prefill chunks with context.
     groups: list[RequestGroup]
@@ -160,10 +162,11 @@ def _build_group(
     req_ids: torch.Tensor,
     query_start_loc_cpu: torch.Tensor,
     seq_lens_cpu: torch.Tensor,
-    block_table: torch.Tensor,
+    attn_metadata: AttentionMetadata,
     block_size: int,
     whole_batch: bool,
 ) -> RequestGroup:
+    block_table = attn_metadata.block_table
     device = block_table.device
     query_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).long()[req_ids]
     seq_lens = seq_lens_cpu.long()[req_ids]
@@ -178,6 +181,7 @@ def _build_group(
         token_rows = (query_starts[:, None] + offsets[None, :])[is_real_query]
         padded_rows = (torch.arange(num_reqs)[:, None] * max_query_len + offsets[None, :])[is_real_query]
     req_block_table = block_table[req_ids.to(device)]  # [B, W]
+    kernel_rows = _decode_kernel_rows(attn_metadata, req_ids, whole_batch) if is_pure_decode else None
     return RequestGroup(
         num_reqs=num_reqs,
         max_query_len=max_query_len,
@@ -188,9 +192,25 @@ def _build_group(
         req_seq_lens=seq_lens,
         query_lens=query_lens,
         block_size=block_size,
-        block_table=req_block_table.to(torch.int32).contiguous() if is_pure_decode else None,
-        seq_lens=seq_lens.to(torch.int32).contiguous() if is_pure_decode else None,
+        block_table=kernel_rows[0] if kernel_rows else None,
+        seq_lens=kernel_rows[1] if kernel_rows else None,
     )
+
+
+def _decode_kernel_rows(attn_metadata: AttentionMetadata, req_ids: torch.Tensor, whole_batch: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode group's block table rows and lengths as the CPU decode
+    kernel reads them (int32, rows contiguous). For the whole batch they are
+    the metadata's own tensors where those already are so, read when a layer
+    runs: a captured decode graph (worker/decode_graphs.py) replays on the
+    values its persistent buffers hold then, not on copies made at capture."""
+    rows: slice | torch.Tensor = slice(0, attn_metadata.num_reqs)
+    if not whole_batch:
+        rows = req_ids.to(attn_metadata.block_table.device)
+    block_table, seq_lens = attn_metadata.block_table[rows], attn_metadata.seq_lens[rows]
+    if block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
+        block_table = block_table.to(torch.int32).contiguous()
+    return block_table, seq_lens.to(torch.int32).contiguous()
 
 
 # Decodes are split in two groups by context length when that cuts the keys
@@ -245,8 +265,7 @@ def build_batch_plan(attn_metadata: AttentionMetadata, block_size: int) -> Torch
     def build_groups(decode_groups: list[torch.Tensor]) -> list[RequestGroup]:
         kinds = [ids for ids in (*decode_groups, chunks) if ids.numel()]
         whole_batch = len(kinds) == 1 and not fresh_prefill_rows
-        block_table = attn_metadata.block_table
-        return [_build_group(ids, query_start_loc_cpu, seq_lens_cpu, block_table, block_size, whole_batch)
+        return [_build_group(ids, query_start_loc_cpu, seq_lens_cpu, attn_metadata, block_size, whole_batch)
                 for ids in kinds]
 
     def build_gather_groups() -> list[RequestGroup]:
@@ -254,8 +273,8 @@ def build_batch_plan(attn_metadata: AttentionMetadata, block_size: int) -> Torch
         return groups if len(split) == 1 else build_groups(split)
 
     groups = build_groups([decodes])
-    return TorchNativeBatchPlan(block_size, num_tokens, write_rows, write_slots, groups, fresh_prefill_rows,
-                                build_gather_groups if decodes.numel() > 1 else None)
+    return TorchNativeBatchPlan(block_size, num_tokens, write_rows, write_slots, slot_mapping, groups,
+                                fresh_prefill_rows, build_gather_groups if decodes.numel() > 1 else None)
 
 
 @dataclass
@@ -293,9 +312,13 @@ class TorchNativeAttentionImpl(AttentionImpl):
         groups = plan.groups if kernel_runs else plan.gather_groups
         if kernel_runs and self._kernel_writes_kv(groups, key, value, key_cache, plan):
             # A whole batch of decodes on the kernel: it writes each request's
-            # new key and value itself, in its pass over the request.
+            # new key and value itself (none for slot -1), in its pass over
+            # the request. All it reads are the metadata's tensors.
             return self._attend_group(query, key_cache, value_cache, groups[0], plan.block_size, kernel_runs,
-                                      new_kv=(key, value, plan.write_slots))
+                                      new_kv=(key, value, plan.slot_mapping))
+        # The paths below index with host values of this batch (row lists,
+        # lengths): a captured graph would replay them for every batch.
+        refuse_capture("torch_native attends this batch with host-side indices, not the CPU decode kernel")
         # write_kv / read_kv: an fp8 cache converts on the way in and out.
         if plan.write_rows is None:
             write_kv(key_cache, plan.write_slots, key, self.k_scale)
@@ -331,7 +354,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
         the cache."""
         if len(groups) != 1 or groups[0].token_rows is not None or groups[0].seq_lens is None:
             return False
-        return plan.write_rows is None and cpu_decode_kernel.takes_new_kv(key, value, plan.write_slots, key_cache)
+        return cpu_decode_kernel.takes_new_kv(key, value, plan.slot_mapping, key_cache)
 
     def _attend_fresh_prefills(
         self,
@@ -440,6 +463,13 @@ class TorchNativeBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TorchNativeAttentionImpl
+
+    @classmethod
+    def supports_graph_capture(cls, block_size: int) -> bool:
+        # Whole batches of decodes on the CPU decode kernel read only the
+        # metadata's tensors; any other path refuses at capture time
+        # (refuse_capture), and the steps then run eagerly.
+        return True
 
     @classmethod
     def build_metadata(cls, common: AttentionMetadata, block_size: int) -> TorchNativeMetadata:

@@ -106,6 +106,11 @@ class EngineStartupError(PagedLLMError, RuntimeError):
         super().__init__(message)
 
 
+class GraphCaptureError(PagedLLMError):
+    """A decode forward that cannot be captured as a replayable graph on
+    this platform; the worker logs it and runs every step eagerly."""
+
+
 class KVTransferError(PagedLLMError):
     """A KV block from a connector could not be loaded under
     `kv_transfer.load_failure_policy: fail`; fails that request alone."""

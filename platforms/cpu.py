@@ -111,6 +111,26 @@ class CpuPlatform(Platform):
         # fraction of what happens to be free.
         return DEFAULT_CPU_KV_CACHE_BYTES
 
+    def supports_graph_capture(self) -> bool:
+        # A collective is a call into torch.distributed that a CPU graph does
+        # not replay: with tensor parallelism every step runs eagerly.
+        from pagedllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group().world_size == 1
+
+    def capture_graph(
+        self, run: Callable[[], torch.Tensor], pool: object | None
+    ) -> tuple[Callable[[], None], torch.Tensor, object]:
+        """A CpuGraph (cpu_graph.py): the forward's kernels and ATen operations
+        replayed without the Python around them."""
+        from pagedllm.platforms.cpu_graph import CpuGraph
+
+        graph = CpuGraph.capture(run)
+        assert graph.output is not None
+        logger.debug("CPU graph of batch %d: %d operations, %.1f MiB held", graph.output.shape[0], graph.num_steps,
+                     graph.activation_bytes / 2**20)
+        return graph.replay, graph.output, pool
+
     def optimize_model(self, model: torch.nn.Module) -> None:
         from pagedllm.platforms import cpu_ops
         from pagedllm.platforms.cpu_linear import prepack_linear_layers

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.platforms.cpu_graph import kernel_call
 from pagedllm.platforms.cpu_kernel_build import load_library
 from pagedllm.platforms.host_memory import anonymous_zeros
 
@@ -107,9 +108,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: torch.Tens
     num_rows, num_in = x.shape
     out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
     bias_f32 = None if bias is None else _float32(bias)
-    status = library.amx_linear(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                                None if bias_f32 is None else bias_f32.data_ptr(), out.data_ptr(), num_out, num_rows,
-                                num_out, num_in)
+    status = kernel_call(library.amx_linear, x, x.stride(0), packed, bias_f32, out, num_out, num_rows, num_out, num_in)
     return out if status == 0 else None
 
 
@@ -127,7 +126,6 @@ def linear_int8(
     num_rows, num_in = x.shape
     out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
     scale_f32, bias_f32 = _float32(scale), None if bias is None else _float32(bias)
-    status = library.amx_linear_int8(x.data_ptr(), x.stride(0), packed.data_ptr(), scale_f32.data_ptr(),
-                                     None if bias_f32 is None else bias_f32.data_ptr(), out.data_ptr(), num_out,
-                                     num_rows, num_out, num_in)
+    status = kernel_call(library.amx_linear_int8, x, x.stride(0), packed, scale_f32, bias_f32, out, num_out, num_rows,
+                         num_out, num_in)
     return out if status == 0 else None

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.model_registry.layers import op_kernels
+from pagedllm.platforms.cpu_graph import kernel_call
 from pagedllm.platforms.cpu_kernel_build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
@@ -76,11 +77,9 @@ def rms_norm(
     rows, hidden = x.shape
     out = torch.empty(rows, hidden, dtype=x.dtype)
     summed = None if residual is None else torch.empty(rows, hidden, dtype=x.dtype)
-    library.rms_norm(
-        KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0),
-        None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-        None if summed is None else summed.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
-    )
+    residual_stride = 0 if residual is None else residual.stride(0)
+    kernel_call(library.rms_norm, KERNEL_DTYPES[x.dtype], x, x.stride(0), residual, residual_stride, summed, weight,
+                out, rows, hidden, eps)
     return out if summed is None else (out, summed)
 
 
@@ -91,8 +90,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, width, dtype=gate_up.dtype)
-    library.silu_and_mul(KERNEL_DTYPES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width,
-                         rows, width)
+    kernel_call(library.silu_and_mul, KERNEL_DTYPES[gate_up.dtype], gate_up, gate_up.stride(0), out, width, rows,
+                width)
     return out
 
 
@@ -105,8 +104,8 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     if cos.dtype not in (torch.float32, x.dtype) or cos.stride(0) != sin.stride(0):
         return None
     tokens, heads, head_size = x.shape
-    library.rotary_embedding(KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0), x.stride(1), tokens, heads, head_size,
-                             KERNEL_DTYPES[cos.dtype], cos.data_ptr(), sin.data_ptr(), cos.stride(0))
+    kernel_call(library.rotary_embedding, KERNEL_DTYPES[x.dtype], x, x.stride(0), x.stride(1), tokens, heads,
+                head_size, KERNEL_DTYPES[cos.dtype], cos, sin, cos.stride(0))
     return x
 
 

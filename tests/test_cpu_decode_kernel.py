@@ -316,3 +316,21 @@ def test_a_decode_only_batch_writes_its_kv_in_the_kernel_and_matches_the_separat
     separate_out, separate_cache = run_backend(TorchNativeBackend, case)
     assert writes == [1, 1]
     assert torch.equal(fused_out, separate_out) and same_bits(fused_cache, separate_cache)
+
+
+def test_a_new_kv_row_with_slot_minus_one_writes_nothing() -> None:
+    """A decode graph's padding rows carry slot -1: the kernel leaves the
+    cache as it was for them (no write before the cache's start) and still
+    writes the other rows."""
+    case = build_case([5, 9, 14], [1, 1, 1], num_heads=4, num_kv_heads=2, head_size=32)
+    slots = case.metadata.slot_mapping.long().clone()
+    slots[1] = -1
+    kv_cache = case.kv_cache.clone()
+    key_cache, value_cache = (kv_cache[i].view(-1, 2, 32) for i in (0, 1))
+    cpu_decode_kernel.paged_decode(case.query, key_cache, value_cache, case.block_size, case.metadata.block_table,
+                                   case.metadata.seq_lens_cpu, 0.1, None, None, (case.key, case.value, slots))
+    expected = case.kv_cache.clone()
+    kept = slots >= 0
+    expected[0].view(-1, 2, 32).index_copy_(0, slots[kept], case.key[kept])
+    expected[1].view(-1, 2, 32).index_copy_(0, slots[kept], case.value[kept])
+    assert same_bits(kv_cache, expected)

@@ -46,9 +46,15 @@ def _greedy(llm: LLM) -> list[list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
-def test_replayed_decode_steps_give_the_eager_tokens(fake_graph_capture: list[int]) -> None:
+def test_replayed_decode_steps_give_the_eager_tokens(
+    fake_graph_capture: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pagedllm.attention_backends.triton.backend import TritonBackend
+
+    # The stand-in's replay re-runs the interpreted kernels, which a real graph would not record.
+    monkeypatch.setattr(TritonBackend, "supports_graph_capture", classmethod(lambda cls, block_size: True))
     common = dict(model="tiny", dtype="float32", num_kv_blocks=32, max_num_seqs=4)
-    eager = _greedy(LLM(**common, attention_backend="torch_native"))
+    eager = _greedy(LLM(**common, attention_backend="torch_native", enforce_eager=True))
     llm = LLM(**common, attention_backend="triton", cuda_graph_sizes=[1, 2, 4])
     runner = llm.engine_core.engine_core.model_executor.driver_worker.model_runner.graph_runner
     assert runner is not None and fake_graph_capture == [4, 2, 1]  # largest first
@@ -62,7 +68,12 @@ def test_enforce_eager_captures_nothing(fake_graph_capture: list[int]) -> None:
     assert fake_graph_capture == []
 
 
-def test_a_backend_that_cannot_be_captured_runs_eagerly(fake_graph_capture: list[int]) -> None:
+def test_a_backend_that_cannot_be_captured_runs_eagerly(
+    fake_graph_capture: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pagedllm.attention_backends.torch_native import TorchNativeBackend
+
+    monkeypatch.setattr(TorchNativeBackend, "supports_graph_capture", classmethod(lambda cls, block_size: False))
     llm = LLM(model="tiny", num_kv_blocks=16, attention_backend="torch_native")
     assert llm.engine_core.engine_core.model_executor.driver_worker.model_runner.graph_runner is None
     assert fake_graph_capture == []
@@ -70,9 +81,10 @@ def test_a_backend_that_cannot_be_captured_runs_eagerly(fake_graph_capture: list
     assert len(output.outputs[0].token_ids) == 3
 
 
-def test_cpu_platform_captures_nothing_by_default() -> None:
-    llm = LLM(model="tiny", num_kv_blocks=16)
-    assert llm.engine_core.engine_core.model_executor.driver_worker.model_runner.graph_runner is None
+def test_cpu_platform_captures_its_decode_graphs_by_default() -> None:
+    llm = LLM(model="tiny", num_kv_blocks=16, max_num_seqs=4)
+    runner = llm.engine_core.engine_core.model_executor.driver_worker.model_runner.graph_runner
+    assert runner is not None and sorted(runner.graphs) == [1, 2, 4]
 
 
 def test_graph_sizes_from_config_are_validated() -> None:

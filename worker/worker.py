@@ -18,7 +18,7 @@ import logging
 from typing import TYPE_CHECKING, cast
 
 from pagedllm.attention_backends.selector import select_attention_backend
-from pagedllm.core.errors import ConfigError
+from pagedllm.core.errors import ConfigError, GraphCaptureError
 from pagedllm.distributed.parallel_state import (
     get_tp_group,
     init_distributed_environment,
@@ -442,7 +442,11 @@ class Worker:
             block_size=block_size,
             device=self.device,
         )
-        runner.capture()
+        try:
+            runner.capture()
+        except GraphCaptureError as error:
+            logger.warning("decode graphs: off, every step runs eagerly (%s)", error)
+            return None
         logger.info("decode graphs captured for batch sizes %s", runner.sizes)
         return runner
 

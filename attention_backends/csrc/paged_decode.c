@@ -393,7 +393,8 @@ static attend_fn pick_attend(int dtype, int head_size) {
  * k_new / v_new (NULL: none): request r's new key and value, its KV heads
  * contiguous at k_new + r * k_new_stride (elements), written to cache slot
  * new_slots[r] before the request attends (its own slot: no other request
- * reads it), which saves torch two index_copy_ passes per layer.
+ * reads it; a negative slot: nothing is written), which saves torch two
+ * index_copy_ passes per layer.
  * sliding_window <= 0 and soft_cap <= 0 mean none.
  * Returns 0, or -1 when a scratch buffer cannot be allocated or a size is out of range.
  */
@@ -433,7 +434,7 @@ int paged_decode(int dtype, const void *q, int64_t q_stride_row, void *k_cache, 
         if (failed) continue;
         int64_t len = seq_lens[r];
         int64_t start = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
-        if (k_new) {
+        if (k_new && new_slots[r] >= 0) { /* slot -1: a row that writes nothing (a decode graph's padding) */
             size_t elem = dtype ? 2 : 4, kv_row = (size_t)num_kv_heads * (size_t)head_size * elem;
             memcpy((char *)k_cache + new_slots[r] * cache_stride_slot * (int64_t)elem,
                    (const char *)k_new + r * k_new_stride * (int64_t)elem, kv_row);

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -89,8 +90,10 @@ class TritonBackend(AttentionBackend):
     @classmethod
     def supports_graph_capture(cls, block_size: int) -> bool:
         # The grid depends on the token and request counts alone; sequence
-        # lengths are read on the device.
-        return True
+        # lengths are read on the device. Not under TRITON_INTERPRET=1: the
+        # interpreter runs each kernel as Python over host arrays, which no
+        # graph records (a CPU graph would only find that out at capture).
+        return os.environ.get("TRITON_INTERPRET") != "1"
 
     @classmethod
     def build_metadata(cls, common: AttentionMetadata, block_size: int) -> TritonMetadata:

@@ -1,0 +1,177 @@
+"""Decode graphs on the CPU: record one forward's operations, replay them.
+
+A CUDA graph removes the launch cost of a decode step's kernels; on the CPU
+the same cost is Python's: module calls, the kernel wrappers' checks and
+allocations, argument conversion. On the ~100M Llama at batch 32 that was a
+quarter of the decode step (5.4 of 20 ms, with both cores' kernels 15 ms),
+and the second core idles through all of it. A `CpuGraph` runs the forward
+once while recording what actually computes, in order:
+
+- every call of a C kernel made through `kernel_call` (tensors passed as
+  their data pointers), and
+- every ATen operation (a TorchDispatchMode): views are recorded as nothing
+  (they alias memory the graph already holds), uninitialized allocations as
+  nothing, in-place and out= operations as themselves, and functional ones
+  as "compute again, copy into the recorded output".
+
+A replay runs that list and nothing else, on the same memory: the graph
+holds every tensor the forward created or touched, so no address it baked
+in is ever freed or reused by anyone else (the cost: a captured size's
+activations stay allocated, as a CUDA graph's memory pool does). Like a
+CUDA graph, it re-reads its inputs in place, so whoever captures must read
+only tensors, not host values that change between replays
+(`AttentionBackend.supports_graph_capture`).
+
+What cannot be replayed is refused at capture (`GraphCaptureError`): an
+operation that returns a host value (`.item()`, `bool(t)`: the forward
+branched on data), a random one, or a replay that does not reproduce the
+recorded output exactly after every float tensor the forward created was
+set to NaN (a computation that bypassed both recorders would leave its NaN
+behind).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from pagedllm.core.errors import GraphCaptureError
+
+_capturing: list[CpuGraph] = []  # the graph being recorded, if any
+
+_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional"}
+_ALLOCATIONS = {
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default,
+}
+
+
+def kernel_call(function: Any, *args: Any) -> Any:
+    """`function(*args)`, a ctypes C kernel, with each tensor argument passed
+    as its data pointer; recorded when a CpuGraph is being captured. Every
+    C kernel a forward may run is called through here."""
+    raw = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
+    result = function(*raw)
+    if _capturing:
+        _capturing[-1].add_kernel(function, raw, result, [arg for arg in args if isinstance(arg, torch.Tensor)])
+    return result
+
+
+def refuse_capture(reason: str) -> None:
+    """Raise GraphCaptureError while a graph is being captured (a CpuGraph,
+    or a CUDA graph on the current stream): for code about to compute with
+    host values that a replay would keep from the capture."""
+    if _capturing or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        raise GraphCaptureError(reason)
+
+
+class _AtenRecorder(TorchDispatchMode):
+    def __init__(self, graph: CpuGraph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func.namespace in _COLLECTIVE_NAMESPACES:  # refused before it runs: every rank stops at the same call
+            raise GraphCaptureError(f"{func} is a collective, which a CPU graph does not replay")
+        out = func(*args, **kwargs)
+        self.graph.add_aten(func, tuple(args), dict(kwargs), out)
+        return out
+
+
+def _aliases(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
+    """Whether every output shares its storage with an input."""
+    storages = {x.untyped_storage().data_ptr() for x in inputs if x.layout == torch.strided}
+    return all(x.layout == torch.strided and x.untyped_storage().data_ptr() in storages for x in outputs)
+
+
+class CpuGraph:
+    """One recorded forward; `capture(run)` records and checks it."""
+
+    def __init__(self) -> None:
+        self._steps: list[Callable[[], None]] = []
+        self._held: list[Any] = []  # every tensor the recording touched: its memory stays the graph's
+        self._created: list[torch.Tensor] = []  # tensors the forward produced (poisoned by the check)
+        self.output: torch.Tensor | None = None
+
+    @classmethod
+    def capture(cls, run: Callable[[], torch.Tensor]) -> CpuGraph:
+        run()  # warm-up: lazy kernel builds and caches happen outside the recording
+        graph = cls()
+        _capturing.append(graph)
+        try:
+            with _AtenRecorder(graph):
+                graph.output = run()
+        finally:
+            _capturing.pop()
+        graph._check_replay()
+        return graph
+
+    @property
+    def num_steps(self) -> int:
+        return len(self._steps)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of the tensors the forward created, which the graph keeps
+        allocated (each storage once)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._created}
+        return sum(storages.values())
+
+    def replay(self) -> None:
+        for step in self._steps:
+            step()
+
+    def add_kernel(self, function: Any, raw_args: tuple[Any, ...], result: Any, tensors: list[torch.Tensor]) -> None:
+        self._held += tensors
+
+        def step() -> None:
+            if function(*raw_args) != result:
+                raise RuntimeError(f"CPU graph replay: kernel {function.__name__} returned another status than "
+                                   f"when captured ({result})")
+
+        self._steps.append(step)
+
+    def add_aten(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        if len(outputs) != len(tree_flatten(out)[0]):
+            raise GraphCaptureError(f"{func} returns a host value: the forward reads data on the host")
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise GraphCaptureError(f"{func} draws random numbers")
+        self._held += inputs + outputs
+        if func.is_view and _aliases(outputs, inputs):
+            return  # a view of memory the graph already holds (`to`, `reshape`, `contiguous` may copy instead)
+        if func in _ALLOCATIONS:
+            self._created += outputs
+            return
+        if any(arg.alias_info is not None and arg.alias_info.is_write for arg in func._schema.arguments):
+            self._steps.append(lambda: func(*args, **kwargs))  # in place / out=: writes the same tensors again
+            return
+        self._created += outputs
+
+        def step() -> None:
+            for recorded, fresh in zip(outputs, tree_flatten(func(*args, **kwargs))[0], strict=True):
+                recorded.copy_(fresh)
+
+        self._steps.append(step)
+
+    def _check_replay(self) -> None:
+        """Poison what the forward created, replay, demand the recorded output."""
+        assert self.output is not None
+        expected = self.output.clone()
+        for tensor in self._created:
+            if tensor.is_floating_point():
+                tensor.fill_(float("nan"))
+        self.replay()
+        if not torch.equal(self.output, expected):
+            raise GraphCaptureError("a replay did not reproduce the captured forward: some computation was "
+                                    "neither an ATen operation nor a C kernel called through kernel_call")
+

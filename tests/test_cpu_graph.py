@@ -1,0 +1,151 @@
+"""CPU decode graphs (platforms/cpu_graph.py): a recorded forward replays its
+C kernels and ATen operations on whatever its inputs hold at replay time,
+refuses what it cannot replay, and in the engine gives the eager tokens."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+from test_async_scheduling_e2e import ENGINE_KWARGS, _generate
+
+from pagedllm import LLM
+from pagedllm.core.errors import GraphCaptureError
+from pagedllm.platforms import cpu_ops
+from pagedllm.platforms.cpu_graph import CpuGraph, refuse_capture
+
+needs_kernels = pytest.mark.skipif(cpu_ops.load() is None, reason="no C compiler for the CPU kernels")
+
+
+def _layer_like(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """A gather, a functional op, an in-place op, views and a C kernel."""
+    h = torch.nn.functional.embedding(ids, table) + x  # functional
+    h.mul_(0.5)  # in place
+    h[:, 0] = ids.to(h.dtype)  # `to` is a "view" op that copies here
+    gate_up = torch.cat([h, h.t().reshape(h.shape) * 2], dim=-1).view(h.shape[0], -1)  # reshape copies too
+    out = cpu_ops.silu_and_mul(gate_up)
+    assert out is not None
+    normed = cpu_ops.rms_norm(out, None, weight, 1e-6)
+    assert isinstance(normed, torch.Tensor)
+    return normed[:, 1:]  # a view of the kernel's output
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()  # as the model runner runs: `to` and `reshape` reach the recorder undecomposed
+def test_a_replay_computes_the_forward_of_the_inputs_it_finds(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 24, generator=generator).to(dtype)
+    weight = torch.randn(24, generator=generator).to(dtype)
+    table = torch.randn(50, 24, generator=generator).to(dtype)
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    graph = CpuGraph.capture(lambda: _layer_like(x, weight, table, ids))
+    gc.collect()  # the graph, not the caller, keeps its temporaries alive
+    assert graph.output is not None and graph.activation_bytes > 0
+    for step in range(3):
+        x.copy_(torch.randn(5, 24, generator=generator).to(dtype))
+        ids.copy_(torch.randint(0, 50, (5,), generator=generator))
+        graph.replay()
+        expected = _layer_like(x.clone(), weight, table, ids.clone())
+        assert torch.equal(graph.output, expected), step
+
+
+def test_a_forward_that_reads_a_value_on_the_host_is_refused() -> None:
+    x = torch.ones(4)
+
+    def branches_on_data() -> torch.Tensor:
+        return x * 2 if bool(x.sum() > 0) else x
+
+    with pytest.raises(GraphCaptureError, match="host value"):
+        CpuGraph.capture(branches_on_data)
+
+
+def test_a_forward_that_draws_random_numbers_is_refused() -> None:
+    x = torch.ones(4)
+    with pytest.raises(GraphCaptureError, match="random"):
+        CpuGraph.capture(lambda: x + torch.rand(4))
+
+
+def test_a_computation_outside_both_recorders_fails_the_capture_check() -> None:
+    """A write through numpy is neither an ATen op nor a kernel_call: its
+    result is missing from the replay, and the poisoned check sees it."""
+    x = torch.ones(4)
+
+    def writes_through_numpy() -> torch.Tensor:
+        out = x * 2
+        out.numpy()[:] += 1.0
+        return out
+
+    with pytest.raises(GraphCaptureError, match="did not reproduce"):
+        CpuGraph.capture(writes_through_numpy)
+
+
+def test_refuse_capture_raises_only_while_capturing() -> None:
+    refuse_capture("not capturing: nothing happens")
+
+    def refuses() -> torch.Tensor:
+        refuse_capture("this path indexes with host values")
+        return torch.zeros(1)
+
+    with pytest.raises(GraphCaptureError, match="host values"):
+        CpuGraph.capture(refuses)
+
+
+# ---- in the engine ----------------------------------------------------------
+
+
+def _graph_runner(llm: LLM) -> Any:
+    return llm.engine_core.engine_core.model_executor.driver_worker.model_runner.graph_runner  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def eager_tokens() -> list[list[int]]:
+    return _generate(LLM(**ENGINE_KWARGS, enforce_eager=True))
+
+
+@pytest.mark.slow
+def test_decode_graphs_give_the_eager_tokens_with_hits_preemption_and_grammars(
+    eager_tokens: list[list[int]],
+) -> None:
+    """Batches that shrink (replays padded to a captured size), preempt, hit
+    the prefix cache, cross block boundaries and follow JSON schemas."""
+    llm = LLM(**ENGINE_KWARGS)
+    runner = _graph_runner(llm)
+    assert runner is not None and sorted(runner.graphs) == [1, 2, 4, 8]
+    assert _generate(llm) == eager_tokens
+    core = llm.engine_core.engine_core  # type: ignore[attr-defined]
+    assert core.scheduler.num_preemptions > 0 and core.kv_cache_manager.total_prefix_cache_hits > 0
+    assert runner.num_replays > 50
+
+
+@pytest.mark.slow
+def test_decode_graphs_with_async_scheduling_and_with_drafts(eager_tokens: list[list[int]]) -> None:
+    """Async scheduling replays too; a drafter's verify steps run eagerly."""
+    llm = LLM(**ENGINE_KWARGS, async_scheduling=True)
+    assert _generate(llm) == eager_tokens and _graph_runner(llm).num_replays > 50
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(**ENGINE_KWARGS, speculative_config=speculative)
+    assert _generate(llm) == eager_tokens
+
+
+@pytest.mark.slow
+def test_bfloat16_decode_graphs_give_the_eager_tokens() -> None:
+    kwargs = {**ENGINE_KWARGS, "dtype": "bfloat16"}
+    eager = _generate(LLM(**kwargs, enforce_eager=True))
+    llm = LLM(**kwargs)
+    assert _generate(llm) == eager and _graph_runner(llm).num_replays > 50
+
+
+def test_a_layer_off_the_decode_kernel_refuses_capture_and_the_engine_runs_eagerly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Without the decode kernel torch_native gathers with host indices:
+    capture is refused, logged, and every step runs eagerly."""
+    from pagedllm.attention_backends import cpu_decode_kernel
+
+    monkeypatch.setattr(cpu_decode_kernel, "supports", lambda *args: False)
+    llm = LLM(model="tiny", dtype="float32", num_kv_blocks=16, max_num_seqs=2)
+    assert _graph_runner(llm) is None
+    assert "decode graphs: off" in caplog.text and "host-side indices" in caplog.text
