@@ -149,3 +149,15 @@ def test_a_layer_off_the_decode_kernel_refuses_capture_and_the_engine_runs_eager
     llm = LLM(model="tiny", dtype="float32", num_kv_blocks=16, max_num_seqs=2)
     assert _graph_runner(llm) is None
     assert "decode graphs: off" in caplog.text and "host-side indices" in caplog.text
+
+
+def test_recording_does_not_import_dynamo() -> None:
+    """torch's dispatch modes guard themselves with Dynamo by default, and the
+    first guarded call imports torch._dynamo: 0.9 s of a server's cold start."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\nfrom pagedllm.platforms.cpu_graph import CpuGraph\nx = torch.ones(3)\n"
+            "CpuGraph.capture(lambda: x * 2)\nprint('torch._dynamo' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "False"
