@@ -16,6 +16,7 @@ show only the wall time per token. Each row its own process, median of
 
     .venv/bin/python benchmarks/decode_step.py [--reps 5] [--num-new-tokens 128] [--model tiny] [--threads 1]
         [--rows 0,2]   # only the sync rows: these also run with an older tree's python, for a before/after
+    (row 4: synchronous and eager, no decode graphs: what the graphs take off a token)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ ROWS = [
     ("async, in-process", {"async_scheduling": True}, False),
     ("sync, engine-core process", {}, True),
     ("async, engine-core process", {"async_scheduling": True}, True),
+    ("sync, in-process, eager (no decode graphs)", {"enforce_eager": True}, False),
 ]
 
 
@@ -82,7 +84,7 @@ def main() -> None:
     parser.add_argument("--num-new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rows", default="0,1,2,3", help="which rows to run (indexes into ROWS)")
+    parser.add_argument("--rows", default="0,1,2,3,4", help="which rows to run (indexes into ROWS)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     rows = [int(row) for row in args.rows.split(",")]

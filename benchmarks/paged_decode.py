@@ -46,7 +46,8 @@ def _make_llm(args: argparse.Namespace) -> tuple[Any, list[dict[str, list[int]]]
     _, num_prompts, (min_len, max_len) = MODELS[args.model]
     model_path = str(getattr(tiny, MODELS[args.model][0])())
     prompts = make_prompts(num_prompts, min_len, max_len, 8192, seed=0)
-    llm = LLM(model=model_path, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=4096)
+    # Eager: a replayed decode graph would not call the wrapped _attend_group.
+    llm = LLM(model=model_path, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=4096, enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=args.num_new_tokens, ignore_eos=True)
     return llm, [{"prompt_token_ids": p} for p in prompts], params
 
