@@ -90,9 +90,8 @@ def profile(args: argparse.Namespace) -> None:
     model_path = str(getattr(tiny, MODELS[args.model][0])())
     prompts = make_prompts(num_prompts, min_len, max_len, 8192, seed=0)
     # Eager: a replayed decode graph (platforms/cpu_graph.py) runs none of the
-    # Python the phase timers wrap; `--graphs` times whole replayed steps.
-    llm = LLM(model=model_path, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=4096,
-              enforce_eager=not args.graphs)
+    # Python the phase timers wrap (and their profiler ranges refuse capture).
+    llm = LLM(model=model_path, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=4096, enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=args.num_new_tokens, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
 
@@ -158,8 +157,6 @@ def main() -> None:
                         help="cpu: the main thread's CPU time (use with --threads 1)")
     parser.add_argument("--num-new-tokens", type=int, default=64)
     parser.add_argument("--aten", action="store_true", help="also print torch.profiler's top operators")
-    parser.add_argument("--graphs", action="store_true",
-                        help="replay decode graphs as the engine does (decode phases then show as 'other')")
     profile(parser.parse_args())
 
 
