@@ -127,8 +127,8 @@ class CpuPlatform(Platform):
 
         graph = CpuGraph.capture(run)
         assert graph.output is not None
-        logger.debug("CPU graph of batch %d: %d operations, %.1f MiB held", graph.output.shape[0], graph.num_steps,
-                     graph.activation_bytes / 2**20)
+        logger.debug("CPU graph of batch %d: %d operations, %.1f MiB of activations kept", graph.output.shape[0],
+                     graph.num_steps, graph.activation_bytes / 2**20)
         return graph.replay, graph.output, pool
 
     def optimize_model(self, model: torch.nn.Module) -> None:

@@ -9,8 +9,9 @@ once while recording what actually computes, in order:
 
 - every call of a C kernel made through `kernel_call` (tensors passed as
   their data pointers), and
-- every ATen operation (a TorchDispatchMode): views are recorded as nothing
-  (they alias memory the graph already holds), uninitialized allocations as
+- every ATen operation (a TorchDispatchMode): true views are recorded as
+  nothing (they alias memory the graph already holds; `to`, `reshape` or
+  `contiguous` that copied are not views), uninitialized allocations as
   nothing, in-place and out= operations as themselves, and functional ones
   as "compute again, copy into the recorded output".
 
@@ -22,9 +23,10 @@ CUDA graph, it re-reads its inputs in place, so whoever captures must read
 only tensors, not host values that change between replays
 (`AttentionBackend.supports_graph_capture`).
 
-What cannot be replayed is refused at capture (`GraphCaptureError`): an
-operation that returns a host value (`.item()`, `bool(t)`: the forward
-branched on data), a random one, or a replay that does not reproduce the
+Recording is per thread, like the dispatch mode. What cannot be replayed
+is refused at capture (`GraphCaptureError`): an operation that returns a
+host value (`.item()`, `bool(t)`: the forward branched on data), a random
+one, a collective, or a replay that does not reproduce the
 recorded output exactly after every float tensor the forward created was
 set to NaN (a computation that bypassed both recorders would leave its NaN
 behind).
@@ -32,6 +34,7 @@ behind).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,7 +44,7 @@ from torch.utils._pytree import tree_flatten
 
 from pagedllm.core.errors import GraphCaptureError
 
-_capturing: list[CpuGraph] = []  # the graph being recorded, if any
+_recording = threading.local()  # .graph: the CpuGraph this thread is recording, if any
 
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional"}
 _ALLOCATIONS = {
@@ -59,8 +62,9 @@ def kernel_call(function: Any, *args: Any) -> Any:
     C kernel a forward may run is called through here."""
     raw = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
     result = function(*raw)
-    if _capturing:
-        _capturing[-1].add_kernel(function, raw, result, [arg for arg in args if isinstance(arg, torch.Tensor)])
+    graph = getattr(_recording, "graph", None)
+    if graph is not None:
+        graph.add_kernel(function, raw, result, [arg for arg in args if isinstance(arg, torch.Tensor)])
     return result
 
 
@@ -68,7 +72,9 @@ def refuse_capture(reason: str) -> None:
     """Raise GraphCaptureError while a graph is being captured (a CpuGraph,
     or a CUDA graph on the current stream): for code about to compute with
     host values that a replay would keep from the capture."""
-    if _capturing or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if getattr(_recording, "graph", None) is not None or (
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    ):
         raise GraphCaptureError(reason)
 
 
@@ -93,6 +99,14 @@ class _AtenRecorder(TorchDispatchMode):
         return out
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal, NaN included (torch.equal says NaN != NaN)."""
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.shape == b.shape and torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
 def _aliases(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
     """Whether every output shares its storage with an input."""
     storages = {x.untyped_storage().data_ptr() for x in inputs if x.layout == torch.strided}
@@ -112,12 +126,12 @@ class CpuGraph:
     def capture(cls, run: Callable[[], torch.Tensor]) -> CpuGraph:
         run()  # warm-up: lazy kernel builds and caches happen outside the recording
         graph = cls()
-        _capturing.append(graph)
+        _recording.graph = graph
         try:
             with _AtenRecorder(graph):
                 graph.output = run()
         finally:
-            _capturing.pop()
+            _recording.graph = None
         graph._check_replay()
         return graph
 
@@ -178,7 +192,7 @@ class CpuGraph:
             if tensor.is_floating_point():
                 tensor.fill_(float("nan"))
         self.replay()
-        if not torch.equal(self.output, expected):
+        if not _same_bits(self.output, expected):
             raise GraphCaptureError("a replay did not reproduce the captured forward: some computation was "
                                     "neither an ATen operation nor a C kernel called through kernel_call")
 

@@ -93,6 +93,39 @@ def test_refuse_capture_raises_only_while_capturing() -> None:
         CpuGraph.capture(refuses)
 
 
+def test_a_forward_whose_output_holds_nan_is_still_captured() -> None:
+    """The capture check compares bits: a NaN the forward really computes
+    is reproduced, not a mismatch."""
+    x = torch.tensor([1.0, 0.0, -1.0])
+    graph = CpuGraph.capture(lambda: x / x)  # 0 / 0 = NaN in the middle
+    x.copy_(torch.tensor([0.0, 2.0, 0.0]))
+    graph.replay()
+    assert graph.output is not None and graph.output.isnan().tolist() == [True, False, True]
+
+
+def test_recording_belongs_to_the_capturing_thread() -> None:
+    """Another thread's kernels and host reads during a capture are its own."""
+    import threading
+
+    raised: list[bool] = []
+
+    def other_thread() -> None:
+        try:
+            refuse_capture("not the capturing thread")
+            raised.append(False)
+        except GraphCaptureError:
+            raised.append(True)
+
+    def run() -> torch.Tensor:
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        return torch.ones(2) * 3
+
+    CpuGraph.capture(run)
+    assert raised == [False, False]  # the warm-up run and the recorded one
+
+
 # ---- in the engine ----------------------------------------------------------
 
 
