@@ -72,8 +72,9 @@ def refuse_capture(reason: str) -> None:
     """Raise GraphCaptureError while a graph is being captured (a CpuGraph,
     or a CUDA graph on the current stream): for code about to compute with
     host values that a replay would keep from the capture."""
+    # is_initialized, not is_available: 40x cheaper, and this runs per layer of an eager CPU step.
     if getattr(_recording, "graph", None) is not None or (
-        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
     ):
         raise GraphCaptureError(reason)
 

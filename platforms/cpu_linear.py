@@ -98,10 +98,13 @@ def _with_amx_for_few_rows(module: nn.Linear, gemm: Callable[[torch.Tensor, torc
     if packed is None:
         return gemm
     num_out, num_in = module.weight.shape
+    # The kernel adds a float32 bias: the layer's own, converted once here, not per call.
+    bias_f32 = None if module.bias is None else module.bias.detach().float().contiguous()
 
     def apply_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not torch.compiler.is_compiling() and x.numel() <= cpu_amx_linear.AMX_MAX_ROWS * num_in:
-            out = cpu_amx_linear.linear(x.reshape(-1, num_in), packed, num_out, bias)
+            kernel_bias = bias_f32 if bias is module.bias else bias
+            out = cpu_amx_linear.linear(x.reshape(-1, num_in), packed, num_out, kernel_bias)
             if out is not None:
                 return out.view(*x.shape[:-1], num_out)
         return gemm(x, bias)
