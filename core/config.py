@@ -321,6 +321,11 @@ class ServerConfig(_Section):
     # Accept `chat_template` / `chat_template_kwargs` in requests. Off: a 400
     # naming the field (a request template is code the server runs).
     trust_request_chat_template: bool = False
+    # Special-token strings (`<|im_end|>`) a client writes in a prompt, a
+    # message, a tool call or result are text unless this is on: otherwise a
+    # user message could close its turn and open a system one. The chat
+    # template's own special tokens are special either way; on = vLLM's behaviour.
+    parse_special_tokens_in_user_text: bool = False
     # Longest a chat template may render (the model's own template included);
     # past it the render is stopped and the request gets a 400.
     chat_template_timeout_s: float = Field(5.0, gt=0.0, le=600.0)

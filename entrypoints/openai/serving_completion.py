@@ -99,7 +99,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if not prompt_list:
             raise OpenAIServingError(400, "prompt: at least one prompt is required", "prompt")
         return [
-            (item, encode_text(self.tokenizer, item, request.add_special_tokens, self.max_model_len - 1))
+            (item, encode_text(
+                self.tokenizer, item, request.add_special_tokens, self.max_model_len - 1,
+                split_special_tokens=self.split_special_tokens,
+            ))
             if isinstance(item, str) else (None, list(item))
             for item in prompt_list
         ]

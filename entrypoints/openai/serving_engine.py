@@ -22,6 +22,7 @@ from pagedllm.entrypoints.openai.fast_tokenizer import encode_text
 from pagedllm.entrypoints.openai.protocol import ChatMessage, SamplingFields
 from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool, shared_request_pool
 from pagedllm.entrypoints.openai.tool_calls import check_tool_messages, template_message
+from pagedllm.entrypoints.openai.user_text import UserTextSpecials
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -57,6 +58,10 @@ class OpenAIServing:
         # get_vocab() builds the whole dict: once, not per request.
         end_of_turn = self.tokenizer.get_vocab().get(END_OF_TURN_TOKEN)
         self._end_of_turn_token_ids = [] if end_of_turn is None else [end_of_turn]
+        # Special-token strings in what a client writes are text (user_text.py)
+        # unless the operator lets them act as special tokens.
+        self.split_special_tokens = not self.server_config.parse_special_tokens_in_user_text
+        self.user_text_specials = UserTextSpecials.of(self.tokenizer) if self.split_special_tokens else None
 
     def check_model(self, model: str | None) -> None:
         # NOTE: an omitted model means the served one (vLLM does the same).
@@ -120,6 +125,10 @@ class OpenAIServing:
             raise OpenAIServingError(400, "messages: at least one message is required", "messages")
         check_tool_messages(messages)
         conversation = [template_message(m) for m in messages]
+        specials = self.user_text_specials
+        escaped = specials.escape(conversation, tools, chat_template_kwargs) if specials is not None else None
+        if escaped is not None:  # the client wrote special-token strings: render markers in their place
+            conversation, tools, chat_template_kwargs = escaped.conversation, escaped.tools, escaped.template_kwargs
         try:
             text = render_chat_template(
                 self.tokenizer, conversation, chat_template=chat_template,
@@ -132,6 +141,8 @@ class OpenAIServing:
         except Exception as exc:  # jinja errors, a tokenizer without a template
             field = "messages" if chat_template is None else "chat_template"
             raise OpenAIServingError(400, f"{field}: the chat template failed: {exc}", field) from None
+        if escaped is not None and specials is not None:
+            return specials.encode_rendered(self.tokenizer, text, escaped.originals, max_num_tokens)
         # The template already holds every special token it wants.
         return text, encode_text(self.tokenizer, text, False, max_num_tokens)
 

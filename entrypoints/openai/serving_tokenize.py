@@ -47,7 +47,10 @@ class OpenAIServingTokenization(OpenAIServing):
             )
         else:
             # prompt is set: tokenize() checked that exactly one of the two is.
-            token_ids = encode_text(self.tokenizer, request.prompt or "", add_special_tokens=request.add_special_tokens)
+            token_ids = encode_text(
+                self.tokenizer, request.prompt or "", add_special_tokens=request.add_special_tokens,
+                split_special_tokens=self.split_special_tokens,
+            )
         response = TokenizeResponse(count=len(token_ids), max_model_len=self.max_model_len, tokens=token_ids)
         return response.model_dump_json().encode()
 
