@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from pagedllm.core.config import EngineConfig
+from pagedllm.entrypoints.openai import user_text
 from pagedllm.entrypoints.openai.protocol import ChatMessage, CompletionRequest, TokenizeRequest
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
@@ -158,9 +159,12 @@ def test_conversations_without_special_token_strings_keep_their_ids(served_token
         assert (text, token_ids) == (reference, _encode(parsed, reference)), messages
 
 
+@pytest.mark.parametrize("search_window", [user_text.SEARCH_WINDOW_CHARS, 7])
 def test_only_the_message_with_special_token_strings_changes(
-    served_tokenizer: Any, parsed: Any, split: Any
+    served_tokenizer: Any, parsed: Any, split: Any, search_window: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A small search window puts special-token strings and markers across its edges.
+    monkeypatch.setattr(user_text, "SEARCH_WINDOW_CHARS", search_window)
     rng = random.Random(31)
     for _ in range(40):
         before, after = _conversation(rng, rng.randint(0, 3)), _conversation(rng, rng.randint(0, 3))
@@ -199,3 +203,4 @@ def test_tokenize_route_follows_the_same_rule(
     chat = json.loads(serving._tokenize(TokenizeRequest.model_validate({"messages": [_message("user", HOSTILE)]})))
     assert prompt["tokens"] == _encode(parsed if parse_specials else split, HOSTILE)
     assert chat["tokens"] == _render(served_tokenizer, [_message("user", HOSTILE)], parse_specials)[1]
+

@@ -28,6 +28,7 @@ word-start mark only at the very start of the text (`prepend_scheme:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -39,6 +40,9 @@ from pagedllm.entrypoints.openai.fast_tokenizer import check_num_tokens, encode_
 # MARK_OPEN / MARK_CLOSE are escaped too, so markers cannot be forged.
 MARK_OPEN = "\ue000"
 MARK_CLOSE = "\ue001"
+# Characters one regex search may scan: the scan holds the GIL, and a 4 MB
+# message in one call would stall the event loop's thread for tens of ms.
+SEARCH_WINDOW_CHARS = 1 << 16
 
 
 class EscapedChat(NamedTuple):
@@ -55,7 +59,13 @@ class EscapedChat(NamedTuple):
 class UserTextSpecials:
     """A tokenizer's special-token strings, as text to find in a client's strings."""
 
-    alternation: str  # regex: any special-token string, the longest first (as the tokenizer matches)
+    # Any special-token string (the longest first, as the tokenizer matches)
+    # or a marker character.
+    escape_pattern: re.Pattern[str]
+    # A marker (group 1: its index), else as escape_pattern.
+    rendered_pattern: re.Pattern[str]
+    # Longest text either pattern matches.
+    max_match_chars: int
     # Special tokens that take the whitespace after (rstrip) / before (lstrip) them.
     rstrip: frozenset[str]
     lstrip: frozenset[str]
@@ -68,8 +78,12 @@ class UserTextSpecials:
         if not specials:
             return None
         contents = sorted({str(token.content) for token in specials}, key=len, reverse=True)
+        alternation = "|".join(re.escape(content) for content in contents)
         return cls(
-            "|".join(re.escape(content) for content in contents),
+            re.compile(f"{alternation}|[{MARK_OPEN}{MARK_CLOSE}]"),
+            re.compile(f"{MARK_OPEN}([0-9]+){MARK_CLOSE}|{alternation}|[{MARK_OPEN}{MARK_CLOSE}]"),
+            # A marker's index is below the number of strings escape_pattern matches.
+            max(len(contents[0]), len(str(len(contents) + 2)) + 2),
             frozenset(str(token.content) for token in specials if getattr(token, "rstrip", False)),
             frozenset(str(token.content) for token in specials if getattr(token, "lstrip", False)),
         )
@@ -80,16 +94,20 @@ class UserTextSpecials:
     ) -> EscapedChat | None:
         """Every string (keys too) with its special-token strings replaced
         by markers; None when there is none (render as it is)."""
-        pattern = re.compile(f"{self.alternation}|[{MARK_OPEN}{MARK_CLOSE}]")
-        originals: list[str] = []
+        # One marker per distinct string: a long run of short special tokens
+        # stays about as long as it was.
+        markers: dict[str, str] = {}
 
         def mark(match: re.Match[str]) -> str:
-            originals.append(match.group())
-            return f"{MARK_OPEN}{len(originals) - 1}{MARK_CLOSE}"
+            found = match.group()
+            marker = markers.get(found)
+            if marker is None:
+                marker = markers[found] = f"{MARK_OPEN}{len(markers)}{MARK_CLOSE}"
+            return marker
 
         def escape_value(value: Any) -> Any:
             if isinstance(value, str):
-                return pattern.sub(mark, value)
+                return _substitute(self.escape_pattern, value, mark, self.max_match_chars)
             if isinstance(value, dict):
                 return {escape_value(key): escape_value(item) for key, item in value.items()}
             if isinstance(value, (list, tuple)):
@@ -98,12 +116,12 @@ class UserTextSpecials:
 
         try:
             escaped = EscapedChat(escape_value(conversation), escape_value(tools), escape_value(template_kwargs),
-                                  originals)
+                                  list(markers))
         except RecursionError:  # only trusted chat_template_kwargs can nest this deep
             raise InvalidRequestError(
                 "chat_template_kwargs", "<nested too deeply>", "may nest at most a few hundred levels"
             ) from None
-        return escaped if originals else None
+        return escaped if markers else None
 
     def encode_rendered(
         self, tokenizer: Any, rendered: str, originals: list[str], max_num_tokens: int | None = None
@@ -122,10 +140,9 @@ class UserTextSpecials:
 
     def _chunks(self, rendered: str, originals: list[str]) -> list[tuple[str, bool]]:
         """(text, split special tokens?) pieces, cut only at the template's special tokens."""
-        pattern = re.compile(f"{MARK_OPEN}([0-9]+){MARK_CLOSE}|{self.alternation}|[{MARK_OPEN}{MARK_CLOSE}]")
         chunks = _Chunks(self)
         position = 0
-        for match in pattern.finditer(rendered):
+        for match in _matches(self.rendered_pattern, rendered, self.max_match_chars):
             chunks.stretch.append(rendered[position:match.start()])
             position = match.end()
             index = match.group(1)
@@ -143,6 +160,35 @@ class UserTextSpecials:
         chunks.stretch.append(rendered[position:])
         chunks.end_stretch(None)
         return chunks.done
+
+
+def _matches(pattern: re.Pattern[str], text: str, max_match_chars: int) -> Iterator[re.Match[str]]:
+    """`pattern.finditer(text)`, each search bounded to SEARCH_WINDOW_CHARS
+    (plus a match's length, so one that starts in the window is whole)."""
+    position = 0
+    while position < len(text):
+        window_end = position + SEARCH_WINDOW_CHARS
+        match = pattern.search(text, position, window_end + max_match_chars)
+        if match is None or match.start() >= window_end:
+            position = window_end
+            continue
+        yield match
+        position = match.end()
+
+
+def _substitute(
+    pattern: re.Pattern[str], text: str, replace: Callable[[re.Match[str]], str], max_match_chars: int
+) -> str:
+    """`pattern.sub(replace, text)`, searching window by window (`_matches`)."""
+    pieces: list[str] = []
+    position = 0
+    for match in _matches(pattern, text, max_match_chars):
+        pieces += (text[position:match.start()], replace(match))
+        position = match.end()
+    if not pieces:
+        return text
+    pieces.append(text[position:])
+    return "".join(pieces)
 
 
 class _Chunks:
