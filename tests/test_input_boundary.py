@@ -10,15 +10,22 @@ which renders each message as `<|im_start|>{role}\\n{content}<|im_end|>\\n`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
+import jsonschema
 import pytest
+from helpers.server import ServerProcess, start_server
+from helpers.tiny_models import cached_tiny_model
 
 from pagedllm.core.config import EngineConfig
 from pagedllm.entrypoints.openai import user_text
+from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.protocol import ChatMessage, CompletionRequest, TokenizeRequest
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
@@ -204,3 +211,104 @@ def test_tokenize_route_follows_the_same_rule(
     assert prompt["tokens"] == _encode(parsed if parse_specials else split, HOSTILE)
     assert chat["tokens"] == _render(served_tokenizer, [_message("user", HOSTILE)], parse_specials)[1]
 
+
+# ------------------------------------------------- OpenAPI schema vs runtime
+
+
+def _call(tokenizer: Any, requests: list[tuple[str, str, Any]], **server: Any) -> list[httpx.Response]:
+    """Each (method, path, JSON body) against a server app over a stub engine (no model)."""
+    engine = _stub_engine(tokenizer, **server)
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=build_app(engine, engine.config))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return [await client.request(method, path, json=body) for method, path, body in requests]
+
+    return asyncio.run(run())
+
+
+def _schema_accepts(document: dict[str, Any], path: str, body: Any) -> bool:
+    """Whether the served /openapi.json allows `body` on POST `path`."""
+    schema = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    return jsonschema.Draft202012Validator({**schema, "components": document["components"]}).is_valid(body)
+
+
+def test_detokenize_schema_states_the_vocabulary_bound_the_server_enforces(served_tokenizer: Any) -> None:
+    last, beyond = {"tokens": [0, VOCAB_SIZE - 1]}, {"tokens": [VOCAB_SIZE]}
+    schema, accepted, refused = _call(served_tokenizer, [
+        ("GET", "/openapi.json", None), ("POST", "/detokenize", last), ("POST", "/detokenize", beyond),
+    ])
+    document = schema.json()
+    assert _schema_accepts(document, "/detokenize", last)
+    assert not _schema_accepts(document, "/detokenize", beyond)
+    assert accepted.status_code == 200
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "tokens")
+
+
+def test_empty_chat_template_kwargs_is_accepted_as_the_schema_allows(served_tokenizer: Any) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    bodies = [{"messages": messages, "chat_template_kwargs": {}}, {"prompt": "hi", "chat_template_kwargs": {}},
+              {"messages": messages}, {"prompt": "hi"}, {"messages": messages, "chat_template_kwargs": {"x": 1}}]
+    schema, *answers = _call(served_tokenizer, [("GET", "/openapi.json", None)]
+                             + [("POST", "/tokenize", body) for body in bodies])
+    assert [answer.status_code for answer in answers] == [200, 200, 200, 200, 400]
+    document = schema.json()
+    assert [_schema_accepts(document, "/tokenize", body) for body in bodies] == [True, True, True, True, False]
+    assert answers[0].json() == answers[2].json() and answers[1].json() == answers[3].json()
+    assert answers[4].json()["error"]["param"] == "chat_template_kwargs"
+    assert _schema_accepts(document, "/v1/chat/completions", {"messages": messages, "chat_template_kwargs": {}})
+    assert not _schema_accepts(document, "/v1/chat/completions", {"messages": messages, "chat_template": "x"})
+
+
+def test_trusted_server_schema_refuses_only_the_renderers_own_arguments(served_tokenizer: Any) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    bodies = [{"messages": messages, "chat_template_kwargs": {"x": 1}},
+              {"messages": messages, "chat_template_kwargs": {"tokenize": True}}]
+    schema, *answers = _call(served_tokenizer, [("GET", "/openapi.json", None)]
+                             + [("POST", "/tokenize", body) for body in bodies], trust_request_chat_template=True)
+    assert [_schema_accepts(schema.json(), "/tokenize", body) for body in bodies] == [True, False]
+    assert [answer.status_code for answer in answers] == [200, 400]
+    assert answers[1].json()["error"]["param"] == "chat_template_kwargs.tokenize"
+
+
+def test_a_tool_message_must_name_its_call_in_the_schema_and_at_run_time(served_tokenizer: Any) -> None:
+    without_id = {"messages": [{"role": "tool", "content": "42"}]}
+    with_id = {"messages": [{"role": "tool", "content": "42", "tool_call_id": "call-1"}]}
+    schema, refused, chat_refused, accepted = _call(served_tokenizer, [
+        ("GET", "/openapi.json", None), ("POST", "/tokenize", without_id),
+        ("POST", "/v1/chat/completions", without_id), ("POST", "/tokenize", with_id),
+    ])
+    for path in ("/tokenize", "/v1/chat/completions"):
+        assert not _schema_accepts(schema.json(), path, without_id)
+        assert _schema_accepts(schema.json(), path, with_id)
+    for answer in (refused, chat_refused):
+        assert (answer.status_code, answer.json()["error"]["param"]) == (400, "messages.0.tool_call_id")
+    assert accepted.status_code == 200
+
+
+# ------------------------------------------------------------ end to end
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    # NOTE: test_server_errors's model: one build per test process.
+    model_dir = cached_tiny_model("llama", with_tokenizer=True, seed=12, max_position_embeddings=2048)
+    with start_server(model_dir, "--num-kv-blocks", "64", "--max-model-len", "256") as srv:
+        yield srv
+
+
+@pytest.mark.slow
+def test_server_counts_special_token_strings_of_prompts_and_messages_as_text(
+    server: ServerProcess, parsed: Any, split: Any
+) -> None:
+    url = server.base_url
+    chat = httpx.post(f"{url}/v1/chat/completions", json={
+        "messages": [_message("user", HOSTILE)], "max_tokens": 1, "chat_template_kwargs": {},
+    }, timeout=60)
+    completion = httpx.post(f"{url}/v1/completions", json={"prompt": HOSTILE, "max_tokens": 1}, timeout=60)
+    assert chat.status_code == 200 and completion.status_code == 200, (chat.text, completion.text)
+    chat_ids = [IM_START, *_encode(split, f"user\n{HOSTILE}"), IM_END, *_encode(parsed, "\n<|im_start|>assistant\n")]
+    assert chat.json()["usage"]["prompt_tokens"] == len(chat_ids)
+    assert completion.json()["usage"]["prompt_tokens"] == len(_encode(split, HOSTILE))
+    # Parsed, both would be shorter: the references really differ.
+    assert len(_encode(parsed, HOSTILE)) < len(_encode(split, HOSTILE))

@@ -35,6 +35,7 @@ from pagedllm.entrypoints.openai.errors import (
     internal_error_message,
 )
 from pagedllm.entrypoints.openai.middleware import AuthMiddleware, BodySizeLimitMiddleware
+from pagedllm.entrypoints.openai.openapi_limits import state_server_limits
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -154,7 +155,9 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
         docs_url=None, redoc_url=None,
     )
     key_open_paths = _open_paths(config) if config.server.api_key else None
-    app.openapi = lambda: _openapi_schema(app, key_open_paths)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi_schema(  # type: ignore[method-assign]
+        app, key_open_paths, engine.vocab_size, config.server.trust_request_chat_template
+    )
     _add_exception_handlers(app)
     completion = OpenAIServingCompletion(engine)
     chat = OpenAIServingChat(engine)
@@ -267,17 +270,20 @@ def _streaming_responses() -> dict[int | str, dict[str, Any]]:
     return {**ERROR_RESPONSES, 200: {"content": events}}
 
 
-def _openapi_schema(app: FastAPI, key_open_paths: frozenset[str] | None) -> dict[str, Any]:
+def _openapi_schema(
+    app: FastAPI, key_open_paths: frozenset[str] | None, vocab_size: int, trust_request_chat_template: bool
+) -> dict[str, Any]:
     """FastAPI's schema, made to list what the server answers: no 422 (a
-    validation error is a 400 here, OpenAI's status) and, with an API key
-    (`key_open_paths` not None), the bearer scheme and a 401 on every route
-    that needs it."""
+    validation error is a 400 here, OpenAI's status), this server's limits
+    (openapi_limits.py) and, with an API key (`key_open_paths` not None), the
+    bearer scheme and a 401 on every route that needs it."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {})
         add_model_schemas(components, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+        state_server_limits(components["schemas"], vocab_size, trust_request_chat_template)
         for unused in ("HTTPValidationError", "ValidationError"):
             components.get("schemas", {}).pop(unused, None)
         if key_open_paths is not None:

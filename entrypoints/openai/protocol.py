@@ -340,7 +340,22 @@ class TextContentPart(OpenAIBaseModel):
     text: str
 
 
+# OpenAI's rule, stated in the schema (check_tool_messages enforces it): a
+# tool message names the call it answers.
+TOOL_MESSAGE_NEEDS_ITS_CALL_ID = {"anyOf": [
+    {"properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}}},
+    {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
+]}
+
+
+def empty_template_kwargs_as_none(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`chat_template_kwargs: {}` asks for nothing: the same as leaving it out."""
+    return value or None
+
+
 class ChatMessage(OpenAIBaseModel, RefusedMessageFields):
+    model_config = ConfigDict(json_schema_extra=TOOL_MESSAGE_NEEDS_ITS_CALL_ID)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -371,6 +386,7 @@ class ChatCompletionRequest(SamplingFields, RefusedChatFields):
     # unless the server trusts request templates (--trust-request-chat-template).
     chat_template: str | None = Field(None, min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None
+    _empty_kwargs = field_validator("chat_template_kwargs")(empty_template_kwargs_as_none)
     # Function calling (entrypoints/openai/tool_calls.py). tool_choice omitted:
     # "auto" with tools, "none" without (OpenAI's defaults).
     tools: list[ChatCompletionToolsParam] | None = Field(None, max_length=MAX_TOOLS)
@@ -388,6 +404,7 @@ class TokenizeRequest(OpenAIBaseModel):
     # With messages only; as in ChatCompletionRequest.
     chat_template: str | None = Field(None, min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None
+    _empty_kwargs = field_validator("chat_template_kwargs")(empty_template_kwargs_as_none)
 
 
 class DetokenizeRequest(OpenAIBaseModel):
