@@ -260,15 +260,20 @@ def test_empty_chat_template_kwargs_is_accepted_as_the_schema_allows(served_toke
     assert not _schema_accepts(document, "/v1/chat/completions", {"messages": messages, "chat_template": "x"})
 
 
-def test_trusted_server_schema_refuses_only_the_renderers_own_arguments(served_tokenizer: Any) -> None:
+def test_trusted_server_schema_refuses_what_the_server_refuses(served_tokenizer: Any) -> None:
     messages = [{"role": "user", "content": "hi"}]
     bodies = [{"messages": messages, "chat_template_kwargs": {"x": 1}},
-              {"messages": messages, "chat_template_kwargs": {"tokenize": True}}]
+              {"messages": messages, "chat_template_kwargs": {"tokenize": True}},
+              {"prompt": "hi", "chat_template": "{{ messages }}"}, {"prompt": "hi", "chat_template_kwargs": {"x": 1}}]
     schema, *answers = _call(served_tokenizer, [("GET", "/openapi.json", None)]
                              + [("POST", "/tokenize", body) for body in bodies], trust_request_chat_template=True)
-    assert [_schema_accepts(schema.json(), "/tokenize", body) for body in bodies] == [True, False]
-    assert [answer.status_code for answer in answers] == [200, 400]
-    assert answers[1].json()["error"]["param"] == "chat_template_kwargs.tokenize"
+    assert [answer.status_code for answer in answers] == [200, 400, 400, 400]
+    assert [answer.json()["error"]["param"] for answer in answers[1:]] == [
+        "chat_template_kwargs.tokenize", "chat_template", "chat_template_kwargs"]
+    assert [_schema_accepts(schema.json(), "/tokenize", body) for body in bodies] == [True, False, False, False]
+
+
+CALL = {"id": "call-1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 def test_a_tool_message_must_name_its_call_in_the_schema_and_at_run_time(served_tokenizer: Any) -> None:
@@ -278,12 +283,22 @@ def test_a_tool_message_must_name_its_call_in_the_schema_and_at_run_time(served_
         ("GET", "/openapi.json", None), ("POST", "/tokenize", without_id),
         ("POST", "/v1/chat/completions", without_id), ("POST", "/tokenize", with_id),
     ])
-    for path in ("/tokenize", "/v1/chat/completions"):
-        assert not _schema_accepts(schema.json(), path, without_id)
-        assert _schema_accepts(schema.json(), path, with_id)
     for answer in (refused, chat_refused):
         assert (answer.status_code, answer.json()["error"]["param"]) == (400, "messages.0.tool_call_id")
     assert accepted.status_code == 200
+    for path in ("/tokenize", "/v1/chat/completions"):
+        assert not _schema_accepts(schema.json(), path, without_id)
+        assert _schema_accepts(schema.json(), path, with_id)
+
+
+def test_only_assistant_messages_carry_calls_in_the_schema_and_at_run_time(served_tokenizer: Any) -> None:
+    bodies = [{"messages": [{"role": "assistant", "tool_calls": [CALL]}]},
+              {"messages": [{"role": "user", "content": "hi", "tool_calls": [CALL]}]}]
+    schema, *answers = _call(served_tokenizer, [("GET", "/openapi.json", None)]
+                             + [("POST", "/tokenize", body) for body in bodies])
+    assert [answer.status_code for answer in answers] == [200, 400]
+    assert answers[1].json()["error"]["param"] == "messages.0.tool_calls"
+    assert [_schema_accepts(schema.json(), "/tokenize", body) for body in bodies] == [True, False]
 
 
 # ------------------------------------------------------------ end to end

@@ -86,7 +86,11 @@ HEALTH_HEAD_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 # /tokenize takes exactly one of prompt and messages.
 TOKENIZE_ONE_OF = {"oneOf": [
-    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+    {"required": ["prompt"], "properties": {
+        # The template fields apply to messages only ({} asks for nothing).
+        "prompt": {"type": "string"}, "chat_template": {"type": "null"},
+        "chat_template_kwargs": {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]},
+    }},
     {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
 ]}
 

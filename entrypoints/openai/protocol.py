@@ -340,11 +340,17 @@ class TextContentPart(OpenAIBaseModel):
     text: str
 
 
-# OpenAI's rule, stated in the schema (check_tool_messages enforces it): a
-# tool message names the call it answers.
-TOOL_MESSAGE_NEEDS_ITS_CALL_ID = {"anyOf": [
-    {"properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}}},
-    {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
+# OpenAI's rules, stated in the schema (check_tool_messages enforces them):
+# a tool message names the call it answers; only assistant messages carry calls.
+TOOL_MESSAGE_RULES = {"allOf": [
+    {"anyOf": [
+        {"properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}}},
+        {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
+    ]},
+    {"anyOf": [
+        {"properties": {"role": {"const": "assistant"}}},
+        {"properties": {"tool_calls": {"type": "null"}}},
+    ]},
 ]}
 
 
@@ -354,7 +360,7 @@ def empty_template_kwargs_as_none(value: dict[str, Any] | None) -> dict[str, Any
 
 
 class ChatMessage(OpenAIBaseModel, RefusedMessageFields):
-    model_config = ConfigDict(json_schema_extra=TOOL_MESSAGE_NEEDS_ITS_CALL_ID)
+    model_config = ConfigDict(json_schema_extra=TOOL_MESSAGE_RULES)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
