@@ -264,13 +264,15 @@ def test_trusted_server_schema_refuses_what_the_server_refuses(served_tokenizer:
     messages = [{"role": "user", "content": "hi"}]
     bodies = [{"messages": messages, "chat_template_kwargs": {"x": 1}},
               {"messages": messages, "chat_template_kwargs": {"tokenize": True}},
-              {"prompt": "hi", "chat_template": "{{ messages }}"}, {"prompt": "hi", "chat_template_kwargs": {"x": 1}}]
+              {"prompt": "hi", "chat_template": "{{ messages }}"},
+              {"prompt": "hi", "messages": None, "chat_template_kwargs": {"x": 1}},
+              {"prompt": "hi", "messages": messages, "chat_template": "{{ messages }}"}]
     schema, *answers = _call(served_tokenizer, [("GET", "/openapi.json", None)]
                              + [("POST", "/tokenize", body) for body in bodies], trust_request_chat_template=True)
-    assert [answer.status_code for answer in answers] == [200, 400, 400, 400]
+    assert [answer.status_code for answer in answers] == [200, 400, 400, 400, 400]
     assert [answer.json()["error"]["param"] for answer in answers[1:]] == [
-        "chat_template_kwargs.tokenize", "chat_template", "chat_template_kwargs"]
-    assert [_schema_accepts(schema.json(), "/tokenize", body) for body in bodies] == [True, False, False, False]
+        "chat_template_kwargs.tokenize", "chat_template", "chat_template_kwargs", "prompt"]
+    assert [_schema_accepts(schema.json(), "/tokenize", body) for body in bodies] == [True, False, False, False, False]
 
 
 CALL = {"id": "call-1", "type": "function", "function": {"name": "f", "arguments": "{}"}}

@@ -84,15 +84,18 @@ HEALTH_HEAD_RESPONSES: dict[int | str, dict[str, Any]] = {
           "content": None},
 }
 
-# /tokenize takes exactly one of prompt and messages.
-TOKENIZE_ONE_OF = {"oneOf": [
-    {"required": ["prompt"], "properties": {
-        # The template fields apply to messages only ({} asks for nothing).
-        "prompt": {"type": "string"}, "chat_template": {"type": "null"},
+# /tokenize takes exactly one of prompt and messages; the template fields
+# apply to messages only ({} asks for nothing).
+TOKENIZE_ONE_OF = {
+    "oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+    ],
+    "anyOf": [{"required": ["messages"], "properties": {"messages": {"type": "array"}}}, {"properties": {
+        "chat_template": {"type": "null"},
         "chat_template_kwargs": {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]},
-    }},
-    {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
-]}
+    }}],
+}
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)
