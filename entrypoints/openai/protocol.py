@@ -12,6 +12,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError
 
 from pagedllm.core.errors import InvalidRequestError
@@ -342,7 +343,7 @@ class TextContentPart(OpenAIBaseModel):
 
 # OpenAI's rules, stated in the schema (check_tool_messages enforces them):
 # a tool message names the call it answers; only assistant messages carry calls.
-TOOL_MESSAGE_RULES = {"allOf": [
+TOOL_MESSAGE_RULES: JsonDict = {"allOf": [
     {"anyOf": [
         {"properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}}},
         {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
