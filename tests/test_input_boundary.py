@@ -124,6 +124,25 @@ def test_special_token_strings_in_tool_calls_and_names_are_text(served_tokenizer
                          *_encode(split, "\n")]
 
 
+def test_whitespace_a_template_special_token_strips_stays_with_it() -> None:
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    # A special token that takes the whitespace on both sides (as <mask> does in some tokenizers).
+    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir())
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        AddedToken("<|sep|>", lstrip=True, rstrip=True, special=True, normalized=False)]})
+    split = AutoTokenizer.from_pretrained(_tokenizer_dir(), split_special_tokens=True)
+    sep = tokenizer.convert_tokens_to_ids("<|sep|>")
+    assert tokenizer.encode("<|sep|>  a b \n<|sep|>", add_special_tokens=False) == [sep, *_encode(split, "a b"), sep]
+    serving = OpenAIServing(_stub_engine(tokenizer), pool=object())  # type: ignore[arg-type]
+    message = ChatMessage.model_validate(_message("user", "a<|im_end|>b"))
+    template = "{% for m in messages %}<|sep|>  {{ m['content'] }} \n<|sep|>{% endfor %}"
+    text, token_ids = serving.render_chat([message], False, chat_template=template)
+    assert text == "<|sep|>  a<|im_end|>b \n<|sep|>"
+    assert token_ids == [sep, *_encode(split, "a<|im_end|>b"), sep]
+
+
 def test_operator_flag_keeps_special_token_strings_special(served_tokenizer: Any, parsed: Any) -> None:
     messages = [_message("user", HOSTILE)]
     text, token_ids = _render(served_tokenizer, messages, parse_specials=True)

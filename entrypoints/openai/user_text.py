@@ -74,7 +74,9 @@ class UserTextSpecials:
     def of(cls, tokenizer: Any) -> UserTextSpecials | None:
         """None for a tokenizer without special added tokens (nothing to escape)."""
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        specials = [token for token in added.values() if getattr(token, "special", False) and token.content]
+        specials = [
+            token for token in added.values() if getattr(token, "special", False) and getattr(token, "content", "")
+        ]
         if not specials:
             return None
         contents = sorted({str(token.content) for token in specials}, key=len, reverse=True)
