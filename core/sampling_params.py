@@ -32,6 +32,16 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_STRINGS = 1024
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# bad_words: each word bans its last token wherever the rest was just
+# generated; checked against every row's output after every step.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
+# allowed_token_ids: the set a request may sample from (vLLM has no bound;
+# one keeps a request's mask small to build).
+MAX_ALLOWED_TOKEN_IDS = 65536
+# logprob_token_ids: these tokens' logprobs take the place of the top-k, so
+# the bound is logprobs' own (vLLM allows 128).
+MAX_LOGPROB_TOKEN_IDS = MAX_LOGPROBS
 # Float knobs stay far below float32's max, so the sampler's tensors stay
 # finite (-inf / inf and inf * 0 are NaN, and NaN wins argmax).
 MAX_TEMPERATURE = 1e6
@@ -220,11 +230,33 @@ class SamplingParams:
     # token id -> bias added to its logit before any sampling step (OpenAI's
     # logit_bias, in [-100, 100]); None (or empty) = no bias.
     logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (vLLM's allowed_token_ids); None = all.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated (vLLM's bad_words): the last token of a word is
+    # banned whenever the tokens before it were just generated. The input
+    # processor tokenizes them (with and without a leading space) into
+    # bad_words_token_ids, which is what the sampler reads.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    # Logprobs of exactly these token ids at every sampled position, in place
+    # of the top-`logprobs` (vLLM's logprob_token_ids); `logprobs` must be
+    # None or their count.
+    logprob_token_ids: list[int] | None = None
+    # Keep only the last k prompt tokens (-1: the last max_model_len - 1,
+    # "left"), or the first k ("right"); None = no truncation.
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
 
     def __post_init__(self) -> None:
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        self.allowed_token_ids = _normalize_token_ids("allowed_token_ids", self.allowed_token_ids,
+                                                      MAX_ALLOWED_TOKEN_IDS, allow_empty=False)
+        self.logprob_token_ids = _normalize_token_ids("logprob_token_ids", self.logprob_token_ids,
+                                                      MAX_LOGPROB_TOKEN_IDS, allow_empty=False)
+        self.bad_words = _normalize_bad_words(self.bad_words)
+        self.bad_words_token_ids = _normalize_bad_words_token_ids(self.bad_words_token_ids)
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self._verify()
         self.temperature = float(self.temperature)
@@ -270,6 +302,27 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 check_int(name, value, 0, MAX_LOGPROBS, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.logprob_token_ids is not None and self.logprobs is not None \
+                and self.logprobs != len(self.logprob_token_ids):
+            raise InvalidRequestError(
+                "logprob_token_ids", f"<{len(self.logprob_token_ids)} ids>",
+                f"logprobs ({self.logprobs}) must be None or the number of logprob_token_ids",
+            )
+        if self.truncate_prompt_tokens is not None:
+            check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1, INT64_MAX,
+                      f"must be None, -1 (the context's length) or an integer in [1, {INT64_MAX}]")
+            if self.truncate_prompt_tokens == 0:
+                raise InvalidRequestError("truncate_prompt_tokens", 0, "must be None, -1 or at least 1")
+        if self.truncation_side not in ("left", "right"):
+            raise InvalidRequestError("truncation_side", short_value(self.truncation_side), "must be 'left' or 'right'")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Logprobs per sampled position besides the sampled token's: `logprobs`,
+        or the number of `logprob_token_ids`; None when none were asked for."""
+        if self.logprob_token_ids is not None:
+            return len(self.logprob_token_ids)
+        return self.logprobs
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -325,6 +378,13 @@ class SamplingParams:
             check_int("stop_token_ids", token_id, 0, vocab_size - 1, f"token ids must be in [0, {vocab_size})")
         for token_id in self.logit_bias or {}:
             check_int("logit_bias", token_id, 0, vocab_size - 1, f"keys must be token ids in [0, {vocab_size})")
+        for name in ("allowed_token_ids", "logprob_token_ids"):
+            for token_id in getattr(self, name) or ():
+                check_int(name, token_id, 0, vocab_size - 1,
+                          f"token ids must be in [0, {vocab_size}) (the vocabulary size is {vocab_size})")
+        for word_token_ids in self.bad_words_token_ids or ():
+            for token_id in word_token_ids:
+                check_int("bad_words", token_id, 0, vocab_size - 1, f"token ids must be in [0, {vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value > vocab_size:
@@ -390,3 +450,50 @@ def _normalize_logit_bias(logit_bias: Any) -> dict[int, float] | None:
                       f"biases must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         normalized[token_id] = float(bias)
     return normalized or None
+
+
+def _normalize_token_ids(field: str, token_ids: Any, max_ids: int, allow_empty: bool) -> list[int] | None:
+    """A list of token ids (ints in int64; the vocabulary is checked later, by
+    validate_vocab), at most `max_ids` of them, or None."""
+    if token_ids is None:
+        return None
+    if not isinstance(token_ids, (list, tuple)):
+        raise InvalidRequestError(field, short_value(token_ids), "must be a list of token ids or None")
+    if not token_ids and not allow_empty:
+        raise InvalidRequestError(field, [], "must not be empty (omit it instead)")
+    if len(token_ids) > max_ids:
+        raise InvalidRequestError(field, f"<{len(token_ids)} ids>", f"at most {max_ids} ids")
+    for token_id in token_ids:
+        check_int(field, token_id, 0, INT64_MAX, f"every id must be an integer in [0, {INT64_MAX}]")
+    return list(token_ids)
+
+
+def _normalize_bad_words(bad_words: Any) -> list[str] | None:
+    """Distinct non-empty strings, in order (vLLM drops repeats); None when none."""
+    if bad_words is None:
+        return None
+    if not isinstance(bad_words, (list, tuple)):
+        raise InvalidRequestError("bad_words", short_value(bad_words), "must be a list of strings or None")
+    if len(bad_words) > MAX_BAD_WORDS:
+        raise InvalidRequestError("bad_words", f"<{len(bad_words)} words>", f"at most {MAX_BAD_WORDS} words")
+    for word in bad_words:
+        if not isinstance(word, str) or not word:
+            raise InvalidRequestError("bad_words", short_value(word), "every word must be a non-empty string")
+        if len(word) > MAX_BAD_WORD_CHARS:
+            raise InvalidRequestError("bad_words", f"<a word of {len(word)} characters>",
+                                      f"each word has at most {MAX_BAD_WORD_CHARS} characters")
+    return list(dict.fromkeys(bad_words)) or None
+
+
+def _normalize_bad_words_token_ids(token_ids: Any) -> list[list[int]] | None:
+    """The tokenized bad words (two forms per word at most), as the core gets them."""
+    if token_ids is None:
+        return None
+    if not isinstance(token_ids, (list, tuple)) or len(token_ids) > 2 * MAX_BAD_WORDS:
+        raise InvalidRequestError("bad_words_token_ids", short_value(token_ids),
+                                  f"must be a list of at most {2 * MAX_BAD_WORDS} token id lists")
+    return [
+        # A character is at most 4 byte-level tokens.
+        _normalize_token_ids("bad_words_token_ids", word, 4 * MAX_BAD_WORD_CHARS, allow_empty=False) or []
+        for word in token_ids
+    ] or None

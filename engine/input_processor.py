@@ -6,7 +6,8 @@ both turn a prompt and its SamplingParams into engine requests here.
     output_processor.add_request(request)
     client.add_requests(request.engine_requests())   # "0_req-0", "1_req-0"
 
-`process` checks the priority and cache salt, tokenizes, validates the prompt
+`process` checks the priority and cache salt, tokenizes (and truncates, with
+`truncate_prompt_tokens`), validates the prompt
 and the params against the core's READY figures (max_model_len, vocab size,
 and the structured-output spec, which it compiles under the time limit),
 then fans `n > 1` out into child requests. Every check raises
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.engine import validate_prompt
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.int_limits import check_priority
+from pagedllm.engine.bad_words import bad_words_token_ids
 from pagedllm.engine.tokenizer import check_token_ids
 from pagedllm.engine.wire import EngineCoreRequest, sampling_params_to_dict
 from pagedllm.logits_processors.factory import LogitsProcessorArgs
@@ -137,10 +139,31 @@ class InputProcessor:
             token_ids = self.tokenizer.encode(text)
         return text, check_token_ids(token_ids), prompt.get("cache_salt")
 
+    def truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt cut to `params.truncate_prompt_tokens` (vLLM's: the last k
+        tokens, or the first k with truncation_side "right"; -1 = as many as
+        leave one token to generate); the same list when nothing is cut."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        if k == -1:
+            k = self.max_model_len - 1
+        elif k >= self.max_model_len:
+            raise InvalidRequestError(
+                "truncate_prompt_tokens", k,
+                f"must be below max_model_len ({self.max_model_len}) so that a token can be generated",
+            )
+        if len(prompt_token_ids) <= k:
+            return prompt_token_ids
+        return prompt_token_ids[:k] if params.truncation_side == "right" else prompt_token_ids[-k:]
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """The checks before anything reaches the core; returns the effective
         max_tokens. Blocking (a structured-output spec compiles under its time
-        limit): the server runs it off the event loop, then passes `validated`."""
+        limit): the server runs it off the event loop, then passes `validated`.
+        Tokenizes `params.bad_words` into `params.bad_words_token_ids`."""
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
         validate_prompt(prompt_token_ids, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         max_tokens = params.validate_against(self.max_model_len, len(prompt_token_ids), self.vocab_size)
         if params.structured_outputs is not None:
@@ -165,6 +188,7 @@ class InputProcessor:
         these very token ids and params) and fan out one request."""
         check_priority(priority)
         text, prompt_token_ids, prompt_salt = self.tokenize(prompt)
+        prompt_token_ids = self.truncate(prompt_token_ids, params)
         cache_salt = prompt_salt if cache_salt is None else cache_salt
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt", cache_salt, "must be a string or None")

@@ -75,6 +75,8 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    # logprob_token_ids: the entries after the sampled token are those ids, not a top-k.
+    explicit_logprob_ids: bool = False
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     finish_reason: str | None = None
@@ -236,7 +238,7 @@ class OutputProcessor:
                 skip_special_tokens=getattr(params, "skip_special_tokens", True),
                 spaces_between_special_tokens=getattr(params, "spaces_between_special_tokens", True),
             )
-        want_logprobs = getattr(params, "logprobs", None) is not None
+        want_logprobs = getattr(params, "num_logprobs", None) is not None
         state = RequestState(
             request_id=request_id,
             external_request_id=request.request_id,
@@ -252,6 +254,7 @@ class OutputProcessor:
             metrics=RequestMetrics(arrival_time=request.arrival_time),
             logprobs=[] if want_logprobs else None,
             cumulative_logprob=0.0 if want_logprobs else None,
+            explicit_logprob_ids=getattr(params, "logprob_token_ids", None) is not None,
             prompt_logprobs=[] if getattr(params, "prompt_logprobs", None) is not None else None,
             max_tokens=getattr(params, "max_tokens", None),
         )
@@ -361,7 +364,7 @@ class OutputProcessor:
             state.output_token_ids.extend(new_token_ids)
         if state.logprobs is not None and engine_output.new_logprobs:
             for entry in engine_output.new_logprobs:
-                state.logprobs.append(self._to_logprob_dict(entry))
+                state.logprobs.append(self._to_logprob_dict(entry, ranked=not state.explicit_logprob_ids))
                 state.cumulative_logprob = (state.cumulative_logprob or 0.0) + entry.logprobs[0]
         if state.prompt_logprobs is not None and engine_output.new_prompt_logprobs:
             state.prompt_logprobs.extend(
@@ -427,13 +430,14 @@ class OutputProcessor:
             metrics=parent.metrics(),
         )
 
-    def _to_logprob_dict(self, entry: LogprobEntry) -> dict[int, Logprob]:
-        # Index 0 is the chosen token with its own rank; then top-k ranked 1..k.
+    def _to_logprob_dict(self, entry: LogprobEntry, ranked: bool = True) -> dict[int, Logprob]:
+        # Index 0 is the chosen token with its own rank; then top-k ranked 1..k
+        # (or, not `ranked`, the request's logprob_token_ids, whose ranks are not computed).
         logprobs: dict[int, Logprob] = {}
         for position, (token_id, logprob) in enumerate(zip(entry.token_ids, entry.logprobs, strict=True)):
             if position > 0 and token_id in logprobs:
                 continue  # the chosen token is also in the top-k
-            rank = entry.rank if position == 0 else position
+            rank = entry.rank if position == 0 else (position if ranked else None)
             logprobs[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=self._decode_token(token_id))
         return logprobs
 

@@ -18,6 +18,7 @@ import torch
 
 from pagedllm.spec_decode.rejection_sampler import DraftLayout, rejection_sample
 from pagedllm.worker.sampler import SampledTokens, SamplingMetadata, gather_logprobs, to_logprob_entries
+from pagedllm.worker.token_controls import explicit_logprob_token_ids
 
 if TYPE_CHECKING:
     from pagedllm.core.sampling_params import SamplingParams
@@ -67,7 +68,9 @@ def verify_drafts(
     token_ids = [[t for t in row if t >= 0] for row in emitted]
     if metadata.max_num_logprobs is None:
         return SampledTokens(token_ids, None)
-    return SampledTokens(token_ids, _emitted_logprobs(raw_logits, layout, token_ids, metadata.max_num_logprobs))
+    return SampledTokens(
+        token_ids, _emitted_logprobs(raw_logits, layout, requests, token_ids, metadata.max_num_logprobs)
+    )
 
 
 def _row_sampling_metadata(
@@ -87,8 +90,11 @@ def _row_sampling_metadata(
     for state, request_drafts in zip(requests, drafts, strict=True):
         prompt = state.token_ids[: state.num_prompt_tokens]
         request_params = state.sampling_params
-        # Only penalties and min_tokens read the output ids: skip the copies otherwise.
-        sees_drafts = not _no_penalties(request_params) or len(state.output_token_ids) < request_params.min_tokens
+        # Only penalties, min_tokens and bad words read the output ids: skip the copies otherwise.
+        sees_drafts = (
+            not _no_penalties(request_params) or len(state.output_token_ids) < request_params.min_tokens
+            or bool(request_params.bad_words_token_ids)
+        )
         for position in range(len(request_drafts) + 1):
             if state.generator is not None:
                 row_generators[len(params)] = state.generator
@@ -133,7 +139,11 @@ def _draft_probs(
 
 
 def _emitted_logprobs(
-    raw_logits: torch.Tensor, layout: DraftLayout, token_ids: list[list[int]], num_logprobs: int
+    raw_logits: torch.Tensor,
+    layout: DraftLayout,
+    requests: Sequence[CachedRequestState],
+    token_ids: list[list[int]],
+    num_logprobs: int,
 ) -> list[list[LogprobEntry]]:
     """Per request, one entry per emitted token.
 
@@ -143,8 +153,10 @@ def _emitted_logprobs(
     rows = [row_start[i] + j for i, tokens in enumerate(token_ids) for j in range(len(tokens))]
     flat_token_ids = [t for tokens in token_ids for t in tokens]
     raw_logprobs = raw_logits[torch.tensor(rows, device=device)].log_softmax(dim=-1)
+    row_params = [state.sampling_params for state, tokens in zip(requests, token_ids, strict=True) for _ in tokens]
+    explicit = explicit_logprob_token_ids(row_params, raw_logits.shape[-1], device)
     entries = to_logprob_entries(
-        gather_logprobs(raw_logprobs, num_logprobs, torch.tensor(flat_token_ids, device=device))
+        gather_logprobs(raw_logprobs, num_logprobs, torch.tensor(flat_token_ids, device=device), explicit)
     )
     per_request: list[list[LogprobEntry]] = []
     next_entry = 0

@@ -268,7 +268,7 @@ class ModelRunner:
         """The sampling tensors of these rows: built when the sampling requests
         change, reused while the same requests sample in the same order (a
         decode batch in steady state) unless they depend on the requests'
-        outputs (penalties, a min_tokens still ahead)."""
+        outputs (penalties, a min_tokens still ahead, bad words)."""
         cached = self._cached_sampling
         if cached is not None and len(cached[0]) == len(sampling_states) and all(
             state is cached_state for state, cached_state in zip(sampling_states, cached[0], strict=True)
@@ -284,7 +284,10 @@ class ModelRunner:
             eos_token_ids=[s.eos_token_id for s in sampling_states],
             default_generator=self.generator,
         )
-        reusable = metadata.no_penalties and metadata.min_tokens_mask is None
+        controls = metadata.token_controls
+        reusable = metadata.no_penalties and metadata.min_tokens_mask is None and not (
+            controls is not None and controls.depends_on_output
+        )
         self._cached_sampling = (sampling_states, metadata) if reusable else None
         return metadata
 
@@ -297,7 +300,7 @@ class ModelRunner:
             state.token_ids.extend(token_ids)
             state.output_token_ids.extend(token_ids)
             output.sampled_token_ids[state.req_id] = token_ids
-            num_logprobs = state.sampling_params.logprobs
+            num_logprobs = state.sampling_params.num_logprobs
             if sampled.logprobs is not None and num_logprobs is not None:
                 output.logprobs[state.req_id] = [_trim(entry, num_logprobs) for entry in sampled.logprobs[i]]
 

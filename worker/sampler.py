@@ -1,6 +1,7 @@
 """Logits processing and sampling, with vLLM V1 semantics.
 
-Order: raw logprobs -> grammar bitmask (structured output) -> logit bias ->
+Order: raw logprobs -> grammar bitmask (structured output) -> allowed_token_ids
+and bad_words (worker/token_controls.py) -> logit bias ->
 min_tokens stop masking -> logits processors (plugins) -> penalties -> greedy
 argmax | (temperature -> argmax-invariant logits processors -> min_p -> top_k
 -> top_p -> exponential-race sampling).
@@ -19,6 +20,7 @@ from pagedllm.core.sampling_params import SamplingParams, SamplingType
 from pagedllm.core.scheduler_output import LogprobEntry
 from pagedllm.worker.grammar_bitmask import apply_token_bitmask_inplace
 from pagedllm.worker.logits_processor_rows import apply_logits_processors
+from pagedllm.worker.token_controls import TokenControls
 
 if TYPE_CHECKING:
     from pagedllm.logits_processors.interface import LogitsProcessor
@@ -102,6 +104,8 @@ class SamplingMetadata:
     # The loaded logits processors (plugins), already told this step's rows
     # (worker/logits_processor_rows.py). Set by the model runner.
     logits_processors: Sequence[LogitsProcessor] = ()
+    # allowed_token_ids, bad_words, logprob_token_ids; None when no row uses them.
+    token_controls: TokenControls | None = None
 
     @classmethod
     def build(
@@ -130,7 +134,7 @@ class SamplingMetadata:
         temperature = floats([1.0 if g else p.temperature for p, g in zip(params, is_greedy_list, strict=True)])
         top_k, top_p, min_p = _truncation_tensors(params, vocab_size, device)
 
-        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+        logprob_counts = [p.num_logprobs for p in params if p.num_logprobs is not None]
         no_penalties = all(
             p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
             for p in params
@@ -158,6 +162,7 @@ class SamplingMetadata:
             vocab_size=vocab_size,
             default_generator=default_generator,
             logit_bias=_logit_bias(params, vocab_size, device),
+            token_controls=TokenControls.build(params, output_token_ids, vocab_size, device),
         )
 
 
@@ -310,8 +315,15 @@ def random_sample(
     return argmax_rows(probs.div(q.clamp_(min=_TINY)))
 
 
-def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:
-    """Top `num_logprobs` of each row plus `token_ids`' logprob and 1-based rank."""
+def gather_logprobs(
+    logprobs: torch.Tensor,
+    num_logprobs: int,
+    token_ids: torch.Tensor,
+    explicit: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> LogprobsTensors:
+    """Top `num_logprobs` of each row plus `token_ids`' logprob and 1-based
+    rank; `explicit` (rows, ids [R, K <= num_logprobs]) puts those rows'
+    logprob_token_ids in place of their top-k."""
     token_ids = token_ids.long()
     token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1))
     # Rank as vLLM: how many logprobs are >= the chosen token's.
@@ -322,6 +334,11 @@ def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.
         values = torch.cat([token_logprobs, top_logprobs], dim=1)
     else:
         ids, values = token_ids.unsqueeze(1), token_logprobs
+    if explicit is not None:
+        rows, explicit_ids = explicit
+        columns = slice(1, 1 + explicit_ids.shape[1])
+        ids[rows, columns] = explicit_ids
+        values[rows, columns] = logprobs[rows].gather(1, explicit_ids)
     return LogprobsTensors(ids, values, ranks)
 
 
@@ -341,18 +358,23 @@ class Sampler(nn.Module):
 
         logprobs_tensors = None
         if raw_logprobs is not None and metadata.max_num_logprobs is not None:
-            logprobs_tensors = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
+            controls = metadata.token_controls
+            logprobs_tensors = gather_logprobs(
+                raw_logprobs, metadata.max_num_logprobs, sampled, controls.logprob_token_ids if controls else None
+            )
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Grammar bitmask, logit bias, min_tokens stop masking, the logits
-        processors that are not argmax-invariant, and penalties:
+        """Grammar bitmask, allowed_token_ids and bad_words, logit bias,
+        min_tokens stop masking, the logits processors that are not argmax-invariant, and penalties:
         the logits greedy rows take the argmax of (float32 in, float32 out)."""
         if metadata.grammar_bitmask is not None:
             bitmask, rows = metadata.grammar_bitmask
             logits = logits.contiguous()
             apply_token_bitmask_inplace(logits, bitmask, rows)
+        if metadata.token_controls is not None:
+            logits = metadata.token_controls.apply(logits)
         if metadata.logit_bias is not None:
             bias_rows, bias_token_ids, biases = metadata.logit_bias
             # Out of place: the caller may still read the raw logits (logprobs).
