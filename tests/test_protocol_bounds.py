@@ -1,7 +1,7 @@
 """Every integer field of the request bodies has bounds (in the OpenAPI schema
 too): a value past them is a 400 naming the field with a short message,
 never an int that reaches msgpack, a tensor or a tokenizer. logit_bias keys
-become ints; best_of other than n is refused, not ignored."""
+become ints; best_of other than n is refused, not ignored (and not in the schema)."""
 
 from __future__ import annotations
 
@@ -100,7 +100,6 @@ def test_integer_past_its_bound_is_refused_naming_the_field(
         (CompletionRequest, "max_tokens", 1, INT64_MAX),
         (CompletionRequest, "logprobs", 0, MAX_LOGPROBS),
         (CompletionRequest, "prompt_logprobs", 0, MAX_LOGPROBS),
-        (CompletionRequest, "best_of", 1, MAX_N),
         (ChatCompletionRequest, "max_completion_tokens", 1, INT64_MAX),
         (ChatCompletionRequest, "top_logprobs", 0, MAX_LOGPROBS),
     ],
@@ -157,3 +156,9 @@ def test_best_of_other_than_n_is_refused(n: int, best_of: int) -> None:
 @pytest.mark.parametrize(("n", "best_of"), [(1, None), (1, 1), (4, 4)])
 def test_best_of_omitted_or_equal_to_n_is_accepted(n: int, best_of: int | None) -> None:
     assert _params(CompletionRequest, n=n, best_of=best_of).n == n
+
+
+def test_best_of_is_left_out_of_the_schema_which_cannot_say_equal_to_n() -> None:
+    # The schema lists only what is served: best_of = n changes nothing, any
+    # other value is refused, so a schema-valid body never has a refused best_of.
+    assert "best_of" not in CompletionRequest.model_json_schema()["properties"]

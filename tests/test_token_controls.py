@@ -113,7 +113,8 @@ def test_token_controls_cross_the_engine_wire() -> None:
     wire = CoreInputDecoder().decode(CoreInputEncoder().encode(AddRequests(request.engine_requests())))
     assert isinstance(wire, AddRequests)
     rebuilt = from_engine_core_request(wire.requests[0]).sampling_params
-    assert (rebuilt.allowed_token_ids, rebuilt.bad_words_token_ids, rebuilt.logprob_token_ids) == ([1, 2], [[3, 4], [5]], [6])
+    controls = (rebuilt.allowed_token_ids, rebuilt.bad_words_token_ids, rebuilt.logprob_token_ids)
+    assert controls == ([1, 2], [[3, 4], [5]], [6])
     assert (rebuilt.truncate_prompt_tokens, rebuilt.truncation_side, rebuilt.num_logprobs) == (-1, "right", 1)
 
 

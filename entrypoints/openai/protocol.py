@@ -12,14 +12,18 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic.json_schema import JsonDict
+from pydantic.json_schema import JsonDict, SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.int_limits import INT64_MAX, INT64_MIN, short_value
 from pagedllm.core.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROB_TOKEN_IDS,
     MAX_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
     MAX_WHITESPACE,
@@ -28,7 +32,14 @@ from pagedllm.core.sampling_params import (
 )
 from pagedllm.engine.outputs import RequestOutputKind
 from pagedllm.entrypoints.openai.surrogates import find_unpaired_surrogate
-from pagedllm.entrypoints.openai.unsupported import RefusedChatFields, RefusedMessageFields, check_content_parts
+from pagedllm.entrypoints.openai.unsupported import (
+    RefusedChatFields,
+    RefusedCompletionFields,
+    RefusedMessageFields,
+    RefusedStreamOptions,
+    RefusedVllmFields,
+    check_content_parts,
+)
 
 # Most samples one request may ask for (OpenAI's limit); each is an engine request.
 MAX_N = 128
@@ -68,7 +79,7 @@ class OpenAIBaseModel(BaseModel):
 # --------------------------------------------------------------- requests
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(OpenAIBaseModel, RefusedStreamOptions):
     include_usage: bool = False
 
 
@@ -105,7 +116,10 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     max_whitespace: int | None = Field(None, ge=0, le=MAX_WHITESPACE)
 
 
-class SamplingFields(OpenAIBaseModel):
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+class SamplingFields(OpenAIBaseModel, RefusedVllmFields):
     """Fields shared by /v1/completions and /v1/chat/completions; the vLLM
     extras (`top_k`, `min_p`, ...) arrive through the client's `extra_body`."""
 
@@ -145,6 +159,21 @@ class SamplingFields(OpenAIBaseModel):
     # vLLM's per-request arguments of the server's logits processors (the
     # openai client's extra_body={"vllm_xargs": {...}}): SamplingParams.extra_args.
     vllm_xargs: dict[Annotated[str, Field(max_length=256)], XargValue] | None = Field(None, max_length=MAX_XARGS)
+    # vLLM's token controls (ids are checked against the vocabulary by SamplingParams.validate_vocab).
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = (
+        Field(None, max_length=MAX_BAD_WORDS)
+    )
+    # Their logprobs in place of the top-k (and they turn logprobs on).
+    logprob_token_ids: list[TokenId] | None = Field(None, max_length=MAX_LOGPROB_TOKEN_IDS)
+    # -1: as many as leave room for one generated token; must be below max_model_len.
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | Literal[-1] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    # Legacy: the best of best_of samples. Not implemented (vLLM V1 neither):
+    # omitted or equal to n, else a 400 rather than silently ignored. Left
+    # out of the OpenAPI schema, which cannot say "equal to n": the schema
+    # lists what is served, and best_of = n changes nothing.
+    best_of: SkipJsonSchema[int | None] = Field(None, ge=1, le=MAX_N)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """`response_format` or `structured_outputs` as StructuredOutputsParams
@@ -176,6 +205,10 @@ class SamplingFields(OpenAIBaseModel):
         prompt_logprobs: int | None,
         extra_stop_token_ids: list[int] | None = None,
     ) -> SamplingParams:
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(
+                "best_of", self.best_of, f"not supported; best_of must equal n ({self.n}) or be omitted"
+            )
         stop_token_ids = list(self.stop_token_ids or [])
         for token_id in extra_stop_token_ids or []:
             if token_id not in stop_token_ids:
@@ -201,8 +234,14 @@ class SamplingFields(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            logprobs=logprobs,
+            # NOTE: as vLLM, explicit ids take the place of the top-k.
+            logprobs=None if self.logprob_token_ids else logprobs,
             prompt_logprobs=prompt_logprobs,
+            logprob_token_ids=self.logprob_token_ids or None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side or "left",
             structured_outputs=self.structured_outputs_params(),
             logit_bias=self.logit_bias_by_token_id(),
             extra_args=dict(self.vllm_xargs) if self.vllm_xargs else None,
@@ -254,7 +293,7 @@ def _large_token_id_prompt(value: Any) -> bool:
     )
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, RefusedCompletionFields):
     # NOTE: non-empty at every level, so the OpenAPI schema admits only what is served.
     prompt: (
         Annotated[str, Field(min_length=1)]
@@ -265,10 +304,6 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
-    # Legacy: the best of best_of samples. Not implemented (vLLM V1 neither):
-    # omitted or equal to n, else a 400 rather than silently ignored.
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
     # vLLM extras
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True
@@ -278,18 +313,10 @@ class CompletionRequest(SamplingFields):
     def _large_token_ids_in_python(cls, value: Any, handler: Any) -> Any:
         return value if _large_token_id_prompt(value) else handler(value)
 
-    def sampling_params(
-        self,
-        max_tokens: int | None,
-        logprobs: int | None,
-        prompt_logprobs: int | None,
-        extra_stop_token_ids: list[int] | None = None,
-    ) -> SamplingParams:
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequestError(
-                "best_of", self.best_of, f"not supported; best_of must equal n ({self.n}) or be omitted"
-            )
-        return super().sampling_params(max_tokens, logprobs, prompt_logprobs, extra_stop_token_ids)
+    def num_top_logprobs(self) -> int | None:
+        """Entries per position besides the chosen token (logprob_token_ids
+        count), or None: no logprobs in the answer."""
+        return len(self.logprob_token_ids) if self.logprob_token_ids else self.logprobs
 
 
 # ---- tools (function calling); the logic is in tool_calls.py
@@ -399,6 +426,10 @@ class ChatCompletionRequest(SamplingFields, RefusedChatFields):
     tools: list[ChatCompletionToolsParam] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
     parallel_tool_calls: bool = True
+
+    def wants_logprobs(self) -> bool:
+        """logprobs: true, or logprob_token_ids (which turn them on)."""
+        return self.logprobs or bool(self.logprob_token_ids)
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.sampling_params import MAX_LOGPROBS
 from pagedllm.entrypoints.openai.errors import OpenAIServingError
+from pagedllm.entrypoints.openai.fast_tokenizer import decode_tokens
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogprob,
     ChatCompletionLogProbs,
@@ -84,13 +85,18 @@ class OpenAIServingChat(OpenAIServing):
         """Render and tokenize, build the sampling parameters, validate.
         Blocking (the template, a long prompt, a grammar check): runs in the pool."""
         tools = plan_tool_calls(request, self.tool_parser_cls)
+        # A prompt to truncate may be longer than the context.
+        max_num_tokens = None if request.truncate_prompt_tokens is not None else self.max_model_len - 1
         text, token_ids = self.render_chat(
             request.messages, request.add_generation_prompt, request.chat_template, request.chat_template_kwargs,
-            max_num_tokens=self.max_model_len - 1, tools=tools.template_tools(),
+            max_num_tokens=max_num_tokens, tools=tools.template_tools(),
         )
         forced = tools.structured_outputs()
         try:
             params = self.build_sampling_params(request)
+            truncated = self.engine.input_processor.truncate(token_ids, params)
+            if truncated is not token_ids:
+                text, token_ids = decode_tokens(self.tokenizer, truncated), truncated
             if forced is not None:  # required / named: the grammar writes the calls
                 params.structured_outputs = forced
             self.validate_prompt(token_ids, params, request)
@@ -176,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
                 # possible stop string, possible tool-call markup) makes a
                 # chunk only to carry its logprobs.
                 if not deltas and completion.finish_reason is None and not (
-                    request.logprobs and completion.token_ids
+                    request.wants_logprobs() and completion.token_ids
                 ):
                     continue
                 deltas = deltas or [DeltaMessage()]
@@ -219,13 +225,16 @@ class OpenAIServingChat(OpenAIServing):
     def _logprobs(
         self, request: ChatCompletionRequest, token_ids: list[int], logprobs: SampleLogprobs | None
     ) -> ChatCompletionLogProbs | None:
-        if not request.logprobs or logprobs is None:
+        if not request.wants_logprobs() or logprobs is None:
             return None
         num_top = request.top_logprobs or 0
         content = []
         for token_id, entry in zip(token_ids, logprobs, strict=False):
             chosen = entry[token_id]
-            ranked = sorted(entry.items(), key=lambda item: item[1].logprob, reverse=True)[:num_top]
+            if request.logprob_token_ids:  # exactly these, in the order asked
+                ranked = [(top_id, entry[top_id]) for top_id in request.logprob_token_ids]
+            else:
+                ranked = sorted(entry.items(), key=lambda item: item[1].logprob, reverse=True)[:num_top]
             content.append(ChatCompletionLogprob(
                 **self._top_logprob(token_id, chosen).model_dump(),
                 top_logprobs=[self._top_logprob(top_id, top) for top_id, top in ranked],

@@ -42,8 +42,6 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
         self.check_stream_options(request.stream, request.stream_options)
-        if request.suffix is not None:
-            raise OpenAIServingError(400, "suffix: not supported", "suffix")
         # All prompts x n at once, or a 400 / 503, before any prompt is tokenized.
         # NOTE: the schema makes prompt non-empty; its first item says its form.
         prompt = request.prompt
@@ -77,11 +75,11 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prepare(self, request: CompletionRequest) -> tuple[list[tuple[str | None, list[int]]], SamplingParams]:
         """Tokenize, build the sampling parameters, validate every prompt.
         Blocking (a long prompt, a grammar check): runs in the pool."""
-        prompts = self._tokenize_prompts(request)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         params = request.sampling_params(
             request.max_tokens, request.logprobs, prompt_logprobs or request.prompt_logprobs
         )
+        prompts = [self._truncate(text, token_ids, params) for text, token_ids in self._tokenize_prompts(request)]
         for _, token_ids in prompts:
             self.validate_prompt(token_ids, params, request)
         if request.echo:  # the echoed text of token-id prompts, decoded here rather than on the loop
@@ -98,14 +96,24 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_list = list(prompt)
         if not prompt_list:
             raise OpenAIServingError(400, "prompt: at least one prompt is required", "prompt")
+        # A prompt to truncate may be longer than the context.
+        max_num_tokens = None if request.truncate_prompt_tokens is not None else self.max_model_len - 1
         return [
             (item, encode_text(
-                self.tokenizer, item, request.add_special_tokens, self.max_model_len - 1,
+                self.tokenizer, item, request.add_special_tokens, max_num_tokens,
                 split_special_tokens=self.split_special_tokens,
             ))
             if isinstance(item, str) else (None, list(item))
             for item in prompt_list
         ]
+
+    def _truncate(
+        self, text: str | None, token_ids: list[int], params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """truncate_prompt_tokens applied; a cut prompt's text is what is left
+        (decoded when echoed), as vLLM echoes it."""
+        truncated = self.engine.input_processor.truncate(token_ids, params)
+        return (text, token_ids) if truncated is token_ids else (None, truncated)
 
     def _prompt_text(self, text: str | None, token_ids: list[int]) -> str:
         return text if text is not None else decode_tokens(self.tokenizer, token_ids)
@@ -126,7 +134,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for completion in sorted(output.outputs, key=lambda c: c.index):
                 num_generated += len(completion.token_ids)
                 logprobs = None
-                if request.logprobs is not None:
+                if request.num_top_logprobs() is not None:
                     echo_ids = token_ids if request.echo else []
                     logprobs = self._logprobs(
                         request, echo_ids, output.prompt_logprobs, completion.token_ids, completion.logprobs, 0
@@ -179,11 +187,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 # A token whose text is held back (a partial character, a
                 # possible stop string) makes a chunk only to carry its logprobs.
                 if not delta_text and completion.finish_reason is None and not (
-                    request.logprobs is not None and token_ids
+                    request.num_top_logprobs() is not None and token_ids
                 ):
                     continue
                 logprobs = None
-                if request.logprobs is not None:
+                if request.num_top_logprobs() is not None:
                     logprobs = self._logprobs(
                         request, echo_ids, echo_logprobs, list(token_ids), top_logprobs, text_offsets[index]
                     )
@@ -211,8 +219,8 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionLogProbs:
         """Echoed prompt positions first (the first one's logprob is null), then
         the generated ones; each top_logprobs dict holds the chosen token and
-        the top `logprobs` (vLLM's layout)."""
-        num_top = request.logprobs or 0
+        the top `logprobs`, or the logprob_token_ids (vLLM's layout)."""
+        num_top = request.num_top_logprobs() or 0
         all_ids = list(prompt_token_ids) + list(token_ids)
         prompt_entries: list[Any] = list(prompt_logprobs or [None] * len(prompt_token_ids))
         prompt_entries += [None] * (len(prompt_token_ids) - len(prompt_entries))

@@ -1,11 +1,14 @@
-"""OpenAI request fields pagedllm does not implement yet, and the ones it
-accepts and ignores on purpose. Both lists are explicit.
+"""OpenAI and vLLM request fields pagedllm does not implement yet, and the
+ones it accepts and ignores on purpose. All lists are explicit.
 
 A client that sends `audio` and gets plain text back cannot tell it
 was never seen, so every field of UNSUPPORTED_CHAT_FIELDS with a value is a
-400 naming it (until it is implemented). Fields some client libraries add on
-their own (IGNORED_FIELDS) change nothing about the answer and are accepted;
-any other unknown field is ignored too (`extra="ignore"`), as OpenAI does.
+400 naming it (until it is implemented). The fields of vLLM's protocol that
+would change the answer (VLLM_REFUSED_*) are a 400 too, unless they carry
+the value that changes nothing (`use_beam_search: false`, `length_penalty: 1`).
+Fields some client libraries add on their own (IGNORED_FIELDS) change
+nothing about the answer and are accepted; any other unknown field is
+ignored too (`extra="ignore"`), as OpenAI does.
 
 The refused fields are left out of the OpenAPI schema (`SkipJsonSchema`):
 the schema describes what the server accepts.
@@ -25,22 +28,140 @@ UNSUPPORTED_CHAT_FIELDS = (
 )
 # Message fields of the deprecated function calling (use tool_calls) and audio output.
 UNSUPPORTED_MESSAGE_FIELDS = ("function_call", "audio")
-# Accepted and ignored: bookkeeping for OpenAI's own platform, no effect on the output.
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+# Accepted and ignored: bookkeeping for OpenAI's own platform, no effect on the
+# output (vLLM's return_token_offsets only acts on its /render routes).
+IGNORED_FIELDS = (
+    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "return_token_offsets",
+)
+# vLLM's fields of both routes that pagedllm does not implement, with the
+# values that change nothing (None is always one).
+VLLM_REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "logits_processors": (),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "request_id": (),
+    "kv_transfer_params": (),
+    "ec_transfer_params": (),
+    "repetition_detection": (),
+    "thinking_token_budget": (-1,),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structural_tag": (),
+}
+# vLLM's chat-only fields pagedllm does not implement.
+VLLM_REFUSED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
+    "echo": (False,),
+    "continue_final_message": (False,),
+    "add_special_tokens": (False,),
+    "documents": (),
+    "include_reasoning": (True,),
+    "mm_processor_kwargs": ({},),
+    "media_io_kwargs": ({},),
+    "prompt_logprobs": (),
+}
+# Completion-only fields: OpenAI's suffix (insert mode) and vLLM's prompt_embeds.
+VLLM_REFUSED_COMPLETION_FIELDS: dict[str, tuple[Any, ...]] = {"suffix": (), "prompt_embeds": ()}
+# What to send instead, where the server has it.
+REFUSAL_HINTS = {
+    "guided_json": "use structured_outputs.json",
+    "guided_regex": "use structured_outputs.regex",
+    "guided_choice": "use structured_outputs.choice",
+    "guided_grammar": "use structured_outputs.grammar",
+    "guided_decoding_backend": "use structured_outputs.backend",
+    "structural_tag": "use structured_outputs.structural_tag",
+    "logits_processors": "the server's logits processors take per-request arguments in vllm_xargs",
+    "prompt_logprobs": "it is served on /v1/completions",
+}
 # Content-part types of OpenAI's chat messages that pagedllm cannot read (it serves text models).
 UNSUPPORTED_CONTENT_PARTS = ("image_url", "input_audio", "file", "refusal")
 
 
-def refuse(value: Any, field: str) -> Any:
-    if value is not None:
+def refuse(value: Any, field: str, no_op_values: tuple[Any, ...] = ()) -> Any:
+    if value is not None and not any(_same(value, no_op) for no_op in no_op_values):
+        hint = REFUSAL_HINTS.get(field, "remove the field")
         raise PydanticCustomError(
-            "unsupported_field", "{field} is not supported by this server yet; remove the field",
-            {"field": field},
+            "unsupported_field", "{field} is not supported by this server yet; {hint}", {"field": field, "hint": hint},
         )
     return value
 
 
-class RefusedChatFields(BaseModel):
+def _same(value: Any, no_op: Any) -> bool:
+    """JSON equality: 1 is 1.0, but false is not 0."""
+    if isinstance(value, bool) or isinstance(no_op, bool):
+        return value is no_op
+    if isinstance(no_op, float):
+        return isinstance(value, (int, float)) and value == no_op
+    return type(value) is type(no_op) and value == no_op
+
+
+class RefusedVllmFields(BaseModel):
+    use_beam_search: SkipJsonSchema[Any] = None
+    length_penalty: SkipJsonSchema[Any] = None
+    logits_processors: SkipJsonSchema[Any] = None
+    return_tokens_as_token_ids: SkipJsonSchema[Any] = None
+    return_token_ids: SkipJsonSchema[Any] = None
+    request_id: SkipJsonSchema[Any] = None
+    kv_transfer_params: SkipJsonSchema[Any] = None
+    ec_transfer_params: SkipJsonSchema[Any] = None
+    repetition_detection: SkipJsonSchema[Any] = None
+    thinking_token_budget: SkipJsonSchema[Any] = None
+    guided_json: SkipJsonSchema[Any] = None
+    guided_regex: SkipJsonSchema[Any] = None
+    guided_choice: SkipJsonSchema[Any] = None
+    guided_grammar: SkipJsonSchema[Any] = None
+    guided_decoding_backend: SkipJsonSchema[Any] = None
+    guided_whitespace_pattern: SkipJsonSchema[Any] = None
+    structural_tag: SkipJsonSchema[Any] = None
+
+    @field_validator(*VLLM_REFUSED_FIELDS, mode="before")
+    @classmethod
+    def _refuse_vllm(cls, value: Any, info: Any) -> Any:
+        return refuse(value, info.field_name, VLLM_REFUSED_FIELDS[info.field_name])
+
+
+class RefusedVllmChatFields(BaseModel):
+    echo: SkipJsonSchema[Any] = None
+    continue_final_message: SkipJsonSchema[Any] = None
+    add_special_tokens: SkipJsonSchema[Any] = None
+    documents: SkipJsonSchema[Any] = None
+    include_reasoning: SkipJsonSchema[Any] = None
+    mm_processor_kwargs: SkipJsonSchema[Any] = None
+    media_io_kwargs: SkipJsonSchema[Any] = None
+    prompt_logprobs: SkipJsonSchema[Any] = None
+
+    @field_validator(*VLLM_REFUSED_CHAT_FIELDS, mode="before")
+    @classmethod
+    def _refuse_vllm_chat(cls, value: Any, info: Any) -> Any:
+        return refuse(value, info.field_name, VLLM_REFUSED_CHAT_FIELDS[info.field_name])
+
+
+class RefusedCompletionFields(BaseModel):
+    suffix: SkipJsonSchema[Any] = None
+    prompt_embeds: SkipJsonSchema[Any] = None
+
+    @field_validator(*VLLM_REFUSED_COMPLETION_FIELDS, mode="before")
+    @classmethod
+    def _refuse_completion(cls, value: Any, info: Any) -> Any:
+        return refuse(value, info.field_name, VLLM_REFUSED_COMPLETION_FIELDS[info.field_name])
+
+
+class RefusedStreamOptions(BaseModel):
+    # vLLM's usage in every chunk.
+    continuous_usage_stats: SkipJsonSchema[Any] = None
+
+    @field_validator("continuous_usage_stats", mode="before")
+    @classmethod
+    def _refuse_stream_option(cls, value: Any, info: Any) -> Any:
+        return refuse(value, "stream_options.continuous_usage_stats", (False,))
+
+
+class RefusedChatFields(RefusedVllmChatFields):
     functions: SkipJsonSchema[Any] = None
     function_call: SkipJsonSchema[Any] = None
     audio: SkipJsonSchema[Any] = None
