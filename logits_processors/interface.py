@@ -84,8 +84,8 @@ class LogitsProcessor(ABC):
 
     Built once per worker as ``ProcessorCls(config, device)`` for every name in
     ``model.logits_processors`` (``--logits-processors``). Non-argmax-invariant
-    processors run after the grammar bitmask, ``logit_bias`` and
-    ``min_tokens`` and before the penalties, on the logits greedy rows take
+    processors run after the grammar bitmask, ``allowed_token_ids``,
+    ``bad_words``, ``logit_bias`` and ``min_tokens`` and before the penalties, on the logits greedy rows take
     the argmax of; argmax-invariant ones (``is_argmax_invariant()`` True) run
     only for random rows, after the temperature (vLLM's order).
     """
