@@ -243,3 +243,31 @@ def test_truncate_prompt_tokens_at_the_context_length_is_refused(llm: LLM) -> No
         _run(llm, SamplingParams(truncate_prompt_tokens=64), PROMPT)
     assert info.value.field == "truncate_prompt_tokens"
     assert "max_model_len (64)" in info.value.limit
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def test_speculative_decoding_verifies_drafts_under_the_token_controls(llm: LLM, tokenizer: Any) -> None:
+    spec_llm = LLM(model=str(_model_path()), dtype="float32", num_kv_blocks=128, max_model_len=64,
+                   speculative_config=NGRAM)
+    prompt = {"prompt_token_ids": [11, 12, 13, 14, 11, 12, 13, 14, 11, 12]}
+    plain = list(_run(llm, _greedy(), prompt).outputs[0].token_ids)
+    stats = spec_llm.engine_core.engine_core.scheduler.total_spec_decoding_stats
+    for params in [
+        _greedy(bad_words=[tokenizer.decode(plain[1:3]).strip()]),
+        # A repeating allowed set: n-gram lookup drafts it, so drafts are verified under the mask.
+        _greedy(allowed_token_ids=[11, 12, 13, 14], logprob_token_ids=[11, 13]),
+        # Unbanned, the output cycles 12, 14 and n-gram drafts follow it: a draft
+        # 12 must ban 14 at the next verified position.
+        _greedy(allowed_token_ids=[11, 12, 13, 14], bad_words_token_ids=[[12, 14]]),
+    ]:
+        accepted_before = stats.num_accepted_tokens
+        reference = _run(llm, params, prompt).outputs[0]
+        speculative = _run(spec_llm, params, prompt).outputs[0]
+        assert list(speculative.token_ids) == list(reference.token_ids)
+        assert not _contains(list(speculative.token_ids), [12, 14]) or params.bad_words_token_ids is None
+        for got, expected in zip(speculative.logprobs or [], reference.logprobs or [], strict=True):
+            assert {t: e.logprob for t, e in got.items()} == pytest.approx({t: e.logprob for t, e in expected.items()},
+                                                                          abs=1e-4)
+    assert stats.num_accepted_tokens > accepted_before
