@@ -9,6 +9,7 @@ import collections
 import contextlib
 import itertools
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import tempfile
@@ -146,6 +147,8 @@ LIVENESS_POLL_S = 0.5
 # A Shutdown message, then SIGTERM, then SIGKILL, each given this long.
 SHUTDOWN_GRACE_S = 5.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
+# How long a reader waits, once a core's process closed its sentinel, for its exit status.
+EXIT_STATUS_WAIT_S = 1.0
 
 
 class _CoreResources:
@@ -271,9 +274,25 @@ class MPClient:
 
     # ------------------------------------------------------------- liveness
 
+    @property
+    def sentinel(self) -> int | None:
+        """A file descriptor that turns readable the moment the core's
+        process exits, however it died (None for a core in a thread): what a
+        reader watches beside the output socket, whose silence proves nothing."""
+        process = self.resources.process
+        return None if process is None or process.pid is None else int(process.sentinel)
+
     def _core_alive(self) -> bool:
-        if self.resources.process is not None:
-            return bool(self.resources.process.is_alive())
+        process = self.resources.process
+        if process is not None:
+            if process.pid is None:  # never started
+                return False
+            if not multiprocessing.connection.wait([process.sentinel], 0):
+                return True
+            # NOTE: the sentinel closes a moment before the exit status can be
+            # read; wait for it so that the error can name the signal.
+            process.join(EXIT_STATUS_WAIT_S)
+            return False
         return self.resources.thread is not None and self.resources.thread.is_alive()
 
     def _exit_description(self) -> str:

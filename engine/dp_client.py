@@ -8,15 +8,19 @@ the messages).
 server); `SyncDPClient` speaks EngineCoreClient's to LLM. Each request (all
 its samples) goes to the replica the policy picks, its aborts to that
 replica, utility calls to every live replica; every replica's outputs are
-read. A replica that dies is dropped from routing: AsyncLLM fails the
-requests it held (`ReplicaFailure`) and the others keep serving; only when
-every replica is dead is the engine dead. (LLM, offline, fails on the first
+read. A replica that dies is dropped from routing the moment it is seen
+dead (the output reader watches every engine-core process's sentinel beside
+the sockets, so a death is seen whatever the other replicas send; a send to
+it, /health and every read look too): AsyncLLM fails the requests it held
+(`ReplicaFailure`), a request on its way there goes to another, and the
+others keep serving; only when every replica is dead is the engine dead. (LLM, offline, fails on the first
 replica that dies.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import time
 from typing import TYPE_CHECKING, Any
@@ -47,6 +51,8 @@ class DPAsyncMPClient:
         self.router = ReplicaRouter(config)
         self.clients: list[AsyncMPClient] = []
         self._turn = itertools.count()  # whose output is read first (fairness)
+        # Replicas found dead outside the reader (a send, /health): the reader hands these out first.
+        self._failures: collections.deque[ReplicaFailure] = collections.deque()
         try:
             for replica_config in replica_configs(config, self.router.mirrors_caches):
                 self.clients.append(AsyncMPClient(replica_config, in_thread=in_thread))
@@ -90,6 +96,14 @@ class DPAsyncMPClient:
         self.router.dead_error = error
 
     def check_alive(self) -> None:
+        """Look at every live replica now (a cheap check of its process);
+        one found dead leaves routing at once and its requests' failure waits
+        for the output reader. EngineDeadError once none is alive."""
+        for book in self.router.live():
+            try:
+                self.clients[book.index].check_alive()
+            except EngineDeadError as exc:
+                self._failures.append(self.router.died(book.index, exc))
         self.router.check_alive()
 
     @property
@@ -112,12 +126,15 @@ class DPAsyncMPClient:
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         """One request's engine requests (its samples) to the replica the policy picks."""
-        replica = self.router.route(requests)
-        try:
-            self.clients[replica].add_requests(requests)
-        except EngineDeadError:
-            self.router.unroute(replica, [request.request_id for request in requests])
-            raise
+        while True:
+            replica = self.router.route(requests)  # EngineDeadError once none is alive
+            try:
+                self.clients[replica].add_requests(requests)
+                return
+            except EngineDeadError as exc:
+                # Died since it was last looked at: out of routing, and on to another.
+                self.router.unroute(replica, [request.request_id for request in requests])
+                self._failures.append(self.router.died(replica, exc))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for replica, mine in self.router.abort(request_ids).items():
@@ -129,22 +146,31 @@ class DPAsyncMPClient:
         self, timeout_s: float = LIVENESS_POLL_S
     ) -> EngineCoreOutputs | ReplicaFailure | None:
         """The next outputs of any replica, a replica's failure, or None when
-        nothing came within `timeout_s` (EngineDeadError once none is alive)."""
-        self.check_alive()
+        nothing came within `timeout_s` (EngineDeadError once none is alive).
+
+        NOTE: each replica's death is seen whatever the others send: the
+        poll also watches every engine-core process's sentinel (readable the
+        moment it exits), and every call looks at every replica first."""
+        if not self._failures:
+            self.check_alive()
+        if self._failures:
+            return self._failures.popleft()
         live = [book.index for book in self.router.live()]
         poller = zmq.asyncio.Poller()
         for replica in live:
-            poller.register(self.clients[replica].output_socket_for_loop(), zmq.POLLIN)
+            client = self.clients[replica]
+            poller.register(client.output_socket_for_loop(), zmq.POLLIN)
+            if client.sentinel is not None:
+                poller.register(client.sentinel, zmq.POLLIN)
         ready = {socket for socket, _ in await poller.poll(int(timeout_s * 1000))}
         start = next(self._turn) % len(live)
         for replica in live[start:] + live[:start]:
             client = self.clients[replica]
-            if ready and client.output_socket_for_loop() not in ready:
+            if client.output_socket_for_loop() not in ready:
                 continue
             try:
-                # Nothing ready anywhere: a liveness check of each (timeout 0).
                 message = await client.get_output_async(0.0)
-            except EngineDeadError as exc:
+            except EngineDeadError as exc:  # an EngineDead notice
                 return self.router.died(replica, exc)
             if message is not None:
                 return self.router.observe(replica, message)
