@@ -118,4 +118,8 @@ def _error(status: int, message: str) -> JSONResponse:
 def run_proxy(prefill_url: str, decode_url: str, host: str, port: int) -> None:
     import uvicorn
 
-    uvicorn.run(build_app(prefill_url, decode_url), host=host, port=port, log_level="info")
+    from pagedllm.entrypoints.openai.draining_server import CleanExitServer
+
+    # Not uvicorn.run: it re-raises SIGTERM after shutting down, so the process would exit -15.
+    CleanExitServer(uvicorn.Config(build_app(prefill_url, decode_url), host=host, port=port,
+                                   log_level="info")).run()

@@ -49,7 +49,25 @@ logger = logging.getLogger(__name__)
 DRAIN_POLL_S = 0.05
 
 
-class DrainingServer(uvicorn.Server):
+class CleanExitServer(uvicorn.Server):
+    """uvicorn's Server, minus re-raising the handled signal once serving is
+    over: uvicorn would, so the process would die *by* SIGTERM (exit -15)
+    instead of exiting 0 after a clean shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original_handlers = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original_handlers.items():
+                signal.signal(sig, handler)
+
+
+class DrainingServer(CleanExitServer):
     def __init__(
         self, config: uvicorn.Config, engine: AsyncLLM, *, drain_timeout_s: float,
         keep_alive_on_engine_death: bool = False,
@@ -93,16 +111,3 @@ class DrainingServer(uvicorn.Server):
         num_ended = self.engine.end_all_requests(reason)
         if num_ended:
             logger.warning("ended %d unfinished request(s) with 503: %s", num_ended, reason)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        # uvicorn's, minus re-raising the handled signal once serving is over.
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        original_handlers = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in original_handlers.items():
-                signal.signal(sig, handler)

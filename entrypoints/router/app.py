@@ -311,11 +311,15 @@ def _error(status: int, message: str) -> JSONResponse:
 
 def run_router(backend_urls: list[str], *, policy: str, host: str, port: int, api_key: str | None,
                backend_api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    """Serve until SIGTERM / SIGINT, then exit 0 (uvicorn's own run would
+    re-raise the signal, so the process would die by it)."""
     import uvicorn
+
+    from pagedllm.entrypoints.openai.draining_server import CleanExitServer
 
     app = build_app(backend_urls, policy=policy, api_key=api_key, backend_api_key=backend_api_key,
                     max_body_bytes=max_body_bytes)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    CleanExitServer(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
 
 
 __all__ = ["Router", "build_app", "run_router"]
