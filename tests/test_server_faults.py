@@ -4,9 +4,10 @@ stopped (SIGSTOP), SIGTERM with requests in flight, admission by sequences
 
 The documented policies checked here (serve()'s docstring): a dead engine
 core ends every request in flight with 503 (a stream: an error chunk, then
-[DONE]) and the API process exits 1; SIGTERM refuses new connections, lets
-requests finish for `server.drain_timeout_s`, ends the rest with 503 and
-exits 0; no process is left behind either way.
+[DONE]) and the API process exits 1; SIGTERM turns new requests away with
+503 (/health: `"status": "draining"`, on a connection it still accepts),
+lets requests finish for `server.drain_timeout_s`, ends the rest with 503
+and exits 0; no process is left behind either way.
 """
 
 from __future__ import annotations
@@ -252,7 +253,7 @@ def test_client_disconnects_are_counted_once_per_sample_as_abort(server: ServerP
 # ----------------------------------------------------------------- shutdown
 
 
-def test_sigterm_drains_short_requests_then_ends_long_ones_with_503_and_exits_0(model_dir: Path) -> None:
+def test_sigterm_drains_short_requests_with_health_draining_then_ends_long_ones_with_503_and_exits_0(model_dir: Path) -> None:
     with start_server(model_dir, *SERVER_ARGS, "--drain-timeout-s", str(DRAIN_TIMEOUT_S)) as srv:
         url = f"{srv.base_url}/v1/completions"
         long_non_streaming = NonStreaming(url, completion("long, not streamed"))
@@ -268,8 +269,15 @@ def test_sigterm_drains_short_requests_then_ends_long_ones_with_503_and_exits_0(
                 descendants = srv.descendants()
                 srv.process.send_signal(signal.SIGTERM)
                 signalled_at = time.monotonic()
-                # New connections are refused while the old ones drain.
-                assert wait_until(lambda: health_status(srv) == "refused", timeout_s=HANG_GUARD_S)
+                # While the old requests drain, /health answers on a new connection: 503, draining.
+                assert wait_until(lambda: health_status(srv) == 503, timeout_s=HANG_GUARD_S)
+                health = httpx.get(f"{srv.base_url}/health", timeout=30)
+                assert (health.status_code, health.json()["status"]) == (503, "draining")
+                assert (health.json()["error"]["code"], health.headers["connection"]) == (503, "close")
+                assert httpx.head(f"{srv.base_url}/health", timeout=30).status_code == 503
+                # A new request is turned away at once, with the reason.
+                refused = httpx.post(url, json=completion("too late", max_tokens=2), timeout=30)
+                assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
                 assert srv.process.poll() is None
                 events = [line for line in lines if line]
                 stream_ended_at = time.monotonic()

@@ -75,7 +75,8 @@ HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The engine core answered a ping in time (no body; with data-parallel replicas "
                          "of which some died: `{\"status\": \"degraded\", \"replicas\": [...]}`)",
           "content": None},
-    503: {"description": "The engine core died or did not answer within server.health_timeout_s",
+    503: {"description": "The engine core died or did not answer within server.health_timeout_s, or the "
+                         "server is draining (shutting down: `{\"status\": \"draining\", \"error\": ...}`)",
           "model": ErrorResponse},
 }
 HEALTH_HEAD_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -327,10 +328,11 @@ async def _health_problem(engine: AsyncLLM) -> str | None:
 async def serve(config: EngineConfig, engine_core: Any = None) -> None:
     """Start the engine core, then serve HTTP until a shutdown signal.
 
-    Shutdown (SIGTERM / SIGINT): new connections are refused, requests in
-    flight may finish for `server.drain_timeout_s`, then the rest end with an
-    OpenAI-shaped 503 (a stream: an error chunk, then `data: [DONE]`); the
-    engine core stops and the process exits 0 (DrainingServer).
+    Shutdown (SIGTERM / SIGINT): new requests are answered 503 (/health:
+    `"status": "draining"`), requests in flight may finish for
+    `server.drain_timeout_s`, then the rest end with an OpenAI-shaped 503 (a
+    stream: an error chunk, then `data: [DONE]`); the engine core stops and
+    the process exits 0 (DrainingServer).
 
     Engine-core death: every request in flight ends the same way (503 / an
     error chunk and [DONE]) and /health answers 503. By default the API

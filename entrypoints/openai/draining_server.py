@@ -3,9 +3,13 @@
 On SIGTERM / SIGINT uvicorn leaves its main loop and calls `shutdown()`;
 here that first
 
-1. stops accepting: the listening sockets close (a new connection is
-   refused) and every open connection closes after its current response
-   (an idle keep-alive one at once);
+1. stops taking work: every open connection closes after its current
+   response (an idle keep-alive one at once), and a request that arrives
+   from now on (a new connection is still accepted) is answered 503 and its
+   connection closed: `/health` says `{"status": "draining", "error": ...}`
+   (a load balancer's probe must see the drain, not a refused connection),
+   anything else gets the shutdown's error; the listening sockets close
+   only when the drain is over;
 2. waits until no HTTP request is in flight, at most `drain_timeout_s`
    (a second SIGINT skips the wait);
 3. ends the engine's remaining requests (`AsyncLLM.end_all_requests`): a
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import threading
@@ -37,9 +42,12 @@ import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
 
 from pagedllm.core.errors import EngineDeadError
+from pagedllm.entrypoints.openai.errors import error_body
 
 if TYPE_CHECKING:
     import socket
+
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
     from pagedllm.engine.async_llm import AsyncLLM
 
@@ -47,6 +55,30 @@ logger = logging.getLogger(__name__)
 
 # How often the drain looks whether the last request finished.
 DRAIN_POLL_S = 0.05
+
+
+class DrainGate:
+    """ASGI middleware in front of the whole app: once `draining` is set,
+    every request that arrives is answered 503 at once (what was in flight
+    before goes on), and its connection closes after the answer."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.draining = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.draining:
+            await self.app(scope, receive, send)
+            return
+        body = error_body(503, "the server is draining: it is shutting down and takes no new requests")
+        if scope["path"] == "/health":
+            body = {"status": "draining", **body}
+        content = b"" if scope["method"] == "HEAD" else json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()),
+            (b"connection", b"close"),
+        ]})
+        await send({"type": "http.response.body", "body": content})
 
 
 class CleanExitServer(uvicorn.Server):
@@ -72,6 +104,8 @@ class DrainingServer(CleanExitServer):
         self, config: uvicorn.Config, engine: AsyncLLM, *, drain_timeout_s: float,
         keep_alive_on_engine_death: bool = False,
     ) -> None:
+        self.gate = DrainGate(config.app)
+        config.app = self.gate
         super().__init__(config)
         self.engine = engine
         self.drain_timeout_s = drain_timeout_s
@@ -93,8 +127,7 @@ class DrainingServer(CleanExitServer):
 
     async def drain(self) -> None:
         """Steps 1-3 of the module docstring."""
-        for server in self.servers:
-            server.close()
+        self.gate.draining = True
         for connection in list(self.server_state.connections):
             connection.shutdown()
         loop = asyncio.get_running_loop()
