@@ -457,11 +457,24 @@ class AsyncMPClient(MPClient):
                 elif isinstance(message, EngineDead):
                     self._handle_dead(message)
         except EngineDeadError as exc:
-            for future in self._utility_futures.values():
-                if not future.done():
-                    future.set_exception(exc)
-            self._utility_futures.clear()
+            self._fail_utility_calls(exc)
             raise
+
+    def check_alive(self) -> None:
+        """MPClient's, and a dead core's utility calls fail with its error
+        (whoever finds it dead: a data-parallel front end no longer reads a
+        dead replica's socket)."""
+        try:
+            super().check_alive()
+        except EngineDeadError as exc:
+            self._fail_utility_calls(exc)
+            raise
+
+    def _fail_utility_calls(self, error: EngineDeadError) -> None:
+        for future in self._utility_futures.values():
+            if not future.done():
+                future.set_exception(error)
+        self._utility_futures.clear()
 
     def _resolve_utility(self, message: UtilityResult) -> None:
         future = self._utility_futures.pop(message.call_id, None)

@@ -12,9 +12,10 @@ read. A replica that dies is dropped from routing the moment it is seen
 dead (the output reader watches every engine-core process's sentinel beside
 the sockets, so a death is seen whatever the other replicas send; a send to
 it, /health and every read look too): AsyncLLM fails the requests it held
-(`ReplicaFailure`), a request on its way there goes to another, and the
-others keep serving; only when every replica is dead is the engine dead. (LLM, offline, fails on the first
-replica that dies.)
+that had output already (`ReplicaFailure`), those that had none yet and
+those on their way there go to another, and the others keep serving; only
+when every replica is dead is the engine dead. (LLM, offline, fails on the
+first replica that dies.)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from pagedllm.core.stats import SchedulerStats
     from pagedllm.engine.wire import EngineCoreRequest, Ready
 
+logger = logging.getLogger(__name__)
 
 class DPAsyncMPClient:
     def __init__(self, config: EngineConfig, *, in_thread: bool = False) -> None:
@@ -53,6 +56,8 @@ class DPAsyncMPClient:
         self._turn = itertools.count()  # whose output is read first (fairness)
         # Replicas found dead outside the reader (a send, /health): the reader hands these out first.
         self._failures: collections.deque[ReplicaFailure] = collections.deque()
+        # Engine request id -> its request's engine requests, until any of them has output.
+        self._unstarted: dict[str, list[EngineCoreRequest]] = {}
         try:
             for replica_config in replica_configs(config, self.router.mirrors_caches):
                 self.clients.append(AsyncMPClient(replica_config, in_thread=in_thread))
@@ -100,11 +105,34 @@ class DPAsyncMPClient:
         one found dead leaves routing at once and its requests' failure waits
         for the output reader. EngineDeadError once none is alive."""
         for book in self.router.live():
+            if not book.alive:  # found dead meanwhile (a request moved off another one)
+                continue
             try:
                 self.clients[book.index].check_alive()
             except EngineDeadError as exc:
-                self._failures.append(self.router.died(book.index, exc))
+                self._replica_died(book.index, exc)
         self.router.check_alive()
+
+    def _replica_died(self, replica: int, error: EngineDeadError) -> None:
+        """`replica` is dead: out of routing; the requests it held that had
+        no output yet go to another replica (nothing reached their clients),
+        the others' failure waits for the reader. EngineDeadError once none
+        is alive."""
+        if not self.router.books[replica].alive:  # seen twice (a nested send found it too)
+            self.router.check_alive()
+            return
+        failure = self.router.died(replica, error)
+        retried = {id(group): group for request_id in failure.request_ids
+                   if (group := self._unstarted.get(request_id)) is not None}
+        for group in retried.values():
+            self._place(group)
+        moved = {request.request_id for group in retried.values() for request in group}
+        if moved:
+            logger.warning("%s: %d request(s) it held had no output yet; sent to another replica",
+                           error, len(retried))
+        failed = [request_id for request_id in failure.request_ids if request_id not in moved]
+        if failed:
+            self._failures.append(ReplicaFailure(replica, failed, error))
 
     @property
     def errored(self) -> bool:
@@ -125,7 +153,18 @@ class DPAsyncMPClient:
     # ---------------------------------------------------------------- input
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        """One request's engine requests (its samples) to the replica the policy picks."""
+        """One request's engine requests (its samples) to the replica the
+        policy picks. They are kept until one of them has output: should
+        that replica die first, they go to another instead of failing."""
+        for request in requests:
+            self._unstarted[request.request_id] = requests
+        try:
+            self._place(requests)
+        except BaseException:
+            self._forget_unstarted([request.request_id for request in requests])
+            raise
+
+    def _place(self, requests: list[EngineCoreRequest]) -> None:
         while True:
             replica = self.router.route(requests)  # EngineDeadError once none is alive
             try:
@@ -134,9 +173,15 @@ class DPAsyncMPClient:
             except EngineDeadError as exc:
                 # Died since it was last looked at: out of routing, and on to another.
                 self.router.unroute(replica, [request.request_id for request in requests])
-                self._failures.append(self.router.died(replica, exc))
+                self._replica_died(replica, exc)
+
+    def _forget_unstarted(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            for request in self._unstarted.pop(request_id, ()):
+                self._unstarted.pop(request.request_id, None)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self._forget_unstarted(request_ids)
         for replica, mine in self.router.abort(request_ids).items():
             self.clients[replica].abort_requests(mine)
 
@@ -171,8 +216,11 @@ class DPAsyncMPClient:
             try:
                 message = await client.get_output_async(0.0)
             except EngineDeadError as exc:  # an EngineDead notice
-                return self.router.died(replica, exc)
+                self._replica_died(replica, exc)
+                return self._failures.popleft() if self._failures else None
             if message is not None:
+                if self._unstarted:
+                    self._forget_unstarted([output.request_id for output in message.outputs])
                 return self.router.observe(replica, message)
         return None
 
@@ -180,13 +228,21 @@ class DPAsyncMPClient:
 
     async def call_utility_async(self, name: str, *args: Any) -> Any:
         """Run a utility on every live replica; reset_prefix_cache: whether
-        every replica reset, else the first replica's answer."""
+        every replica reset, else the first replica's answer (of those that
+        answered: one that dies meanwhile leaves it to the others)."""
         results = await asyncio.gather(
-            *(self.clients[book.index].call_utility_async(name, *args) for book in self.router.live())
+            *(self.clients[book.index].call_utility_async(name, *args) for book in self.router.live()),
+            return_exceptions=True,
         )
+        for result in results:  # NOTE: a replica that died meanwhile is no answer, not an error
+            if isinstance(result, BaseException) and not isinstance(result, EngineDeadError):
+                raise result
+        answers = [result for result in results if not isinstance(result, BaseException)]
+        if not answers:
+            self.check_alive()  # EngineDeadError once none is alive
         if name == "reset_prefix_cache":
-            return all(results)
-        return results[0] if results else None
+            return all(answers)
+        return answers[0] if answers else None
 
     def replica_health(self) -> list[dict[str, Any]]:
         return self.router.health()
