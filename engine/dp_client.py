@@ -196,9 +196,7 @@ class DPAsyncMPClient:
         NOTE: each replica's death is seen whatever the others send: the
         poll also watches every engine-core process's sentinel (readable the
         moment it exits), and every call looks at every replica first."""
-        if not self._failures:
-            self.check_alive()
-        if self._failures:
+        if self._failed():
             return self._failures.popleft()
         live = [book.index for book in self.router.live()]
         poller = zmq.asyncio.Poller()
@@ -208,10 +206,12 @@ class DPAsyncMPClient:
             if client.sentinel is not None:
                 poller.register(client.sentinel, zmq.POLLIN)
         ready = {socket for socket, _ in await poller.poll(int(timeout_s * 1000))}
+        if self._failed():  # first: a dead replica's requests with no output must not get any now
+            return self._failures.popleft()
         start = next(self._turn) % len(live)
         for replica in live[start:] + live[:start]:
             client = self.clients[replica]
-            if client.output_socket_for_loop() not in ready:
+            if client.output_socket_for_loop() not in ready or not self.router.books[replica].alive:
                 continue
             try:
                 message = await client.get_output_async(0.0)
@@ -223,6 +223,12 @@ class DPAsyncMPClient:
                     self._forget_unstarted([output.request_id for output in message.outputs])
                 return self.router.observe(replica, message)
         return None
+
+    def _failed(self) -> bool:
+        """Whether a replica's failure waits to be handed out (every replica looked at first)."""
+        if not self._failures:
+            self.check_alive()
+        return bool(self._failures)
 
     # ------------------------------------------------------------ utilities
 

@@ -27,7 +27,9 @@ from helpers.server import is_alive, start_server, wait_until
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.config import EngineConfig
+from pagedllm.core.errors import EngineDeadError
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.dp_client import DPAsyncMPClient
 from pagedllm.engine.outputs import RequestOutputKind
 
 pytestmark = pytest.mark.slow
@@ -150,6 +152,52 @@ def test_prefix_aware_routes_each_family_to_its_cache_and_beats_load_only_routin
     # New families spread over both replicas.
     assert all(_metric(prefix_text, "pagedllm:router_requests_total", replica) > 0 for replica in (0, 1))
     assert hits["prefix_aware"] > hits["round_robin"] and hits["prefix_aware"] > hits["least_loaded"]
+
+
+# ------------------------------------------------------- a replica that dies
+
+
+async def _tokens(llm: AsyncLLM, prompt: list[int], request_id: str) -> tuple[list[int], str | None]:
+    async for output in llm.generate(prompt, PARAMS, request_id, output_kind=RequestOutputKind.FINAL_ONLY):
+        last = output
+    return list(last.outputs[0].token_ids), last.outputs[0].finish_reason
+
+
+async def _replica_dies_after_taking_a_request() -> None:
+    config = EngineConfig.from_flat(model="tiny", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS,
+                                    data_parallel_size=2, routing_policy="round_robin")
+    llm = AsyncLLM(config, in_process=True)
+    try:
+        prompt, long_prompt = _prompts(2, 40, seed=6)
+        # Round robin: "running" on replica 0 (it has output), "reference" on replica 1.
+        running = llm.generate(long_prompt, SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True),
+                               "running")
+        assert (await anext(running)).outputs[0].token_ids
+        expected = await _tokens(llm, prompt, "reference")
+        dp = llm.engine_core
+        assert isinstance(dp, DPAsyncMPClient)
+        replica0 = dp.clients[0]
+        take = replica0.add_requests
+
+        def take_then_die(requests: list[Any]) -> None:
+            take(requests)  # (a core in a thread cannot be killed: its client says it died)
+            replica0.dead_error = EngineDeadError("replica 0 died after it took the request")
+
+        replica0.add_requests = take_then_die  # type: ignore[method-assign]
+        # "moved" goes to replica 0 (its turn), which dies before any of it came back.
+        assert await _tokens(llm, prompt, "moved") == expected
+        with pytest.raises(EngineDeadError, match="replica 0 died"):
+            async for _ in running:
+                pass
+        assert [book.num_routed for book in dp.router.books] == [2, 2]  # "moved" routed twice
+        assert [(r["replica"], r["alive"]) for r in llm.replica_health() or []] == [(0, False), (1, True)]
+        assert await _tokens(llm, prompt, "after") == expected  # replica 1 serves on
+    finally:
+        llm.shutdown()
+
+
+def test_requests_with_no_output_move_off_a_dead_replica_and_those_with_output_fail() -> None:
+    asyncio.run(_replica_dies_after_taking_a_request())
 
 
 # ---------------------------------------------------------------- the server
@@ -285,7 +333,9 @@ def test_serve_dp2_gives_a_single_engines_tokens_and_survives_a_dead_replica() -
         after = [o for o in run.outcomes if o.started_at > run.noticed_at]
         assert len(after) >= LOAD_CLIENTS
         assert [(o.status, o.error) for o in after] == [(200, None)] * len(after)
-        health = httpx.get(f"{server.base_url}/health").json()
+        response = httpx.get(f"{server.base_url}/health")
+        assert response.status_code == 200, response.text  # (not 503: no health ping waits on the dead one)
+        health = response.json()
         assert health["status"] == "degraded"
         assert [(r["replica"], r["alive"]) for r in health["replicas"]] == [(0, False), (1, True)]
         for prompt in prompts:  # every new request goes to the survivor
