@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 class DPAsyncMPClient:
     def __init__(self, config: EngineConfig, *, in_thread: bool = False) -> None:
         self.router = ReplicaRouter(config)
