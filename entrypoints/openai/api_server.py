@@ -81,8 +81,8 @@ HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 HEALTH_HEAD_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The engine core answered a ping in time", "content": None},
-    503: {"description": "The engine core died or did not answer within server.health_timeout_s",
-          "content": None},
+    503: {"description": "The engine core died or did not answer within server.health_timeout_s, or the "
+                         "server is draining", "content": None},
 }
 
 # /tokenize takes exactly one of prompt and messages; the template fields
