@@ -36,7 +36,7 @@ import logging
 import signal
 import threading
 from collections.abc import Generator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
@@ -104,7 +104,8 @@ class DrainingServer(CleanExitServer):
         self, config: uvicorn.Config, engine: AsyncLLM, *, drain_timeout_s: float,
         keep_alive_on_engine_death: bool = False,
     ) -> None:
-        self.gate = DrainGate(config.app)
+        # NOTE: the config's app is an ASGI app object (serve()'s FastAPI app), not an import string.
+        self.gate = DrainGate(cast("ASGIApp", config.app))
         config.app = self.gate
         super().__init__(config)
         self.engine = engine
