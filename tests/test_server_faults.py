@@ -253,7 +253,9 @@ def test_client_disconnects_are_counted_once_per_sample_as_abort(server: ServerP
 # ----------------------------------------------------------------- shutdown
 
 
-def test_sigterm_drains_short_requests_with_health_draining_then_ends_long_ones_with_503_and_exits_0(model_dir: Path) -> None:
+def test_sigterm_drains_short_requests_with_health_draining_then_ends_long_ones_with_503_and_exits_0(
+    model_dir: Path,
+) -> None:
     with start_server(model_dir, *SERVER_ARGS, "--drain-timeout-s", str(DRAIN_TIMEOUT_S)) as srv:
         url = f"{srv.base_url}/v1/completions"
         long_non_streaming = NonStreaming(url, completion("long, not streamed"))
