@@ -5,10 +5,13 @@ completions back to back; once every client finished one, SIGKILL one
 replica's engine-core process; the load goes on for `--after-s` seconds
 while /health is polled every 20 ms. The table:
 
-- time to notice: from the kill to the first /health that says degraded
-  (resolution: the poll period plus one /health round trip);
-- in-flight requests' time to error: from the kill to the end (error event
-  or 503) of each request that was running when the replica died;
+- time to notice: from the kill to the first /health that is not a plain
+  200 (it should say degraded; resolution: the poll period plus one /health
+  round trip);
+- requests in flight at the kill (on either replica) and how many failed
+  (those the dead replica held that had output already: the others move to
+  the survivor), with their time to error: from the kill to the end (error
+  event or 503) of each;
 - new requests failed / total: requests started after the kill, and those
   started after the notice (the bound: under 2 % of new requests failed);
 - the /health states seen after the kill, in order, with their counts.
@@ -140,8 +143,8 @@ def _report(run: dict[str, object], args: argparse.Namespace) -> None:
     killed_at, noticed_s = run["killed_at"], run["noticed_s"]
     outcomes: list[Outcome] = run["outcomes"]  # type: ignore[assignment]
     assert isinstance(killed_at, float)
-    in_flight = [o for o in outcomes if o.started_at < killed_at < o.ended_at and o.failed]
-    to_error = sorted(o.ended_at - killed_at for o in in_flight)
+    in_flight = [o for o in outcomes if o.started_at < killed_at < o.ended_at]
+    to_error = sorted(o.ended_at - killed_at for o in in_flight if o.failed)
     new = [o for o in outcomes if o.started_at > killed_at]
     after_notice = [o for o in new if noticed_s is not None and o.started_at > killed_at + noticed_s]
     states = [(state, len(list(group))) for state, group in itertools.groupby(s for _, s in run["health"])]  # type: ignore[attr-defined]
@@ -151,8 +154,9 @@ def _report(run: dict[str, object], args: argparse.Namespace) -> None:
         return f"{count} / {len(share)} ({100 * count / max(len(share), 1):.1f} %)"
 
     rows = [
-        ("time to notice (/health degraded)", "never" if noticed_s is None else f"{noticed_s * 1000:.0f} ms"),
-        ("in-flight requests failed by the kill", str(len(in_flight))),
+        ("time to notice (first /health not a plain 200)",
+         "never" if noticed_s is None else f"{noticed_s * 1000:.0f} ms"),
+        ("requests in flight at the kill: failed / all", f"{len(to_error)} / {len(in_flight)}"),
         ("  their time to error: median / max",
          f"{to_error[len(to_error) // 2] * 1000:.0f} / {to_error[-1] * 1000:.0f} ms" if to_error else "-"),
         ("new requests failed / total (after the kill)", failed(new)),
