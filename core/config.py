@@ -114,6 +114,10 @@ class SchedulerConfig(_Section):
     # holding a request that needs its previous token first (a grammar) run
     # synchronously; with a drafter or a KV connector every step does.
     async_scheduling: bool = False
+    # Share the seats (max_num_seqs) between requests while others wait: one
+    # request's many sequences (prompts x n) never keep a newer request out
+    # (core/fair_share.py). False: plain first-come-first-served / priority.
+    fair_share: bool = True
 
 
 class DeviceConfig(_Section):

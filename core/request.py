@@ -69,8 +69,12 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        group_id: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # The sequences of one API request (its prompts and n samples) share
+        # it; fair sharing (core/fair_share.py) divides seats between groups.
+        self.group_id = request_id if group_id is None else group_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.sampling_params = sampling_params

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from pagedllm.core.errors import ConfigError, InvalidRequestError, KVTransferError
+from pagedllm.core.fair_share import FairShare
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
@@ -76,6 +78,8 @@ class _ScheduledBatch:
     cached_reqs: dict[str, CachedRequestData] = field(default_factory=dict)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # A running request was preempted because the free blocks ran out.
+    preempted_for_blocks: bool = False
 
     def add(self, request_id: str, num_new_tokens: int) -> None:
         self.num_scheduled_tokens[request_id] = num_new_tokens
@@ -132,6 +136,7 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.fair_share = scheduler_config.fair_share
         self._check_budget_fits_a_sequence(max_model_len)
 
         self.requests: dict[str, Request] = {}
@@ -203,8 +208,11 @@ class Scheduler:
         batch = _ScheduledBatch(self.max_num_batched_tokens, now=time.time())
         self._schedule_running(batch)
         # Waiting requests get a turn unless this step already had to preempt.
-        if not batch.preempted_req_ids:
-            self._schedule_waiting(batch)
+        if not batch.preempted_for_blocks and self.waiting:
+            fair = self._fair_share_now()
+            self._schedule_waiting(batch, fair)
+            if fair is not None and self._yield_seat(batch, fair):
+                self._schedule_waiting(batch, fair)
         scheduler_output = self._make_scheduler_output(batch)
         self._update_after_schedule(batch.num_scheduled_tokens)
         return scheduler_output
@@ -269,16 +277,40 @@ class Scheduler:
         victim = self._select_victim()
         self._preempt(victim)
         batch.preempted_req_ids.add(victim.request_id)
+        batch.preempted_for_blocks = True
         batch.remove(victim.request_id)
         return victim
 
-    def _schedule_waiting(self, batch: _ScheduledBatch) -> None:
+    def _fair_share_now(self) -> FairShare | None:
+        """This step's seats per group (None when fair sharing is off)."""
+        if not self.fair_share:
+            return None
+        return FairShare(self.requests.values(), self.max_num_seqs, by_priority=self.policy == "priority")
+
+    def _yield_seat(self, batch: _ScheduledBatch, fair: FairShare) -> bool:
+        """A starved group got no seat this step: preempt (recompute) the
+        newest sequence of the group furthest above its share, so the starved
+        group can take its seat and blocks; True if one was preempted."""
+        victim = fair.victim(self.running)
+        if victim is None:
+            return False
+        self._preempt(victim)
+        fair.preempted(victim)
+        batch.preempted_req_ids.add(victim.request_id)
+        batch.remove(victim.request_id)
+        return True
+
+    def _schedule_waiting(self, batch: _ScheduledBatch, fair: FairShare | None = None) -> None:
         """Phase 2: admit waiting requests in policy order while the token
-        budget and the seats (max_num_seqs) last."""
-        # Requests not ready yet step aside for this step only.
+        budget and the seats (max_num_seqs) last; with `fair`, a group at its
+        share steps aside while a starved group waits."""
+        # Requests not ready yet (or stepping aside) keep their place, for this step only.
         not_ready: list[Request] = []
         while self.waiting and batch.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if fair is not None and fair.steps_aside(request):
+                not_ready.append(self.waiting.pop())
+                continue
             admission = self._try_admit(request, batch.token_budget)
             decision = admission.decision
             if decision is AdmitDecision.DEFER_NO_ROOM:
@@ -286,6 +318,8 @@ class Scheduler:
             self.waiting.pop()
             if decision is AdmitDecision.ADMIT:
                 self._admit(request, admission, batch)
+                if fair is not None:
+                    fair.admitted(request)
             elif decision is AdmitDecision.DEFER_NOT_READY:
                 not_ready.append(request)
             else:
@@ -477,10 +511,15 @@ class Scheduler:
         return max(0, min(num_new_tokens, token_budget, self.max_model_len - num_computed_tokens))
 
     def _select_victim(self) -> Request:
+        # Fair sharing: among equals, the group holding the most seats gives
+        # one up (else the request just admitted for a starved group would be
+        # the victim: FCFS takes the newest).
+        seats = Counter(r.group_id for r in self.running) if self.fair_share else Counter[str]()
         if self.policy == "priority":
             # Lowest priority (largest value), latest arrival among equals.
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]  # FCFS: the newest
+            return max(self.running, key=lambda r: (r.priority, seats[r.group_id], r.arrival_time))
+        # FCFS: the newest (of the largest group).
+        return max(reversed(self.running), key=lambda r: seats[r.group_id])
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

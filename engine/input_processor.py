@@ -63,7 +63,11 @@ class ProcessedRequest:
     cache_salt: str | None = None
     eos_token_id: int | None = None
 
-    def engine_requests(self) -> list[EngineCoreRequest]:
+    def engine_requests(self, group_id: str | None = None) -> list[EngineCoreRequest]:
+        """The samples as engine requests, in one fair-sharing group: `group_id`
+        (an API request's several prompts share one), else this request's id."""
+        if group_id is None and len(self.samples) > 1:
+            group_id = self.request_id
         return [
             EngineCoreRequest(
                 request_id=sample_id,
@@ -73,6 +77,7 @@ class ProcessedRequest:
                 arrival_time=self.arrival_time,
                 priority=self.priority,
                 cache_salt=self.cache_salt,
+                group_id=group_id,
             )
             for sample_id, sample_params in self.samples
         ]

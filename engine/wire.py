@@ -45,6 +45,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    # The API request it belongs to (its prompts and n samples share it; the
+    # scheduler shares seats fairly between groups); None: its own request_id.
+    group_id: str | None = None
 
 
 class AddRequests(msgspec.Struct, tag="add", array_like=True):
@@ -192,5 +195,6 @@ def from_engine_core_request(wire: EngineCoreRequest) -> Request:
         arrival_time=wire.arrival_time,
         priority=wire.priority,
         cache_salt=wire.cache_salt,
+        group_id=wire.group_id,
     )
 

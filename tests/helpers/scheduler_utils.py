@@ -40,6 +40,7 @@ def make_request(
     arrival_time: float | None = None,
     priority: int = 0,
     eos_token_id: int | None = EOS,
+    group_id: str | None = None,
     **params: object,
 ) -> Request:
     params.setdefault("temperature", 0.0)
@@ -50,6 +51,7 @@ def make_request(
         eos_token_id,
         arrival_time=arrival_time,
         priority=priority,
+        group_id=group_id,
     )
 
 
