@@ -299,6 +299,11 @@ class ServerConfig(_Section):
     # would pass it gets 503 (retry later); one that alone exceeds it gets 400.
     # NOTE: the name predates counting sequences; kept for compatibility.
     max_pending_requests: int = Field(1024, ge=1)
+    # The share of max_pending_requests one request's sequences count for at
+    # most: past it, its other sequences are accepted but queue in the
+    # scheduler uncounted, so one request at the limit leaves room for others
+    # (the engine then holds at most max_pending_requests / this sequences).
+    max_pending_share: float = Field(0.5, gt=0.0, le=1.0)
     # /health fails (503) when the engine core does not answer a ping this fast.
     health_timeout_s: float = Field(5.0, gt=0.0)
     # On SIGTERM / SIGINT: how long in-flight requests may still finish; the

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import weakref
+from collections import Counter
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,8 +69,12 @@ OUTPUT_PROC_CHUNK_SIZE = 128
 class _RequestStream:
     """Where the output task puts one request's outputs (or its error)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int) -> None:
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int, group_id: str
+    ) -> None:
         self.request_id = request_id
+        # The API request it belongs to (its admission's group, else itself).
+        self.group_id = group_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.n = n
@@ -81,19 +87,25 @@ class _RequestStream:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, None, completions, True)
 
 
+_admission_ids = itertools.count()
+
+
 class Admission:
     """Sequences reserved for one HTTP request by `AsyncLLM.admit()` before any
     of its prompts reaches the engine, so a request is admitted whole or not
-    at all; each `generate(..., admission=...)` takes its n from here.
+    at all; each `generate(..., admission=...)` takes its n from here. Its
+    prompts' sequences form one group: they share one request's part of the
+    pending limit and of the scheduler's seats.
 
     NOTE: a reservation nobody takes (a prompt never started) is released
     when the request's handler lets go of this object (AsyncLLM holds it
     weakly): there is no release call to forget."""
 
-    __slots__ = ("__weakref__", "num_reserved")
+    __slots__ = ("__weakref__", "group_id", "num_reserved")
 
     def __init__(self, num_sequences: int) -> None:
         self.num_reserved = num_sequences
+        self.group_id = f"admission-{next(_admission_ids)}"
 
     def take(self, num_sequences: int) -> bool:
         if num_sequences > self.num_reserved:
@@ -219,10 +231,29 @@ class AsyncLLM:
 
     @property
     def num_pending_sequences(self) -> int:
-        """What `server.max_pending_requests` limits: the engine sequences
-        (prompts x n) of unfinished requests plus those admitted, not yet added."""
-        reserved = sum(admission.num_reserved for admission in self._admissions)
-        return reserved + sum(stream.n for stream in self._streams.values())
+        """The engine sequences (prompts x n) of unfinished requests plus
+        those admitted, not yet added."""
+        return sum(self._pending_per_group().values())
+
+    @property
+    def num_counted_pending_sequences(self) -> int:
+        """What `server.max_pending_requests` limits: the pending sequences,
+        each request's counted up to its share (`server.max_pending_share`)."""
+        share = self._pending_share
+        return sum(min(count, share) for count in self._pending_per_group().values())
+
+    @property
+    def _pending_share(self) -> int:
+        server = self.config.server
+        return max(1, int(server.max_pending_requests * server.max_pending_share))
+
+    def _pending_per_group(self) -> Counter[str]:
+        per_group: Counter[str] = Counter()
+        for admission in self._admissions:
+            per_group[admission.group_id] += admission.num_reserved
+        for stream in self._streams.values():
+            per_group[stream.group_id] += stream.n
+        return per_group
 
     async def check_health(self) -> None:
         """Raise EngineDeadError if the engine core died, EngineUnresponsiveError
@@ -268,7 +299,8 @@ class AsyncLLM:
         before any of its prompts reaches the engine; pass the result to each
         of its `generate()` calls. InvalidRequestError (400) if it alone
         exceeds `server.max_pending_requests`, EngineOverloadedError (503)
-        if it does not fit beside the sequences already pending."""
+        if it does not fit beside the sequences already pending (each
+        request counted up to `server.max_pending_share` of the limit)."""
         self._check_accepting()
         num_sequences = num_prompts * n
         self._check_pending_limit(num_sequences, num_prompts, n)
@@ -284,9 +316,13 @@ class AsyncLLM:
                 field, value, f"{num_prompts} prompt(s) x n={n} = {num_sequences} sequences exceed the limit "
                 f"on pending sequences (server.max_pending_requests = {limit})",
             )
-        num_pending = self.num_pending_sequences
-        if num_pending + num_sequences > limit:
-            raise EngineOverloadedError(num_pending, limit, num_sequences)
+        # NOTE: a request counts for at most its share, so one request at the
+        # limit leaves room for others; its other sequences queue in the
+        # scheduler, which shares the seats between requests.
+        num_counted = min(num_sequences, self._pending_share)
+        num_pending = self.num_counted_pending_sequences
+        if num_pending + num_counted > limit:
+            raise EngineOverloadedError(num_pending, limit, num_counted)
 
     def _check_accepting(self) -> None:
         if self._refusal is not None:
@@ -357,10 +393,11 @@ class AsyncLLM:
             cache_salt=cache_salt, validated=validated,
         )
         self.output_processor.add_request(request, output_kind)
-        stream = _RequestStream(request_id, request.prompt, request.prompt_token_ids, sampling_params.n)
+        group_id = admission.group_id if admission is not None else request_id
+        stream = _RequestStream(request_id, request.prompt, request.prompt_token_ids, sampling_params.n, group_id)
         self._streams[request_id] = stream
         try:
-            self.engine_core.add_requests(request.engine_requests())
+            self.engine_core.add_requests(request.engine_requests(group_id))
         except BaseException:
             self._streams.pop(request_id, None)
             self.output_processor.abort_requests([request_id])

@@ -254,7 +254,8 @@ async def test_requests_beyond_max_pending_requests_are_refused() -> None:
 
 
 async def test_admission_counts_prompts_times_n_and_refuses_a_request_too_big_alone() -> None:
-    llm = AsyncLLM(_config(max_pending_requests=8), in_process=True)
+    # Every sequence counted (no per-request share): the exact arithmetic.
+    llm = AsyncLLM(_config(max_pending_requests=8, max_pending_share=1.0), in_process=True)
     params = SamplingParams(n=3, temperature=0.0, max_tokens=400, ignore_eos=True)
     try:
         with pytest.raises(InvalidRequestError) as too_many_samples:
@@ -288,6 +289,33 @@ async def test_admission_counts_prompts_times_n_and_refuses_a_request_too_big_al
         with pytest.raises(InvalidRequestError) as alone:
             await _collect(llm, PROMPTS[0], SamplingParams(n=9), "too-big")
         assert alone.value.field == "n"
+    finally:
+        llm.shutdown()
+
+
+async def test_a_request_counts_for_at_most_its_share_of_the_pending_limit() -> None:
+    # 8 pending sequences, half of them for one request at most.
+    llm = AsyncLLM(_config(max_pending_requests=8, max_pending_share=0.5), in_process=True)
+    params = SamplingParams(n=4, temperature=0.0, max_tokens=400, ignore_eos=True)
+    try:
+        big = llm.admit(2, 4)  # at the limit: accepted, counted as 4
+        assert (llm.num_pending_sequences, llm.num_counted_pending_sequences) == (8, 4)
+        running = [llm.generate(PROMPTS[i], params, f"big-{i}", admission=big) for i in range(2)]
+        for generator in running:
+            await generator.__anext__()
+        # Another client still gets in beside it (FCFS counting refused it: 8 + 1 > 8).
+        outputs = await _collect(llm, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=2), "small")
+        assert outputs[-1].outputs[0].finish_reason == "length"
+        assert sum(len(output.outputs[0].token_ids) for output in outputs) == 2
+        second = llm.admit(1, 4)
+        assert (llm.num_pending_sequences, llm.num_counted_pending_sequences) == (12, 8)
+        with pytest.raises(EngineOverloadedError) as overloaded:
+            llm.admit(1, 1)
+        assert (overloaded.value.num_pending, overloaded.value.num_requested, overloaded.value.limit) == (8, 1, 8)
+        del second
+        for generator in running:
+            await generator.aclose()
+        assert llm.num_pending_sequences == 0
     finally:
         llm.shutdown()
 

@@ -206,22 +206,24 @@ def test_request_of_prompts_times_n_above_the_limit_is_refused_while_a_small_one
     assert before == 0 and wait_until(lambda: num_in_engine(server) == 0, timeout_s=HANG_GUARD_S)
 
 
-def test_pending_limit_counts_sequences_not_prompts(server: ServerProcess) -> None:
+def test_pending_limit_counts_sequences_each_request_up_to_its_share(server: ServerProcess) -> None:
     url = f"{server.base_url}/v1/completions"
     with httpx.Client(timeout=60) as client:
-        # One prompt with n=12 holds 12 of the 16 pending sequences.
-        with client.stream("POST", url, json=completion("held", n=12, stream=True)) as held:
-            lines = held.iter_lines()  # NOTE: kept: a dropped line iterator closes the connection
-            assert next(lines).startswith("data: {")
+        # One prompt with n=12 is 12 sequences, but one request counts for at
+        # most half the limit (server.max_pending_share): 8 of the 16.
+        with client.stream("POST", url, json=completion("held", n=12, stream=True)) as held, \
+                client.stream("POST", url, json=completion(["p", "q"], n=3, stream=True)) as held_too:  # 8 + 6
+            lines = held.iter_lines(), held_too.iter_lines()  # NOTE: kept: a dropped iterator closes the connection
+            assert all(next(stream_lines).startswith("data: {") for stream_lines in lines)
             overloaded = client.post(url, json=completion(["x", "y"], n=3, max_tokens=4))
             assert overloaded.status_code == 503, overloaded.text
             message = overloaded.json()["error"]["message"]
-            assert "12 unfinished sequences" in message and "adds 6" in message
+            assert "14 unfinished sequences" in message and "adds 6" in message
             assert f"server.max_pending_requests) is {MAX_PENDING}" in message
-            fits = client.post(url, json=completion(["x", "y", "z", "w"], max_tokens=4))  # 12 + 4 = 16
-            assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 16
+            fits = client.post(url, json=completion(["x", "y"], max_tokens=4))  # 14 + 2 = 16
+            assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 8
             # None of the refused request's prompts reached the engine.
-            assert wait_until(lambda: num_in_engine(server) == 12, timeout_s=HANG_GUARD_S)
+            assert wait_until(lambda: num_in_engine(server) == 18, timeout_s=HANG_GUARD_S)
     assert wait_until(lambda: num_in_engine(server) == 0, timeout_s=HANG_GUARD_S)
 
 
