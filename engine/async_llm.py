@@ -451,6 +451,13 @@ class AsyncLLM:
         await self.engine_core.call_utility_async("flush_stats")
         return self.engine_core.scheduler_stats
 
+    async def memory_usage(self) -> list[dict[str, int]]:
+        """Each rank's `Worker.memory_usage()` (pid, weights, KV cache and the
+        KV cache's resident host bytes), by rank; the first data-parallel
+        replica's."""
+        await self.start()
+        return list(await self.engine_core.call_utility_async("memory_usage"))
+
     async def reset_prefix_cache(self) -> bool:
         await self.start()
         return bool(await self.engine_core.call_utility_async("reset_prefix_cache"))

@@ -70,7 +70,7 @@ class EngineCoreProc:
     """Runs an EngineCore against a pair of ZMQ sockets."""
 
     # NOTE: the only names a UtilityRequest may call; never getattr() a client's string.
-    UTILITIES = frozenset({"flush_stats", "reset_prefix_cache", "ping"})
+    UTILITIES = frozenset({"flush_stats", "reset_prefix_cache", "ping", "memory_usage"})
 
     def __init__(
         self,
@@ -79,8 +79,11 @@ class EngineCoreProc:
         output_socket: zmq.Socket[bytes],
         parent_pid: int | None = None,
         check_health: Callable[[], None] | None = None,
+        memory_usage: Callable[[], list[dict[str, int]]] | None = None,
     ) -> None:
         self.engine_core = engine_core
+        # Each rank's Worker.memory_usage() (the executor's collective call).
+        self.memory_usage = memory_usage
         # The executor's liveness check (a dead rank raises), run while idle:
         # a busy core learns of a dead rank from its step.
         self.check_health = check_health
@@ -183,6 +186,9 @@ class EngineCoreProc:
     def utility_reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def utility_memory_usage(self) -> list[dict[str, int]]:
+        return self.memory_usage() if self.memory_usage is not None else []
+
     def utility_ping(self) -> str:
         # NOTE: the answer only proves the busy loop turns (between steps);
         # it must stay free of work so /health measures the loop, not itself.
@@ -243,7 +249,8 @@ def run_engine_core(
             return
         output_socket.send(encoder.encode(ready_message(parts)))
         proc = EngineCoreProc(
-            parts.engine_core, input_socket, output_socket, parent_pid, check_health=parts.executor.check_health
+            parts.engine_core, input_socket, output_socket, parent_pid, check_health=parts.executor.check_health,
+            memory_usage=lambda: parts.executor.collective_rpc("memory_usage"),
         )
         if _serve(proc, parts, output_socket, encoder):
             output_linger_ms, exit_code = LAST_WORD_LINGER_MS, 1

@@ -19,9 +19,14 @@ available the buffer is the same, on small pages.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 
 import torch
+
+PAGE_SIZE = mmap.PAGESIZE
+# mincore's flag per page: bit 0 says resident, the others are reserved.
+_RESIDENT_BIT = bytes(value & 1 for value in range(256))
 
 
 def anonymous_zeros(numel: int, dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
@@ -38,3 +43,24 @@ def anonymous_zeros(numel: int, dtype: torch.dtype, huge_pages: bool = False) ->
         with contextlib.suppress(OSError):  # a kernel built without THP
             buffer.madvise(advice)
     return torch.frombuffer(buffer, dtype=dtype, count=numel)
+
+
+def resident_bytes(address: int, num_bytes: int) -> int | None:
+    """Bytes of the pages of [address, address + num_bytes) that are in RAM
+    (Linux `mincore`); None where it cannot tell. A fresh anonymous mapping
+    (the CPU KV cache) counts only the pages written so far: what a growing
+    RSS is made of while the cache fills."""
+    if num_bytes <= 0:
+        return 0
+    start = address - address % PAGE_SIZE
+    num_pages = -(-(address + num_bytes - start) // PAGE_SIZE)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mincore = libc.mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    vector = (ctypes.c_ubyte * num_pages)()
+    if mincore(ctypes.c_void_p(start), ctypes.c_size_t(num_pages * PAGE_SIZE), vector) != 0:
+        return None
+    return bytes(vector).translate(_RESIDENT_BIT).count(1) * PAGE_SIZE

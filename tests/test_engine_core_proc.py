@@ -222,6 +222,20 @@ def test_ping_utility_answers_from_the_busy_loop(client: SyncMPClient) -> None:
     assert client.call_utility("ping") == "pong"
 
 
+def test_memory_usage_utility_reports_the_kv_pages_in_ram(client: SyncMPClient) -> None:
+    before = client.call_utility("memory_usage")
+    assert [rank["pid"] for rank in before] == [client.engine_pid]  # uni: the rank lives in the core
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    client.add_requests(make_request("touch-kv", None, list(range(1, 100)), params).engine_requests())
+    while not any(output.request_id == "touch-kv" and output.finish_reason for output in client.get_output()):
+        pass
+    (after,) = client.call_utility("memory_usage")
+    # The KV cache is a fresh mapping: the pages of blocks written are in RAM (the
+    # pool's size is not: earlier tests in this module may have written it all).
+    assert before[0]["kv_cache_resident_bytes"] <= after["kv_cache_resident_bytes"] <= after["kv_cache_bytes"]
+    assert after["kv_cache_resident_bytes"] > 0
+
+
 def test_unknown_utility_is_refused_and_the_loop_goes_on(client: SyncMPClient) -> None:
     with pytest.raises(RuntimeError, match="UnknownUtility"):
         client.call_utility("__init__")

@@ -3,13 +3,14 @@ used, and ask Linux for transparent huge pages where told to."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import sys
 
 import pytest
 import torch
 
-from pagedllm.platforms.host_memory import anonymous_zeros
+from pagedllm.platforms.host_memory import PAGE_SIZE, anonymous_zeros, resident_bytes
 
 
 def _vm_flags(address: int) -> set[str]:
@@ -42,3 +43,21 @@ def test_buffers_are_zero_and_writable(dtype: torch.dtype) -> None:
 def test_huge_pages_are_asked_for_only_on_request() -> None:
     assert "hg" in _vm_flags(anonymous_zeros(8 << 20, torch.bfloat16, huge_pages=True).data_ptr())  # MADV_HUGEPAGE
     assert "hg" not in _vm_flags(anonymous_zeros(8 << 20, torch.bfloat16).data_ptr())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore's anonymous-page answer is Linux's")
+def test_resident_bytes_counts_the_pages_written_so_far() -> None:
+    num_pages = 64
+    buffer = mmap.mmap(-1, num_pages * PAGE_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # one write must fault in one small page, not 2 MB
+        buffer.madvise(mmap.MADV_NOHUGEPAGE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    assert resident_bytes(address, num_pages * PAGE_SIZE) == 0
+    buffer[0] = 1
+    buffer[10 * PAGE_SIZE + 5] = 1
+    buffer[11 * PAGE_SIZE - 1] = 1  # the last byte of page 10: no new page
+    assert resident_bytes(address, num_pages * PAGE_SIZE) == 2 * PAGE_SIZE
+    # A range inside one page counts that whole page; one past the written pages, none.
+    assert resident_bytes(address + 10 * PAGE_SIZE + 100, 8) == PAGE_SIZE
+    assert resident_bytes(address + 20 * PAGE_SIZE, 40 * PAGE_SIZE) == 0
+    assert resident_bytes(address, 0) == 0

@@ -15,6 +15,7 @@ drafter, KV connector, decode graphs, ModelRunner.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, cast
 
 from pagedllm.attention_backends.selector import select_attention_backend
@@ -30,6 +31,7 @@ from pagedllm.kv_connectors.factory import build_kv_connector, check_kv_connecto
 from pagedllm.logits_processors.factory import build_logits_processors
 from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
 from pagedllm.platforms import resolve_platform
+from pagedllm.platforms.host_memory import resident_bytes
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.spec_decode.interface import DrafterContext
 from pagedllm.worker.compile import compile_outside_attention
@@ -355,11 +357,17 @@ class Worker:
         once): its model's parameters and buffers, and its KV cache (the
         target's; a drafter's weights and cache are not counted). A
         platform's private copies (the CPU's prepacked GEMM weights) are not
-        the model's and are not counted."""
+        the model's and are not counted. `kv_cache_resident_bytes`: of a KV
+        cache in host memory, the pages written so far (they grow the
+        process's RSS as blocks are first used; -1 where unknown; 0 on a
+        device); `pid`: the process holding them."""
         model = self.model
+        kv_caches = self.model_runner.kv_caches
         return {
+            "pid": os.getpid(),
             "weights_bytes": _storage_bytes([*model.parameters(), *model.buffers()]),
-            "kv_cache_bytes": _storage_bytes(self.model_runner.kv_caches),
+            "kv_cache_bytes": _storage_bytes(kv_caches),
+            "kv_cache_resident_bytes": _host_resident_bytes(kv_caches),
         }
 
     def check_health(self) -> None:
@@ -449,6 +457,19 @@ class Worker:
             return None
         logger.info("decode graphs captured for batch sizes %s", runner.sizes)
         return runner
+
+
+def _host_resident_bytes(tensors: list[torch.Tensor]) -> int:
+    """Resident bytes of the host storages behind `tensors` (-1 if unknown)."""
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+                for tensor in tensors if tensor.device.type == "cpu"}
+    total = 0
+    for address, num_bytes in storages.items():
+        resident = resident_bytes(address, num_bytes)
+        if resident is None:
+            return -1
+        total += resident
+    return total
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:

@@ -45,6 +45,7 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     KVEventsResponse,
+    MemoryUsageResponse,
     ModelCard,
     ModelList,
     ServerInfoResponse,
@@ -219,6 +220,18 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
             version=pagedllm.__version__, model=model_name, max_model_len=engine.max_model_len,
             api_pid=os.getpid(), engine_pid=engine.engine_pid, engine_pids=engine.engine_pids,
         )
+
+    @app.get("/memory_usage", response_model=MemoryUsageResponse, responses=ERROR_RESPONSES)
+    async def memory_usage() -> Response:
+        """What each engine rank holds: weights, KV cache, and the KV cache's
+        pages resident in host memory (the part of a CPU engine's RSS that
+        grows as KV blocks are first used). 503 when the engine does not answer."""
+        timeout_s = config.server.health_timeout_s
+        try:
+            ranks = await asyncio.wait_for(engine.memory_usage(), timeout_s)
+        except TimeoutError:
+            return _error_response(503, str(EngineUnresponsiveError(timeout_s)))
+        return JSONResponse(MemoryUsageResponse(ranks=ranks).model_dump())
 
     @app.get("/v1/models", response_model=ModelList)
     async def show_models() -> ModelList:

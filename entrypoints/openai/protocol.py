@@ -655,6 +655,21 @@ class ServerInfoResponse(BaseModel):
     engine_pids: list[int | None] = []
 
 
+class RankMemoryUsage(BaseModel):
+    # The process holding the rank (the engine core's with the uni executor).
+    pid: int
+    weights_bytes: int
+    kv_cache_bytes: int
+    # Of a KV cache in host memory, the pages written so far (they grow the
+    # RSS as blocks are first used); 0 on a device, -1 where unknown.
+    kv_cache_resident_bytes: int
+
+
+class MemoryUsageResponse(BaseModel):
+    # By rank (the first data-parallel replica's).
+    ranks: list[RankMemoryUsage]
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
