@@ -24,6 +24,7 @@ requests wait; it costs one pass over the unfinished requests.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,29 +48,35 @@ class GroupState:
 
 def is_ready_to_run(request: Request) -> bool:
     """A waiting request that could be admitted now (its grammar, if any, is compiled)."""
-    if request.status == RequestStatus.WAITING_FOR_FSM:
+    status = request.status
+    if status is RequestStatus.WAITING_FOR_FSM:
         so_request = request.structured_output_request
         return so_request is not None and so_request.is_ready()
-    return request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+    return status is RequestStatus.WAITING or status is RequestStatus.PREEMPTED
 
 
 class FairShare:
     """The seats each group holds in one step, and who yields to whom."""
 
-    def __init__(self, requests: Iterable[Request], max_num_seqs: int, by_priority: bool) -> None:
+    def __init__(
+        self, running: list[Request], unfinished: Iterable[Request], max_num_seqs: int, by_priority: bool
+    ) -> None:
         self.by_priority = by_priority
-        self.groups: dict[str, GroupState] = {}
-        for request in requests:
-            running = request.status == RequestStatus.RUNNING
-            if not running and not is_ready_to_run(request):
-                continue
-            group = self.groups.get(request.group_id)
-            if group is None:
-                group = self.groups[request.group_id] = GroupState(request.priority, request.arrival_time)
-            if running:
-                group.num_running += 1
-            else:
-                group.num_ready_waiting += 1
+        # NOTE: comprehensions over the requests, no call per request: this
+        # runs every step while requests wait (1,000s of them).
+        waiting, running_status = RequestStatus.WAITING, RequestStatus.RUNNING
+        ready = [
+            r for r in unfinished
+            if r.status is waiting or (r.status is not running_status and is_ready_to_run(r))
+        ]
+        num_running = Counter([r.group_id for r in running])
+        num_ready = Counter([r.group_id for r in ready])
+        # Each group's priority and arrival, from its first sequence seen.
+        first = {r.group_id: r for r in reversed(ready)} | {r.group_id: r for r in reversed(running)}
+        self.groups = {
+            group_id: GroupState(r.priority, r.arrival_time, num_running[group_id], num_ready[group_id])
+            for group_id, r in first.items()
+        }
         self.share = max(1, max_num_seqs // max(1, len(self.groups)))
         self.starved = {
             group_id for group_id, group in self.groups.items()

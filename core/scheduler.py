@@ -140,6 +140,9 @@ class Scheduler:
         self._check_budget_fits_a_sequence(max_model_len)
 
         self.requests: dict[str, Request] = {}
+        # Unfinished sequences per group, and how many groups have several (fair sharing).
+        self._group_sizes: dict[str, int] = {}
+        self._num_multi_sequence_groups = 0
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         # Finished since the last schedule(); the runner must forget them.
@@ -175,6 +178,7 @@ class Scheduler:
             # Compiles on the manager's threads; WAITING_FOR_FSM until done.
             self.structured_output_manager.grammar_init(request)
         self.requests[request.request_id] = request
+        self._count_in_group(request, +1)
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> list[Request]:
@@ -283,9 +287,22 @@ class Scheduler:
 
     def _fair_share_now(self) -> FairShare | None:
         """This step's seats per group (None when fair sharing is off)."""
-        if not self.fair_share:
+        # Only with two groups or more, one of them of several sequences:
+        # requests of one sequence each are never over a share.
+        if not self.fair_share or not self._num_multi_sequence_groups or len(self._group_sizes) < 2:
             return None
-        return FairShare(self.requests.values(), self.max_num_seqs, by_priority=self.policy == "priority")
+        return FairShare(self.running, self.requests.values(), self.max_num_seqs, self.policy == "priority")
+
+    def _count_in_group(self, request: Request, delta: int) -> None:
+        """Keep the unfinished sequences per group (`delta` is +1 or -1)."""
+        group_id = request.group_id
+        size = self._group_sizes.get(group_id, 0) + delta
+        if size:
+            self._group_sizes[group_id] = size
+        else:
+            del self._group_sizes[group_id]
+        if (size >= 2) != (size - delta >= 2):
+            self._num_multi_sequence_groups += 1 if size >= 2 else -1
 
     def _yield_seat(self, batch: _ScheduledBatch, fair: FairShare) -> bool:
         """A starved group got no seat this step: preempt (recompute) the
@@ -669,6 +686,7 @@ class Scheduler:
             self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        self._count_in_group(request, -1)
 
     def requests_holding_blocks(self) -> list[Request]:
         """Running requests and finished ones a connector still reads."""

@@ -56,6 +56,11 @@ def test_small_request_gets_a_seat_from_a_request_holding_every_seat() -> None:
     assert step.scheduled == {"b0": 1, "b1": 1, "b2": 1, "b3": 2}
     assert step.runner_output.sampled_token_ids["b3"] == [T + 2]
     assert scheduler.num_preemptions == 1
+    # Run to the end: no other preemption, and the group counts are gone.
+    while scheduler.has_unfinished_requests():
+        runner.step()
+    assert scheduler.num_preemptions == 1
+    assert (scheduler._group_sizes, scheduler._num_multi_sequence_groups) == ({}, 0)
 
 
 def test_without_fair_share_the_small_request_waits_for_a_free_seat() -> None:
@@ -149,6 +154,6 @@ def test_share_is_seats_over_groups_ready_to_run() -> None:
     scheduler = make_scheduler(max_num_seqs=8)
     for request_id, group_id in [("a", "g1"), ("b", "g1"), ("c", "g2"), ("d", "g3")]:
         scheduler.add_request(make_request(request_id, prompt(100, 4), group_id=group_id))
-    fair = FairShare(scheduler.requests.values(), scheduler.max_num_seqs, by_priority=False)
+    fair = FairShare(scheduler.running, scheduler.requests.values(), scheduler.max_num_seqs, by_priority=False)
     assert fair.share == 8 // 3
     assert fair.starved == {"g1", "g2", "g3"}
