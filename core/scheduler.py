@@ -4,7 +4,9 @@ Each step hands out at most `max_num_batched_tokens` tokens. Running requests
 are served first (one decode token each, or the next chunk of their prompt),
 then waiting requests in policy order. Prefill and decode are not separate
 phases: a request simply needs `num_tokens - num_computed_tokens` more tokens.
-When the KV cache runs out, the scheduler preempts by recompute.
+When the KV cache runs out, the scheduler preempts by recompute. While
+requests wait, fair sharing (core/fair_share.py) keeps one API request's many
+sequences from holding every seat (`max_num_seqs`).
 """
 
 from __future__ import annotations
