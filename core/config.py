@@ -295,6 +295,13 @@ class ServerConfig(_Section):
     allow_unauthenticated_metrics: bool = False
     # Request bodies above this are refused with 413.
     max_body_bytes: int = Field(4 << 20, ge=1024)
+    # Seconds a request's whole body may take to arrive after its headers;
+    # past it the server answers 408 and closes the connection.
+    body_read_timeout_s: float = Field(30.0, gt=0.0)
+    # Largest non-streaming response body a request may ask for, estimated
+    # before generation (n x max_tokens x logprobs at the vocabulary's
+    # longest token); above it a 400. Streamed responses are not bounded.
+    max_response_bytes: int = Field(256 << 20, ge=1024)
     # Engine sequences (prompts x n) admitted but not finished. A request that
     # would pass it gets 503 (retry later); one that alone exceeds it gets 400.
     # NOTE: the name predates counting sequences; kept for compatibility.

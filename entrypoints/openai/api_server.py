@@ -33,8 +33,9 @@ from pagedllm.entrypoints.openai.errors import (
     describe_validation_error,
     error_body,
     internal_error_message,
+    invalid_request_message,
 )
-from pagedllm.entrypoints.openai.middleware import AuthMiddleware, BodySizeLimitMiddleware
+from pagedllm.entrypoints.openai.middleware import AuthMiddleware, BodySizeLimitMiddleware, HeadAsGetMiddleware
 from pagedllm.entrypoints.openai.openapi_limits import state_server_limits
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -102,6 +103,11 @@ TOKENIZE_ONE_OF = {
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)
 }
+# Routes that take a JSON body also answer 408 (the body did not arrive in
+# time) and 415 (it was not sent as application/json).
+BODY_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **ERROR_RESPONSES, **{status: {"model": ErrorResponse} for status in (408, 415)}
+}
 
 
 def _error_response(
@@ -117,7 +123,7 @@ def _add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return _error_response(400, str(exc), exc.field)
+        return _error_response(400, invalid_request_message(exc), exc.field)
 
     @app.exception_handler(EngineOverloadedError)
     async def overloaded(_: Request, exc: EngineOverloadedError) -> JSONResponse:
@@ -254,20 +260,23 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
         request = await parse_body(raw_request, ChatCompletionRequest, pool)
         return await chat.create_chat_completion(request, raw_request)
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES,
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=BODY_ERROR_RESPONSES,
               openapi_extra=body_openapi(TokenizeRequest, TOKENIZE_ONE_OF))
     async def tokenize(raw_request: Request) -> Response:
         request = await parse_body(raw_request, TokenizeRequest, pool)
         return await tokenization.tokenize(request, raw_request)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES,
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=BODY_ERROR_RESPONSES,
               openapi_extra=body_openapi(DetokenizeRequest))
     async def detokenize(raw_request: Request) -> Response:
         request = await parse_body(raw_request, DetokenizeRequest, pool)
         return await tokenization.detokenize(request, raw_request)
 
-    # Added last = outermost: auth first, then the body limit, then routing.
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.server.max_body_bytes)
+    # Added last = outermost: auth first, then the body limit (and its read
+    # timeout), then HEAD as GET, then routing.
+    app.add_middleware(HeadAsGetMiddleware, routes=app.routes)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.server.max_body_bytes,
+                       body_read_timeout_s=config.server.body_read_timeout_s)
     if config.server.api_key:
         app.add_middleware(AuthMiddleware, api_key=config.server.api_key, open_paths=_open_paths(config))
     return app
@@ -288,7 +297,7 @@ def _streaming_responses() -> dict[int | str, dict[str, Any]]:
                        '{"error": {...}}); the last event\'s data is [DONE].',
     }
     events = {"text/event-stream": {"schema": event}}
-    return {**ERROR_RESPONSES, 200: {"content": events}}
+    return {**BODY_ERROR_RESPONSES, 200: {"content": events}}
 
 
 def _openapi_schema(

@@ -18,13 +18,22 @@ from pagedllm.core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
+# A client's value quoted in an error keeps at most this many characters
+# (a 3.9 MB model name was echoed whole in a 404).
+MAX_ECHO_CHARS = 100
+# No error message is longer than this: beyond it the middle is cut (its
+# start names the field, its end the limit).
+MAX_MESSAGE_CHARS = 2000
+
 # HTTP status -> OpenAI error type, as the openai client names its exceptions.
 ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestEntityTooLarge",
+    415: "UnsupportedMediaTypeError",
     422: "UnprocessableEntityError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -43,7 +52,28 @@ class OpenAIServingError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     error_type = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return {"error": {"message": printable(message), "type": error_type, "param": param, "code": status}}
+    message = printable(_bounded(message))
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+def echo(value: str) -> str:
+    """A client's string as an error quotes it: its first MAX_ECHO_CHARS
+    characters, then how long it really was."""
+    if len(value) <= MAX_ECHO_CHARS:
+        return value
+    return f"{value[:MAX_ECHO_CHARS]}... ({len(value)} characters)"
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    half = MAX_MESSAGE_CHARS // 2
+    return f"{message[:half]} ... {message[-half:]}"
+
+
+def invalid_request_message(exc: InvalidRequestError) -> str:
+    """The text of an InvalidRequestError with the client's value shortened."""
+    return f"{exc.field}={_short(exc.value)} is invalid: {exc.limit}"
 
 
 def printable(text: str) -> str:
@@ -68,7 +98,7 @@ def internal_error_message(exc: BaseException, where: str) -> str:
 
 
 def invalid_request(exc: InvalidRequestError) -> OpenAIServingError:
-    return OpenAIServingError(400, str(exc), exc.field)
+    return OpenAIServingError(400, invalid_request_message(exc), exc.field)
 
 
 # Union-typed fields: pydantic reports one error per union member; say it once.
@@ -136,5 +166,7 @@ _BOUNDS = {
 
 
 def _short(value: Any) -> str:
+    if isinstance(value, str) and len(value) > MAX_ECHO_CHARS:
+        value = value[:MAX_ECHO_CHARS]  # repr() of a 4 MB string would copy it whole
     text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if len(text) <= MAX_ECHO_CHARS else text[:MAX_ECHO_CHARS - 3] + "..."

@@ -7,6 +7,13 @@ the raw request and call `parse_body`, which does both in the request worker
 pool once a body is large enough to matter; errors are the same
 RequestValidationError FastAPI raises (a 400 naming the field).
 
+Every such body must be sent as `Content-Type: application/json` (a charset
+parameter, if any, utf-8), else 415 before it is read: a web page can make a
+browser send text/plain, form or multipart bodies to any origin without a
+CORS preflight, so a server on the operator's machine would otherwise obey
+any page the operator opens. A missing Content-Type is refused too (no
+client library omits it for JSON; the openai client and httpx `json=` send it).
+
 The routes document their body with `body_openapi(Model)`; `openapi_models`
 lists the models whose schemas the OpenAPI document must then carry.
 """
@@ -19,7 +26,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from pagedllm.entrypoints.openai.errors import OpenAIServingError, echo
+
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from fastapi import Request
 
     from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool
@@ -32,10 +43,27 @@ INLINE_BODY_BYTES = 64 << 10
 
 
 async def parse_body(raw_request: Request, model: type[M], pool: RequestWorkerPool) -> M:
+    problem = json_content_type_problem(raw_request.headers.getlist("content-type"))
+    if problem is not None:
+        raise OpenAIServingError(415, problem, "content-type")
     body = await raw_request.body()
     if len(body) < INLINE_BODY_BYTES:
         return validate_body(model, body)
     return await pool.run(validate_body, model, body, True)
+
+
+def json_content_type_problem(content_types: Sequence[str]) -> str | None:
+    """Why a body sent with these Content-Type header values is not taken as
+    JSON (the 415's message), or None when it is `application/json`."""
+    if len(content_types) != 1:
+        given = "none" if not content_types else f"{len(content_types)} Content-Type headers"
+        return f"content-type: the body must be sent as 'Content-Type: application/json' (got {given})"
+    media_type, *parameters = (part.strip().lower() for part in content_types[0].split(";"))
+    charsets = {value.strip('"') for name, _, value in (p.partition("=") for p in parameters) if name == "charset"}
+    if media_type != "application/json" or not charsets <= {"utf-8", "utf8"}:
+        return (f"content-type: the body must be sent as 'Content-Type: application/json' (charset utf-8 if "
+                f"any), not {echo(content_types[0])!r}")
+    return None
 
 
 def _int_yielding_the_gil(text: str) -> int:

@@ -4,10 +4,10 @@ replies end at the template's end-of-turn token when the tokenizer has one."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.sampling_params import MAX_LOGPROBS
@@ -27,6 +27,13 @@ from pagedllm.entrypoints.openai.protocol import (
     usage_info,
 )
 from pagedllm.entrypoints.openai.reasoning import ReasoningStream, server_reasoning_parser, split_reply
+from pagedllm.entrypoints.openai.response_body import (
+    JSONFragmentsResponse,
+    encode_each,
+    encode_list,
+    encode_model,
+)
+from pagedllm.entrypoints.openai.response_size import CHOICE_BYTES, chat_token_bytes, check_response_size
 from pagedllm.entrypoints.openai.serving_completion import MIN_LOGPROB
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -79,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
         response = await run_until_disconnect(raw_request, self._collect(request, request_id, generator, tools))
         if response is None:
             return Response(status_code=499)
-        return JSONResponse(response.model_dump())
+        return JSONFragmentsResponse(response)
 
     def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams, ToolCallPlan]:
         """Render and tokenize, build the sampling parameters, validate.
@@ -100,6 +107,8 @@ class OpenAIServingChat(OpenAIServing):
             if forced is not None:  # required / named: the grammar writes the calls
                 params.structured_outputs = forced
             self.validate_prompt(token_ids, params, request)
+            if not request.stream:
+                self._check_response_size(request, params, len(token_ids))
         except InvalidRequestError as exc:
             # Name the field the client sent.
             if exc.field == "max_tokens" and request.max_completion_tokens is not None:
@@ -108,6 +117,23 @@ class OpenAIServingChat(OpenAIServing):
                 raise InvalidRequestError("tools", exc.value, exc.limit) from None
             raise
         return text, token_ids, params, tools
+
+    def _check_response_size(
+        self, request: ChatCompletionRequest, params: SamplingParams, num_prompt_tokens: int
+    ) -> None:
+        """400 when the body could exceed server.max_response_bytes (response_size.py)."""
+        token_bytes = self.max_token_bytes
+        num_top = (request.top_logprobs or 0) if request.logprobs else None
+        per_token = chat_token_bytes(token_bytes, num_top)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt_tokens
+        estimate = request.n * (CHOICE_BYTES + max_tokens * per_token)
+        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        detail = (
+            f"n={request.n} choices of up to {param}={max_tokens} tokens, {per_token} bytes per token with "
+            f"logprobs={request.logprobs}, top_logprobs={request.top_logprobs}; the longest token is "
+            f"{token_bytes} bytes"
+        )
+        check_response_size(estimate, self.max_response_bytes, detail, param)
 
     def build_sampling_params(self, request: ChatCompletionRequest) -> SamplingParams:
         top_logprobs = request.top_logprobs
@@ -128,27 +154,44 @@ class OpenAIServingChat(OpenAIServing):
     async def _collect(
         self, request: ChatCompletionRequest, request_id: str, generator: AsyncGenerator[RequestOutput, None],
         tools: ToolCallPlan,
-    ) -> ChatCompletionResponse:
+    ) -> list[bytes]:
         final: RequestOutput | None = None
         async for _, output in merge_async_iterators(generator):
             final = output  # FINAL_ONLY: one output
         if final is None:  # the engine always ends a request with an output
             raise RuntimeError(f"request {request_id} ended without an output")
-        choices = []
+        # NOTE: built and encoded in the pool, never on the event loop (response_body.py).
+        return await self.pool.run(self._encode_response, request, request_id, final, tools)
+
+    def _encode_response(
+        self, request: ChatCompletionRequest, request_id: str, final: RequestOutput, tools: ToolCallPlan
+    ) -> list[bytes]:
+        """The ChatCompletionResponse as JSON fragments. Blocking: runs in the pool."""
+        num_generated = sum(len(c.token_ids) for c in final.outputs)
+        envelope = ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=[],
+            usage=usage_info(len(final.prompt_token_ids), num_generated, final.num_cached_tokens),
+        )
+        choices = self._choices(request, final, tools)
+        out: list[bytes] = []
+        encode_model(envelope, out, {"choices": lambda _, out: encode_each(choices, out, _encode_choice)})
+        return out
+
+    def _choices(
+        self, request: ChatCompletionRequest, final: RequestOutput, tools: ToolCallPlan
+    ) -> Iterator[ChatCompletionResponseChoice]:
+        """The choices in order, made one at a time; each output's logprobs
+        are let go of once its choice is encoded."""
         for completion in sorted(final.outputs, key=lambda c: c.index):
             message, finish_reason = self._message(request, tools, completion)
-            choices.append(ChatCompletionResponseChoice(
+            yield ChatCompletionResponseChoice(
                 index=completion.index,
                 message=message,
                 logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
                 finish_reason=finish_reason,
                 stop_reason=completion.stop_reason,
-            ))
-        num_generated = sum(len(c.token_ids) for c in final.outputs)
-        return ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices,
-            usage=usage_info(len(final.prompt_token_ids), num_generated, final.num_cached_tokens),
-        )
+            )
+            completion.logprobs = None
 
     async def _stream(
         self, request: ChatCompletionRequest, request_id: str, num_prompt_tokens: int,
@@ -268,3 +311,11 @@ def _deltas(
 
 def _unset_delta_keys(delta: DeltaMessage) -> list[Any]:
     return [name for name in DeltaMessage.model_fields if getattr(delta, name) is None]
+
+
+def _encode_choice(choice: ChatCompletionResponseChoice, out: list[bytes]) -> None:
+    encode_model(choice, out, {"logprobs": _encode_logprobs})
+
+
+def _encode_logprobs(logprobs: ChatCompletionLogProbs, out: list[bytes]) -> None:
+    encode_model(logprobs, out, {"content": encode_list})

@@ -3,11 +3,12 @@ choice index = prompt index * n + sample index, as in vLLM."""
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.errors import OpenAIServingError
 from pagedllm.entrypoints.openai.fast_tokenizer import decode_tokens, encode_text
@@ -18,6 +19,17 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     CompletionStreamResponse,
     usage_info,
+)
+from pagedllm.entrypoints.openai.response_body import (
+    JSONFragmentsResponse,
+    encode_each,
+    encode_list,
+    encode_model,
+)
+from pagedllm.entrypoints.openai.response_size import (
+    CHOICE_BYTES,
+    check_response_size,
+    completion_token_bytes,
 )
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -70,7 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
         response = await run_until_disconnect(raw_request, self._collect(request, request_id, prompts, merged))
         if response is None:
             return Response(status_code=499)
-        return JSONResponse(response.model_dump())
+        return JSONFragmentsResponse(response)
 
     def _prepare(self, request: CompletionRequest) -> tuple[list[tuple[str | None, list[int]]], SamplingParams]:
         """Tokenize, build the sampling parameters, validate every prompt.
@@ -84,7 +96,31 @@ class OpenAIServingCompletion(OpenAIServing):
             self.validate_prompt(token_ids, params, request)
         if request.echo:  # the echoed text of token-id prompts, decoded here rather than on the loop
             prompts = [(self._prompt_text(text, token_ids), token_ids) for text, token_ids in prompts]
+        if not request.stream:
+            self._check_response_size(request, prompts, params)
         return prompts, params
+
+    def _check_response_size(
+        self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]], params: SamplingParams
+    ) -> None:
+        """400 when the body could exceed server.max_response_bytes (response_size.py)."""
+        token_bytes = self.max_token_bytes
+        per_token = completion_token_bytes(token_bytes, request.logprobs)
+        estimate = most_tokens = 0
+        for text, token_ids in prompts:
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
+            most_tokens = max(most_tokens, max_tokens)
+            choice_bytes = CHOICE_BYTES + max_tokens * per_token
+            if request.echo:  # the prompt's text, and its tokens' logprob entries
+                choice_bytes += len(json.dumps(text, ensure_ascii=False).encode())
+                choice_bytes += len(token_ids) * (per_token - token_bytes)
+            estimate += request.n * choice_bytes
+        detail = (
+            f"{len(prompts)} prompt(s) x n={request.n} choices of up to max_tokens={most_tokens} tokens, "
+            f"{per_token} bytes per token with logprobs={request.logprobs}"
+            f"{' and echo' if request.echo else ''}; the longest token is {token_bytes} bytes"
+        )
+        check_response_size(estimate, self.max_response_bytes, detail, "max_tokens")
 
     def _tokenize_prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         prompt = request.prompt
@@ -121,35 +157,50 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _collect(
         self, request: CompletionRequest, request_id: str, prompts: list[tuple[str | None, list[int]]],
         merged: AsyncGenerator[tuple[int, RequestOutput], None],
-    ) -> CompletionResponse:
+    ) -> list[bytes]:
         finals: dict[int, RequestOutput] = {}
         async for prompt_index, output in merged:
             finals[prompt_index] = output  # FINAL_ONLY: one output per prompt
-        choices = []
-        num_prompt_tokens = num_generated = num_cached = 0
+        # NOTE: built and encoded in the pool, never on the event loop (response_body.py).
+        return await self.pool.run(self._encode_response, request, request_id, prompts, finals)
+
+    def _encode_response(
+        self, request: CompletionRequest, request_id: str, prompts: list[tuple[str | None, list[int]]],
+        finals: dict[int, RequestOutput],
+    ) -> list[bytes]:
+        """The CompletionResponse as JSON fragments. Blocking: runs in the pool."""
+        num_generated = sum(len(c.token_ids) for output in finals.values() for c in output.outputs)
+        usage = usage_info(sum(len(token_ids) for _, token_ids in prompts), num_generated,
+                           sum(output.num_cached_tokens for output in finals.values()))
+        envelope = CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
+        choices = self._choices(request, prompts, finals)
+        out: list[bytes] = []
+        encode_model(envelope, out, {"choices": lambda _, out: encode_each(choices, out, _encode_choice)})
+        return out
+
+    def _choices(
+        self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]],
+        finals: dict[int, RequestOutput],
+    ) -> Iterator[CompletionResponseChoice]:
+        """The choices in order, made one at a time; each output's logprobs
+        are let go of once its choice is encoded."""
         for prompt_index, (text, token_ids) in enumerate(prompts):
-            output = finals[prompt_index]
-            num_prompt_tokens += len(token_ids)
-            num_cached += output.num_cached_tokens
+            output = finals.pop(prompt_index)
             for completion in sorted(output.outputs, key=lambda c: c.index):
-                num_generated += len(completion.token_ids)
                 logprobs = None
                 if request.num_top_logprobs() is not None:
                     echo_ids = token_ids if request.echo else []
                     logprobs = self._logprobs(
                         request, echo_ids, output.prompt_logprobs, completion.token_ids, completion.logprobs, 0
                     )
-                choices.append(CompletionResponseChoice(
+                yield CompletionResponseChoice(
                     index=prompt_index * request.n + completion.index,
                     text=(self._prompt_text(text, token_ids) if request.echo else "") + completion.text,
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
-                ))
-        return CompletionResponse(
-            id=request_id, model=self.model_name, choices=choices,
-            usage=usage_info(num_prompt_tokens, num_generated, num_cached),
-        )
+                )
+                completion.logprobs = None
 
     async def _stream(
         self, request: CompletionRequest, request_id: str, prompts: list[tuple[str | None, list[int]]],
@@ -253,3 +304,12 @@ class OpenAIServingCompletion(OpenAIServing):
 
 def _token_text(decoded: str | None, token_id: int, tokenizer: Any) -> str:
     return decoded if decoded is not None else tokenizer.decode([token_id])
+
+
+def _encode_choice(choice: CompletionResponseChoice, out: list[bytes]) -> None:
+    encode_model(choice, out, {"logprobs": _encode_logprobs})
+
+
+def _encode_logprobs(logprobs: CompletionLogProbs, out: list[bytes]) -> None:
+    # All four fields are per-token lists: each in slices.
+    encode_model(logprobs, out, dict.fromkeys(CompletionLogProbs.model_fields, encode_list))

@@ -17,10 +17,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pagedllm.core.config import ServerConfig
 from pagedllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from pagedllm.entrypoints.openai.chat_template import check_chat_template_kwargs, render_chat_template
-from pagedllm.entrypoints.openai.errors import OpenAIServingError, error_body, internal_error_message
+from pagedllm.entrypoints.openai.errors import (
+    OpenAIServingError,
+    echo,
+    error_body,
+    internal_error_message,
+    invalid_request_message,
+)
 from pagedllm.entrypoints.openai.fast_tokenizer import encode_text
 from pagedllm.entrypoints.openai.protocol import ChatMessage, SamplingFields
 from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool, shared_request_pool
+from pagedllm.entrypoints.openai.response_size import max_token_json_bytes
 from pagedllm.entrypoints.openai.tool_calls import check_tool_messages, template_message
 from pagedllm.entrypoints.openai.user_text import UserTextSpecials
 
@@ -55,6 +62,7 @@ class OpenAIServing:
         # A rendered prompt is the body's messages plus the template's markup:
         # far more than that is a template manufacturing text, and stopped.
         self.max_rendered_chars = 2 * self.server_config.max_body_bytes + RENDERED_PROMPT_SLACK_CHARS
+        self.max_response_bytes = self.server_config.max_response_bytes
         # get_vocab() builds the whole dict: once, not per request.
         end_of_turn = self.tokenizer.get_vocab().get(END_OF_TURN_TOKEN)
         self._end_of_turn_token_ids = [] if end_of_turn is None else [end_of_turn]
@@ -63,10 +71,16 @@ class OpenAIServing:
         self.split_special_tokens = not self.server_config.parse_special_tokens_in_user_text
         self.user_text_specials = UserTextSpecials.of(self.tokenizer) if self.split_special_tokens else None
 
+    @property
+    def max_token_bytes(self) -> int:
+        """The longest JSON text one token decodes to (the response-size
+        estimate's unit). Blocking the first time: call it in the pool."""
+        return max_token_json_bytes(self.tokenizer)
+
     def check_model(self, model: str | None) -> None:
         # NOTE: an omitted model means the served one (vLLM does the same).
         if model is not None and model != self.model_name:
-            raise OpenAIServingError(404, f"The model `{model}` does not exist; this server serves "
+            raise OpenAIServingError(404, f"The model `{echo(model)}` does not exist; this server serves "
                                      f"`{self.model_name}`.", "model")
 
     @staticmethod
@@ -235,7 +249,7 @@ def stream_error_chunk(exc: BaseException) -> str:
     if isinstance(exc, OpenAIServingError):
         body = error_body(exc.status, exc.message, exc.param)
     elif isinstance(exc, InvalidRequestError):
-        body = error_body(400, str(exc), exc.field)
+        body = error_body(400, invalid_request_message(exc), exc.field)
     elif isinstance(exc, (EngineDeadError, EngineOverloadedError)):
         body = error_body(503, str(exc) or type(exc).__name__)
     else:
