@@ -208,3 +208,16 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read() -> None:
     response = _call(app, "POST", "/v1/completions", {**COMPLETION, "prompt": "x" * 4096})
     assert response.status_code == 413 and "(--max-body-bytes = 2048)" in response.json()["error"]["message"]
     assert served == []
+
+
+def test_a_body_not_sent_as_json_is_refused_and_head_answers_as_get() -> None:
+    served: list[str] = []
+    app = _app({FIRST: _serving(served), SECOND: _serving(served)})
+    # The router forwards as JSON whatever it parsed: it must refuse what a web page could send.
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        response = _call(app, "POST", "/v1/completions", COMPLETION, **{"content-type": content_type})
+        assert response.status_code == 415, (content_type, response.text)
+        assert response.json()["error"]["param"] == "content-type"
+    assert served == []
+    head = _call(app, "HEAD", "/health")
+    assert (head.status_code, head.content) == (200, b"")

@@ -35,7 +35,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from pagedllm.entrypoints.openai.middleware import AuthMiddleware, BodySizeLimitMiddleware
+from pagedllm.entrypoints.openai.errors import error_body
+from pagedllm.entrypoints.openai.middleware import AuthMiddleware, BodySizeLimitMiddleware, HeadAsGetMiddleware
+from pagedllm.entrypoints.openai.request_body import json_content_type_problem
 from pagedllm.entrypoints.router.backend_pool import Backend, BackendPool
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.routers.base import ReplicaState, RouteRequest, RoutingPolicy
@@ -261,11 +263,16 @@ def build_app(backend_urls: list[str], *, policy: str = "prefix_aware", api_key:
     app.state.router = router
 
     # The server's own middleware: the same key semantics, and no body parsed past the limit.
+    app.add_middleware(HeadAsGetMiddleware, routes=app.routes)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes, limit_name="--max-body-bytes")
     if api_key is not None:
         app.add_middleware(AuthMiddleware, api_key=api_key, open_paths=OPEN_PATHS)
 
     async def proxy(request: Request) -> Response:
+        # As the servers do: a body not sent as JSON could come from any web page (no CORS preflight).
+        problem = json_content_type_problem(request.headers.getlist("content-type"))
+        if problem is not None:
+            return JSONResponse(error_body(415, problem, "content-type"), status_code=415)
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
