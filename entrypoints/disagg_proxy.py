@@ -22,6 +22,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedllm.entrypoints.openai.errors import error_body
+from pagedllm.entrypoints.openai.request_body import json_content_type_problem
+
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 # Fields that make the prefill request generate more than its one token.
 _PREFILL_OVERRIDES: dict[str, Any] = {"max_tokens": 1, "stream": False, "n": 1}
@@ -49,6 +52,10 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Fa
         return {"Authorization": auth} if auth else {}
 
     async def proxy(request: Request) -> Response:
+        # As the servers do: a body not sent as JSON could come from any web page (no CORS preflight).
+        problem = json_content_type_problem(request.headers.getlist("content-type"))
+        if problem is not None:
+            return JSONResponse(error_body(415, problem, "content-type"), status_code=415)
         try:
             body = await request.json()
         except json.JSONDecodeError:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from helpers.server import start_cli_server, start_server
 
-from pagedllm.entrypoints.disagg_proxy import prefill_body
+from pagedllm.entrypoints.disagg_proxy import build_app, prefill_body
 
 CHAT = {
     "model": "pagedllm-tiny",
@@ -36,6 +36,23 @@ def test_prefill_body_asks_for_one_token_without_streaming() -> None:
     body = {"prompt": "x", "max_tokens": 50, "max_completion_tokens": 50, "stream": True,
             "stream_options": {"include_usage": True}, "n": 2, "temperature": 0.3}
     assert prefill_body(body) == {"prompt": "x", "max_tokens": 1, "stream": False, "n": 1, "temperature": 0.3}
+
+
+def test_a_body_not_sent_as_json_is_refused_before_any_server_sees_it() -> None:
+    import asyncio
+
+    # Unreachable servers: a forwarded request would be a 502, not a 415.
+    app = build_app("http://127.0.0.1:9", "http://127.0.0.1:9")
+
+    async def post(content_type: str) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+            return await client.post("/v1/chat/completions", content=json.dumps(CHAT).encode(),
+                                     headers={"content-type": content_type})
+
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        response = asyncio.run(post(content_type))
+        assert response.status_code == 415, (content_type, response.text)
+        assert response.json()["error"]["param"] == "content-type"
 
 
 @pytest.mark.slow
