@@ -3,7 +3,7 @@ answered at once, each of its n samples `max_tokens` copies of one token
 with `logprobs` alternatives, so a test can get a response of any size
 without generating it.
 
-    python tests/helpers/fake_engine.py PORT [--body-read-timeout-s S]
+    python tests/helpers/fake_engine.py PORT [--body-read-timeout-s S] [--max-response-bytes N]
     # serves build_app(FakeEngine) on 127.0.0.1:PORT until SIGTERM
 
 Its /metrics says how many requests reached generate() (`fake_generate_calls N`).
@@ -80,8 +80,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("port", type=int)
     parser.add_argument("--body-read-timeout-s", type=float, default=30.0)
+    parser.add_argument("--max-response-bytes", type=int, default=256 << 20)
     args = parser.parse_args()
-    config = EngineConfig.load(server={"body_read_timeout_s": args.body_read_timeout_s})
+    config = EngineConfig.load(server={"body_read_timeout_s": args.body_read_timeout_s,
+                                       "max_response_bytes": args.max_response_bytes})
     app = build_app(FakeEngine(config), config)  # type: ignore[arg-type]
     asyncio.run(uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning")).serve())
 
