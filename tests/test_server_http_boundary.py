@@ -45,7 +45,15 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedllm.entrypoints.openai.request_body import json_content_type_problem
-from pagedllm.entrypoints.openai.response_body import SLICE_ITEMS, JSONFragmentsResponse, encode_each, encode_model
+from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool
+from pagedllm.entrypoints.openai.response_body import (
+    SLICE_ITEMS,
+    JSONFragmentsResponse,
+    encode_each,
+    encode_in_pool,
+    encode_model,
+    stop_when,
+)
 from pagedllm.entrypoints.openai.response_size import (
     CHOICE_BYTES,
     chat_token_bytes,
@@ -135,6 +143,38 @@ def test_fragments_response_sends_its_body_with_its_length() -> None:
     # The small fragments in one write, the large one alone, the rest after it.
     assert [len(body["body"]) for body in bodies] == [len(b"".join(fragments[:3])), 3 << 20, 2]
     assert [body["more_body"] for body in bodies] == [True, True, False]
+
+
+def test_an_encode_whose_client_left_stops_at_the_next_choice() -> None:
+    pool = RequestWorkerPool(num_threads=1)
+    encoded: list[int] = []
+    started, finished = threading.Event(), threading.Event()
+
+    def encode(num_choices: int, cancelled: threading.Event) -> list[bytes]:
+        def choices() -> Iterator[int]:
+            for index in range(num_choices):
+                started.set()
+                time.sleep(0.01)
+                yield index
+
+        out: list[bytes] = []
+        encode_each(stop_when(cancelled, choices()), out, lambda index, out: encoded.append(index))
+        finished.set()
+        return out
+
+    async def main() -> None:
+        task = asyncio.ensure_future(encode_in_pool(pool, encode, 10_000))  # 100 s if run to the end
+        await asyncio.get_running_loop().run_in_executor(None, started.wait)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(main())
+        assert finished.wait(timeout=30)
+    finally:
+        pool.shutdown()
+    assert len(encoded) < 100  # it was running (started), then stopped at the next choice
 
 
 def test_size_estimate_is_at_least_a_worst_case_choice(tokenizer: Any) -> None:

@@ -15,8 +15,10 @@ loop's thread takes it back between calls, at least every switch interval).
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel
@@ -25,6 +27,8 @@ from starlette.responses import Response
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
+
+    from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool
 
 T = TypeVar("T")
 
@@ -36,6 +40,26 @@ SLICE_ITEMS = 256
 WRITE_BYTES = 1 << 20
 
 Encoder = Callable[[Any, list[bytes]], None]
+
+
+async def encode_in_pool(pool: RequestWorkerPool, encode: Callable[..., list[bytes]], *args: Any) -> list[bytes]:
+    """`encode(*args, cancelled)` in the pool; when the caller is cancelled
+    (the client left), `cancelled` is set so the encoder can stop early
+    rather than finish a body nobody will read (see stop_when)."""
+    cancelled = threading.Event()
+    try:
+        return await pool.run(encode, *args, cancelled)
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+
+
+def stop_when(cancelled: threading.Event, items: Iterable[T]) -> Iterator[T]:
+    """`items` until `cancelled` is set."""
+    for item in items:
+        if cancelled.is_set():
+            return
+        yield item
 
 
 def encode_list(items: Sequence[Any], out: list[bytes]) -> None:
@@ -106,4 +130,4 @@ class JSONFragmentsResponse(Response):
             await send({"type": "http.response.body", "body": b"".join(piece), "more_body": more_body})
 
 
-__all__ = ["JSONFragmentsResponse", "encode_each", "encode_list", "encode_model"]
+__all__ = ["JSONFragmentsResponse", "encode_each", "encode_in_pool", "encode_list", "encode_model", "stop_when"]

@@ -3,6 +3,7 @@ replies end at the template's end-of-turn token when the tokenizer has one."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import AsyncGenerator, Iterator
 from typing import TYPE_CHECKING, Any
@@ -30,8 +31,10 @@ from pagedllm.entrypoints.openai.reasoning import ReasoningStream, server_reason
 from pagedllm.entrypoints.openai.response_body import (
     JSONFragmentsResponse,
     encode_each,
+    encode_in_pool,
     encode_list,
     encode_model,
+    stop_when,
 )
 from pagedllm.entrypoints.openai.response_size import CHOICE_BYTES, chat_token_bytes, check_response_size
 from pagedllm.entrypoints.openai.serving_completion import MIN_LOGPROB
@@ -161,10 +164,11 @@ class OpenAIServingChat(OpenAIServing):
         if final is None:  # the engine always ends a request with an output
             raise RuntimeError(f"request {request_id} ended without an output")
         # NOTE: built and encoded in the pool, never on the event loop (response_body.py).
-        return await self.pool.run(self._encode_response, request, request_id, final, tools)
+        return await encode_in_pool(self.pool, self._encode_response, request, request_id, final, tools)
 
     def _encode_response(
-        self, request: ChatCompletionRequest, request_id: str, final: RequestOutput, tools: ToolCallPlan
+        self, request: ChatCompletionRequest, request_id: str, final: RequestOutput, tools: ToolCallPlan,
+        cancelled: threading.Event,
     ) -> list[bytes]:
         """The ChatCompletionResponse as JSON fragments. Blocking: runs in the pool."""
         num_generated = sum(len(c.token_ids) for c in final.outputs)
@@ -172,7 +176,7 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id, model=self.model_name, choices=[],
             usage=usage_info(len(final.prompt_token_ids), num_generated, final.num_cached_tokens),
         )
-        choices = self._choices(request, final, tools)
+        choices = stop_when(cancelled, self._choices(request, final, tools))
         out: list[bytes] = []
         encode_model(envelope, out, {"choices": lambda _, out: encode_each(choices, out, _encode_choice)})
         return out

@@ -4,6 +4,7 @@ choice index = prompt index * n + sample index, as in vLLM."""
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,8 +24,10 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.response_body import (
     JSONFragmentsResponse,
     encode_each,
+    encode_in_pool,
     encode_list,
     encode_model,
+    stop_when,
 )
 from pagedllm.entrypoints.openai.response_size import (
     CHOICE_BYTES,
@@ -162,18 +165,18 @@ class OpenAIServingCompletion(OpenAIServing):
         async for prompt_index, output in merged:
             finals[prompt_index] = output  # FINAL_ONLY: one output per prompt
         # NOTE: built and encoded in the pool, never on the event loop (response_body.py).
-        return await self.pool.run(self._encode_response, request, request_id, prompts, finals)
+        return await encode_in_pool(self.pool, self._encode_response, request, request_id, prompts, finals)
 
     def _encode_response(
         self, request: CompletionRequest, request_id: str, prompts: list[tuple[str | None, list[int]]],
-        finals: dict[int, RequestOutput],
+        finals: dict[int, RequestOutput], cancelled: threading.Event,
     ) -> list[bytes]:
         """The CompletionResponse as JSON fragments. Blocking: runs in the pool."""
         num_generated = sum(len(c.token_ids) for output in finals.values() for c in output.outputs)
         usage = usage_info(sum(len(token_ids) for _, token_ids in prompts), num_generated,
                            sum(output.num_cached_tokens for output in finals.values()))
         envelope = CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
-        choices = self._choices(request, prompts, finals)
+        choices = stop_when(cancelled, self._choices(request, prompts, finals))
         out: list[bytes] = []
         encode_model(envelope, out, {"choices": lambda _, out: encode_each(choices, out, _encode_choice)})
         return out
