@@ -264,7 +264,8 @@ def build_app(backend_urls: list[str], *, policy: str = "prefix_aware", api_key:
 
     # The server's own middleware: the same key semantics, and no body parsed past the limit.
     app.add_middleware(HeadAsGetMiddleware, routes=app.routes)
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes, limit_name="--max-body-bytes")
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes, limit_name="--max-body-bytes",
+                       timeout_name="the router's body read timeout")
     if api_key is not None:
         app.add_middleware(AuthMiddleware, api_key=api_key, open_paths=OPEN_PATHS)
 
