@@ -389,9 +389,9 @@ def test_head_on_every_get_route_answers_as_get_without_a_body(server: ServerPro
 def test_body_that_never_arrives_is_answered_408_and_the_connection_closed(server: ServerProcess) -> None:
     port = int(server.base_url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+        started = time.monotonic()  # before the server can have seen the headers
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n" + b'{"prompt":')
-        started = time.monotonic()
         received = b""
         while chunk := sock.recv(65536):  # until the server closes the connection
             received += chunk
