@@ -31,7 +31,14 @@ from helpers.fake_engine import TOKEN_ID
 from helpers.server import ServerProcess, _wait_for_health, free_port, stop_server
 
 from pagedllm.core.config import ServerConfig
-from pagedllm.entrypoints.openai.errors import MAX_ECHO_CHARS, MAX_MESSAGE_CHARS, error_body
+from pagedllm.core.errors import InvalidRequestError
+from pagedllm.entrypoints.openai.errors import (
+    MAX_ECHO_CHARS,
+    MAX_MESSAGE_CHARS,
+    echo,
+    error_body,
+    invalid_request_message,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogprob,
     ChatCompletionLogProbs,
@@ -216,6 +223,13 @@ def test_content_type_must_be_json_with_utf8_if_any() -> None:
     for refused in ([], ["text/plain"], ["application/x-www-form-urlencoded"], ["multipart/form-data; boundary=x"],
                     ["application/json; charset=latin-1"], ["text/json"], ["application/json", "text/plain"]):
         assert json_content_type_problem(refused) is not None, refused
+
+
+def test_an_echoed_value_keeps_its_start_and_says_its_length() -> None:
+    assert echo("m" * MAX_ECHO_CHARS) == "m" * MAX_ECHO_CHARS
+    assert echo("m" * 3_900_000) == "m" * MAX_ECHO_CHARS + "... (3900000 characters)"
+    message = invalid_request_message(InvalidRequestError("stop.0", "s" * 50_000, "at most 1024 characters"))
+    assert message == f"stop.0='{'s' * (MAX_ECHO_CHARS - 4)}... is invalid: at most 1024 characters"
 
 
 def test_error_messages_are_bounded() -> None:
