@@ -75,7 +75,7 @@ class FakeEngine:
 def main() -> None:
     import uvicorn
 
-    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.api_server import build_app, freeze_startup_heap
 
     parser = argparse.ArgumentParser()
     parser.add_argument("port", type=int)
@@ -85,6 +85,7 @@ def main() -> None:
     config = EngineConfig.load(server={"body_read_timeout_s": args.body_read_timeout_s,
                                        "max_response_bytes": args.max_response_bytes})
     app = build_app(FakeEngine(config), config)  # type: ignore[arg-type]
+    freeze_startup_heap()  # as serve() does
     asyncio.run(uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning")).serve())
 
 
