@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
     from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool
+    from pagedllm.structured_output.validator import GrammarCheck
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -60,14 +61,16 @@ class OpenAIServingChat(OpenAIServing):
         self.check_stream_options(request.stream, request.stream_options)
         self.check_chat_template_allowed(request.chat_template, request.chat_template_kwargs)
         try:
-            text, token_ids, params, tools = await self.pool.run(self._prepare, request)
+            text, token_ids, params, tools, grammar, grammar_field = await self.pool.run(self._prepare, request)
         finally:
             self.pool.note_request_size(request_body_size(raw_request))
+        compiled_grammar = await self.check_grammar(grammar, raw_request, request, grammar_field)
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generator = self.engine.generate(
             token_ids, params, request_id, prompt_text=text, priority=request.priority,
             cache_salt=request.cache_salt, output_kind=request.output_kind(), validated=True,
+            compiled_grammar=compiled_grammar,
         )
         if request.stream:
             first, rest = await first_and_rest(generator)
@@ -80,9 +83,13 @@ class OpenAIServingChat(OpenAIServing):
             return Response(status_code=499)
         return JSONResponse(response.model_dump())
 
-    def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams, ToolCallPlan]:
-        """Render and tokenize, build the sampling parameters, validate.
-        Blocking (the template, a long prompt, a grammar check): runs in the pool."""
+    def _prepare(
+        self, request: ChatCompletionRequest
+    ) -> tuple[str, list[int], SamplingParams, ToolCallPlan, GrammarCheck | None, str | None]:
+        """Render and tokenize, build the sampling parameters, validate; the
+        grammar check to await and the field that names its spec (`tools`
+        when the tool calls force it). Blocking (the template, a long
+        prompt): runs in the pool."""
         tools = plan_tool_calls(request, self.tool_parser_cls)
         text, token_ids = self.render_chat(
             request.messages, request.add_generation_prompt, request.chat_template, request.chat_template_kwargs,
@@ -94,6 +101,7 @@ class OpenAIServingChat(OpenAIServing):
             if forced is not None:  # required / named: the grammar writes the calls
                 params.structured_outputs = forced
             self.validate_prompt(token_ids, params, request)
+            grammar = self.grammar_check(params, request)
         except InvalidRequestError as exc:
             # Name the field the client sent.
             if exc.field == "max_tokens" and request.max_completion_tokens is not None:
@@ -101,7 +109,7 @@ class OpenAIServingChat(OpenAIServing):
             if forced is not None and exc.field.startswith("structured_outputs"):
                 raise InvalidRequestError("tools", exc.value, exc.limit) from None
             raise
-        return text, token_ids, params, tools
+        return text, token_ids, params, tools, grammar, "tools" if forced is not None else None
 
     def build_sampling_params(self, request: ChatCompletionRequest) -> SamplingParams:
         top_logprobs = request.top_logprobs
