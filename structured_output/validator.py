@@ -300,13 +300,13 @@ class GrammarValidator:
             return True
 
     def finish(self, job: _Job, reply: ChildReply) -> None:
-        """A runner is done with `job` (a runner thread); it comes back with `release`."""
+        """A runner is done with `job` (a runner thread); it comes back with
+        `release`. NOTE: a costly job counts against the costly limits until
+        then: the restart of a child killed at the time limit is its cost too."""
         with self._lock:
-            job.runner = None
-            if job.costly:
-                self._costly_running[job.client] -= 1
-                if self._costly_running[job.client] <= 0:
-                    del self._costly_running[job.client]
+            runner, job.runner = job.runner, None
+            if runner is not None and job.costly:
+                runner.costly_client = job.client
             waiters: list[Future[GrammarOutcome]] = []
             outcome = GrammarOutcome(reply.refusal, reply.compiled)
             if not reply.preempted:
@@ -315,6 +315,9 @@ class GrammarValidator:
             elif job.waiters and not self._closed:  # first in its client's costly queue: it has waited already
                 job.costly = True
                 self._costly.setdefault(job.client, deque()).appendleft(job)
+                self._costly_running[job.client] += 1  # its runner restarts the killed child: released below
+                if runner is not None:
+                    runner.costly_client = job.client
             else:
                 del self._jobs[job.check.key]
                 waiters, job.waiters = job.waiters, []
@@ -327,6 +330,11 @@ class GrammarValidator:
     def release(self, runner: _Runner) -> None:
         """`runner` is idle again, its child warm (a runner thread)."""
         with self._lock:
+            client, runner.costly_client = runner.costly_client, None
+            if client is not None:
+                self._costly_running[client] -= 1
+                if self._costly_running[client] <= 0:
+                    del self._costly_running[client]
             self._idle.append(runner)
             self._dispatch_locked()
 
@@ -401,6 +409,8 @@ class _Runner:
     def __init__(self, lane: GrammarValidator, index: int) -> None:
         self.lane = lane
         self.child = ValidatorChild()
+        # The client of the costly job it ran last, until it is released.
+        self.costly_client: str | None = None
         self._assigned: deque[_Job | GrammarCheck] = deque()
         self._wake = threading.Condition()
         self._closed = False
