@@ -129,7 +129,7 @@ class GrammarBackend(ABC):
         """`grammar` (just compiled, never advanced) as bytes that `deserialize`
         of a backend built with the same tokenizer, vocab size and config
         turns back into it, or None (the default: not supported, or not
-        worth it for this grammar). Plugin API 1.2: the API side's validator
+        worth it for this grammar). Plugin API 1.8: the API side's validator
         compiles a slow spec once and the engine core loads the result
         instead of compiling it again."""
         return None
