@@ -74,9 +74,11 @@ class ProcessedRequest:
                 arrival_time=self.arrival_time,
                 priority=self.priority,
                 cache_salt=self.cache_salt,
-                compiled_grammar=self.compiled_grammar,
+                # NOTE: the first sample only: the core compiles (or loads)
+                # a spec once for all requests that arrive with it.
+                compiled_grammar=self.compiled_grammar if index == 0 else None,
             )
-            for sample_id, sample_params in self.samples
+            for index, (sample_id, sample_params) in enumerate(self.samples)
         ]
 
 

@@ -40,6 +40,9 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 # 200-property schema compiles in 0.15 s, 1.3 MB, and serializes to 24 MB in
 # 4 s; a `.{0,1000}` pattern compiles in 1 s, 36 KB, and serializes to 43 KB in 2 ms).
 MAX_SERIALIZED_GRAMMAR_BYTES = 256 * 1024
+# ... and its serialized form only up to this size (it travels with every
+# request of that spec to the engine core).
+MAX_SERIALIZED_TEXT_BYTES = 1 << 20
 # xgrammar's C++ errors start with "[12:34:56] /project/cpp/file.cc:123: ".
 _CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
 
@@ -208,7 +211,8 @@ class XgrammarBackend(GrammarBackend):
         compiled = grammar.compiled
         if compiled is None or compiled.memory_size_bytes > MAX_SERIALIZED_GRAMMAR_BYTES:
             return None
-        return str(compiled.serialize_json()).encode()
+        data = str(compiled.serialize_json()).encode()
+        return data if len(data) <= MAX_SERIALIZED_TEXT_BYTES else None
 
     def deserialize(self, kind: StructuredOutputKind, spec: str, data: bytes) -> XgrammarGrammar:
         import xgrammar as xgr

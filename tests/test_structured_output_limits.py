@@ -347,7 +347,7 @@ def test_a_core_compile_past_the_limit_fails_only_its_request(model_dir: Path) -
             "structured output (stuck, regex) failed to compile: "
             "the compile took longer than structured_output.compile_timeout_s = 0.5 s"
         )
-        assert finished["queued"].finish_reason == "stop"
+        assert finished["queued"].finish_reason == "stop", finished["queued"].stop_reason
         assert llm.tokenizer.decode(tokens["queued"][:-1]).isdigit()
         assert finished["plain"].finish_reason == "length" and len(tokens["plain"]) == 5
     finally:
