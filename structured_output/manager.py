@@ -23,7 +23,7 @@ The API side has already compiled the same spec within that limit in a child
 process (structured_output.validator), so this is the rare case (a loaded
 machine, or a request that skipped the API: a crafted engine message).
 
-A spec whose API-side compile was slow arrives with that compile
+A spec arrives with the API side's compile of it
 (Request.compiled_grammar, the backend's `serialize`): the core loads it
 (`deserialize`, about a millisecond for xgrammar) instead of compiling the
 spec a second time; a spec the API side refused never reaches the core.

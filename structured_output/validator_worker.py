@@ -11,9 +11,9 @@ time limit. Requests:
     {"op": "validate", "backend", "config", "vocab", "kind", "spec", "whitespace"}
         -> {"ok": true, "compiled"} | {"ok": false, "field", "value", "limit"}
 
-Messages are msgpack. `compiled`: the backend's `serialize` of a grammar
-whose compile took at least SHARE_MIN_COMPILE_S (or None): the engine core
-loads it instead of compiling the spec again.
+Messages are msgpack. `compiled`: the backend's `serialize` of the grammar
+it compiled (None when it declines): the engine core loads it instead of
+compiling the spec again.
 
 `prepare` imports the backend and builds it for `vocab` (tokenizer load,
 vocabulary tables: seconds for a large vocab), so the timed `validate`
@@ -29,7 +29,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -39,10 +38,6 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _DEFAULT_BACKEND_MODULE = "pagedllm.structured_output.xgrammar_backend"
-# A compile at least this long is worth sending to the engine core (loading
-# xgrammar's serialized form takes about a millisecond); a faster one the core
-# simply compiles again.
-SHARE_MIN_COMPILE_S = 0.1
 
 
 class Worker:
@@ -86,10 +81,8 @@ class Worker:
             backend = self.backends.get(_backend_key(request))
             if backend is not None:
                 # The engine core's own compile: its cost is what the limit bounds.
-                started = time.perf_counter()
                 grammar = backend.compile(kind, spec, **backend_kwargs(backend.compile, whitespace))
-                if time.perf_counter() - started >= SHARE_MIN_COMPILE_S:
-                    compiled = backend.serialize(grammar)
+                compiled = backend.serialize(grammar)
         except InvalidRequestError as exc:
             return {"ok": False, "field": exc.field, "value": _plain(exc.value), "limit": exc.limit}
         except Exception as exc:  # a compile error is the spec's fault

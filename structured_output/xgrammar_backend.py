@@ -39,7 +39,7 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 # bigger and slower to write than to compile again (measured with 0.2.9: a
 # 200-property schema compiles in 0.15 s, 1.3 MB, and serializes to 24 MB in
 # 4 s; a `.{0,1000}` pattern compiles in 1 s, 36 KB, and serializes to 43 KB in 2 ms).
-MAX_SERIALIZED_GRAMMAR_BYTES = 256 * 1024
+MAX_SERIALIZED_GRAMMAR_BYTES = 128 * 1024
 # ... and its serialized form only up to this size (it travels with every
 # request of that spec to the engine core).
 MAX_SERIALIZED_TEXT_BYTES = 1 << 20
