@@ -11,9 +11,12 @@ bounds the core's compile only with a vocab; without one it bounds the parse.
 The lane, so that one client's costly specs cannot hold up anyone else:
 
 - Its own threads: `validator_processes` runner threads, each owning one
-  child (started on first use). A caller never holds a thread while it
-  waits: `submit` returns a future (the server awaits it on its event loop;
-  `validate` blocks, for the offline `LLM`).
+  child. All children start (and load the backend and vocabulary) with the
+  first spec, and a child killed at the time limit restarts before its
+  runner takes the next spec, so a cheap spec does not wait for a cold
+  start. A caller never holds a thread while it waits: `submit` returns a
+  future (the server awaits it on its event loop; `validate` blocks, for
+  the offline `LLM`).
 - Results are cached by key (backend, kind, spec hash, whitespace, vocab,
   config): a repeated spec never reaches a child again, and a burst of one
   spec runs once (the callers share the job).
@@ -22,13 +25,17 @@ The lane, so that one client's costly specs cannot hold up anyone else:
   past `cheap_compile_s` now; every other spec is cheap. Cheap specs go
   first, to any idle child; costly ones run on at most all children but one
   (the one left is for cheap specs) and at most
-  `max_costly_compiles_per_client` at a time per client. A cheap spec that
-  turns out costly while those are full is taken back (its child killed and
-  replaced) and queued as costly.
+  `max_costly_compiles_per_client` at a time per client (a costly spec
+  holds its place until its child has restarted). A cheap spec that turns
+  out costly while those are full is taken back (its child killed and
+  replaced) and queued as costly, first in its client's queue.
 - Per client (the caller's name for it: the server uses the client's
-  address), costly specs wait in the client's own queue, served round robin
-  between clients; past `max_queued_compiles_per_client` waiting, the
-  request is refused with CompileQueueFullError (HTTP 429).
+  address), costly specs wait in the client's own queue; the client served
+  least recently goes first; past `max_queued_compiles_per_client` waiting,
+  the request is refused with CompileQueueFullError (HTTP 429).
+- The result of a compile, serialized by the backend (`serialize`), is
+  returned with the outcome, so the engine core loads it instead of
+  compiling the spec again (engine.wire.EngineCoreRequest.compiled_grammar).
 """
 
 from __future__ import annotations
