@@ -28,6 +28,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.reasoning import ReasoningStream, server_reasoning_parser, split_reply
 from pagedllm.entrypoints.openai.serving_completion import MIN_LOGPROB
 from pagedllm.entrypoints.openai.serving_engine import (
+    ClientDisconnected,
     OpenAIServing,
     first_and_rest,
     merge_async_iterators,
@@ -64,7 +65,10 @@ class OpenAIServingChat(OpenAIServing):
             text, token_ids, params, tools, grammar, grammar_field = await self.pool.run(self._prepare, request)
         finally:
             self.pool.note_request_size(request_body_size(raw_request))
-        compiled_grammar = await self.check_grammar(grammar, raw_request, request, grammar_field)
+        try:
+            compiled_grammar = await self.check_grammar(grammar, raw_request, request, grammar_field)
+        except ClientDisconnected:
+            return Response(status_code=499)
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generator = self.engine.generate(

@@ -20,6 +20,7 @@ from pagedllm.entrypoints.openai.protocol import (
     usage_info,
 )
 from pagedllm.entrypoints.openai.serving_engine import (
+    ClientDisconnected,
     OpenAIServing,
     first_and_rest,
     merge_async_iterators,
@@ -54,7 +55,10 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts, params, grammar = await self.pool.run(self._prepare, request)
         finally:
             self.pool.note_request_size(request_body_size(raw_request))
-        compiled_grammar = await self.check_grammar(grammar, raw_request, request)
+        try:
+            compiled_grammar = await self.check_grammar(grammar, raw_request, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generators = [

@@ -100,12 +100,14 @@ class OpenAIServing:
         own threads and processes: no request worker waits on it); returns
         the compiled grammar for the engine core. A refusal is a 400 naming
         the client's field (`field` if given); a client with too many costly
-        specs waiting gets a 429."""
+        specs waiting gets a 429. ClientDisconnected if the client leaves
+        first (its spec then leaves the lane's queue)."""
         if check is None:
             return None
         try:
             future = self.engine.input_processor.validator.submit(check, client_address(raw_request))
-            return (await asyncio.wrap_future(future)).raise_refusal()
+            outcome = await _until_disconnect(raw_request, asyncio.wrap_future(future))
+            return outcome.raise_refusal()
         except InvalidRequestError as exc:
             renamed = client_field_error(exc, request)
             raise renamed if field is None else InvalidRequestError(field, exc.value, exc.limit) from None
@@ -158,6 +160,25 @@ class OpenAIServing:
 
     def end_of_turn_token_ids(self) -> list[int]:
         return list(self._end_of_turn_token_ids)
+
+
+class ClientDisconnected(Exception):
+    """The client left while its request waited (the handler answers 499)."""
+
+
+async def _until_disconnect(raw_request: Request, waiting: asyncio.Future[T]) -> T:
+    """`waiting`'s result, or ClientDisconnected (and `waiting` cancelled) if
+    the client leaves first."""
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        done, _ = await asyncio.wait({waiting, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not waiting.done():
+            waiting.cancel()
+    if waiting not in done:
+        raise ClientDisconnected
+    return waiting.result()
 
 
 def client_field_error(exc: InvalidRequestError, request: SamplingFields | None) -> InvalidRequestError:
