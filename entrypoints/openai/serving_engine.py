@@ -170,13 +170,14 @@ async def _until_disconnect(raw_request: Request, waiting: asyncio.Future[T]) ->
     """`waiting`'s result, or ClientDisconnected (and `waiting` cancelled) if
     the client leaves first."""
     watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    pending: set[asyncio.Future[Any]] = {waiting, watcher}
     try:
-        done, _ = await asyncio.wait({waiting, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not waiting.done():
             waiting.cancel()
-    if waiting not in done:
+    if waiting.cancelled():
         raise ClientDisconnected
     return waiting.result()
 
