@@ -204,6 +204,18 @@ class StructuredOutputConfig(_Section):
     # engine core fails the request whose compile runs longer. Typical specs
     # compile in milliseconds; the largest real ones in about a second.
     compile_timeout_s: float = Field(10.0, gt=0, le=600)
+    # The API side's grammar lane (its own threads and child processes, never
+    # the request workers). Child processes checking specs, ~300 MB each; all
+    # but one may run costly specs, so a cheap spec always finds one free.
+    validator_processes: int = Field(2, ge=2, le=16)
+    # A spec still compiling after this many seconds is costly (remembered by
+    # its key); so is one with a repetition bound >= 500 or of 16 K characters.
+    # Costly specs wait in their client's own queue (clients: by address).
+    cheap_compile_s: float = Field(1.0, gt=0, le=600)
+    # Costly specs of one client compiling at once ...
+    max_costly_compiles_per_client: int = Field(1, ge=1, le=64)
+    # ... and waiting; past this a request is refused with HTTP 429.
+    max_queued_compiles_per_client: int = Field(8, ge=0, le=4096)
     # A registered `reasoning_parser` name (`think`, or a plugin's), vLLM's
     # --reasoning-parser: chat replies carry `reasoning_content`, and a
     # request's grammar applies only once its reasoning section has ended.

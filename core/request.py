@@ -90,6 +90,9 @@ class Request:
             RequestStatus.WAITING_FOR_FSM if sampling_params.structured_outputs is not None else RequestStatus.WAITING
         )
         self.structured_output_request: StructuredOutputRequest | None = None
+        # The API side's compiled grammar (engine.wire.EngineCoreRequest),
+        # loaded instead of a compile; dropped once the manager has used it.
+        self.compiled_grammar: bytes | None = None
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)

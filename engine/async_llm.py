@@ -341,6 +341,7 @@ class AsyncLLM:
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         admission: Admission | None = None,
         validated: bool = False,
+        compiled_grammar: bytes | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's RequestOutputs as the core produces them.
 
@@ -352,11 +353,13 @@ class AsyncLLM:
         `validated`: the caller ran `input_processor.validate` on these very params
         and prompt (the HTTP handlers do, in the worker pool), so it is not
         run again here, on the event loop; the engine core re-validates anyway.
+        `compiled_grammar`: what the validator lane returned for its spec.
         """
         self._check_accepting()
         await self.start()
         stream = self._add_request(
-            prompt, sampling_params, request_id, prompt_text, priority, cache_salt, output_kind, admission, validated
+            prompt, sampling_params, request_id, prompt_text, priority, cache_salt, output_kind, admission, validated,
+            compiled_grammar,
         )
         finished = False
         try:
@@ -382,6 +385,7 @@ class AsyncLLM:
         output_kind: RequestOutputKind,
         admission: Admission | None = None,
         validated: bool = False,
+        compiled_grammar: bytes | None = None,
     ) -> _RequestStream:
         n = sampling_params.n
         if admission is None or not admission.take(n):
@@ -390,7 +394,7 @@ class AsyncLLM:
             raise InvalidRequestError("request_id", request_id, "a request with this id is still running")
         request = self.input_processor.process(
             request_id, prompt, sampling_params, prompt_text=prompt_text, priority=priority,
-            cache_salt=cache_salt, validated=validated,
+            cache_salt=cache_salt, validated=validated, compiled_grammar=compiled_grammar,
         )
         self.output_processor.add_request(request, output_kind)
         group_id = admission.group_id if admission is not None else request_id

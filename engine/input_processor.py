@@ -29,7 +29,8 @@ from pagedllm.engine.tokenizer import check_token_ids
 from pagedllm.engine.wire import EngineCoreRequest, sampling_params_to_dict
 from pagedllm.logits_processors.factory import LogitsProcessorArgs
 from pagedllm.plugins import get_plugin_manager
-from pagedllm.structured_output.manager import GrammarVocab, validate_structured_outputs
+from pagedllm.structured_output.manager import grammar_check
+from pagedllm.structured_output.validator import GrammarCheck, GrammarValidator, GrammarVocab, get_validator
 
 if TYPE_CHECKING:
     from pagedllm.core.config import StructuredOutputConfig
@@ -62,6 +63,8 @@ class ProcessedRequest:
     priority: int = 0
     cache_salt: str | None = None
     eos_token_id: int | None = None
+    # The validator's compiled grammar for the spec (see EngineCoreRequest).
+    compiled_grammar: bytes | None = None
 
     def engine_requests(self, group_id: str | None = None) -> list[EngineCoreRequest]:
         """The samples as engine requests, in one fair-sharing group: `group_id`
@@ -78,8 +81,11 @@ class ProcessedRequest:
                 priority=self.priority,
                 cache_salt=self.cache_salt,
                 group_id=group_id,
+                # NOTE: the first sample only: the core compiles (or loads)
+                # a spec once for all requests that arrive with it.
+                compiled_grammar=self.compiled_grammar if index == 0 else None,
             )
-            for sample_id, sample_params in self.samples
+            for index, (sample_id, sample_params) in enumerate(self.samples)
         ]
 
 
@@ -93,6 +99,7 @@ def make_request(
     priority: int = 0,
     cache_salt: str | None = None,
     eos_token_id: int | None = None,
+    compiled_grammar: bytes | None = None,
 ) -> ProcessedRequest:
     """Fan a request out into its samples; no checks (`InputProcessor.process` runs them first)."""
     if params.n == 1:
@@ -101,7 +108,7 @@ def make_request(
         samples = [(child_request_id(index, request_id), params.for_child(index)) for index in range(params.n)]
     return ProcessedRequest(
         request_id, prompt, list(prompt_token_ids), params, time.time() if arrival_time is None else arrival_time,
-        samples, priority, cache_salt, eos_token_id,
+        samples, priority, cache_salt, eos_token_id, compiled_grammar,
     )
 
 
@@ -162,21 +169,32 @@ class InputProcessor:
             return prompt_token_ids
         return prompt_token_ids[:k] if params.truncation_side == "right" else prompt_token_ids[-k:]
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, *, grammar: bool = True) -> int:
         """The checks before anything reaches the core; returns the effective
         max_tokens. Blocking (a structured-output spec compiles under its time
         limit): the server runs it off the event loop, then passes `validated`.
+        `grammar=False`: all but the spec's compile (the server awaits that
+        in the validator lane: `grammar_check`, then `get_validator().submit`).
         Tokenizes `params.bad_words` into `params.bad_words_token_ids`."""
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
         validate_prompt(prompt_token_ids, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         max_tokens = params.validate_against(self.max_model_len, len(prompt_token_ids), self.vocab_size)
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None and grammar:
             # A bad schema or grammar is a 400 here, never a compile failure in the core.
-            vocab = GrammarVocab.of(self.tokenizer, self.vocab_size, self.eos_token_id)
-            validate_structured_outputs(params.structured_outputs, self.structured_output, vocab)
+            self.validator.validate(self.grammar_check(params))
         self.logits_processor_args.validate(params)
         return max_tokens
+
+    def grammar_check(self, params: SamplingParams) -> GrammarCheck:
+        """The spec's cheap checks (InvalidRequestError) and what the validator lane runs."""
+        assert params.structured_outputs is not None
+        vocab = GrammarVocab.of(self.tokenizer, self.vocab_size, self.eos_token_id)
+        return grammar_check(params.structured_outputs, self.structured_output, vocab)
+
+    @property
+    def validator(self) -> GrammarValidator:
+        return get_validator(self.structured_output.validator_processes)
 
     def process(
         self,
@@ -188,18 +206,24 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         validated: bool = False,
+        compiled_grammar: bytes | None = None,
     ) -> ProcessedRequest:
         """Check, tokenize, validate (unless the caller just ran `validate` on
-        these very token ids and params) and fan out one request."""
+        these very token ids and params, and passes the validator's
+        `compiled_grammar`) and fan out one request."""
         check_priority(priority)
         text, prompt_token_ids, prompt_salt = self.tokenize(prompt)
         prompt_token_ids = self.truncate(prompt_token_ids, params)
         cache_salt = prompt_salt if cache_salt is None else cache_salt
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt", cache_salt, "must be a string or None")
-        if not validated:
+        if not validated and params.structured_outputs is not None:
+            self.validate(prompt_token_ids, params, grammar=False)
+            compiled_grammar = self.validator.validate(self.grammar_check(params))
+        elif not validated:
             self.validate(prompt_token_ids, params)
         return make_request(
             request_id, text if prompt_text is None else prompt_text, prompt_token_ids, params,
             priority=priority, cache_salt=cache_salt, eos_token_id=self.eos_token_id,
+            compiled_grammar=compiled_grammar,
         )

@@ -48,6 +48,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # The API request it belongs to (its prompts and n samples share it; the
     # scheduler shares seats fairly between groups); None: its own request_id.
     group_id: str | None = None
+    # The API side's compiled grammar for this request's spec (the grammar
+    # backend's `serialize`), so the core loads it instead of compiling again.
+    compiled_grammar: bytes | None = None
 
 
 class AddRequests(msgspec.Struct, tag="add", array_like=True):
@@ -187,7 +190,7 @@ def sampling_params_from_dict(data: dict[str, Any]) -> SamplingParams:
 
 def from_engine_core_request(wire: EngineCoreRequest) -> Request:
     """The scheduler's Request for a client's request, its params re-validated."""
-    return Request(
+    request = Request(
         wire.request_id,
         wire.prompt_token_ids,
         sampling_params_from_dict(wire.sampling_params),
@@ -197,4 +200,6 @@ def from_engine_core_request(wire: EngineCoreRequest) -> Request:
         cache_salt=wire.cache_salt,
         group_id=wire.group_id,
     )
+    request.compiled_grammar = wire.compiled_grammar
+    return request
 

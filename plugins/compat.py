@@ -68,7 +68,9 @@ from packaging.version import Version
 #      options (`register_plugin_config` or `PAGEDLLM_PLUGIN_CONFIG`,
 #      `plugins.config`, `pm.plugin_config(Model)`); the conformance kit
 #      (`pagedllm.testing`).
-API_VERSION = "1.7.0"
+# 1.8: `GrammarBackend.serialize` / `deserialize` (optional, with defaults):
+#      the API side's compile of a slow spec is loaded by the engine core.
+API_VERSION = "1.8.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

@@ -36,8 +36,13 @@ class CompileJob:
     """One compile (shared by every request with its key): its future, when a
     compile thread started it, and the limit it runs under."""
 
-    def __init__(self, key: GrammarKey, timeout_s: float, on_timeout: Callable[[CompileJob], None]) -> None:
+    def __init__(
+        self, key: GrammarKey, timeout_s: float, on_timeout: Callable[[CompileJob], None],
+        compiled: bytes | None = None,
+    ) -> None:
         self.key = key
+        # The API side's compiled grammar for this key (loaded, not compiled), if any.
+        self.compiled = compiled
         self.timeout_s = timeout_s
         self.future: Future[Grammar] = Future()
         self.started_at: float | None = None

@@ -125,6 +125,21 @@ class GrammarBackend(ABC):
     def compile(self, kind: StructuredOutputKind, spec: str, *, any_whitespace: bool = True) -> Grammar:
         """A Grammar for `spec` in its initial state; raises on a bad spec."""
 
+    def serialize(self, grammar: Grammar) -> bytes | None:
+        """`grammar` (just compiled, never advanced) as bytes that `deserialize`
+        of a backend built with the same tokenizer, vocab size and config
+        turns back into it, or None (the default: not supported, or not
+        worth it for this grammar). Plugin API 1.8: the API side's validator
+        compiles a slow spec once and the engine core loads the result
+        instead of compiling it again."""
+        return None
+
+    def deserialize(self, kind: StructuredOutputKind, spec: str, data: bytes) -> Grammar:
+        """The Grammar `serialize` wrote for (`kind`, `spec`), in its initial
+        state. Raises if `data` is not this backend's (the engine core then
+        compiles the spec itself)."""
+        raise NotImplementedError(f"the {self.name or type(self).__name__} grammar backend cannot deserialize")
+
     def allocate_bitmask(self, num_rows: int, vocab_size: int) -> torch.Tensor:
         from pagedllm.structured_output.bitmask import allocate_token_bitmask
 

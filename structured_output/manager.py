@@ -22,6 +22,11 @@ the compile pool is replaced so the grammars queued behind it still compile.
 The API side has already compiled the same spec within that limit in a child
 process (structured_output.validator), so this is the rare case (a loaded
 machine, or a request that skipped the API: a crafted engine message).
+
+A spec arrives with the API side's compile of it
+(Request.compiled_grammar, the backend's `serialize`): the core loads it
+(`deserialize`, about a millisecond for xgrammar) instead of compiling the
+spec a second time; a spec the API side refused never reaches the core.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from pagedllm.structured_output.compile_job import CompileJob, CompilePool, Gram
 from pagedllm.structured_output.interface import Grammar, GrammarBackend, StructuredOutputKind
 from pagedllm.structured_output.limits import check_spec_limits, summary
 from pagedllm.structured_output.reasoning import ReasoningGate
-from pagedllm.structured_output.validator import GrammarVocab, get_validator
+from pagedllm.structured_output.validator import GrammarCheck, GrammarVocab, get_validator
 from pagedllm.structured_output.whitespace import WhitespaceOptions, backend_kwargs, resolve_whitespace
 
 if TYPE_CHECKING:
@@ -100,6 +105,8 @@ class StructuredOutputRequest:
 class CacheStats:
     hits: int = 0
     misses: int = 0
+    # Misses served by loading the API side's compiled grammar (not compiled here).
+    loaded: int = 0
     compile_seconds: list[float] = field(default_factory=list)
 
     @property
@@ -120,14 +127,13 @@ def backend_class(name: str) -> type[GrammarBackend]:
     return registry.load(name)  # the registry checks the GrammarBackend base
 
 
-def validate_structured_outputs(
+def grammar_check(
     params: StructuredOutputsParams, config: StructuredOutputConfig, vocab: GrammarVocab | None = None
-) -> None:
-    """The API-side check before scheduling: the spec is within the size and
-    depth limits, the backend exists, and the spec validates (and, given the
-    model's `vocab`, compiles) within structured_output.compile_timeout_s in
-    the validator's child process. Blocking and thread-safe: call it off the
-    event loop."""
+) -> GrammarCheck:
+    """The cheap part of the API-side check (size and depth limits, the
+    backend exists and takes this kind) and what the validator lane then
+    runs. Raises InvalidRequestError; CPU work on a large spec (canonical
+    JSON, its hash): keep it off the event loop."""
     check_spec_limits(params, config)  # NOTE: first: grammar_spec() below is recursive
     kind, spec = params.grammar_spec()
     backend_name = params.backend or config.backend
@@ -138,7 +144,19 @@ def validate_structured_outputs(
             f"the {backend_name} backend does not support {kind.value}; it supports "
             + ", ".join(sorted(k.value for k in backend_cls.supported_kinds)),
         )
-    get_validator().validate(backend_cls, kind, spec, resolve_whitespace(params, config), config, vocab)
+    return GrammarCheck.of(backend_cls, kind, spec, resolve_whitespace(params, config), config, vocab)
+
+
+def validate_structured_outputs(
+    params: StructuredOutputsParams, config: StructuredOutputConfig, vocab: GrammarVocab | None = None
+) -> bytes | None:
+    """The API-side check before scheduling: `grammar_check`, then the spec
+    validates (and, given the model's `vocab`, compiles) within
+    structured_output.compile_timeout_s in the validator lane. Blocking and
+    thread-safe; returns the compiled grammar for the engine core, or None.
+    (The server awaits the lane instead: `get_validator().submit`.)"""
+    check = grammar_check(params, config, vocab)
+    return get_validator(config.validator_processes).validate(check)
 
 
 class StructuredOutputManager:
@@ -197,7 +215,7 @@ class StructuredOutputManager:
             self.stats.hits += 1
         else:
             self.stats.misses += 1
-            job = CompileJob(key, self.config.compile_timeout_s, self._on_compile_timeout)
+            job = CompileJob(key, self.config.compile_timeout_s, self._on_compile_timeout, request.compiled_grammar)
             with self._pending_lock:
                 self._pending.add(job)
             job.future.add_done_callback(functools.partial(self._discard_pending, job))
@@ -206,6 +224,7 @@ class StructuredOutputManager:
                 self._cache[key] = job
                 while len(self._cache) > self.config.cache_size:
                     self._cache.popitem(last=False)
+        request.compiled_grammar = None  # the job holds it, or the cache had the grammar
         request.structured_output_request = StructuredOutputRequest(key, job)
         request.structured_output_request.reasoning_ended = self.reasoning.ended_in_prompt(request)
 
@@ -218,7 +237,7 @@ class StructuredOutputManager:
         if not job.claim():
             return  # resubmitted to a new pool, and started there
         try:
-            grammar = self._compile(job.key)
+            grammar = self._load(job) or self._compile(job.key)
         except BaseException as exc:  # the request reports it
             job.future.set_exception(exc)
         else:
@@ -243,6 +262,22 @@ class StructuredOutputManager:
         """The done callback of `job`'s future."""
         with self._pending_lock:
             self._pending.discard(job)
+
+    def _load(self, job: CompileJob) -> Grammar | None:
+        """The API side's compiled grammar for the job's spec, or None (none
+        came, or the backend cannot load it: then it compiles)."""
+        data, job.compiled = job.compiled, None
+        if data is None:
+            return None
+        backend = self._get_backend(job.key.backend)
+        try:
+            grammar = backend.deserialize(job.key.kind, job.key.spec, data)
+        except Exception as exc:  # a backend without it, or another tokenizer's grammar
+            logger.warning("cannot load the API side's compiled %s grammar (%s); compiling it",
+                           job.key.kind.value, exc)
+            return None
+        self.stats.loaded += 1
+        return grammar
 
     def _compile(self, key: GrammarKey) -> Grammar:
         backend = self._get_backend(key.backend)

@@ -2,14 +2,18 @@
 
     python -m pagedllm.structured_output.validator_worker <fd> <parent pid>
 
-Reads requests from the connection on `fd` (msgspec JSON, one per message),
+Reads requests from the connection on `fd` (msgpack, one per message),
 answers each, and exits when the parent closes the connection, dies
 (PR_SET_PDEATHSIG plus a parent-pid check) or kills it for running past the
 time limit. Requests:
 
     {"op": "prepare", "backend", "config", "vocab"}  -> {"ok", "note"}
     {"op": "validate", "backend", "config", "vocab", "kind", "spec", "whitespace"}
-        -> {"ok": true} | {"ok": false, "field", "value", "limit"}
+        -> {"ok": true, "compiled"} | {"ok": false, "field", "value", "limit"}
+
+Messages are msgpack. `compiled`: the backend's `serialize` of the grammar
+it compiled (None when it declines): the engine core loads it instead of
+compiling the spec again.
 
 `prepare` imports the backend and builds it for `vocab` (tokenizer load,
 vocabulary tables: seconds for a large vocab), so the timed `validate`
@@ -71,12 +75,14 @@ class Worker:
         backend_cls = load_class(request["backend"])
         kind = StructuredOutputKind(request["kind"])
         spec, whitespace = request["spec"], WhitespaceOptions(*request["whitespace"])
+        compiled = None
         try:
             backend_cls.validate(kind, spec, **backend_kwargs(backend_cls.validate, whitespace))
             backend = self.backends.get(_backend_key(request))
             if backend is not None:
                 # The engine core's own compile: its cost is what the limit bounds.
-                backend.compile(kind, spec, **backend_kwargs(backend.compile, whitespace))
+                grammar = backend.compile(kind, spec, **backend_kwargs(backend.compile, whitespace))
+                compiled = backend.serialize(grammar)
         except InvalidRequestError as exc:
             return {"ok": False, "field": exc.field, "value": _plain(exc.value), "limit": exc.limit}
         except Exception as exc:  # a compile error is the spec's fault
@@ -84,7 +90,7 @@ class Worker:
                 "ok": False, "field": f"structured_outputs.{kind.value}", "value": summary(spec),
                 "limit": f"the {kind.value} does not compile: {_clean(exc)}",
             }
-        return {"ok": True}
+        return {"ok": True, "compiled": compiled}
 
 
 class BackendImportError(Exception):
@@ -146,17 +152,17 @@ def main(argv: list[str]) -> None:
     with contextlib.suppress(ImportError):
         importlib.import_module(_DEFAULT_BACKEND_MODULE)  # the slow imports, before "ready"
     worker = Worker()
-    conn.send_bytes(msgspec.json.encode({"ready": True}))
+    conn.send_bytes(msgspec.msgpack.encode({"ready": True}))
     while True:
         try:
-            request = msgspec.json.decode(conn.recv_bytes())
+            request = msgspec.msgpack.decode(conn.recv_bytes())
         except (EOFError, OSError):
             return
         try:
             reply = worker.handle(request)
         except BackendImportError as exc:
             reply = {"ok": False, "import_error": str(exc)}
-        conn.send_bytes(msgspec.json.encode(reply))
+        conn.send_bytes(msgspec.msgpack.encode(reply))
 
 
 if __name__ == "__main__":

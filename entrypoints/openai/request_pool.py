@@ -1,6 +1,6 @@
 """The API process's worker pool: the CPU-heavy parts of a request
-(tokenizing, detokenizing, chat templates, request and grammar validation)
-run here, off the event loop, so /health, /metrics and small requests keep
+(tokenizing, detokenizing, chat templates, request validation) run here, off
+the event loop, so /health, /metrics and small requests keep
 being answered while one client sends a maximal body (vLLM answered the same
 problem with its async tokenizer pool).
 
@@ -12,6 +12,10 @@ finished (a cancelled request cannot start more work than there are threads).
 
     pool = RequestWorkerPool(num_threads=4)
     token_ids = await pool.run(tokenizer.encode, text)
+
+NOTE: a grammar's validation and compile never run here: they may take up to
+structured_output.compile_timeout_s, so a few costly schemas would hold every
+thread. The handlers await them in the validator lane (structured_output.validator).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from pagedllm.entrypoints.openai.response_body import (
 from pagedllm.entrypoints.openai.response_size import CHOICE_BYTES, chat_token_bytes, check_response_size
 from pagedllm.entrypoints.openai.serving_completion import MIN_LOGPROB
 from pagedllm.entrypoints.openai.serving_engine import (
+    ClientDisconnected,
     OpenAIServing,
     first_and_rest,
     merge_async_iterators,
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
     from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool
+    from pagedllm.structured_output.validator import GrammarCheck
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -71,14 +73,19 @@ class OpenAIServingChat(OpenAIServing):
         self.check_stream_options(request.stream, request.stream_options)
         self.check_chat_template_allowed(request.chat_template, request.chat_template_kwargs)
         try:
-            text, token_ids, params, tools = await self.pool.run(self._prepare, request)
+            text, token_ids, params, tools, grammar, grammar_field = await self.pool.run(self._prepare, request)
         finally:
             self.pool.note_request_size(request_body_size(raw_request))
+        try:
+            compiled_grammar = await self.check_grammar(grammar, raw_request, request, grammar_field)
+        except ClientDisconnected:
+            return Response(status_code=499)
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generator = self.engine.generate(
             token_ids, params, request_id, prompt_text=text, priority=request.priority,
             cache_salt=request.cache_salt, output_kind=request.output_kind(), validated=True,
+            compiled_grammar=compiled_grammar,
         )
         if request.stream:
             first, rest = await first_and_rest(generator)
@@ -91,9 +98,13 @@ class OpenAIServingChat(OpenAIServing):
             return Response(status_code=499)
         return JSONFragmentsResponse(response)
 
-    def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams, ToolCallPlan]:
-        """Render and tokenize, build the sampling parameters, validate.
-        Blocking (the template, a long prompt, a grammar check): runs in the pool."""
+    def _prepare(
+        self, request: ChatCompletionRequest
+    ) -> tuple[str, list[int], SamplingParams, ToolCallPlan, GrammarCheck | None, str | None]:
+        """Render and tokenize, build the sampling parameters, validate; the
+        grammar check to await and the field that names its spec (`tools`
+        when the tool calls force it). Blocking (the template, a long
+        prompt): runs in the pool."""
         tools = plan_tool_calls(request, self.tool_parser_cls)
         # A prompt to truncate may be longer than the context.
         max_num_tokens = None if request.truncate_prompt_tokens is not None else self.max_model_len - 1
@@ -112,6 +123,7 @@ class OpenAIServingChat(OpenAIServing):
             self.validate_prompt(token_ids, params, request)
             if not request.stream:
                 self._check_response_size(request, params, len(token_ids))
+            grammar = self.grammar_check(params, request)
         except InvalidRequestError as exc:
             # Name the field the client sent.
             if exc.field == "max_tokens" and request.max_completion_tokens is not None:
@@ -119,7 +131,7 @@ class OpenAIServingChat(OpenAIServing):
             if forced is not None and exc.field.startswith("structured_outputs"):
                 raise InvalidRequestError("tools", exc.value, exc.limit) from None
             raise
-        return text, token_ids, params, tools
+        return text, token_ids, params, tools, grammar, "tools" if forced is not None else None
 
     def _check_response_size(
         self, request: ChatCompletionRequest, params: SamplingParams, num_prompt_tokens: int

@@ -35,6 +35,7 @@ from pagedllm.entrypoints.openai.response_size import (
     completion_token_bytes,
 )
 from pagedllm.entrypoints.openai.serving_engine import (
+    ClientDisconnected,
     OpenAIServing,
     first_and_rest,
     merge_async_iterators,
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.engine.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
+    from pagedllm.structured_output.validator import GrammarCheck
 
 # vLLM clamps -inf logprobs so the JSON stays finite.
 MIN_LOGPROB = -9999.0
@@ -63,16 +65,20 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompts = 1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt)
         admission = self.engine.admit(num_prompts, request.n)
         try:
-            prompts, params = await self.pool.run(self._prepare, request)
+            prompts, params, grammar = await self.pool.run(self._prepare, request)
         finally:
             self.pool.note_request_size(request_body_size(raw_request))
+        try:
+            compiled_grammar = await self.check_grammar(grammar, raw_request, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generators = [
             self.engine.generate(
                 token_ids, params, f"{request_id}-{index}", prompt_text=text, priority=request.priority,
                 cache_salt=request.cache_salt, output_kind=request.output_kind(), admission=admission,
-                validated=True,
+                validated=True, compiled_grammar=compiled_grammar,
             )
             for index, (text, token_ids) in enumerate(prompts)
         ]
@@ -87,9 +93,11 @@ class OpenAIServingCompletion(OpenAIServing):
             return Response(status_code=499)
         return JSONFragmentsResponse(response)
 
-    def _prepare(self, request: CompletionRequest) -> tuple[list[tuple[str | None, list[int]]], SamplingParams]:
-        """Tokenize, build the sampling parameters, validate every prompt.
-        Blocking (a long prompt, a grammar check): runs in the pool."""
+    def _prepare(
+        self, request: CompletionRequest
+    ) -> tuple[list[tuple[str | None, list[int]]], SamplingParams, GrammarCheck | None]:
+        """Tokenize, build the sampling parameters, validate every prompt, and
+        the grammar check to await. Blocking (a long prompt): runs in the pool."""
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         params = request.sampling_params(
             request.max_tokens, request.logprobs, prompt_logprobs or request.prompt_logprobs
@@ -97,11 +105,12 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [self._truncate(text, token_ids, params) for text, token_ids in self._tokenize_prompts(request)]
         for _, token_ids in prompts:
             self.validate_prompt(token_ids, params, request)
+        grammar = self.grammar_check(params, request)
         if request.echo:  # the echoed text of token-id prompts, decoded here rather than on the loop
             prompts = [(self._prompt_text(text, token_ids), token_ids) for text, token_ids in prompts]
         if not request.stream:
             self._check_response_size(request, prompts, params)
-        return prompts, params
+        return prompts, params, grammar
 
     def _check_response_size(
         self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]], params: SamplingParams

@@ -30,12 +30,14 @@ from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool, shared_r
 from pagedllm.entrypoints.openai.response_size import max_token_json_bytes
 from pagedllm.entrypoints.openai.tool_calls import check_tool_messages, template_message
 from pagedllm.entrypoints.openai.user_text import UserTextSpecials
+from pagedllm.structured_output.validator import CompileQueueFullError
 
 if TYPE_CHECKING:
     from fastapi import Request
 
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.structured_output.validator import GrammarCheck
 
 logger = logging.getLogger(__name__)
 
@@ -92,24 +94,45 @@ class OpenAIServing:
         self, prompt_token_ids: list[int], params: SamplingParams, request: SamplingFields | None = None
     ) -> None:
         """The checks the engine would make, done here so a bad request is a
-        400 before any of its prompts is scheduled (a schema that does not
-        compile included)."""
+        400 before any of its prompts is scheduled; all but the grammar's
+        compile (`grammar_check`, then `await check_grammar`)."""
         try:
-            self.engine.input_processor.validate(prompt_token_ids, params)
+            self.engine.input_processor.validate(prompt_token_ids, params, grammar=False)
         except InvalidRequestError as exc:
-            uses_response_format = (
-                request is not None and request.response_format is not None and request.structured_outputs is None
-            )
-            # Name the field the client sent.
-            if uses_response_format and exc.field == "structured_outputs.json":
-                raise InvalidRequestError("response_format.json_schema.schema", exc.value, exc.limit) from None
-            if exc.field in ("prompt", "prompt_token_ids") and request is not None:
-                client_field = "messages" if hasattr(request, "messages") else "prompt"
-                raise InvalidRequestError(client_field, exc.value, exc.limit) from None
-            if exc.field.startswith("extra_args.") and request is not None and request.vllm_xargs is not None:
-                raise InvalidRequestError("vllm_xargs" + exc.field.removeprefix("extra_args"), exc.value,
-                                          exc.limit) from None
-            raise
+            raise client_field_error(exc, request) from None
+
+    def grammar_check(self, params: SamplingParams, request: SamplingFields | None = None) -> GrammarCheck | None:
+        """The spec's cheap checks (size, depth, backend) and what the validator
+        lane will run; None without structured output. Blocking: in the pool."""
+        if params.structured_outputs is None:
+            return None
+        try:
+            return self.engine.input_processor.grammar_check(params)
+        except InvalidRequestError as exc:
+            raise client_field_error(exc, request) from None
+
+    async def check_grammar(
+        self, check: GrammarCheck | None, raw_request: Request, request: SamplingFields | None = None,
+        field: str | None = None,
+    ) -> bytes | None:
+        """Await the spec's validation and compile in the validator lane (its
+        own threads and processes: no request worker waits on it); returns
+        the compiled grammar for the engine core. A refusal is a 400 naming
+        the client's field (`field` if given); a client with too many costly
+        specs waiting gets a 429. ClientDisconnected if the client leaves
+        first (its spec then leaves the lane's queue)."""
+        if check is None:
+            return None
+        try:
+            future = self.engine.input_processor.validator.submit(check, client_address(raw_request))
+            outcome = await _until_disconnect(raw_request, asyncio.wrap_future(future))
+            return outcome.raise_refusal()
+        except InvalidRequestError as exc:
+            renamed = client_field_error(exc, request)
+            raise renamed if field is None else InvalidRequestError(field, exc.value, exc.limit) from None
+        except CompileQueueFullError as exc:
+            param = field or client_field_error(InvalidRequestError(exc.field, None, ""), request).field
+            raise OpenAIServingError(429, str(exc), param) from None
 
     def check_chat_template_allowed(
         self, chat_template: str | None, chat_template_kwargs: dict[str, Any] | None
@@ -162,6 +185,51 @@ class OpenAIServing:
 
     def end_of_turn_token_ids(self) -> list[int]:
         return list(self._end_of_turn_token_ids)
+
+
+class ClientDisconnected(Exception):
+    """The client left while its request waited (the handler answers 499)."""
+
+
+async def _until_disconnect(raw_request: Request, waiting: asyncio.Future[T]) -> T:
+    """`waiting`'s result, or ClientDisconnected (and `waiting` cancelled) if
+    the client leaves first."""
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    pending: set[asyncio.Future[Any]] = {waiting, watcher}
+    try:
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not waiting.done():
+            waiting.cancel()
+    if waiting.cancelled():
+        raise ClientDisconnected
+    return waiting.result()
+
+
+def client_field_error(exc: InvalidRequestError, request: SamplingFields | None) -> InvalidRequestError:
+    """`exc` naming the field the client sent (response_format rather than
+    structured_outputs, messages rather than prompt, vllm_xargs rather than extra_args)."""
+    if request is None:
+        return exc
+    uses_response_format = request.response_format is not None and request.structured_outputs is None
+    if uses_response_format and exc.field == "structured_outputs.json":
+        return InvalidRequestError("response_format.json_schema.schema", exc.value, exc.limit)
+    if exc.field in ("prompt", "prompt_token_ids"):
+        return InvalidRequestError("messages" if hasattr(request, "messages") else "prompt", exc.value, exc.limit)
+    if exc.field.startswith("extra_args.") and request.vllm_xargs is not None:
+        return InvalidRequestError("vllm_xargs" + exc.field.removeprefix("extra_args"), exc.value, exc.limit)
+    return exc
+
+
+def client_address(raw_request: Request) -> str:
+    """Who a request is from, for per-client limits: the peer's address.
+
+    NOTE: not the API key: a server checks one key, shared by all its
+    clients, and a key it does not check is a name a client can change on
+    every request. Behind a proxy, uvicorn's --forwarded-allow-ips makes this
+    the forwarded address."""
+    return raw_request.client.host if raw_request.client is not None else ""
 
 
 def request_body_size(raw_request: Request) -> int:
