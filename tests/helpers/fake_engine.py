@@ -38,7 +38,11 @@ class FakeEngine:
         self.engine_pid = None
         self.engine_pids: list[int] = []
         self.kv_event_log = None
-        self.input_processor = SimpleNamespace(validate=lambda prompt_token_ids, params: None)
+        # What the HTTP layer asks of an input processor (no grammar, nothing cut).
+        self.input_processor = SimpleNamespace(
+            validate=lambda prompt_token_ids, params, grammar=True: None,
+            truncate=lambda prompt_token_ids, params: prompt_token_ids,
+        )
         self.num_generate_calls = 0
         self.stat_logger = SimpleNamespace(render=lambda: f"fake_generate_calls {self.num_generate_calls}\n".encode())
 
@@ -64,6 +68,9 @@ class FakeEngine:
 
     async def check_health(self) -> None:
         return None
+
+    async def memory_usage(self) -> list[dict[str, int]]:
+        return [{"pid": 0, "weights_bytes": 0, "kv_cache_bytes": 0, "kv_cache_resident_bytes": 0}]
 
     def replica_health(self) -> None:
         return None
