@@ -5,12 +5,19 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import msgspec
+
 from pagedllm.core.outputs import FinishReason
 
 
-@dataclass(slots=True)
-class Logprob:
-    """Log probability of one token; `rank` is 1-based in the vocabulary."""
+class Logprob(msgspec.Struct, gc=False):
+    """Log probability of one token; `rank` is 1-based in the vocabulary.
+
+    NOTE: gc=False (it holds only a float, an int and a str, so no cycle):
+    a non-streaming request keeps n x max_tokens x (1 + logprobs) of these
+    until it ends, and the collector walking millions of them stalled the
+    API server's event loop for seconds; untracked, their dicts are too.
+    """
 
     logprob: float
     rank: int | None = None

@@ -191,6 +191,24 @@ def test_logprobs_become_dicts_with_ranks_and_decoded_tokens(tokenizer):
     assert completion.text == "ca"
 
 
+def test_kept_logprobs_are_out_of_the_garbage_collectors_reach(tokenizer):
+    # A non-streaming n=128 x 1,500-token x 20-logprob request keeps ~4M
+    # entries until it ends; tracked, each full collection walked them all
+    # and stalled the API server's event loop (and /health) for seconds.
+    import gc
+
+    processor = OutputProcessor(tokenizer)
+    a, b = (tokenizer.convert_tokens_to_ids(ch) for ch in "ab")
+    add(processor, "r", None, [a, b], SamplingParams(max_tokens=2, logprobs=1))
+    step = EngineCoreOutput("r", [a], new_logprobs=[LogprobEntry([a, b], [-0.5, -1.5], 1)])
+    processor.process_outputs([step])
+    (state,) = processor.request_states.values()
+    (entry,) = state.logprobs
+    assert entry == {a: Logprob(-0.5, 1, "a"), b: Logprob(-1.5, 1, "b")}
+    assert not gc.is_tracked(entry[a])
+    assert not gc.is_tracked(entry)
+
+
 def test_n_samples_fan_out_and_come_back_as_one_output(tokenizer):
     processor = OutputProcessor(tokenizer)
     params = SamplingParams(n=2, seed=7, max_tokens=2)
