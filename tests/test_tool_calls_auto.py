@@ -85,8 +85,11 @@ class ScriptedEngine:
         self.script: list[str] = []
         self.prompts: list[str] = []
 
-    def validate(self, prompt_token_ids: list[int], params: Any) -> int:
+    def validate(self, prompt_token_ids: list[int], params: Any, grammar: bool = True) -> int:
         return int(params.max_tokens or 16)
+
+    def truncate(self, prompt_token_ids: list[int], params: Any) -> list[int]:
+        return prompt_token_ids
 
     def shutdown(self) -> None:
         pass
