@@ -17,7 +17,7 @@ import openai
 import pytest
 from helpers.server import ServerProcess, start_server
 
-MAX_TOKENS = 400
+MAX_TOKENS = 1000
 SEEDS = (1, 2, 3, 4)
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
 
