@@ -410,15 +410,20 @@ def _normalize_stop(stop: Any) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)):
         raise InvalidRequestError("stop", short_value(stop), "must be a string, a list of strings or None")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise InvalidRequestError("stop", f"<{len(stops)} strings>", f"at most {MAX_STOP_STRINGS} stop strings")
-    for s in stops:
-        if not isinstance(s, str) or not s:
-            raise InvalidRequestError("stop", short_value(stop), "every stop string must be a non-empty string")
-        if len(s) > MAX_STOP_STRING_CHARS:
-            raise InvalidRequestError("stop", f"<a stop string of {len(s)} characters>",
-                                      f"each stop string has at most {MAX_STOP_STRING_CHARS} characters")
+    _check_strings("stop", stops, "stop string", MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS)
     return list(stops)
+
+
+def _check_strings(field: str, strings: list[Any] | tuple[Any, ...], noun: str, max_count: int, max_chars: int) -> None:
+    """A bounded list of non-empty bounded strings (stop strings, bad words)."""
+    if len(strings) > max_count:
+        raise InvalidRequestError(field, f"<{len(strings)} {noun}s>", f"at most {max_count} {noun}s")
+    for string in strings:
+        if not isinstance(string, str) or not string:
+            raise InvalidRequestError(field, short_value(string), f"every {noun} must be a non-empty string")
+        if len(string) > max_chars:
+            raise InvalidRequestError(field, f"<a {noun} of {len(string)} characters>",
+                                      f"each {noun} has at most {max_chars} characters")
 
 
 def _normalize_stop_token_ids(stop_token_ids: Any) -> list[int]:
@@ -474,14 +479,7 @@ def _normalize_bad_words(bad_words: Any) -> list[str] | None:
         return None
     if not isinstance(bad_words, (list, tuple)):
         raise InvalidRequestError("bad_words", short_value(bad_words), "must be a list of strings or None")
-    if len(bad_words) > MAX_BAD_WORDS:
-        raise InvalidRequestError("bad_words", f"<{len(bad_words)} words>", f"at most {MAX_BAD_WORDS} words")
-    for word in bad_words:
-        if not isinstance(word, str) or not word:
-            raise InvalidRequestError("bad_words", short_value(word), "every word must be a non-empty string")
-        if len(word) > MAX_BAD_WORD_CHARS:
-            raise InvalidRequestError("bad_words", f"<a word of {len(word)} characters>",
-                                      f"each word has at most {MAX_BAD_WORD_CHARS} characters")
+    _check_strings("bad_words", bad_words, "word", MAX_BAD_WORDS, MAX_BAD_WORD_CHARS)
     return list(dict.fromkeys(bad_words)) or None
 
 
