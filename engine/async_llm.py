@@ -41,11 +41,11 @@ from pagedllm.engine.dp_client import DPAsyncMPClient, ReplicaFailure
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.kv_event_log import KVEventLog
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
-from pagedllm.engine.model_source import resolve_model_path
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from pagedllm.engine.stats import IterationStats
 from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.model_registry.model_source import resolve_model_path
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedllm.engine.core_client import AsyncMPClient
-from pagedllm.engine.model_source import resolve_model_path
+from pagedllm.model_registry.model_source import resolve_model_path
 from pagedllm.plugins import get_plugin_manager
 
 if TYPE_CHECKING:

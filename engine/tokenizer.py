@@ -26,7 +26,7 @@ def load_tokenizer(path: str) -> Any:
     it directly: AutoTokenizer would come to the same class, but first imports
     transformers' config machinery and torch (~2 s of a server's start, in a
     process that needs neither)."""
-    from pagedllm.engine.model_source import resolve_model_path
+    from pagedllm.model_registry.model_source import resolve_model_path
 
     resolved = resolve_model_path(path)
     if declares_generic_tokenizer(resolved):

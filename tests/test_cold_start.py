@@ -18,7 +18,7 @@ import sys
 import pagedllm.entrypoints.cli
 import pagedllm.entrypoints.openai.api_server
 import pagedllm.engine.async_llm
-from pagedllm.engine.model_source import resolve_model_path
+from pagedllm.model_registry.model_source import resolve_model_path
 from pagedllm.plugins import get_plugin_manager
 
 print(resolve_model_path("tiny", get_plugin_manager()))

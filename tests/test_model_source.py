@@ -15,9 +15,9 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError, PluginError
-from pagedllm.engine.model_source import DEFAULT_MODEL, find_model, resolve_model_path
 from pagedllm.entrypoints.cli import main as cli_main
 from pagedllm.model_registry.interface import ModelSource
+from pagedllm.model_registry.model_source import DEFAULT_MODEL, find_model, resolve_model_path
 from pagedllm.model_registry.tiny import WEIGHTS_DIR
 from pagedllm.plugins import PluginKind, PluginManager, RegisterFn, Registry, get_plugin_manager, hookimpl
 

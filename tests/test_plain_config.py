@@ -13,8 +13,8 @@ import pytest
 from helpers.tiny_models import cached_tiny_model
 from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 
-from pagedllm.engine.model_source import resolve_model_path
 from pagedllm.model_registry.loader import load_hf_config
+from pagedllm.model_registry.model_source import resolve_model_path
 from pagedllm.model_registry.plain_config import LLAMA_DEFAULTS, PlainConfig, read_plain_config
 
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -17,9 +17,9 @@ from helpers.tp_weights import expected_weight_bytes
 from pagedllm import LLM
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import ConfigError
-from pagedllm.engine.model_source import resolve_model_path
 from pagedllm.kv_connectors.base import model_fingerprint
 from pagedllm.model_registry.loader import load_hf_config
+from pagedllm.model_registry.model_source import resolve_model_path
 from pagedllm.plugins import get_plugin_manager
 
 NUM_KV_BLOCKS = 24

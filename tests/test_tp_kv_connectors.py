@@ -217,8 +217,8 @@ def test_a_tp2_producer_stores_each_ranks_shard_and_a_tp2_consumer_loads_them(tm
 
 def _rank_fingerprints(path: Path) -> list[str]:
     """The TP=2 ranks' directory names, in rank order (as the engine names them)."""
-    from pagedllm.engine.model_source import resolve_model_path
     from pagedllm.kv_connectors.base import model_fingerprint
+    from pagedllm.model_registry.model_source import resolve_model_path
     from pagedllm.plugins import get_plugin_manager
 
     model_path = resolve_model_path("tiny", get_plugin_manager())

@@ -25,11 +25,11 @@ from pagedllm.distributed.parallel_state import (
     init_distributed_environment,
     initialize_model_parallel,
 )
-from pagedllm.engine.model_source import resolve_model_path
 from pagedllm.kv_connectors.base import KVConnectorContext, model_fingerprint
 from pagedllm.kv_connectors.factory import build_kv_connector, check_kv_connector_supports
 from pagedllm.logits_processors.factory import build_logits_processors
 from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
+from pagedllm.model_registry.model_source import resolve_model_path
 from pagedllm.platforms import resolve_platform
 from pagedllm.platforms.host_memory import resident_bytes
 from pagedllm.plugins import get_plugin_manager
