@@ -60,7 +60,7 @@ from pagedllm.entrypoints.openai.api_server import build_app
 import uvicorn
 from pagedllm.engine.async_llm import AsyncLLM
 imported = time.perf_counter()
-from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.model_registry.tokenizer import load_tokenizer
 load_tokenizer("tiny")
 done = time.perf_counter()
 print(f"PHASE imports {imported - start:.3f}")

@@ -122,7 +122,7 @@ def main() -> None:
     from pagedllm.core.request import Request
     from pagedllm.core.sampling_params import SamplingParams, StructuredOutputsParams
     from pagedllm.engine.builder import build_engine_core
-    from pagedllm.engine.tokenizer import load_tokenizer
+    from pagedllm.model_registry.tokenizer import load_tokenizer
     from pagedllm.structured_output.interface import StructuredOutputKind
     from pagedllm.structured_output.manager import StructuredOutputManager
     from pagedllm.structured_output.xgrammar_backend import XgrammarBackend

@@ -44,8 +44,8 @@ from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from pagedllm.engine.stats import IterationStats
-from pagedllm.engine.tokenizer import load_tokenizer
 from pagedllm.model_registry.model_source import resolve_model_path
+from pagedllm.model_registry.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig

@@ -27,7 +27,7 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.custom_stats_sources import build_custom_stats
-from pagedllm.engine.tokenizer import config_eos_token_id
+from pagedllm.model_registry.tokenizer import config_eos_token_id
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.reasoning.select import reasoning_parser_class
 from pagedllm.structured_output.manager import StructuredOutputManager

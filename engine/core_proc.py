@@ -295,7 +295,7 @@ def _build_engine(config_json: str) -> EngineParts:
 
 def ready_message(parts: EngineParts) -> Ready:
     """The core's figures a client needs (the in-process client builds the same)."""
-    from pagedllm.engine.tokenizer import config_eos_token_id
+    from pagedllm.model_registry.tokenizer import config_eos_token_id
 
     engine_core = parts.engine_core
     return Ready(

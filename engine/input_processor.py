@@ -25,7 +25,6 @@ from pagedllm.core.engine import validate_prompt
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.int_limits import check_priority
 from pagedllm.engine.bad_words import bad_words_token_ids
-from pagedllm.engine.tokenizer import check_token_ids
 from pagedllm.engine.wire import EngineCoreRequest, sampling_params_to_dict
 from pagedllm.logits_processors.factory import LogitsProcessorArgs
 from pagedllm.plugins import get_plugin_manager
@@ -227,3 +226,13 @@ class InputProcessor:
             priority=priority, cache_salt=cache_salt, eos_token_id=self.eos_token_id,
             compiled_grammar=compiled_grammar,
         )
+
+
+def check_token_ids(token_ids: Any) -> list[int]:
+    """A prompt given as token ids: a list of ints (range checks need the vocab
+    size and happen with the other prompt checks in engine.validate_prompt)."""
+    if not isinstance(token_ids, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+    ):
+        raise InvalidRequestError("prompt_token_ids", token_ids, "must be a list of integers")
+    return list(token_ids)

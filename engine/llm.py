@@ -17,7 +17,7 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.output_processor import OutputProcessor, ProcessedOutputs
 from pagedllm.engine.stats import IterationStats
-from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.model_registry.tokenizer import load_tokenizer
 from pagedllm.plugins import get_plugin_manager
 
 if TYPE_CHECKING:

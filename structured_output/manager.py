@@ -303,7 +303,7 @@ class StructuredOutputManager:
     def tokenizer(self) -> Any:
         # NOTE: called under self._lock (first backend build), on a compile thread.
         if isinstance(self._tokenizer, str):
-            from pagedllm.engine.tokenizer import load_tokenizer
+            from pagedllm.model_registry.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self._tokenizer)
         return self._tokenizer

@@ -111,7 +111,7 @@ def load_class(path: str) -> Any:
 
 def build_backend(backend_cls: Any, vocab: list[Any], config_json: str) -> Any:
     from pagedllm.core.config import StructuredOutputConfig
-    from pagedllm.engine.tokenizer import load_tokenizer
+    from pagedllm.model_registry.tokenizer import load_tokenizer
 
     tokenizer_path, vocab_size, eos_token_id = vocab
     config = StructuredOutputConfig.model_validate_json(config_json)

@@ -25,7 +25,7 @@ print(resolve_model_path("tiny", get_plugin_manager()))
 heavy = sorted(name for name in ("torch", "transformers", "xgrammar") if name in sys.modules)
 print("heavy:", heavy)
 
-from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.model_registry.tokenizer import load_tokenizer
 
 tokenizer = load_tokenizer("tiny")
 print(type(tokenizer).__name__, tokenizer.eos_token_id)

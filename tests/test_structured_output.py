@@ -24,8 +24,8 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.sampling_params import StructuredOutputsParams as SO
 from pagedllm.engine.llm import LLM
-from pagedllm.engine.tokenizer import load_tokenizer
 from pagedllm.engine.wire import sampling_params_from_dict, sampling_params_to_dict
+from pagedllm.model_registry.tokenizer import load_tokenizer
 from pagedllm.plugins import GRAMMAR_BACKEND, get_plugin_manager, hookimpl
 from pagedllm.structured_output.bitmask import allocate_token_bitmask, unpack_bitmask
 from pagedllm.structured_output.interface import GrammarBackend, StructuredOutputKind

@@ -22,8 +22,8 @@ from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.sampling_params import StructuredOutputsParams as SO
 from pagedllm.engine.llm import LLM
-from pagedllm.engine.tokenizer import load_tokenizer
 from pagedllm.entrypoints.openai.protocol import StructuredOutputsRequest
+from pagedllm.model_registry.tokenizer import load_tokenizer
 from pagedllm.structured_output.interface import StructuredOutputKind
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.structured_output.whitespace import WhitespaceOptions, backend_kwargs, resolve_whitespace

@@ -70,7 +70,7 @@ def test_aliases_resolve_to_the_shipped_folders() -> None:
 
 def test_alias_works_as_a_tokenizer_path_and_in_a_config_file(tmp_path: Path) -> None:
     from pagedllm.core.config import EngineConfig
-    from pagedllm.engine.tokenizer import load_tokenizer
+    from pagedllm.model_registry.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("tiny-draft")
     assert len(tokenizer) == 8192 and tokenizer.convert_tokens_to_ids(IM_START_TOKEN) == 3

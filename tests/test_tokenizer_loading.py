@@ -13,9 +13,9 @@ import pytest
 from helpers.tiny_models import cached_tiny_model
 from transformers import AutoTokenizer
 
-from pagedllm.engine.tokenizer import declares_generic_tokenizer, load_tokenizer
 from pagedllm.model_registry.model_source import resolve_model_path
 from pagedllm.model_registry.tiny import get_tokenizer_dir
+from pagedllm.model_registry.tokenizer import declares_generic_tokenizer, load_tokenizer
 
 TEXTS = ["Hello there, how are you?", "  spaces\tand\nlines  ", "<|im_start|>user\nhi<|im_end|>", "ünïcödé 漢字 🙂"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]

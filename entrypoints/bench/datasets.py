@@ -27,7 +27,7 @@ def token_id_pool(tokenizer_path: str | None) -> list[int]:
     """Ids prompts are drawn from: the tokenizer's vocabulary less its special tokens."""
     if tokenizer_path is None:
         return list(range(*SAFE_TOKEN_ID_RANGE))
-    from pagedllm.engine.tokenizer import load_tokenizer
+    from pagedllm.model_registry.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path)
     special = set(tokenizer.all_special_ids)

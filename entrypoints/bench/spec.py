@@ -148,7 +148,7 @@ def run_bench(args: argparse.Namespace) -> list[SpecRunResult]:
     from tqdm import tqdm
 
     from pagedllm import LLM
-    from pagedllm.engine.tokenizer import load_tokenizer
+    from pagedllm.model_registry.tokenizer import load_tokenizer
 
     methods = [m for m in args.methods.split(",") if m]
     datasets = list(DATASETS) if args.dataset == "all" else args.dataset.split(",")

@@ -33,8 +33,8 @@ def _parser_class(name: str) -> type[ReasoningParser]:
 
 @functools.cache
 def _tokenizer(start_tag: str, end_tag: str, tags_as_tokens: bool) -> Any:
-    from pagedllm.engine.tokenizer import load_tokenizer
     from pagedllm.model_registry.tiny import get_tokenizer_dir
+    from pagedllm.model_registry.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(get_tokenizer_dir()))
     if tags_as_tokens:

@@ -1,14 +1,13 @@
-"""The front end's tokenizer: loading it and checking token-id prompts.
+"""A model's tokenizer: loading it, and the EOS id its config names.
 
-Shared by the offline LLM and AsyncLLM (the server's front end)."""
+The front ends (the offline LLM, AsyncLLM), the engine core and the grammar
+backends load it through `load_tokenizer`."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
-
-from pagedllm.core.errors import InvalidRequestError
 
 # tokenizer_config.json's names for transformers' generic fast tokenizer (a
 # tokenizer.json and nothing model-specific).
@@ -56,16 +55,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def check_token_ids(token_ids: Any) -> list[int]:
-    """A prompt given as token ids: a list of ints (range checks need the vocab
-    size and happen with the other prompt checks in engine.validate_prompt)."""
-    if not isinstance(token_ids, (list, tuple)) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in token_ids
-    ):
-        raise InvalidRequestError("prompt_token_ids", token_ids, "must be a list of integers")
-    return list(token_ids)
 
 
 def config_eos_token_id(hf_config: Any) -> int | None:
