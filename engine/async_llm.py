@@ -35,6 +35,7 @@ from pagedllm.core.errors import (
     InvalidRequestError,
     ServerShuttingDownError,
 )
+from pagedllm.core.stats import IterationStats
 from pagedllm.engine.core_client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient
 from pagedllm.engine.core_start import start_async_engine_core
 from pagedllm.engine.dp_client import DPAsyncMPClient, ReplicaFailure
@@ -43,7 +44,6 @@ from pagedllm.engine.kv_event_log import KVEventLog
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
-from pagedllm.engine.stats import IterationStats
 from pagedllm.model_registry.model_source import resolve_model_path
 from pagedllm.model_registry.tokenizer import load_tokenizer
 

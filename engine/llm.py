@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.stats import IterationStats
 from pagedllm.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from pagedllm.engine.dp_client import SyncDPClient
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.output_processor import OutputProcessor, ProcessedOutputs
-from pagedllm.engine.stats import IterationStats
 from pagedllm.model_registry.tokenizer import load_tokenizer
 from pagedllm.plugins import get_plugin_manager
 

@@ -46,8 +46,7 @@ from pagedllm.stat_loggers.prometheus import (  # noqa: F401 - re-exported: thei
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.custom_stats import MetricSpec
-    from pagedllm.core.stats import SchedulerStats
-    from pagedllm.engine.stats import IterationStats
+    from pagedllm.core.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger("pagedllm.metrics")
 

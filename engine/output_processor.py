@@ -36,8 +36,8 @@ from pagedllm.engine.stop_strings import check_stop_strings, stop_buffer_length
 if TYPE_CHECKING:
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.core.scheduler_output import LogprobEntry
+    from pagedllm.core.stats import IterationStats
     from pagedllm.engine.input_processor import ProcessedRequest
-    from pagedllm.engine.stats import IterationStats
 
 
 class ProcessedOutputs(NamedTuple):

@@ -11,10 +11,10 @@ process of ``pagedllm serve`` (AsyncLLM), or the caller's process for
   when only this side had news, e.g. an abort): queue lengths, KV-cache usage,
   prefix-cache, speculative-decoding and KV-connector counts, and the custom
   figures plugins attached (``custom_stats``);
-- ``iteration_stats`` (:class:`pagedllm.engine.stats.IterationStats`, or
+- ``iteration_stats`` (:class:`pagedllm.core.stats.IterationStats`, or
   None when the step produced no outputs): tokens, time to first token,
   inter-token latencies, and ``finished_requests`` (one
-  :class:`pagedllm.engine.stats.FinishedRequestStats` per finished request);
+  :class:`pagedllm.core.stats.FinishedRequestStats` per finished request);
 - ``num_scheduled_tokens``: tokens the step computed (0: an idle stats
   message; None: unknown, e.g. an abort on this side).
 
@@ -39,8 +39,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from pagedllm.core.config import EngineConfig
-    from pagedllm.core.stats import SchedulerStats
-    from pagedllm.engine.stats import IterationStats
+    from pagedllm.core.stats import IterationStats, SchedulerStats
 
 # Every metric on /metrics is named `pagedllm:<name>`.
 METRIC_PREFIX = "pagedllm:"

@@ -18,8 +18,7 @@ from pagedllm.core.stats import SpecDecodingStats
 from pagedllm.stat_loggers.base import StatLoggerBase, StatLoggerContext
 
 if TYPE_CHECKING:
-    from pagedllm.core.stats import SchedulerStats
-    from pagedllm.engine.stats import IterationStats
+    from pagedllm.core.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger("pagedllm.metrics")
 

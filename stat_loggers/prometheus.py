@@ -19,8 +19,7 @@ from pagedllm.core.custom_stats import MetricSpec, MetricType
 from pagedllm.stat_loggers.base import METRIC_PREFIX, StatLoggerBase, StatLoggerContext
 
 if TYPE_CHECKING:
-    from pagedllm.core.stats import SchedulerStats
-    from pagedllm.engine.stats import IterationStats
+    from pagedllm.core.stats import IterationStats, SchedulerStats
 
 # vLLM does the same: `<counter>_created` samples are noise for this use.
 prometheus_client.disable_created_metrics()

@@ -17,11 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.core.stats import SchedulerStats
+from pagedllm.core.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from pagedllm.engine.input_processor import make_request
 from pagedllm.engine.metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, StatLoggerManager, build_1_2_5_buckets
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.stats import FinishedRequestStats, IterationStats
 
 MODEL = "tiny-model"
 LABEL = {"model_name": MODEL}

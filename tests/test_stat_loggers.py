@@ -29,9 +29,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.custom_stats import CustomStatsCollector, MetricSpec, MetricType
 from pagedllm.core.errors import ConfigError, PluginError
-from pagedllm.core.stats import SchedulerStats
+from pagedllm.core.stats import IterationStats, SchedulerStats
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
-from pagedllm.engine.stats import IterationStats
 from pagedllm.engine.wire import CoreOutputDecoder, CoreOutputEncoder, EngineCoreOutputs, Ready
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.cli import serve_config as cli_serve_config

@@ -80,8 +80,7 @@ def _broken_if_raises(rule: str, what: str) -> Iterator[None]:
 
 def _steps() -> list[tuple[object, object, int | None, str]]:
     """(scheduler_stats, iteration_stats, num_scheduled_tokens, description) an engine can send."""
-    from pagedllm.core.stats import SchedulerStats, SpecDecodingStats
-    from pagedllm.engine.stats import FinishedRequestStats, IterationStats
+    from pagedllm.core.stats import FinishedRequestStats, IterationStats, SchedulerStats, SpecDecodingStats
     from pagedllm.kv_connectors.base import KVConnectorStats
 
     full = SchedulerStats(
