@@ -61,9 +61,10 @@ def _wrap(owner: Any, attr: str, name: str) -> None:
 
 def instrument() -> None:
     from pagedllm.attention_backends import torch_native
+    from pagedllm.model_registry import input_batch
     from pagedllm.model_registry.layers import activation, attention, linear, logits_processor, norm
     from pagedllm.model_registry.models import llama
-    from pagedllm.worker import input_batch, model_runner, sampler
+    from pagedllm.worker import model_runner, sampler
 
     _wrap(model_runner.ModelRunner, "_prepare_inputs", "host: prepare inputs")
     _wrap(input_batch.InputBatch, "to_device", "host: metadata + attention plan")

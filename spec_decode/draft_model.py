@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.model_registry.input_batch import InputBatch
 from pagedllm.spec_decode.model_drafter import DraftStart, ModelDrafter, load_draft_hf_config
-from pagedllm.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
     from pagedllm.core.config import SpeculativeConfig

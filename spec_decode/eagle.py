@@ -30,11 +30,11 @@ import torch
 from torch import nn
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.model_registry.input_batch import InputBatch
 from pagedllm.model_registry.layers.rotary import RotaryEmbedding, get_rope_parameters
 from pagedllm.model_registry.loader import ModelLoadError, default_weight_loader, iterate_safetensors
 from pagedllm.model_registry.models.llama import LlamaDecoderLayer, LlamaFlags, LlamaForCausalLM
 from pagedllm.spec_decode.model_drafter import DraftStart, ModelDrafter, load_draft_hf_config
-from pagedllm.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend, AttentionMetadata

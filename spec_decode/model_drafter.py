@@ -28,10 +28,10 @@ import torch
 from pagedllm.attention_backends.base import STANDARD_KV_CACHE_LAYOUT
 from pagedllm.core.errors import ConfigError
 from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.model_registry.input_batch import InputBatch
+from pagedllm.model_registry.kv_cache import PagedModule, allocate_kv_caches
 from pagedllm.model_registry.layers.tp_heads import partition_heads
 from pagedllm.spec_decode.interface import Drafter, DrafterContext, DraftInputs, DraftOutput, TargetStep
-from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.kv_cache import PagedModule, allocate_kv_caches
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionMetadata

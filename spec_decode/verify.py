@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.core.scheduler_output import LogprobEntry
     from pagedllm.logits_processors.interface import LogitsProcessor
-    from pagedllm.worker.input_batch import CachedRequestState
+    from pagedllm.worker.persistent_batch import CachedRequestState
     from pagedllm.worker.sampler import Sampler
 
 

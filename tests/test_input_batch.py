@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
-from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.kv_cache import allocate_kv_caches, unbind_kv_caches
+from pagedllm.model_registry.input_batch import InputBatch
+from pagedllm.model_registry.kv_cache import allocate_kv_caches, unbind_kv_caches
 
 
 def test_a_step_of_a_decode_and_a_prefill_chunk_maps_every_row_to_its_slot() -> None:

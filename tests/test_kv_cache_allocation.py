@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.worker.kv_cache import zeroed_tensor
+from pagedllm.model_registry.kv_cache import zeroed_tensor
 
 
 def resident_bytes() -> int:

@@ -30,8 +30,8 @@ from pagedllm.core.errors import ConfigError, InvalidRequestError
 from pagedllm.logits_processors.interface import AddedRequest, BatchUpdate, LogitsProcessor, MovedRequest
 from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
 from pagedllm.testing import ConformanceError, run_suite
-from pagedllm.worker.input_batch import CachedRequestState
 from pagedllm.worker.logits_processor_rows import LogitsProcessorRows
+from pagedllm.worker.persistent_batch import CachedRequestState
 from pagedllm.worker.sampler import Sampler, SamplingMetadata
 
 BAN = "ban_recent_tokens"

@@ -13,10 +13,10 @@ from helpers.tiny_models import cached_tiny_model
 from safetensors.torch import load_file, save_file
 
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
+from pagedllm.model_registry.input_batch import InputBatch
 from pagedllm.model_registry.loader import ModelLoadError, iterate_safetensors, load_hf_config
 from pagedllm.spec_decode.eagle import EagleHead
 from pagedllm.spec_decode.train_eagle import TrainableEagleHead, save_random_eagle_head
-from pagedllm.worker.input_batch import InputBatch
 
 # The names of a real EAGLE-1 checkpoint (yuhuili/EAGLE-LLaMA3-Instruct-8B
 # layout; vLLM's llama_eagle.py loads the same): no input_layernorm, no norm.

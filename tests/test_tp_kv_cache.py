@@ -124,8 +124,8 @@ def test_a_kv_cache_with_other_kv_heads_than_its_layer_is_refused() -> None:
     """A backend views the cache with its layer's KV heads, so a cache of
     more heads (the whole model's, on one rank) would run unnoticed."""
     from pagedllm.attention_backends.torch_native import TorchNativeBackend
+    from pagedllm.model_registry.kv_cache import allocate_kv_caches
     from pagedllm.model_registry.layers.attention import Attention
-    from pagedllm.worker.kv_cache import allocate_kv_caches
 
     class OneLayer:
         layer = Attention(2, 8, 8**-0.5, 1, TorchNativeBackend)  # this rank: 2 query heads, 1 KV head

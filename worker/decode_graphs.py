@@ -25,9 +25,9 @@ from pagedllm.attention_backends.base import AttentionMetadata
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
+    from pagedllm.model_registry.input_batch import InputBatch
     from pagedllm.model_registry.interface import ModelForCausalLM
     from pagedllm.platforms.interface import Platform
-    from pagedllm.worker.input_batch import InputBatch
 
 
 def default_graph_sizes(max_num_seqs: int) -> list[int]:

@@ -21,7 +21,7 @@ from pagedllm.logits_processors.interface import AddedRequest, BatchUpdate, Logi
 if TYPE_CHECKING:
     import torch
 
-    from pagedllm.worker.input_batch import CachedRequestState
+    from pagedllm.worker.persistent_batch import CachedRequestState
 
 RowKey = tuple[str, int]  # (request id, number of drafts before the row)
 

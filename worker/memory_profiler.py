@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.kv_cache import allocate_kv_caches, unbind_kv_caches
+from pagedllm.model_registry.input_batch import InputBatch
+from pagedllm.model_registry.kv_cache import allocate_kv_caches, unbind_kv_caches
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend

@@ -2,7 +2,7 @@
 
 The batch is never padded: every scheduled token of every request is one row
 of `input_ids`, with its absolute position, its KV slot (`slot_mapping`) and
-its request's block table (worker/input_batch.py). Rows that end a request's
+its request's block table (model_registry/input_batch.py). Rows that end a request's
 known tokens produce logits; the sampler turns those into the next tokens, or,
 with a drafter, spec_decode/verify.py keeps the accepted drafts plus one.
 """
@@ -22,11 +22,11 @@ from pagedllm.core.scheduler_output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from pagedllm.model_registry.input_batch import InputBatch
 from pagedllm.spec_decode.interface import DraftInputs, TargetStep
 from pagedllm.spec_decode.verify import verify_drafts
-from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.logits_processor_rows import LogitsProcessorRows
-from pagedllm.worker.persistent_batch import PersistentBatch
+from pagedllm.worker.persistent_batch import CachedRequestState, PersistentBatch
 from pagedllm.worker.sampler import (
     SampledTokens,
     Sampler,
@@ -63,7 +63,7 @@ class ModelRunner:
         logits_processors: Sequence[LogitsProcessor] = (),
     ) -> None:
         """`kv_caches`: the per-layer KV tensors, already bound to the model's
-        attention layers (worker/kv_cache.py: allocate_kv_caches)."""
+        attention layers (model_registry/kv_cache.py: allocate_kv_caches)."""
         self.model = model
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches

@@ -7,19 +7,44 @@ numpy arrays, and each step only writes what changed (new block ids, the
 tokens it sampled, the drafts it verifies). A step's `InputBatch` and input
 ids are then gathered from the scheduled rows with a few array operations
 instead of being rebuilt from per-request Python lists.
+
+`CachedRequestState` is the runner's copy of one request across steps (its
+block table and computed count are its row here).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagedllm.worker.input_batch import InputBatch
+from pagedllm.model_registry.input_batch import InputBatch
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.core.sampling_params import SamplingParams
 
 # Rows to start with; the arrays double when more requests are held
 # (preempted requests keep their rows, so the count can pass max_num_seqs).
 _MIN_ROWS = 8
+
+
+@dataclass
+class CachedRequestState:
+    """The runner's copy of a request; it appends the tokens it samples."""
+
+    req_id: str
+    num_prompt_tokens: int
+    token_ids: list[int]  # prompt + output
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_id: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    # The drafter's q for the drafts it last proposed ([n, V]); None: one-hot.
+    draft_probs: torch.Tensor | None = None
 
 
 class PersistentBatch:

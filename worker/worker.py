@@ -28,6 +28,7 @@ from pagedllm.distributed.parallel_state import (
 from pagedllm.kv_connectors.base import KVConnectorContext, model_fingerprint
 from pagedllm.kv_connectors.factory import build_kv_connector, check_kv_connector_supports
 from pagedllm.logits_processors.factory import build_logits_processors
+from pagedllm.model_registry.kv_cache import allocate_kv_caches
 from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
 from pagedllm.model_registry.model_source import resolve_model_path
 from pagedllm.platforms import resolve_platform
@@ -36,7 +37,6 @@ from pagedllm.plugins import get_plugin_manager
 from pagedllm.spec_decode.interface import DrafterContext
 from pagedllm.worker.compile import compile_outside_attention
 from pagedllm.worker.decode_graphs import DecodeGraphRunner, default_graph_sizes
-from pagedllm.worker.kv_cache import allocate_kv_caches
 from pagedllm.worker.memory_profiler import profile_run
 from pagedllm.worker.model_facts import ModelFacts
 from pagedllm.worker.model_runner import ModelRunner

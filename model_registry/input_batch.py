@@ -7,15 +7,13 @@ same kind of batch: B requests, request r owning the rows
 at its context length ``seq_lens[r]``, each row writing its KV at
 ``slot_mapping`` through the request's block table. `InputBatch` holds those
 numpy arrays and is the one place that turns them into device tensors and
-`AttentionMetadata`.
-
-`CachedRequestState` is the runner's copy of one request across steps (its
-block table and computed count live in worker/persistent_batch.py).
+`AttentionMetadata`. It sits with the models because every forward takes
+it, the drafters' own (spec_decode/) included.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,22 +23,6 @@ from pagedllm.attention_backends.base import AttentionMetadata
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
-    from pagedllm.core.sampling_params import SamplingParams
-
-
-@dataclass
-class CachedRequestState:
-    """The runner's copy of a request; it appends the tokens it samples."""
-
-    req_id: str
-    num_prompt_tokens: int
-    token_ids: list[int]  # prompt + output
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    eos_token_id: int | None = None
-    output_token_ids: list[int] = field(default_factory=list)
-    # The drafter's q for the drafts it last proposed ([n, V]); None: one-hot.
-    draft_probs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
