@@ -1,5 +1,6 @@
-"""Speculative decoding: the Drafter plugin kind (n-gram, draft model, EAGLE)
-and the rejection sampler that keeps the target's distribution exact."""
+"""Speculative decoding: the Drafter plugin kind (n-gram, draft model, EAGLE).
+The worker verifies the drafts (worker/draft_verification.py) with the
+rejection sampler that keeps the target's distribution exact."""
 
 from pagedllm.spec_decode.interface import Drafter, DrafterContext, DraftInputs, DraftOutput, TargetStep
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID as PAD
-from pagedllm.spec_decode.rejection_sampler import DraftLayout, rejection_sample
+from pagedllm.worker.rejection_sampler import PLACEHOLDER_TOKEN_ID as PAD
+from pagedllm.worker.rejection_sampler import DraftLayout, rejection_sample
 
 VOCAB = 8
 

@@ -4,7 +4,8 @@ The batch is never padded: every scheduled token of every request is one row
 of `input_ids`, with its absolute position, its KV slot (`slot_mapping`) and
 its request's block table (model_registry/input_batch.py). Rows that end a request's
 known tokens produce logits; the sampler turns those into the next tokens, or,
-with a drafter, spec_decode/verify.py keeps the accepted drafts plus one.
+with a drafter, worker/draft_verification.py keeps the accepted drafts plus
+one. Both read the step's one SamplingBatch (worker/sampling_batch.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pagedllm.core.scheduler_output import (
 )
 from pagedllm.model_registry.input_batch import InputBatch
 from pagedllm.spec_decode.interface import DraftInputs, TargetStep
-from pagedllm.spec_decode.verify import verify_drafts
+from pagedllm.worker.draft_verification import verify_drafts
 from pagedllm.worker.logits_processor_rows import LogitsProcessorRows
 from pagedllm.worker.persistent_batch import CachedRequestState, PersistentBatch
 from pagedllm.worker.sampler import (
@@ -34,6 +35,7 @@ from pagedllm.worker.sampler import (
     compute_prompt_logprobs,
     to_logprob_entries,
 )
+from pagedllm.worker.sampling_batch import SamplingBatch
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
@@ -140,23 +142,20 @@ class ModelRunner:
         hidden_states = self._forward_with_kv_transfer(input_ids, batch, scheduler_output.kv_connector_metadata)
         output = ModelRunnerOutput(sampled_token_ids={state.req_id: [] for state in states})
         self._compute_prompt_logprobs(states, batch, hidden_states, output)
-        # A request samples when this step reaches the end of its known tokens.
-        sampling_rows = [
-            row for row, state in enumerate(states) if batch.seq_lens[row] - len(drafts[row]) >= len(state.token_ids)
-        ]
-        sampling_states = [states[row] for row in sampling_rows]
-        if sampling_rows:
+        sampling = self._sampling_batch(scheduler_output, states, drafts, batch)
+        if sampling.requests:
+            raw_logits = self.model.compute_logits(hidden_states[sampling.logits_indices])
             sampled = (
-                self._sample(scheduler_output, hidden_states, batch, sampling_rows, sampling_states)
-                if self.drafter is None
-                else self._verify(scheduler_output, hidden_states, batch, sampling_rows, sampling_states, drafts)
+                self._sample(raw_logits, sampling)
+                if sampling.drafts is None
+                else verify_drafts(self.sampler, raw_logits.float(), sampling)
             )
-            self._record_sampled(sampling_states, sampled, output)
+            self._record_sampled(sampling, sampled, output)
         if self.drafter is not None:
             # NOTE: called even when nothing sampled: a model drafter mirrors
             # every prefill chunk into its own KV cache.
-            target_step = self._target_step(states, drafts, batch, input_ids, hidden_states, sampling_rows, output)
-            self._propose_drafts(self.drafter, sampling_rows, sampling_states, target_step, output)
+            target_step = self._target_step(states, drafts, batch, input_ids, hidden_states, sampling, output)
+            self._propose_drafts(self.drafter, sampling, target_step, output)
         output.kv_connector_output = self._kv_connector_output(scheduler_output)
         return output
 
@@ -206,50 +205,44 @@ class ModelRunner:
             return self.graph_runner.run(input_ids, batch)
         return self.model(input_ids, *batch.to_device(self.attn_backend, self.block_size, self.device))
 
-    def _verify(
+    def _sampling_batch(
         self,
         scheduler_output: SchedulerOutput,
-        hidden_states: torch.Tensor,
-        batch: InputBatch,
-        sampling_rows: list[int],
-        sampling_states: list[CachedRequestState],
+        states: list[CachedRequestState],
         drafts: list[list[int]],
-    ) -> SampledTokens:
-        """With a drafter: score all 1 + n positions and keep the accepted
-        prefix, also for steps without drafts, so that a seeded request
-        draws its random numbers the same way whatever the batch around it
-        drafted (it would not if this step used the plain sampler).
+        batch: InputBatch,
+    ) -> SamplingBatch:
+        """The requests that sample this step (those that reach the end of
+        their known tokens) and the rows they score. With a drafter every
+        request scores all 1 + n positions, also in steps without drafts, so
+        that a seeded request draws its random numbers the same way whatever
+        the batch around it drafted (it would not with the plain sampler).
         `drafts`: every scheduled request's, in batch order."""
-        sampling_drafts = [drafts[row] for row in sampling_rows]
+        rows = [
+            row for row, state in enumerate(states) if batch.seq_lens[row] - len(drafts[row]) >= len(state.token_ids)
+        ]
+        requests = [states[row] for row in rows]
+        sampling_drafts = None if self.drafter is None else [drafts[row] for row in rows]
         logits_indices: list[int] = []
-        for row, request_drafts in zip(sampling_rows, sampling_drafts, strict=True):
+        for i, row in enumerate(rows):
             end = int(batch.query_start_loc[row + 1])
-            logits_indices.extend(range(end - 1 - len(request_drafts), end))
-        raw_logits = self.model.compute_logits(hidden_states[torch.tensor(logits_indices, device=self.device)])
-        return verify_drafts(
-            self.sampler,
-            raw_logits.float(),
-            sampling_states,
-            sampling_drafts,
-            grammar_bitmask=_grammar_rows(scheduler_output, sampling_states, all_positions=True),
+            logits_indices.extend(range(end - 1 - (len(sampling_drafts[i]) if sampling_drafts else 0), end))
+        return SamplingBatch(
+            requests=requests,
+            batch_rows=rows,
+            drafts=sampling_drafts,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+            grammar_bitmask=_grammar_rows(scheduler_output, requests, all_positions=sampling_drafts is not None),
+            # NOTE: told only when a row samples; a step without sampling keeps their rows.
+            logits_processors=self._logits_processors_for(requests, sampling_drafts) if requests else (),
             default_generator=self.generator,
-            logits_processors=self._logits_processors_for(sampling_states, sampling_drafts),
         )
 
-    def _sample(
-        self,
-        scheduler_output: SchedulerOutput,
-        hidden_states: torch.Tensor,
-        batch: InputBatch,
-        sampling_rows: list[int],
-        sampling_states: list[CachedRequestState],
-    ) -> SampledTokens:
+    def _sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> SampledTokens:
         """One token per sampling request, from its last position."""
-        last_rows = [int(batch.query_start_loc[row + 1]) - 1 for row in sampling_rows]
-        logits = self.model.compute_logits(hidden_states[torch.tensor(last_rows, device=self.device)])
-        metadata = self._sampling_metadata(sampling_states, logits.shape[-1])
-        metadata.grammar_bitmask = _grammar_rows(scheduler_output, sampling_states)
-        metadata.logits_processors = self._logits_processors_for(sampling_states, None)
+        metadata = self._sampling_metadata(sampling.requests, logits.shape[-1])
+        metadata.grammar_bitmask = sampling.grammar_bitmask
+        metadata.logits_processors = sampling.logits_processors
         sampler_output = self.sampler(logits, metadata)
         token_ids = [[token_id] for token_id in sampler_output.sampled_token_ids.tolist()]
         tensors = sampler_output.logprobs_tensors
@@ -291,11 +284,9 @@ class ModelRunner:
         self._cached_sampling = (sampling_states, metadata) if reusable else None
         return metadata
 
-    def _record_sampled(
-        self, sampling_states: list[CachedRequestState], sampled: SampledTokens, output: ModelRunnerOutput
-    ) -> None:
+    def _record_sampled(self, sampling: SamplingBatch, sampled: SampledTokens, output: ModelRunnerOutput) -> None:
         input_batch = self.input_batch
-        for i, (state, token_ids) in enumerate(zip(sampling_states, sampled.token_ids, strict=True)):
+        for i, (state, token_ids) in enumerate(zip(sampling.requests, sampled.token_ids, strict=True)):
             input_batch.append_token_ids(state.req_id, token_ids)
             state.token_ids.extend(token_ids)
             state.output_token_ids.extend(token_ids)
@@ -313,12 +304,12 @@ class ModelRunner:
         batch: InputBatch,
         input_ids: torch.Tensor,
         hidden_states: torch.Tensor,
-        sampling_rows: list[int],
+        sampling: SamplingBatch,
         output: ModelRunnerOutput,
     ) -> TargetStep:
         """What a model drafter mirrors: this step's rows minus the rejected drafts."""
         num_rejected = np.zeros(len(states), dtype=np.int64)
-        for row in sampling_rows:
+        for row in sampling.batch_rows:
             num_rejected[row] = len(drafts[row]) + 1 - len(output.sampled_token_ids[states[row].req_id])
         # Position after each request's last kept row: its next token is known.
         next_positions = batch.seq_lens - num_rejected
@@ -337,23 +328,20 @@ class ModelRunner:
 
     @staticmethod
     def _propose_drafts(
-        drafter: Drafter,
-        sampling_rows: list[int],
-        sampling_states: list[CachedRequestState],
-        target_step: TargetStep,
-        output: ModelRunnerOutput,
+        drafter: Drafter, sampling: SamplingBatch, target_step: TargetStep, output: ModelRunnerOutput
     ) -> None:
+        requests = sampling.requests
         draft_output = drafter.propose(
             DraftInputs(
-                req_ids=[s.req_id for s in sampling_states],
-                token_ids=[s.token_ids for s in sampling_states],
-                sampling_params=[s.sampling_params for s in sampling_states],
-                batch_rows=sampling_rows,
+                req_ids=[s.req_id for s in requests],
+                token_ids=[s.token_ids for s in requests],
+                sampling_params=[s.sampling_params for s in requests],
+                batch_rows=sampling.batch_rows,
                 target_step=target_step,
             )
         )
         all_probs = draft_output.draft_probs
-        for i, (state, draft_token_ids) in enumerate(zip(sampling_states, draft_output.draft_token_ids, strict=False)):
+        for i, (state, draft_token_ids) in enumerate(zip(requests, draft_output.draft_token_ids, strict=False)):
             state.draft_probs = all_probs[i] if all_probs is not None else None
             if draft_token_ids:
                 output.spec_token_ids[state.req_id] = list(draft_token_ids)

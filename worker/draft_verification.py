@@ -3,10 +3,10 @@ accepted prefix plus one token (rejection_sampler.py holds the algorithm).
 
 The target scored 1 + n_i positions of request i. Row j of request i is
 processed as if its first j drafts were already output tokens: penalties,
-min_tokens and the grammar see them. The model runner calls `verify_drafts`
-for every step of a run with a drafter, also for requests without drafts, so
-that a seeded request draws its random numbers the same way whatever the
-batch around it drafted.
+min_tokens and the grammar see them. The model runner verifies every step
+of a run with a drafter, also for requests without drafts, so that a seeded
+request draws its random numbers the same way whatever the batch around it
+drafted.
 """
 
 from __future__ import annotations
@@ -16,39 +16,31 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.spec_decode.rejection_sampler import DraftLayout, rejection_sample
+from pagedllm.worker.rejection_sampler import DraftLayout, rejection_sample
 from pagedllm.worker.sampler import SampledTokens, SamplingMetadata, gather_logprobs, to_logprob_entries
 from pagedllm.worker.token_controls import explicit_logprob_token_ids
 
 if TYPE_CHECKING:
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.core.scheduler_output import LogprobEntry
-    from pagedllm.logits_processors.interface import LogitsProcessor
     from pagedllm.worker.persistent_batch import CachedRequestState
     from pagedllm.worker.sampler import Sampler
+    from pagedllm.worker.sampling_batch import SamplingBatch
 
 
-def verify_drafts(
-    sampler: Sampler,
-    raw_logits: torch.Tensor,
-    requests: Sequence[CachedRequestState],
-    drafts: Sequence[list[int]],
-    *,
-    grammar_bitmask: tuple[torch.Tensor, list[int]] | None,
-    default_generator: torch.Generator,
-    logits_processors: Sequence[LogitsProcessor] = (),
-) -> SampledTokens:
-    """The accepted drafts plus one token of every request.
+def verify_drafts(sampler: Sampler, raw_logits: torch.Tensor, sampling: SamplingBatch) -> SampledTokens:
+    """The accepted drafts plus one token of every request of `sampling`.
 
     :param raw_logits: [R, V] float32, the target's logits at the 1 + n_i
-        rows of each request in turn (R = sum(1 + n_i)).
-    :param grammar_bitmask: (bitmask rows, the logits rows they mask).
-    :param logits_processors: already told these rows (one per position).
+        rows of each request in turn (R = sum(1 + n_i)): the rows of
+        `sampling.logits_indices`.
     """
+    requests = sampling.requests
+    drafts = sampling.drafts if sampling.drafts is not None else [[] for _ in requests]
     device = raw_logits.device
-    metadata = _row_sampling_metadata(requests, drafts, raw_logits.shape[-1], device, default_generator)
-    metadata.grammar_bitmask = grammar_bitmask
-    metadata.logits_processors = logits_processors
+    metadata = _row_sampling_metadata(requests, drafts, raw_logits.shape[-1], device, sampling.default_generator)
+    metadata.grammar_bitmask = sampling.grammar_bitmask
+    metadata.logits_processors = sampling.logits_processors
     logits = sampler.apply_logits_processors(raw_logits, metadata)
     target_probs = None if metadata.all_greedy else sampler.compute_probs(logits, metadata)
 
@@ -63,7 +55,7 @@ def verify_drafts(
         metadata.is_greedy[layout.row_start],
         draft_probs=None if target_probs is None else _draft_probs(target_probs, layout, requests, drafts),
         generators={i: s.generator for i, s in enumerate(requests) if s.generator is not None},
-        default_generator=default_generator,
+        default_generator=sampling.default_generator,
     ).tolist()
     token_ids = [[t for t in row if t >= 0] for row in emitted]
     if metadata.max_num_logprobs is None:
