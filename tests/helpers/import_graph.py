@@ -8,11 +8,13 @@ package's `__init__` that Python runs on the way is not an edge: every module
 would otherwise reach the root `__init__` (which re-exports the front ends) and
 the graph would be one cycle that says nothing.
 
-Two checks read the graph (docs/architecture.md, "The import rule"):
-- `core_rule_violations`: a module of `pagedllm.core` imports at run time only
-  `pagedllm.core.*`, `pagedllm.plugins.*` and the interface modules of the
-  plugin packages (`<pkg>.base`, `<pkg>.interface`, and a package `__init__`
-  that defines nothing and imports, at run time, interface modules only);
+Two checks read the graph (docs/architecture.md, "The layers"):
+- `layer_violations`: a run-time import that runs up the layer map `LAYERS`
+  (lowest first), or from one plugin kind into another kind's implementation
+  that `KIND_USES` does not declare. Every module may import a plugin kind's
+  *interface* (`<kind>.base`, `<kind>.interface`, `<kind>.types`, and a kind's
+  package `__init__` that defines nothing and imports, at run time, interfaces
+  and core only). `core_rule_violations` is the same rule for core/ alone;
 - `import_cycles`: the strongly connected components of the graph (Tarjan), run-time
   edges only or type-only edges included.
 """
@@ -26,10 +28,36 @@ from pathlib import Path
 
 PACKAGE = "pagedllm"
 CORE = f"{PACKAGE}.core"
-# Layers around the core; any other top-level package is a plugin package
-# (attention_backends, model_registry, platforms, spec_decode, ...).
-NON_PLUGIN_PACKAGES = frozenset({"core", "plugins", "engine", "worker", "entrypoints"})
-INTERFACE_MODULE_NAMES = frozenset({"base", "interface"})
+
+# ------------------------------------------------------------ the layer map
+# Lowest first: a module imports at run time only its own layer or a lower
+# one. Names are top-level packages; ROOT is the package's own __init__ (it
+# re-exports the front end, `LLM`). KINDS stands for every top-level package
+# that no other layer names: the plugin kinds and what they share.
+ROOT = ""
+KINDS = "<plugin kinds>"
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"core", "plugins"}),
+    frozenset({KINDS}),
+    frozenset({"worker"}),
+    frozenset({"executors"}),
+    frozenset({"engine", ROOT}),
+    frozenset({"entrypoints"}),
+    frozenset({"testing"}),
+)
+# Among the kinds, a kind imports at run time its own package, any kind's
+# interface, the kinds every kind may use, and the kinds it lists below (an
+# order among kinds: no kind lists one that lists it, directly or not).
+SHARED_KINDS = frozenset({"platforms", "distributed"})
+KIND_USES: Mapping[str, frozenset[str]] = {
+    # Drafters load and run models: the loader, the layers, the forward batch
+    # (model_registry/input_batch.py) and their own KV cache (kv_cache.py).
+    "spec_decode": frozenset({"model_registry"}),
+    # Grammars are compiled against the model's tokenizer
+    # (model_registry/tokenizer.py) and wait for the reasoning parser.
+    "structured_output": frozenset({"model_registry", "reasoning"}),
+}
+INTERFACE_MODULE_NAMES = frozenset({"base", "interface", "types"})
 # Folders of the repository root that are not part of the installed package.
 EXCLUDED_DIRS = frozenset({"tests", "examples", "benchmarks", "docs", "build", "dist", "__pycache__"})
 
@@ -162,7 +190,7 @@ def _is_type_checking(test: ast.expr) -> bool:
     return isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
 
 
-# ---------------------------------------------------------------- the core rule
+# ---------------------------------------------------------------- the layers
 
 
 def top_package(module: str) -> str | None:
@@ -171,33 +199,60 @@ def top_package(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else None
 
 
-def _allowed_for_core(target: str, graph: ImportGraph, seen: frozenset[str] = frozenset()) -> bool:
-    if target == CORE or target.startswith(f"{CORE}.") or top_package(target) == "plugins":
-        return True
-    if target in seen:  # a package __init__ reached again through its own imports
-        return False
-    pkg = top_package(target)
-    if pkg is None or pkg in NON_PLUGIN_PACKAGES:
+def layer_index(module: str) -> int:
+    """The position of `module`'s layer in LAYERS."""
+    pkg = top_package(module)
+    name = ROOT if pkg is None else pkg
+    for index, names in enumerate(LAYERS):
+        if name in names:
+            return index
+    return KINDS_LAYER
+
+
+KINDS_LAYER = next(index for index, names in enumerate(LAYERS) if KINDS in names)
+
+
+def is_kind(module: str) -> bool:
+    return top_package(module) is not None and layer_index(module) == KINDS_LAYER
+
+
+def is_interface(target: str, graph: ImportGraph, seen: frozenset[str] = frozenset()) -> bool:
+    """A plugin kind's interface module, or its package __init__ that stands
+    for interfaces (defines nothing, imports at run time only interfaces and
+    the bottom layer)."""
+    if not is_kind(target) or target in seen:  # seen: an __init__ reached again through its own imports
         return False
     parts = target.split(".")
     if len(parts) == 3:
         return parts[2] in INTERFACE_MODULE_NAMES
     return len(parts) == 2 and target in graph.reexport_only and all(
-        _allowed_for_core(imp.target, graph, seen | {target})
+        layer_index(imp.target) == 0 or is_interface(imp.target, graph, seen | {target})
         for imp in graph.imports
         if imp.importer == target and not imp.type_only
     )
 
 
+def _allowed(imp: Import, graph: ImportGraph) -> bool:
+    importer_pkg, target_pkg = top_package(imp.importer), top_package(imp.target)
+    if imp.type_only or importer_pkg == target_pkg or is_interface(imp.target, graph):
+        return True
+    importer_layer, target_layer = layer_index(imp.importer), layer_index(imp.target)
+    if target_layer != importer_layer:
+        return target_layer < importer_layer
+    if importer_layer != KINDS_LAYER:
+        return True  # one layer of several packages (core and plugins; engine and the root)
+    return target_pkg in SHARED_KINDS or target_pkg in KIND_USES.get(importer_pkg or ROOT, frozenset())
+
+
+def layer_violations(graph: ImportGraph) -> list[Import]:
+    """Run-time imports up the layer map, or into another kind's
+    implementation that KIND_USES does not declare."""
+    return [imp for imp in graph.imports if not _allowed(imp, graph)]
+
+
 def core_rule_violations(graph: ImportGraph) -> list[Import]:
     """Run-time imports by a core module of anything but core, plugins and interfaces."""
-    return [
-        imp
-        for imp in graph.imports
-        if (imp.importer == CORE or imp.importer.startswith(f"{CORE}."))
-        and not imp.type_only
-        and not _allowed_for_core(imp.target, graph)
-    ]
+    return [imp for imp in layer_violations(graph) if imp.importer == CORE or imp.importer.startswith(f"{CORE}.")]
 
 
 # ---------------------------------------------------------------------- cycles
