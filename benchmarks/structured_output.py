@@ -79,8 +79,8 @@ def time_steps(core, batch: int, structured: bool, steps: int) -> tuple[float, f
     manager.grammar_bitmask = timed_bitmask
     # Until every request has its grammar and its prefill is done.
     while len(core.scheduler.running) < batch or any(r.num_output_tokens == 0 for r in core.scheduler.running):
-        core.step()
-        core.wait_for_work()
+        if not core.step().made_progress:
+            core.wait_for_work()
     fill_time = 0.0
     times = []
     for _ in range(steps):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.int_limits import short_value
@@ -38,6 +38,19 @@ if TYPE_CHECKING:
 # Longest an idle loop waits for a compiling grammar (the core's input loop
 # must stay responsive to aborts).
 GRAMMAR_WAIT_S = 0.01
+
+
+class StepResult(NamedTuple):
+    """What one `EngineCore.step()` did."""
+
+    # The processed step's outputs (none when the step only launched).
+    outputs: list[EngineCoreOutput]
+    # Tokens the processed step computed (the server's iteration_tokens_total;
+    # 0 when nothing was processed).
+    num_scheduled_tokens: int
+    # False after a step that ran nothing and finished nothing: every
+    # unfinished request waits for its grammar (see wait_for_work).
+    made_progress: bool
 
 
 class EngineCore:
@@ -65,11 +78,6 @@ class EngineCore:
         self.vocab_size = vocab_size
         # PAGEDLLM_DEBUG_KV=1 checks the block invariant after every step.
         self.check_kv_invariants = os.environ.get("PAGEDLLM_DEBUG_KV") == "1"
-        # Tokens the last step() computed (the server's iteration_tokens_total).
-        self.num_scheduled_tokens = 0
-        # False after a step that ran nothing and finished nothing: every
-        # unfinished request waits for its grammar (see wait_for_work).
-        self.made_progress = True
         # Async scheduling: the steps launched and not yet processed, oldest
         # first (at most two: one running, one scheduled behind it).
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] | None = (
@@ -98,21 +106,20 @@ class EngineCore:
 
     # ------------------------------------------------------------------ loop
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> StepResult:
         if self.batch_queue is not None:
             return self.step_with_batch_queue(self.batch_queue)
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._record_step(scheduler_output, outputs, runner_output)
-        return outputs
+        return self._record_step(scheduler_output, outputs, runner_output)
 
     def step_with_batch_queue(
         self, batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]]
-    ) -> list[EngineCoreOutput]:
+    ) -> StepResult:
         """Launch the next step if there is room, then process the oldest
         one, so its outputs come back while the step behind it runs. Returns
-        nothing when it only launched (a pipeline's first step)."""
+        no outputs and no tokens when it only launched (a pipeline's first step)."""
         if self._may_schedule_ahead(batch_queue):
             scheduler_output = self.scheduler.schedule()
             # NOTE: an empty schedule still goes out when it tells the runner
@@ -122,13 +129,11 @@ class EngineCore:
                 future = self.model_executor.execute_model_async(scheduler_output)
                 batch_queue.append((scheduler_output, future))
                 if len(batch_queue) == 1 and not scheduler_output.sync_required and not scheduler_output.is_empty:
-                    self.made_progress = True
-                    return []
+                    return StepResult([], 0, made_progress=True)
         scheduler_output, future = batch_queue.popleft()
         runner_output = future.result()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._record_step(scheduler_output, outputs, runner_output)
-        return outputs
+        return self._record_step(scheduler_output, outputs, runner_output)
 
     def _may_schedule_ahead(self, batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]]) -> bool:
         """Room for one more step, something to schedule, and no step in
@@ -139,19 +144,19 @@ class EngineCore:
 
     def _record_step(
         self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput], runner_output: ModelRunnerOutput
-    ) -> None:
-        self.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens  # for iteration stats
+    ) -> StepResult:
         if self.custom_stats is not None:
             self.custom_stats.add_rank_figures(runner_output.custom_stats)
-        self.made_progress = not scheduler_output.is_empty or bool(outputs)
         if self.check_kv_invariants:
             self.check_invariants()
+        made_progress = not scheduler_output.is_empty or bool(outputs)
+        return StepResult(outputs, scheduler_output.total_num_scheduled_tokens, made_progress)
 
     def wait_for_work(self, timeout_s: float = GRAMMAR_WAIT_S) -> None:
-        """For the loop that calls step(): after a step that made no progress
-        (only grammars compiling), wait up to `timeout_s` for a compile to
-        finish instead of spinning; otherwise return at once."""
-        if not self.made_progress and self.structured_output_manager is not None:
+        """For the loop that calls step(), after a step that made no progress
+        (`StepResult.made_progress` false: only grammars compiling): wait up
+        to `timeout_s` for a compile to finish instead of spinning."""
+        if self.structured_output_manager is not None:
             self.structured_output_manager.wait_for_compiles(timeout_s)
 
     def check_invariants(self) -> None:

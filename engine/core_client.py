@@ -44,7 +44,7 @@ from pagedllm.engine.wire import (
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
-    from pagedllm.core.engine import EngineCore
+    from pagedllm.core.engine import EngineCore, StepResult
     from pagedllm.core.outputs import EngineCoreOutput
     from pagedllm.core.stats import SchedulerStats
 
@@ -110,17 +110,20 @@ class InprocClient(EngineCoreClient):
     def get_output(self) -> list[EngineCoreOutput]:
         if not self.engine_core.has_unfinished_requests():
             return []
-        outputs = self.engine_core.step()
-        self.engine_core.wait_for_work()  # only grammars compiling: no spinning
-        return outputs
+        return self._step().outputs
 
     def next_outputs(self) -> EngineCoreOutputs:
         if not self.engine_core.has_unfinished_requests():
             return EngineCoreOutputs([], None, 0, time.time())
-        outputs = self.get_output()
-        return EngineCoreOutputs(
-            outputs, self.engine_core.make_stats(), self.engine_core.num_scheduled_tokens, time.time()
-        )
+        result = self._step()
+        stats = self.engine_core.make_stats()
+        return EngineCoreOutputs(result.outputs, stats, result.num_scheduled_tokens, time.time())
+
+    def _step(self) -> StepResult:
+        result = self.engine_core.step()
+        if not result.made_progress:
+            self.engine_core.wait_for_work()  # only grammars compiling: no spinning
+        return result
 
     def get_stats(self) -> SchedulerStats | None:
         return self.engine_core.make_stats()
@@ -132,8 +135,7 @@ class InprocClient(EngineCoreClient):
         """Step until the core has nothing left, e.g. finished requests
         whose blocks a KV connector still reads (a save in flight)."""
         while self.engine_core.has_unfinished_requests():
-            self.engine_core.step()
-            self.engine_core.wait_for_work()
+            self._step()
 
     def shutdown(self) -> None:
         """Stop the executor's workers (the in-process `uni` releases its rank)."""

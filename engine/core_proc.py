@@ -107,9 +107,10 @@ class EngineCoreProc:
             if self.should_stop:
                 break
             if engine_core.has_unfinished_requests():
-                outputs = engine_core.step()
-                self._send_outputs(outputs, engine_core.num_scheduled_tokens)
-                engine_core.wait_for_work()
+                result = engine_core.step()
+                self._send_outputs(result.outputs, result.num_scheduled_tokens)
+                if not result.made_progress:
+                    engine_core.wait_for_work()  # only grammars compiling: no spinning
             elif self.stats_dirty:
                 self._send_outputs([], 0)
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pagedllm.core.config import EngineConfig
-from pagedllm.core.engine import GRAMMAR_WAIT_S, EngineCore
+from pagedllm.core.engine import GRAMMAR_WAIT_S, EngineCore, StepResult
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -94,9 +94,8 @@ def _core(
 def test_step_is_schedule_execute_update() -> None:
     output = EngineCoreOutput(request_id="r", new_token_ids=[7])
     core, calls = _core(3, [output])
-    assert core.step() == [output]
+    assert core.step() == StepResult([output], num_scheduled_tokens=3, made_progress=True)
     assert calls == ["schedule 1", "execute 3", "update 1 {'r': [7]}"]
-    assert core.num_scheduled_tokens == 3
 
 
 @pytest.mark.parametrize(
@@ -108,17 +107,18 @@ def test_step_is_schedule_execute_update() -> None:
         (3, 1, False),
     ],
 )
-def test_the_loop_waits_for_grammars_only_after_a_step_without_progress(
+def test_a_step_says_whether_it_made_progress_and_never_waits_itself(
     num_tokens: int, num_outputs: int, waits: bool
 ) -> None:
     finished = EngineCoreOutput(request_id="r", new_token_ids=[], finish_reason="abort")
     core, calls = _core(num_tokens, [finished] * num_outputs)
-    core.wait_for_work()  # before any step: nothing to wait for
-    core.step()
+    result = core.step()
     assert "wait" not in " ".join(calls)  # step() itself never waits
+    assert result.made_progress is not waits
+    assert result.num_scheduled_tokens == num_tokens
     del calls[:]
-    core.wait_for_work()
-    assert calls == ([f"wait {GRAMMAR_WAIT_S}"] if waits else [])
+    core.wait_for_work()  # what the loop calls after a step without progress
+    assert calls == [f"wait {GRAMMAR_WAIT_S}"]
 
 
 def test_without_a_grammar_manager_the_idle_loop_returns_at_once() -> None:
@@ -135,13 +135,26 @@ def test_without_a_grammar_manager_the_idle_loop_returns_at_once() -> None:
 def test_async_scheduling_launches_the_next_step_before_processing_the_last() -> None:
     output = EngineCoreOutput(request_id="r", new_token_ids=[7])
     core, calls = _core(3, [output], async_scheduling=True)
-    assert core.step() == []  # the first step only launches
+    assert core.step() == StepResult([], 0, made_progress=True)  # the first step only launches
     assert calls == ["schedule 1", "launch 3"]
-    assert core.step() == [output]
+    assert core.step().outputs == [output]
     assert calls[2:] == ["schedule 2", "launch 3", "update 1 {'r': [7]}"]
-    assert core.step() == [output]
+    assert core.step().outputs == [output]
     assert calls[5:] == ["schedule 3", "launch 3", "update 2 {'r': [7]}"]
     assert "execute" not in " ".join(calls)
+
+
+def test_a_step_that_only_launches_reports_no_tokens_of_an_earlier_step() -> None:
+    """A pipeline's first step after an idle spell computed nothing yet: the
+    tokens of the step processed before the spell are not counted again."""
+    output = EngineCoreOutput(request_id="r", new_token_ids=[7])
+    core, _ = _core(3, [output], async_scheduling=True)
+    core.step()
+    core.scheduler.num_unfinished = 0  # type: ignore[attr-defined]
+    assert core.step() == StepResult([output], 3, made_progress=True)  # step 1 processed
+    assert not core.has_unfinished_requests()
+    core.scheduler.num_unfinished = 1  # type: ignore[attr-defined]  # a new request
+    assert core.step() == StepResult([], 0, made_progress=True)  # step 2 only launched
 
 
 def test_a_step_in_flight_keeps_the_engine_stepping_until_its_outputs_are_processed() -> None:
@@ -150,7 +163,7 @@ def test_a_step_in_flight_keeps_the_engine_stepping_until_its_outputs_are_proces
     core.step()
     core.scheduler.num_unfinished = 0  # type: ignore[attr-defined]  # e.g. aborted meanwhile
     assert core.has_unfinished_requests()
-    assert core.step() == [output]
+    assert core.step().outputs == [output]
     assert calls[2:] == ["update 1 {'r': [7]}"]  # nothing new is scheduled
     assert not core.has_unfinished_requests()
 
@@ -160,9 +173,9 @@ def test_a_step_that_needs_its_outputs_first_is_processed_before_the_next_schedu
     core, calls = _core(3, [output], async_scheduling=True)
     core.step()
     core.scheduler.sync_required = True  # type: ignore[attr-defined]  # e.g. a grammar request samples
-    assert core.step() == [output]  # step 2 (sync) launched, step 1 processed
-    assert core.step() == [output]  # step 2 processed before step 3 is scheduled
-    assert core.step() == [output]  # step 3 launched and processed at once
+    assert core.step().outputs == [output]  # step 2 (sync) launched, step 1 processed
+    assert core.step().outputs == [output]  # step 2 processed before step 3 is scheduled
+    assert core.step().outputs == [output]  # step 3 launched and processed at once
     assert calls[2:] == [
         "schedule 2", "launch 3", "update 1 {'r': [7]}",
         "update 2 {'r': [7]}",
@@ -172,6 +185,5 @@ def test_a_step_that_needs_its_outputs_first_is_processed_before_the_next_schedu
 
 def test_async_scheduling_processes_an_empty_schedule_at_once_when_nothing_is_in_flight() -> None:
     core, calls = _core(0, [], async_scheduling=True)
-    assert core.step() == []
+    assert core.step() == StepResult([], 0, made_progress=False)  # only grammars compiling: the loop may wait
     assert calls == ["schedule 1", "launch 0", "update 1 {}"]
-    assert not core.made_progress  # only grammars compiling: the loop may wait

@@ -252,7 +252,7 @@ def test_a_compiling_grammar_does_not_stall_the_batch(model_dir: Path, gated_bac
     tokens: dict[str, list[int]] = {"waits": [], "runs": []}
     finished: set[str] = set()
     while "runs" not in finished:
-        for output in core.step():
+        for output in core.step().outputs:
             tokens[output.request_id] += output.new_token_ids
             if output.finished:
                 finished.add(output.request_id)
@@ -260,7 +260,7 @@ def test_a_compiling_grammar_does_not_stall_the_batch(model_dir: Path, gated_bac
     assert core.scheduler.requests["waits"].status == RequestStatus.WAITING_FOR_FSM
     gated_backend.set()
     while core.has_unfinished_requests():
-        for output in core.step():
+        for output in core.step().outputs:
             tokens[output.request_id] += output.new_token_ids
     assert llm.tokenizer.decode(tokens["waits"][:-1]).isdigit()
     assert len(llm.tokenizer.decode(tokens["waits"][:-1])) == 3

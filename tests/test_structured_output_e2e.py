@@ -171,7 +171,7 @@ def test_compile_failure_in_the_core_ends_only_that_request(llm: LLM) -> None:
     finished = {}
     tokens: dict[str, list[int]] = {}
     while core.has_unfinished_requests():
-        for output in core.step():
+        for output in core.step().outputs:
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
             if output.finished:
                 finished[output.request_id] = output

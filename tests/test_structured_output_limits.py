@@ -338,7 +338,7 @@ def test_a_core_compile_past_the_limit_fails_only_its_request(model_dir: Path) -
         core.add_request(Request("plain", [5, 6, 7], params(None, max_tokens=5), eos_token_id=eos))
         start, finished, tokens = time.monotonic(), {}, {}
         while core.has_unfinished_requests() and time.monotonic() - start < 60:  # a hang guard only
-            for output in core.step():
+            for output in core.step().outputs:
                 tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
                 if output.finished:
                     finished[output.request_id] = output
