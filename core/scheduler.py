@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from pagedllm.core.errors import ConfigError, InvalidRequestError, KVTransferError
 from pagedllm.core.fair_share import FairShare
+from pagedllm.core.kv_transfer_tracker import KVTransferTracker
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
@@ -30,14 +31,14 @@ from pagedllm.core.scheduler_output import (
     SchedulerOutput,
 )
 from pagedllm.core.stats import SchedulerStats, SpecDecodingStats
-from pagedllm.kv_connectors.base import KVConnectorStats
 
 if TYPE_CHECKING:
     from pagedllm.core.config import SchedulerConfig
     from pagedllm.core.grammar import GrammarManager
     from pagedllm.core.kv_cache.block_pool import KVCacheBlock
     from pagedllm.core.kv_cache.manager import KVCacheManager
-    from pagedllm.kv_connectors.base import KVConnectorBase, KVConnectorOutput
+    from pagedllm.core.scheduler_output import KVConnectorStats
+    from pagedllm.kv_connectors.base import KVConnectorBase
 
 
 class AdmitDecision(enum.Enum):
@@ -108,17 +109,11 @@ class Scheduler:
         kv_connector: KVConnectorBase | None = None,
     ) -> None:
         self.config = scheduler_config
-        # KV transfer (kv_connectors/): external prefix hits past the local
-        # cache, loads and saves handed to the runner with each step.
+        # KV transfer (kv_connectors/): the connector's scheduler side, and its
+        # bookkeeping (external prefix hits past the local cache, loads and
+        # saves handed to the runner with each step, delayed frees).
         self.kv_connector = kv_connector
-        if kv_connector is not None and kv_connector.wants_eviction_events:
-            kv_cache_manager.record_evictions()
-        # Finished requests whose blocks a connector still reads (freed when
-        # the worker side's get_finished has listed them, on every rank).
-        self._delayed_free: dict[str, Request] = {}
-        # The worker sides' counts since start (every rank's, from the steps' outputs).
-        self._worker_connector_stats = KVConnectorStats()
-        self._last_connector_stats = KVConnectorStats()
+        self.kv_transfer = None if kv_connector is None else KVTransferTracker(kv_connector, kv_cache_manager)
         # Speculative decoding: k drafts per request at most; a model drafter
         # writes KV past the scheduled tokens, into `num_lookahead_tokens`
         # extra slots reserved per request.
@@ -206,7 +201,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         # Delayed frees keep the loop stepping until the connector lets go.
-        return self.get_num_unfinished_requests() > 0 or bool(self._finished_outputs) or bool(self._delayed_free)
+        return (
+            self.get_num_unfinished_requests() > 0 or bool(self._finished_outputs)
+            or (self.kv_transfer is not None and bool(self.kv_transfer.delayed_free))
+        )
 
     # -------------------------------------------------------------- schedule
 
@@ -361,9 +359,9 @@ class Scheduler:
         num_external_tokens = 0
         if num_computed_tokens == 0:
             computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            if self.kv_connector is not None:
+            if self.kv_transfer is not None:
                 try:
-                    num_external = self._external_matched_tokens(request, num_computed_tokens)
+                    num_external = self.kv_transfer.num_external_tokens(request, num_computed_tokens)
                 except KVTransferError as exc:
                     return Admission(AdmitDecision.FAIL, error=str(exc))
                 if num_external is None:  # the connector says: not yet
@@ -386,10 +384,8 @@ class Scheduler:
         request_id = request.request_id
         resumed = request.status == RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
-        if self.kv_connector is not None:
-            self.kv_connector.update_state_after_alloc(
-                request, self.kv_cache_manager.get_block_ids(request_id), admission.num_external_tokens
-            )
+        if self.kv_transfer is not None:
+            self.kv_transfer.after_alloc(request, admission.num_external_tokens)
         num_computed_tokens = admission.num_computed_tokens
         request.num_computed_tokens = num_computed_tokens
         if request.num_cached_tokens < 0:
@@ -442,12 +438,8 @@ class Scheduler:
             # they say whether its next step samples under its grammar.
             sync_required=self._samples_under_grammar(num_scheduled_tokens),
         )
-        if self.kv_connector is not None:
-            if self.kv_connector.wants_eviction_events:
-                self.kv_connector.on_blocks_evicted(self.kv_cache_manager.take_evicted_blocks())
-            # NOTE: before num_computed_tokens advances: the connector reads
-            # where each request's new tokens start.
-            scheduler_output.kv_connector_metadata = self.kv_connector.build_connector_meta(scheduler_output)
+        if self.kv_transfer is not None:
+            self.kv_transfer.attach_metadata(scheduler_output)
         self.finished_req_ids = set()
         return scheduler_output
 
@@ -494,18 +486,6 @@ class Scheduler:
             request.num_computed_tokens += num_new_tokens
             if async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # it samples this step
-
-    def _external_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
-        """Tokens the connector loads past the local hit (None: ask again later)."""
-        assert self.kv_connector is not None
-        if request.sampling_params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need every prompt position computed
-        self.kv_cache_manager.ensure_block_hashes(request)
-        num_external = self.kv_connector.get_num_new_matched_tokens(request, num_computed_tokens)
-        if num_external is None:
-            return None
-        # The last prompt position is always computed (its logits sample).
-        return max(0, min(num_external, request.num_tokens - 1 - num_computed_tokens))
 
     def _finish_failed_request(self, request: Request, error: str) -> None:
         """A request that cannot run (a grammar that failed to compile, a KV
@@ -557,7 +537,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs, self._finished_outputs = self._finished_outputs, []
-        self._update_from_kv_connector_output(runner_output.kv_connector_output)
+        if self.kv_transfer is not None:
+            self.kv_transfer.update_from_output(runner_output.kv_connector_output)
         sampled_token_ids = runner_output.sampled_token_ids
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         all_logprobs = runner_output.logprobs
@@ -678,13 +659,8 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         request.finished_time = time.time()
         request.structured_output_request = None
-        delay_free = False
-        if self.kv_connector is not None:
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-            delay_free = self.kv_connector.request_finished(request, block_ids)
-        if delay_free:
-            self._delayed_free[request.request_id] = request
-        else:
+        # A connector's save may still read the blocks: the tracker frees them later.
+        if self.kv_transfer is None or not self.kv_transfer.request_finished(request):
             self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -692,19 +668,9 @@ class Scheduler:
 
     def requests_holding_blocks(self) -> list[Request]:
         """Running requests and finished ones a connector still reads."""
-        return [*self.running, *self._delayed_free.values()]
-
-    def _update_from_kv_connector_output(self, kv_output: KVConnectorOutput | None) -> None:
-        """Free the blocks of finished requests whose delayed save is done
-        (on every rank); count the worker side's transfers."""
-        if kv_output is None:
-            return
-        for request_id in kv_output.finished_sending:
-            request = self._delayed_free.pop(request_id, None)
-            if request is not None:
-                self.kv_cache_manager.free(request)
-        if kv_output.stats is not None:
-            self._worker_connector_stats.add(kv_output.stats)
+        if self.kv_transfer is None:
+            return list(self.running)
+        return [*self.running, *self.kv_transfer.delayed_free.values()]
 
     # ----------------------------------------------------------------- stats
 
@@ -718,25 +684,14 @@ class Scheduler:
             prefix_cache_hits=prefix_stats.hits,
             num_preemptions=self.num_preemptions,
             spec_decoding_stats=self._take_spec_decoding_stats(),
-            kv_connector_stats=self._take_connector_stats(),
+            kv_connector_stats=None if self.kv_transfer is None else self.kv_transfer.take_stats(),
         )
 
     @property
     def kv_connector_stats(self) -> KVConnectorStats | None:
         """The KV connector's counts since start: its scheduler side's and
         its worker sides' (summed over the ranks)."""
-        if self.kv_connector is None:
-            return None
-        total = self.kv_connector.stats.copy()
-        total.add(self._worker_connector_stats)
-        return total
-
-    def _take_connector_stats(self) -> KVConnectorStats | None:
-        now = self.kv_connector_stats
-        if now is None:
-            return None
-        delta, self._last_connector_stats = now.minus(self._last_connector_stats), now
-        return delta
+        return None if self.kv_transfer is None else self.kv_transfer.stats
 
     def _take_spec_decoding_stats(self) -> SpecDecodingStats | None:
         stats = self.spec_decoding_stats

@@ -163,7 +163,7 @@ def test_blocks_stay_allocated_until_every_rank_reports_the_save_done(tp_size: i
 
         def traced_step() -> Any:
             outputs = step()
-            held.append(len(core.scheduler._delayed_free))
+            held.append(len(core.scheduler.kv_transfer.delayed_free))
             return outputs
 
         core.step = traced_step
