@@ -102,8 +102,7 @@ class KVConnectorStats:
 class KVConnectorOutput:
     """What a worker side reports after a step (ModelRunnerOutput carries
     it; a multi-rank executor merges the ranks'): `get_finished`'s answer and
-    the worker side's counts since its last report (None for a "both" side,
-    whose counts the scheduler reads itself)."""
+    the worker side's counts (loaded, saved) since its last report."""
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
@@ -166,6 +165,6 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # The KV connector's worker side's report (None without a connector).
     kv_connector_output: KVConnectorOutput | None = None
-    # Custom figures the ranks in other processes collected this step
-    # (core/custom_stats.py; None in-process: the core polls those itself).
+    # Custom figures the ranks' components (connector worker sides, the
+    # drafter) collected this step, summed over the ranks (core/custom_stats.py).
     custom_stats: dict[str, FigureValue] | None = None

@@ -3,8 +3,9 @@
     plugins -> executor (its workers: platform, model facts, attention
     backend, model) -> KV cache size (min over ranks) -> max_model_len
     -> executor.initialize_cache (each rank: KV caches, drafter, KV
-    connector, decode graphs, ModelRunner)
-    -> KVCacheManager, grammar manager, Scheduler -> EngineCore
+    connector's worker side, decode graphs, ModelRunner)
+    -> KVCacheManager, grammar manager, KV connector's scheduler side,
+    Scheduler -> EngineCore
 
 Every implementation comes from a plugin registry by the name the config
 gives; each constructor receives its parts, and nothing is set on a built
@@ -22,11 +23,15 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from pagedllm.core.engine import EngineCore
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.custom_stats_sources import build_custom_stats
+from pagedllm.kv_connectors.base import KVConnectorContext, KVConnectorRole, KVConnectorShard
+from pagedllm.kv_connectors.factory import build_kv_connector
 from pagedllm.model_registry.tokenizer import config_eos_token_id
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.reasoning.select import reasoning_parser_class
@@ -57,7 +62,7 @@ class EngineParts:
     executor: Executor  # the engine core's model_executor; its owner shuts it down
     executor_name: str  # its registered name (`auto` resolved)
     num_blocks: int
-    kv_connector: KVConnectorBase | None
+    kv_connector: KVConnectorBase | None  # the scheduler side
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
@@ -97,7 +102,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         executor,
         executor_name(config),
         num_blocks,
-        executor.kv_connector,
+        engine_core.kv_connector,
     )
 
 
@@ -194,6 +199,7 @@ def _build_engine_core(
     # (a ClassVar): the drafters themselves live on the ranks.
     drafter_cls = None if method is None else plugin_manager.drafters.load(method)
     num_spec_tokens = config.speculative.num_speculative_tokens if drafter_cls is not None else 0
+    kv_connector = build_scheduler_kv_connector(config, executor, plugin_manager)
     scheduler = Scheduler(
         config.scheduler,
         kv_cache_manager,
@@ -201,7 +207,7 @@ def _build_engine_core(
         structured_output_manager,
         num_spec_tokens=num_spec_tokens,
         num_lookahead_tokens=num_spec_tokens if drafter_cls is not None and drafter_cls.needs_lookahead_slots else 0,
-        kv_connector=executor.kv_connector,
+        kv_connector=kv_connector,
     )
     return EngineCore(
         config,
@@ -211,6 +217,34 @@ def _build_engine_core(
         structured_output_manager=structured_output_manager,
         max_model_len=max_model_len,
         vocab_size=vocab_size,
-        custom_stats=build_custom_stats(config, executor),
+        custom_stats=build_custom_stats(config, kv_connector, plugin_manager),
     )
+
+
+def build_scheduler_kv_connector(
+    config: EngineConfig, executor: Executor, plugin_manager: PluginManager
+) -> KVConnectorBase | None:
+    """The KV connector's scheduler side (None without `kv_transfer.connector`),
+    the same for every executor: its context names what each rank holds of a
+    block (the ranks built their worker sides in `initialize_cache`)."""
+    if config.kv_transfer.connector is None:
+        return None
+    # NOTE: a rank in another process answers with the struct's fields.
+    shards = [msgspec.convert(shard, KVConnectorShard) for shard in executor.collective_rpc("kv_connector_shard")]
+    facts = executor.model_facts
+    context = KVConnectorContext(
+        model_path=facts.path,
+        model_fingerprint=shards[0].fingerprint,
+        block_size=config.cache.block_size,
+        num_layers=shards[0].num_layers,
+        num_kv_heads=shards[0].num_kv_heads,
+        head_size=facts.head_size,
+        dtype=facts.kv_cache_dtype,
+        device=executor.device,
+        kv_cache_layout=executor.attn_selection.backend_cls.get_kv_cache_layout(),
+        side=KVConnectorRole.SCHEDULER,
+        tp_size=len(shards),
+        rank_fingerprints=tuple(shard.fingerprint for shard in shards),
+    )
+    return build_kv_connector(config, plugin_manager, context)
 

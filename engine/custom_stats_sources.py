@@ -1,18 +1,17 @@
 """Which components of an engine core report custom figures
 (core/custom_stats.py), found when the engine is built.
 
-The engine-core process holds the KV connector's scheduler side, and, with
-an executor that runs its rank in this process (``uni``, the default at
-tensor_parallel_size 1), that rank's drafter and the connector's worker
-side. A component is a source when its class declares ``custom_metrics``;
-it must then define ``get_custom_stats()``. The declarations are checked
-here (stat_loggers/base.py ``validate_metric_specs``), so a bad name fails
-the engine's start with a ConfigError that names the component.
-
-Ranks in other processes (``mp``, ``ray``) poll their own drafter (the
-output rank) and connector worker side (every rank) after each step and send
-the figures with the step's output (executors/worker_host.py); the core adds
-them to what it polls here. Their declarations are read from the classes.
+The engine core polls what it owns, the KV connector's scheduler side, when
+it makes its stats. The ranks' components (every rank's connector worker
+side, rank 0's drafter) are polled by their rank after each step, whatever
+the executor (worker/worker.py), and their figures come back with the
+step's output. A component is a source when its class declares
+``custom_metrics``; it must then define ``get_custom_stats()``. The
+declarations are checked here (stat_loggers/base.py
+``validate_metric_specs``), so a bad name fails the engine's start with a
+ConfigError that names the component; those of the ranks' components are
+read from their classes (a connector's worker side is the class of its
+scheduler side, declared by that one).
 """
 
 from __future__ import annotations
@@ -21,27 +20,24 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.custom_stats import CustomStatsCollector, CustomStatsSource
 from pagedllm.core.errors import ConfigError
-from pagedllm.plugins import get_plugin_manager
 from pagedllm.stat_loggers.base import validate_metric_specs
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
-    from pagedllm.executors.base import Executor
+    from pagedllm.kv_connectors.base import KVConnectorBase
+    from pagedllm.plugins.manager import PluginManager
 
 
-def build_custom_stats(config: EngineConfig, executor: Executor) -> CustomStatsCollector | None:
+def build_custom_stats(
+    config: EngineConfig, kv_connector: KVConnectorBase | None, plugin_manager: PluginManager
+) -> CustomStatsCollector | None:
     """The collector over every source of this engine core (None without
-    one): it polls those in this process and receives those of ranks in
-    other processes with their step outputs (executors/worker_host.py)."""
+    one): it polls the connector's scheduler side and receives the ranks'
+    figures with their step outputs."""
     polled: list[tuple[str, Any]] = []
-    for owner, component in _in_process(config, executor):
-        # NOTE: `uni` shares one connector between the scheduler and its rank:
-        # polling it twice would count every figure twice.
-        if component is None or any(component is seen for _, seen in polled):
-            continue
-        if getattr(component, "custom_metrics", ()):
-            polled.append((owner, component))
-    declared = [*polled, *_on_other_ranks(config, executor)]
+    if kv_connector is not None and getattr(kv_connector, "custom_metrics", ()):
+        polled.append((f"kv_connector {config.kv_transfer.connector!r}", kv_connector))
+    declared = [*polled, *_on_ranks(config, plugin_manager)]
     for owner, component in declared:
         if not callable(getattr(component, "get_custom_stats", None)):
             raise ConfigError(
@@ -55,22 +51,11 @@ def build_custom_stats(config: EngineConfig, executor: Executor) -> CustomStatsC
     return CustomStatsCollector(sources, specs)
 
 
-def _in_process(config: EngineConfig, executor: Executor) -> list[tuple[str, Any]]:
-    connector = config.kv_transfer.connector
-    candidates: list[tuple[str, Any]] = [(f"kv_connector {connector!r}", executor.kv_connector)]
-    worker = getattr(executor, "driver_worker", None)  # an in-process rank (uni)
-    if worker is not None:
-        candidates.append((f"kv_connector {connector!r} (worker side)", getattr(worker, "kv_connector", None)))
-        candidates.append((f"drafter {config.speculative.method!r}", getattr(worker, "drafter", None)))
-    return candidates
-
-
-def _on_other_ranks(config: EngineConfig, executor: Executor) -> list[tuple[str, Any]]:
-    """The classes of the components that run on ranks in other processes
-    and are not polled here: the drafter (a connector's worker side is the
-    class of its scheduler side, declared by that one)."""
+def _on_ranks(config: EngineConfig, plugin_manager: PluginManager) -> list[tuple[str, Any]]:
+    """The classes of the ranks' components not declared by the scheduler
+    side: the drafter."""
     method = config.speculative.method
-    if getattr(executor, "driver_worker", None) is not None or method is None:
+    if method is None:
         return []
-    drafter_cls = get_plugin_manager().drafters.load(method)
+    drafter_cls = plugin_manager.drafters.load(method)
     return [(f"drafter {method!r}", drafter_cls)] if getattr(drafter_cls, "custom_metrics", ()) else []

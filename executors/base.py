@@ -6,7 +6,10 @@ Built as ``ExecutorCls(engine_config)``, an executor starts one
 The builder then asks it for the number of KV blocks every rank can hold,
 hands the chosen number back to ``initialize_cache``, and gives the executor
 to the engine core as its ``model_executor``: ``execute_model`` runs one step
-on every rank and returns rank 0's result.
+on every rank and returns rank 0's result. With a KV connector each rank holds
+its worker side and reports with its step output (the builder builds the
+scheduler's side, the same for every executor); an executor of several ranks
+merges the ranks' reports.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-    from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.platforms.interface import Platform
     from pagedllm.worker.model_facts import ModelFacts
 
@@ -126,12 +128,6 @@ class Executor(ABC):
     @abstractmethod
     def device(self) -> torch.device:
         """Rank 0's device."""
-
-    @property
-    @abstractmethod
-    def kv_connector(self) -> KVConnectorBase | None:
-        """The KV connector the scheduler consults (None without
-        ``kv_transfer.connector``); valid after ``initialize_cache``."""
 
     # ---- built on the above -------------------------------------------------
 

@@ -231,13 +231,14 @@ def _decode_connector_metadata(
 def runner_output_to_wire(output: ModelRunnerOutput) -> RunnerOutputWire:
     return RunnerOutputWire(
         output.sampled_token_ids, output.logprobs, output.prompt_logprobs, output.spec_token_ids,
-        output.kv_connector_output,
+        output.kv_connector_output, output.custom_stats,
     )
 
 
 def kv_report_to_wire(output: ModelRunnerOutput) -> RunnerOutputWire:
-    """A rank's answer to a step besides the output rank's: its KV connector's report only."""
-    return RunnerOutputWire({}, {}, {}, {}, output.kv_connector_output)
+    """A rank's answer to a step besides the output rank's: its KV connector's
+    report and its custom figures only."""
+    return RunnerOutputWire({}, {}, {}, {}, output.kv_connector_output, output.custom_stats)
 
 
 def runner_output_from_wire(wire: RunnerOutputWire) -> ModelRunnerOutput:

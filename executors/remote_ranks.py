@@ -3,9 +3,8 @@ process, driven by the frames of executors/messages.py.
 
 The facts an executor reports (platform, model facts, attention backend) are
 decided from the config alone (`plan_ranks`), so no rank is asked for them.
-With a KV connector the executor holds its scheduler side (built once the
-ranks have their caches, from each rank's shard facts), every rank answers
-each step, and the ranks' connector reports are merged.
+With a KV connector every rank answers each step and the ranks' connector
+reports are merged (the connector's scheduler side is the builder's).
 Once a rank fails, the executor has failed for good: `_fail` keeps the first
 `RankFailedError` and every later call raises it at once.
 """
@@ -13,15 +12,13 @@ Once a rank fails, the executor has failed for good: `_fail` keeps the first
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedllm.core.custom_stats import merge_figures
 from pagedllm.executors.base import Executor, RankFailedError
 from pagedllm.executors.kv_output_aggregator import KVOutputAggregator
 from pagedllm.executors.messages import runner_output_from_wire
 from pagedllm.executors.worker_host import OUTPUT_RANK
-from pagedllm.kv_connectors.base import KVConnectorContext
-from pagedllm.kv_connectors.factory import build_kv_connector
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.worker.worker import plan_ranks
 
@@ -31,7 +28,6 @@ if TYPE_CHECKING:
     from pagedllm.attention_backends.selector import BackendSelection
     from pagedllm.core.scheduler_output import ModelRunnerOutput
     from pagedllm.executors.messages import RunnerOutputWire
-    from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.platforms.interface import Platform
     from pagedllm.worker.model_facts import ModelFacts
 
@@ -45,11 +41,10 @@ class RemoteRanksExecutor(Executor):
         self.world_size = self.config.parallel.tensor_parallel_size
         self._platform, self._model_facts, self._attn_selection = plan_ranks(self.config, get_plugin_manager())
         self._failure: RankFailedError | None = None
-        self._kv_connector: KVConnectorBase | None = None
-        self._kv_outputs = KVOutputAggregator(self.world_size)
-        # The ranks whose answers a step waits for: with a KV connector, every
-        # rank reports what its connector finished.
+        # With a KV connector every rank reports what its worker side
+        # finished, loaded and saved; a step waits for all of them.
         with_connector = self.config.kv_transfer.connector is not None
+        self._kv_outputs = KVOutputAggregator(self.world_size) if with_connector else None
         self._step_ranks = set(range(self.world_size)) if with_connector else {OUTPUT_RANK}
 
     def _fail(self, error: RankFailedError) -> RankFailedError:
@@ -77,35 +72,9 @@ class RemoteRanksExecutor(Executor):
         for wire in wires.values():  # each rank's own figures (rank 0's drafter, every rank's connector)
             if wire.custom_stats:
                 output.custom_stats = merge_figures(output.custom_stats or {}, wire.custom_stats)
-        if self._kv_connector is not None:
+        if self._kv_outputs is not None:
             output.kv_connector_output = self._kv_outputs.merge(wire.kv_connector_output for wire in wires.values())
         return output
-
-    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
-        super().initialize_cache(num_blocks, max_model_len)
-        if self.config.kv_transfer.connector is not None:
-            self._kv_connector = self._build_scheduler_side_connector()
-
-    def _build_scheduler_side_connector(self) -> KVConnectorBase:
-        """The KV connector's scheduler side: what every rank holds of a
-        block (its fingerprint names that rank's shard)."""
-        shards: list[dict[str, Any]] = self.collective_rpc("kv_connector_shard")
-        facts, block_size = self._model_facts, self.config.cache.block_size
-        context = KVConnectorContext(
-            model_path=facts.path,
-            model_fingerprint=shards[0]["fingerprint"],
-            block_size=block_size,
-            num_layers=shards[0]["num_layers"],
-            num_kv_heads=shards[0]["num_kv_heads"],
-            head_size=facts.head_size,
-            dtype=facts.kv_cache_dtype,
-            device=self.device,
-            kv_cache_layout=self._attn_selection.backend_cls.get_kv_cache_layout(),
-            side="scheduler",
-            tp_size=self.world_size,
-            rank_fingerprints=tuple(shard["fingerprint"] for shard in shards),
-        )
-        return build_kv_connector(self.config, get_plugin_manager(), context)
 
     # -------------------------------------------------------------- facts
 
@@ -124,7 +93,3 @@ class RemoteRanksExecutor(Executor):
     @property
     def device(self) -> torch.device:
         return self._platform.device()
-
-    @property
-    def kv_connector(self) -> KVConnectorBase | None:
-        return self._kv_connector

@@ -13,7 +13,6 @@ if TYPE_CHECKING:
 
     from pagedllm.attention_backends.selector import BackendSelection
     from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-    from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.platforms.interface import Platform
     from pagedllm.worker.model_facts import ModelFacts
 
@@ -55,8 +54,3 @@ class UniProcExecutor(Executor):
     @property
     def device(self) -> torch.device:
         return self.driver_worker.device
-
-    @property
-    def kv_connector(self) -> KVConnectorBase | None:
-        # One process: the scheduler and the model runner share one connector.
-        return self.driver_worker.kv_connector

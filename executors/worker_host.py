@@ -12,7 +12,6 @@ import logging
 import traceback
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.custom_stats import CustomStatsCollector, CustomStatsSource
 from pagedllm.core.errors import ConfigError
 from pagedllm.executors.base import Executor
 from pagedllm.executors.messages import (
@@ -42,8 +41,6 @@ class WorkerHost:
         self.worker: Worker | None = None
         self.rank = -1
         self.stopped = False
-        # This rank's components that report custom figures (built at its first step).
-        self.custom_stats: CustomStatsCollector | None = None
 
     def handle(self, frame: bytes | memoryview) -> bytes | None:
         """Run what `frame` asks; the reply to send back (None: no reply due)."""
@@ -70,10 +67,9 @@ class WorkerHost:
             if self.rank == OUTPUT_RANK:
                 wire = runner_output_to_wire(output)
             elif connector is not None:
-                wire = kv_report_to_wire(output)  # every rank's connector reports
+                wire = kv_report_to_wire(output)  # every rank's connector reports (and its custom figures)
             else:
                 return None
-            wire.custom_stats = self._take_custom_stats(worker)
             return encoder.encode(WorkerReply(self.rank, "execute_model", output=wire))
         if isinstance(message, InitWorker):
             self._init_worker(message)
@@ -84,20 +80,6 @@ class WorkerHost:
         if message.method == "shutdown":
             self.stopped = True
         return encoder.encode(WorkerReply(self.rank, message.method, value=value))
-
-    def _take_custom_stats(self, worker: Worker) -> dict[str, Any] | None:
-        """This rank's custom figures since its previous step: its connector
-        (worker side, every rank: each moves its own shard) and, on the output
-        rank only, its drafter (every rank runs the same one)."""
-        if self.custom_stats is None:
-            candidates: list[tuple[str, Any]] = [("kv_connector (worker side)", worker.kv_connector)]
-            if self.rank == OUTPUT_RANK:
-                candidates.append(("drafter", worker.drafter))
-            sources: list[tuple[str, CustomStatsSource]] = [
-                (owner, component) for owner, component in candidates if getattr(component, "custom_metrics", ())
-            ]
-            self.custom_stats = CustomStatsCollector(sources)
-        return self.custom_stats.take()
 
     def _init_worker(self, message: InitWorker) -> None:
         from pagedllm.core.config import EngineConfig

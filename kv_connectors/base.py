@@ -2,11 +2,13 @@
 
 A connector moves KV blocks (16 tokens with a content hash, the prefix
 cache's unit) between this engine's paged cache and somewhere else: another
-engine through shared storage, a CPU-memory tier, a remote store. It has two
-sides, and `context.side` says which an instance serves: "scheduler" (the
-engine core's process), "worker" (one rank, which holds that rank's shard of
-every block: its KV heads) or "both" (one rank in the engine's own process,
-the `uni` executor: one instance serves both sides).
+engine through shared storage, a CPU-memory tier, a remote store. One class
+serves two roles (vLLM's `KVConnectorRole`), and `context.side` says which an
+instance serves: "scheduler" (one instance, built by the engine builder and
+owned by the scheduler) or "worker" (one instance per rank, built by that
+rank over its shard of every block: its KV heads). Every executor (`uni`,
+`mp`, `ray`) builds them the same way, so a connector never finds both
+roles in one instance (even with `uni`, where both live in one process).
 
 Scheduler side, in the order the scheduler calls them:
 - `get_num_new_matched_tokens(request, num_computed_tokens)`: how many tokens
@@ -31,8 +33,14 @@ Worker side, around the model forward of the step:
 - `get_finished(finished_req_ids)`, after every step (also one that ran no
   tokens): the requests finished since the last step are named once; it
   answers with the requests whose delayed save / async load is now done.
-  Its answer and a worker side's `stats` reach the scheduler with the step's
-  output (`KVConnectorOutput`), summed over the ranks.
+  Its answer and the worker side's `stats` (what it loaded and saved) reach
+  the scheduler with the step's output (`KVConnectorOutput`), summed over
+  the ranks; so do the figures of its `get_custom_stats()`, if it declares
+  `custom_metrics` (core/custom_stats.py).
+
+The connector's counts are the scheduler side's `stats` plus what the
+worker sides reported: `Scheduler.kv_connector_stats` (and the engine's
+metrics) add them up; one instance's `stats` holds only its own role's.
 
 A failed load is the connector's to detect (checksums, sizes), on the
 scheduler side: under `load_failure_policy: recompute` it simply reports
@@ -42,9 +50,12 @@ that request alone.
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgspec
 
 from pagedllm.attention_backends.base import STANDARD_KV_CACHE_LAYOUT, KVCacheLayout
 
@@ -105,6 +116,22 @@ def model_fingerprint(
     return digest.hexdigest()[:16]
 
 
+class KVConnectorRole(enum.StrEnum):
+    """Which side a connector instance serves (`KVConnectorContext.side`)."""
+
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+class KVConnectorShard(msgspec.Struct, frozen=True):
+    """What a rank holds of every block, as its connector's scheduler side
+    must know it: the builder asks each rank (`Worker.kv_connector_shard`)."""
+
+    fingerprint: str  # the rank's `model_fingerprint`
+    num_layers: int
+    num_kv_heads: int  # the rank's
+
+
 @dataclass(frozen=True)
 class KVConnectorContext:
     """The engine facts a connector needs to lay out and name blocks."""
@@ -122,7 +149,9 @@ class KVConnectorContext:
     # The attention backend's: connectors read and write blocks through it
     # (kv_connectors/block_io.py), never assuming the cache's shape.
     kv_cache_layout: KVCacheLayout = STANDARD_KV_CACHE_LAYOUT
-    # Which side this instance serves: "scheduler", "worker" or "both".
+    # Which side this instance serves (a KVConnectorRole): the engine builds a
+    # "scheduler" side and a "worker" side per rank. "both" (the default) is
+    # left for contexts made by hand, e.g. a connector's own unit tests.
     side: str = "both"
     tp_size: int = 1
     tp_rank: int = 0  # a worker side's rank (the scheduler side's is 0)

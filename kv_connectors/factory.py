@@ -1,10 +1,9 @@
 """Building a KV connector: the registered class `kv_transfer.connector`
 names, checked against its metadata, with the context of the side it serves.
 
-The `uni` executor's rank builds one instance for both sides; at
-tensor_parallel_size > 1 every rank builds a worker side over its own KV
-heads and the multi-rank executor builds the scheduler side, whose context
-names every rank's shard (`rank_fingerprints`).
+Every executor alike: each rank builds a worker side over its own KV heads
+(worker/worker.py) and the engine builder builds the one scheduler side,
+whose context names every rank's shard (`rank_fingerprints`).
 """
 
 from __future__ import annotations

@@ -52,8 +52,9 @@ def _core(llm: LLM) -> Any:
     return llm.engine_core.engine_core
 
 
-def _connector(llm: LLM) -> Any:
-    return _core(llm).scheduler.kv_connector
+def _stats(llm: LLM) -> Any:
+    """The connector's counts: its scheduler side's and its worker side's."""
+    return _core(llm).scheduler.kv_connector_stats
 
 
 def _assert_no_block_leak(llm: LLM) -> None:
@@ -104,7 +105,7 @@ def test_producer_and_consumer_processes_match_one_engine_and_the_consumer_skips
     # Each prompt loaded its 6 full blocks (96 tokens) and computed the other 5.
     assert [o.num_cached_tokens for o in outputs] == [96] * 4
     assert _core(consumer).scheduler.num_prompt_tokens_computed == 4 * (101 - 96)
-    stats = _connector(consumer).stats
+    stats = _stats(consumer)
     assert stats.external_hits == 4 * 96 and stats.external_queries == 4 * 101
     assert stats.tier_hits == {"shared_storage": 24}
     _assert_no_block_leak(consumer)
@@ -136,7 +137,7 @@ def _corrupt(path: Path, how: str) -> None:
 def _stored_block(tmp_path: Path, llm: LLM, prompt: list[int], index: int) -> Path:
     from pagedllm.core.request import Request
 
-    connector = _connector(llm)
+    connector = _core(llm).kv_connector  # the scheduler side: it knows where blocks are stored
     request = Request("probe", prompt, SamplingParams(max_tokens=1), None)
     _core(llm).kv_cache_manager.ensure_block_hashes(request)
     return connector.block_path(request.block_hashes[index])
@@ -155,7 +156,7 @@ def test_a_bad_stored_block_is_recomputed_under_recompute(tmp_path: Path, how: s
     # The first prompt stops at its bad block 2; the second is whole.
     assert [o.num_cached_tokens for o in outputs] == [2 * BLOCK, 4 * BLOCK]
     # Block 3 is stored, so a missing block 2 is a lost file too.
-    assert _connector(consumer).stats.load_failures == 1
+    assert _stats(consumer).load_failures == 1
     _assert_no_block_leak(consumer)
 
 
@@ -206,7 +207,7 @@ def test_a_prefix_evicted_from_a_small_pool_comes_back_from_the_cpu_tier() -> No
     again = _generate(llm, prompts[:1])[0]
     assert list(again.outputs[0].token_ids) == expected[0]
     assert again.num_cached_tokens == 4 * BLOCK  # all 4 full prompt blocks, from CPU memory
-    stats = _connector(llm).stats
+    stats = _stats(llm)
     assert stats.tier_hits["cpu"] >= 4 and stats.external_hits >= 4 * BLOCK
     assert stats.tier_bytes_saved["cpu"] > 0 and stats.tier_bytes_loaded["cpu"] > 0
     _assert_no_block_leak(llm)
@@ -234,7 +235,7 @@ def test_offload_keeps_outputs_under_a_workload_that_cycles_more_prefixes_than_f
     llm = LLM(**COMMON, num_kv_blocks=10, kv_transfer_config={"connector": "cpu_offload"})
     got = [_generate(llm, [p])[0] for p in prompts]
     assert _tokens(got) == expected
-    stats = _connector(llm).stats
+    stats = _stats(llm)
     assert stats.tier_hits["cpu"] > 0
     _assert_no_block_leak(llm)
 

@@ -188,16 +188,13 @@ class ModelRunner:
 
     def _kv_connector_output(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput | None:
         """The connector's worker-side report after this step: what
-        `get_finished` says, and (a worker-only side) its counts since the
-        last report."""
+        `get_finished` says, and its counts (loaded, saved) since the last report."""
         connector = self.kv_connector
         if connector is None:
             return None
         finished_sending, finished_recving = connector.get_finished(set(scheduler_output.finished_req_ids))
-        stats = None
-        if connector.context.side == "worker":
-            now = connector.stats.copy()
-            stats, self._reported_connector_stats = now.minus(self._reported_connector_stats), now
+        now = connector.stats.copy()
+        stats, self._reported_connector_stats = now.minus(self._reported_connector_stats), now
         return KVConnectorOutput(finished_sending, finished_recving, stats)
 
     def _forward(self, input_ids: torch.Tensor, batch: InputBatch) -> torch.Tensor:

@@ -19,13 +19,14 @@ import os
 from typing import TYPE_CHECKING, cast
 
 from pagedllm.attention_backends.selector import select_attention_backend
+from pagedllm.core.custom_stats import CustomStatsCollector
 from pagedllm.core.errors import ConfigError, GraphCaptureError
 from pagedllm.distributed.parallel_state import (
     get_tp_group,
     init_distributed_environment,
     initialize_model_parallel,
 )
-from pagedllm.kv_connectors.base import KVConnectorContext, model_fingerprint
+from pagedllm.kv_connectors.base import KVConnectorContext, KVConnectorRole, KVConnectorShard, model_fingerprint
 from pagedllm.kv_connectors.factory import build_kv_connector, check_kv_connector_supports
 from pagedllm.logits_processors.factory import build_logits_processors
 from pagedllm.model_registry.kv_cache import allocate_kv_caches
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
     from pagedllm.attention_backends.selector import BackendSelection
     from pagedllm.core.config import EngineConfig, ParallelConfig, SpeculativeConfig
+    from pagedllm.core.custom_stats import CustomStatsSource
     from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
     from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.model_registry.interface import ModelForCausalLM
@@ -187,6 +189,8 @@ class Worker:
         self.num_steps = 0
         self.drafter: Drafter | None = None
         self.kv_connector: KVConnectorBase | None = None
+        # This rank's components that report custom figures (None: none does).
+        self.custom_stats: CustomStatsCollector | None = None
 
     @property
     def attn_backend(self) -> type[AttentionBackend]:
@@ -316,12 +320,12 @@ class Worker:
             device=self.device,
         )
         if self.config.kv_transfer.connector is not None:
-            # NOTE: a rank in the engine's process (`uni`) serves both sides;
-            # a rank of a multi-rank executor its own, the executor the scheduler's.
-            side = "both" if self.distributed_init_method is None else "worker"
-            context = self.kv_connector_context(side)
+            # NOTE: the worker side only, with every executor: the builder
+            # builds the scheduler's (engine/builder.py).
+            context = self.kv_connector_context(KVConnectorRole.WORKER)
             self.kv_connector = build_kv_connector(self.config, self.plugin_manager, context)
             self.kv_connector.register_kv_caches(kv_caches)
+        self.custom_stats = self._build_custom_stats()
         self._model_runner = ModelRunner(
             self.model,
             self.attn_backend,
@@ -340,7 +344,10 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
-        return self.model_runner.execute_model(scheduler_output)
+        output = self.model_runner.execute_model(scheduler_output)
+        if self.custom_stats is not None:
+            output.custom_stats = self.custom_stats.take()
+        return output
 
     def collective_stats(self) -> dict[str, float]:
         """Steps this rank has run, and its tensor-parallel group's collectives
@@ -381,6 +388,7 @@ class Worker:
         self._model = None
         self.drafter = None
         self.kv_connector = None
+        self.custom_stats = None
 
     # ------------------------------------------------------- built parts
 
@@ -402,12 +410,25 @@ class Worker:
         )
         return drafter
 
-    def kv_connector_shard(self) -> dict[str, object]:
+    def _build_custom_stats(self) -> CustomStatsCollector | None:
+        """The rank's components that report custom figures, polled after
+        each of its steps (the figures go back with the step's output): its
+        connector's worker side (every rank: each moves its own shard) and,
+        on rank 0 only, its drafter (every rank runs the same one)."""
+        candidates: list[tuple[str, object]] = [("kv_connector (worker side)", self.kv_connector)]
+        if self.rank == 0:
+            candidates.append(("drafter", self.drafter))
+        sources = [
+            (owner, cast("CustomStatsSource", component))
+            for owner, component in candidates if getattr(component, "custom_metrics", ())
+        ]
+        return CustomStatsCollector(sources) if sources else None
+
+    def kv_connector_shard(self) -> KVConnectorShard:
         """What the scheduler side of a KV connector must know of this rank's
-        shard of every block (a multi-rank executor asks each rank)."""
-        context = self.kv_connector_context(side="worker")
-        return {"fingerprint": context.model_fingerprint, "num_layers": context.num_layers,
-                "num_kv_heads": context.num_kv_heads}
+        shard of every block (the builder asks every rank)."""
+        context = self.kv_connector_context(KVConnectorRole.WORKER)
+        return KVConnectorShard(context.model_fingerprint, context.num_layers, context.num_kv_heads)
 
     def kv_connector_context(self, side: str) -> KVConnectorContext:
         """This rank's facts for a KV connector serving `side`."""

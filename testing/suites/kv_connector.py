@@ -116,8 +116,7 @@ def check_delayed_free(name: str) -> None:
     with _debug_kv(), _connector_config(rule, name) as kv_config:
         llm = _engine(rule, kv_config)
         limit_steps(rule, llm, MAX_STEPS)
-        connector = engine_core(llm).kv_connector
-        held, reported = _trace_delayed_free(rule, connector)
+        held, reported = _trace_delayed_free(rule, engine_core(llm).scheduler)
         _generate(rule, llm, prompts, _reference(prompts), "generation")
         leak = block_leak(llm)
     if held - reported:
@@ -140,7 +139,7 @@ def check_missing(name: str) -> None:
         limit_steps(rule, llm, MAX_STEPS)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        stats = engine_core(llm).kv_connector.stats
+        stats = _stats(llm)
     if tokens != expected:
         raise ConformanceError(rule, f"tokens {tokens} differ from an engine without the connector {expected}")
     if stats.external_hits or any(o.num_cached_tokens for o in outputs):
@@ -163,9 +162,9 @@ def check_round_trip(name: str) -> None:
         limit_steps(rule, llm, MAX_STEPS)
         _generate(rule, llm, first, expected_first, "the first prompts")
         _generate(rule, llm, second, expected_second, "other prompts (evicting the first from the pool)")
-        hits_before = engine_core(llm).kv_connector.stats.external_hits
+        hits_before = _stats(llm).external_hits
         _generate(rule, llm, first, expected_first, "the first prompts again")
-        loaded = engine_core(llm).kv_connector.stats.external_hits - hits_before
+        loaded = _stats(llm).external_hits - hits_before
     if loaded <= 0:
         raise ConformanceError(
             rule, "the first prompts' blocks were saved and evicted locally, but none was loaded back (external_hits)"
@@ -197,17 +196,24 @@ def check_corrupted(name: str) -> None:
         reader = _engine(rule, kv_config)
         limit_steps(rule, reader, MAX_STEPS)
         _generate(rule, reader, prompts, expected, "loading the damaged blocks")
-        failures = engine_core(reader).kv_connector.stats.load_failures
+        failures = _stats(reader).load_failures
     if failures == 0:
         raise ConformanceError(rule, f"{len(stored)} stored files were damaged, yet no load failure was counted")
 
 
-def _trace_delayed_free(rule: str, connector: Any) -> tuple[set[str], set[str]]:
-    """Wrap the connector instance's request_finished and get_finished: the
-    requests it held, and those it reported (each once, and only held ones)."""
+def _stats(llm: Any) -> Any:
+    """The connector's counts: its scheduler side's and its worker side's."""
+    return engine_core(llm).scheduler.kv_connector_stats
+
+
+def _trace_delayed_free(rule: str, scheduler: Any) -> tuple[set[str], set[str]]:
+    """Wrap the scheduler side's request_finished and what the scheduler
+    receives of the worker side's get_finished: the requests it held, and
+    those reported (each once, and only held ones)."""
     held: set[str] = set()
     reported: set[str] = set()
-    request_finished, get_finished = connector.request_finished, connector.get_finished
+    connector, tracker = scheduler.kv_connector, scheduler.kv_transfer
+    request_finished, update_from_output = connector.request_finished, tracker.update_from_output
 
     def traced_request_finished(request: Any, block_ids: list[int]) -> bool:
         keep = bool(request_finished(request, block_ids))
@@ -215,17 +221,17 @@ def _trace_delayed_free(rule: str, connector: Any) -> tuple[set[str], set[str]]:
             held.add(request.request_id)
         return keep
 
-    def traced_get_finished(finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        sending, receiving = get_finished(finished_req_ids)
-        again = set(sending) & reported
+    def traced_update_from_output(kv_output: Any) -> None:
+        sending = set() if kv_output is None else set(kv_output.finished_sending)
+        again = sending & reported
         if again:
             raise ConformanceError(rule, f"get_finished reported the save of {sorted(again)} twice")
-        unknown = set(sending) - held
-        if unknown:  # NOTE: under the uni executor one instance serves both sides
+        unknown = sending - held
+        if unknown:
             raise ConformanceError(rule, f"get_finished reported {sorted(unknown)}, whose blocks were never held")
         reported.update(sending)
-        return sending, receiving
+        update_from_output(kv_output)
 
     connector.request_finished = traced_request_finished
-    connector.get_finished = traced_get_finished
+    tracker.update_from_output = traced_update_from_output
     return held, reported
