@@ -1,10 +1,18 @@
 """KV connectors: shared-storage disaggregated prefill across engine
-processes, the CPU offload tier, load failures under both policies, config
-and metrics (the delayed-free contract and tensor parallelism:
-tests/test_tp_kv_connectors.py). Every expectation of generated
+processes, the CPU offload tier (under the `uni`, `mp` and `ray` executors:
+the builder builds one scheduler side for each), load failures under both
+policies, config and metrics (the delayed-free contract and tensor
+parallelism: tests/test_tp_kv_connectors.py). Every expectation of generated
 tokens comes from a plain engine (no connector) in the same test."""
 
 from __future__ import annotations
+
+import os
+
+# NOTE: before Ray is imported anywhere (the `ray` case): Ray then binds
+# 127.0.0.1 only and sends no usage report (as in tests/test_ray_executor.py).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import random
 import subprocess
@@ -196,21 +204,48 @@ def test_unknown_connector_and_unsupported_role_are_config_errors(tmp_path: Path
 # --------------------------------------------------------------- CPU offload
 
 
-def test_a_prefix_evicted_from_a_small_pool_comes_back_from_the_cpu_tier() -> None:
+@pytest.fixture
+def sides_built(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The side (`context.side`) of every connector built in this process."""
+    from pagedllm.kv_connectors.base import KVConnectorBase
+
+    sides: list[str] = []
+    init = KVConnectorBase.__init__
+
+    def counting_init(self: KVConnectorBase, config: Any, context: Any) -> None:
+        sides.append(str(context.side))
+        init(self, config, context)
+
+    monkeypatch.setattr(KVConnectorBase, "__init__", counting_init)
+    return sides
+
+
+@pytest.mark.parametrize("executor", ["uni", "mp", pytest.param("ray", marks=pytest.mark.slow)])
+def test_a_prefix_evicted_from_a_small_pool_comes_back_from_the_cpu_tier(
+    executor: str, sides_built: list[str]
+) -> None:
     prompts = _prompts(4, 4 * BLOCK + 6, seed=6)  # 70 tokens + 8 generated: 5 blocks each
     expected = _reference(prompts)
-    llm = LLM(**COMMON, num_kv_blocks=12, kv_transfer_config={"connector": "cpu_offload",
-                                                               "extra": {"cpu_bytes": 64 << 20}})
-    # One at a time: B, C and D push A's cached blocks out of the 12-block pool.
-    first = [_generate(llm, [p])[0] for p in prompts]
-    assert _tokens(first) == expected
-    again = _generate(llm, prompts[:1])[0]
-    assert list(again.outputs[0].token_ids) == expected[0]
-    assert again.num_cached_tokens == 4 * BLOCK  # all 4 full prompt blocks, from CPU memory
-    stats = _stats(llm)
-    assert stats.tier_hits["cpu"] >= 4 and stats.external_hits >= 4 * BLOCK
-    assert stats.tier_bytes_saved["cpu"] > 0 and stats.tier_bytes_loaded["cpu"] > 0
-    _assert_no_block_leak(llm)
+    llm = LLM(**COMMON, num_kv_blocks=12, distributed_executor_backend=executor,
+              kv_transfer_config={"connector": "cpu_offload", "extra": {"cpu_bytes": 64 << 20}})
+    try:
+        # One scheduler side, the builder's, whatever the executor; the rank
+        # builds its worker side (in this process only with `uni`).
+        assert sides_built == (["worker", "scheduler"] if executor == "uni" else ["scheduler"])
+        assert _core(llm).kv_connector.context.side == "scheduler"
+        # One at a time: B, C and D push A's cached blocks out of the 12-block pool.
+        first = [_generate(llm, [p])[0] for p in prompts]
+        assert _tokens(first) == expected
+        again = _generate(llm, prompts[:1])[0]
+        assert list(again.outputs[0].token_ids) == expected[0]
+        assert again.num_cached_tokens == 4 * BLOCK  # all 4 full prompt blocks, from CPU memory
+        stats = _stats(llm)
+        assert stats.tier_hits["cpu"] >= 4 and stats.external_hits >= 4 * BLOCK
+        # Saved and loaded by the rank's worker side, reported with its step outputs.
+        assert stats.tier_bytes_saved["cpu"] > 0 and stats.tier_bytes_loaded["cpu"] > 0
+        _assert_no_block_leak(llm)
+    finally:
+        llm.shutdown()
 
 
 def test_the_cpu_tier_is_bounded_and_least_recently_used_goes_first() -> None:

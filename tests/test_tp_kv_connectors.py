@@ -148,15 +148,23 @@ def test_a_request_is_done_when_every_rank_has_reported_it_and_counts_add_up() -
 # ------------------------------------------------------- delayed free
 
 
-@pytest.mark.parametrize(("tp_size", "held_steps"), [(1, 2), pytest.param(2, 4, marks=pytest.mark.slow)])
-def test_blocks_stay_allocated_until_every_rank_reports_the_save_done(tp_size: int, held_steps: int) -> None:
+@pytest.mark.parametrize(
+    ("executor", "tp_size", "held_steps"),
+    [("uni", 1, 2), pytest.param("mp", 1, 2, marks=pytest.mark.slow), pytest.param("mp", 2, 4, marks=pytest.mark.slow)],
+)
+def test_blocks_stay_allocated_until_every_rank_reports_the_save_done(
+    executor: str, tp_size: int, held_steps: int
+) -> None:
     """`delayed_free` (tests/plugins/pagedllm-test-plugin): rank r reports a
     finished request 1 + 2r steps after it learned of it, which is the step
     after the request finished: held for 2 steps at TP=1 (the finishing
-    step's and one more), 4 at TP=2 (rank 1's)."""
+    step's and one more, whether the rank runs in the engine's process or
+    not), 4 at TP=2 (rank 1's)."""
     prompt = _prompts(1, 2 * BLOCK + 3, seed=21)
     expected = _reference(prompt)
-    with _engine(tp_size, num_kv_blocks=32, kv_transfer_config={"connector": "delayed_free"}) as llm:
+    kv_transfer_config = {"connector": "delayed_free"}
+    with _engine(tp_size, num_kv_blocks=32, distributed_executor_backend=executor,
+                 kv_transfer_config=kv_transfer_config) as llm:
         core = _core(llm)
         held: list[int] = []
         step = core.step
