@@ -68,7 +68,9 @@ class MetricSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tru
 class CustomStatsSource(Protocol):
     """A component that reports custom figures: it declares them in
     ``custom_metrics`` and returns their values from ``get_custom_stats``
-    (called in the engine-core process, by the thread that steps the core)."""
+    (called where the component lives: the engine core polls the KV
+    connector's scheduler side when it makes its stats; a rank polls its
+    drafter and connector worker side after each of its steps)."""
 
     custom_metrics: Sequence[MetricSpec]
 
@@ -94,7 +96,7 @@ class CustomStatsCollector:
         self.specs: dict[str, MetricSpec] = {}
         for spec in specs if specs is not None else [s for _, source in self.sources for s in source.custom_metrics]:
             self.specs.setdefault(spec.name, spec)
-        # Figures the ranks in other processes sent with their step outputs.
+        # Figures the ranks sent with their step outputs.
         self._from_ranks: dict[str, FigureValue] = {}
         # (source index, counter name) -> the total it reported last time.
         self._last_totals: dict[tuple[int, str], float] = {}
@@ -105,8 +107,8 @@ class CustomStatsCollector:
         return list(self.specs.values())
 
     def add_rank_figures(self, figures: Mapping[str, FigureValue] | None) -> None:
-        """Figures a rank in another process collected (already increases,
-        values and new observations) and sent with a step's output."""
+        """Figures the ranks collected (already increases, values and new
+        observations) and sent with a step's output."""
         if figures:
             merge_figures(self._from_ranks, figures)
 
