@@ -86,8 +86,8 @@ class EngineCore:
 
     @property
     def kv_connector(self) -> KVConnectorBase | None:
-        """The KV connector the scheduler drives (None without kv_transfer);
-        plugin tests read its stats here."""
+        """The KV connector's scheduler side, which the scheduler owns (None
+        without kv_transfer); both sides' counts: `scheduler.kv_connector_stats`."""
         return self.scheduler.kv_connector
 
     # ---------------------------------------------------------------- intake
