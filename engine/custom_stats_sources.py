@@ -35,7 +35,7 @@ def build_custom_stats(
     one): it polls the connector's scheduler side and receives the ranks'
     figures with their step outputs."""
     polled: list[tuple[str, Any]] = []
-    if kv_connector is not None and getattr(kv_connector, "custom_metrics", ()):
+    if getattr(kv_connector, "custom_metrics", None):
         polled.append((f"kv_connector {config.kv_transfer.connector!r}", kv_connector))
     declared = [*polled, *_on_ranks(config, plugin_manager)]
     for owner, component in declared:
