@@ -127,6 +127,72 @@ def test_a_plugin_executor_is_selected_by_name_and_generates_the_same_tokens(
     assert recording_executor[-1] == "shutdown"
 
 
+class MinimalExecutor(Executor):
+    """A third party's executor with no KV-connector code at all: one rank,
+    the interface's abstract methods and nothing else."""
+
+    def _init_executor(self) -> None:
+        self.rank = Worker(self.config)
+        self.rank.load_model()
+
+    def _run_workers(self, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+        return [getattr(self.rank, method)(*args, **kwargs)]
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        return self.rank.execute_model(scheduler_output)
+
+    model_facts = property(lambda self: self.rank.model_facts)  # type: ignore[assignment]
+    attn_selection = property(lambda self: self.rank.attn_selection)  # type: ignore[assignment]
+    platform = property(lambda self: self.rank.platform)  # type: ignore[assignment]
+    device = property(lambda self: self.rank.device)  # type: ignore[assignment]
+
+
+def test_an_executor_without_connector_code_runs_a_kv_connector() -> None:
+    """The builder builds the connector's scheduler side and the rank its
+    worker side: an executor only runs steps, whatever the connector."""
+    expected = _greedy(LLM(model="tiny", num_kv_blocks=NUM_KV_BLOCKS))
+
+    class Plugin:
+        @hookimpl
+        def register_executors(self, register: RegisterFn) -> None:
+            register("minimal", MinimalExecutor)
+
+    pm = get_plugin_manager()
+    pm.register(Plugin(), name="minimal-executor")
+    try:
+        # `delayed_free` (tests/plugins/pagedllm-test-plugin): the scheduler side
+        # holds each finished request's blocks until the worker side reports it.
+        llm = LLM(model="tiny", num_kv_blocks=NUM_KV_BLOCKS, distributed_executor_backend="minimal",
+                  kv_transfer_config={"connector": "delayed_free"})
+        assert _greedy(llm) == expected
+        core = llm.engine_core.engine_core  # type: ignore[attr-defined]
+        rank = core.model_executor.rank
+        assert (core.kv_connector.context.side, rank.kv_connector.context.side) == ("scheduler", "worker")
+        # The rank's reports came back with its step outputs: both requests' blocks freed.
+        assert core.scheduler.kv_connector_stats.tier_hits["delayed"] == len(PROMPTS)
+        assert core.kv_cache_manager.num_free_blocks == NUM_KV_BLOCKS
+        llm.shutdown()
+    finally:
+        pm.unregister(name="minimal-executor")
+
+
+def test_nothing_above_the_executors_reaches_into_their_ranks() -> None:
+    """The engine asks its executor, never a rank (`driver_worker`): the
+    connector's sides and the ranks' custom figures come the same way for
+    every executor."""
+    import pagedllm
+
+    root = Path(pagedllm.__file__).parent
+    offenders = sorted(
+        str(path.relative_to(root))
+        for folder in ("core", "engine", "entrypoints")
+        for path in (root / folder).rglob("*.py")
+        if "driver_worker" in path.read_text()
+    )
+    # The plugin template writes a model plugin's test, which may look at the rank.
+    assert offenders == ["entrypoints/plugin_template.py"]
+
+
 def test_a_failed_start_shuts_the_executor_down(recording_executor: list[str]) -> None:
     with pytest.raises(ConfigError) as info:
         build_engine(_config(distributed_executor_backend="recording", max_model_len=NUM_KV_BLOCKS * 16 + 1))
