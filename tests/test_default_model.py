@@ -13,6 +13,7 @@ import pytest
 from pagedllm.model_registry import tiny
 from pagedllm.model_registry.tiny import cache as tiny_cache
 from pagedllm.model_registry.tiny import tokenizer as tiny_tokenizer
+from pagedllm.training.tiny import tokenizer as training_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def test_second_call_reuses_the_cache(model_dir, cache_dir, monkeypatch):
     def must_not_build(*args, **kwargs):
         raise AssertionError("rebuilt a cached artifact")
 
-    monkeypatch.setattr(tiny_tokenizer, "train_tokenizer", must_not_build)
+    monkeypatch.setattr(training_tokenizer, "train_tokenizer", must_not_build)
     monkeypatch.setattr("pagedllm.model_registry.tiny.benchmark_model.build_benchmark_model", must_not_build)
     assert tiny.get_benchmark_model_dir() == model_dir == cache_dir / tiny.BENCHMARK_MODEL_CACHE_NAME
     # The tokenizer and the default model are shipped: nothing is trained at run time.
@@ -116,7 +117,7 @@ def test_second_call_reuses_the_cache(model_dir, cache_dir, monkeypatch):
 
 
 def test_shipped_tokenizer_is_what_the_training_code_builds(tmp_path):
-    tiny_tokenizer.train_tokenizer(tmp_path)
+    training_tokenizer.train_tokenizer(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (tmp_path / name).read_bytes() == (tiny.get_tokenizer_dir() / name).read_bytes()
 

@@ -269,7 +269,7 @@ def _drafter_config(method: str) -> dict[str, Any]:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     if not _eagle_dir:
-        from pagedllm.spec_decode.train_eagle import save_random_eagle_head
+        from pagedllm.training.train_eagle import save_random_eagle_head
 
         folder = Path(tempfile.mkdtemp(prefix="pagedllm-eagle-")) / "head"
         _eagle_dir.append(save_random_eagle_head(str(_model_path()), folder))

@@ -66,7 +66,7 @@ def _random_eagle_head() -> Path:
     if not _eagle_dir:
         import tempfile
 
-        from pagedllm.spec_decode.train_eagle import save_random_eagle_head
+        from pagedllm.training.train_eagle import save_random_eagle_head
 
         _eagle_dir.append(save_random_eagle_head(_target(), Path(tempfile.mkdtemp(prefix="pagedllm-eagle-")) / "head"))
     return _eagle_dir[0]

@@ -16,7 +16,7 @@ from pagedllm.attention_backends.torch_native import TorchNativeBackend
 from pagedllm.model_registry.input_batch import InputBatch
 from pagedllm.model_registry.loader import ModelLoadError, iterate_safetensors, load_hf_config
 from pagedllm.spec_decode.eagle import EagleHead
-from pagedllm.spec_decode.train_eagle import TrainableEagleHead, save_random_eagle_head
+from pagedllm.training.train_eagle import TrainableEagleHead, save_random_eagle_head
 
 # The names of a real EAGLE-1 checkpoint (yuhuili/EAGLE-LLaMA3-Instruct-8B
 # layout; vLLM's llama_eagle.py loads the same): no input_layernorm, no norm.

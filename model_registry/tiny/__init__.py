@@ -6,9 +6,9 @@
   same tokenizer, for speculative-decoding experiments.
 - `pagedllm-tiny-eagle` (alias `tiny-eagle`): an EAGLE-1 head for
   `pagedllm-tiny` (`speculative: {method: eagle, model: tiny-eagle}`),
-  trained by `pagedllm.spec_decode.train_eagle`.
+  trained by `training/train_eagle.py`.
 
-Both were trained by `pagedllm.model_registry.tiny.train` on the Python
+Both were trained by `training/tiny/train.py` (a checkout's, not installed) on the Python
 standard library sources (see each folder's README.md) and live under
 `weights/` as package data: nothing is trained or downloaded at run time.
 

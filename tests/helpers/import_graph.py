@@ -59,7 +59,7 @@ KIND_USES: Mapping[str, frozenset[str]] = {
 }
 INTERFACE_MODULE_NAMES = frozenset({"base", "interface", "types"})
 # Folders of the repository root that are not part of the installed package.
-EXCLUDED_DIRS = frozenset({"tests", "examples", "benchmarks", "docs", "build", "dist", "__pycache__"})
+EXCLUDED_DIRS = frozenset({"tests", "examples", "benchmarks", "training", "docs", "build", "dist", "__pycache__"})
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ class ValidationScore(NamedTuple):
 def validation_sample(num_windows: int = 32) -> tuple[list[list[int]], int]:
     """`num_windows` windows of 256 tokens from across the validation files, and the BOS id."""
     from pagedllm.model_registry import tiny
-    from pagedllm.model_registry.tiny.evaluate import validation_windows
+    from pagedllm.training.tiny.evaluate import validation_windows
 
     all_windows, bos_id = validation_windows(tiny.get_tokenizer_dir())
     step = len(all_windows) // num_windows

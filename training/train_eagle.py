@@ -1,7 +1,7 @@
 """Train an EAGLE-1 head for a Llama target on CPU, saved in the Hugging Face
 EAGLE layout (config.json + model.safetensors) that `EagleDrafter` loads.
 
-    python -m pagedllm.spec_decode.train_eagle --target tiny --minutes 12 \
+    python -m pagedllm.training.train_eagle --target tiny --minutes 12 \
         --out model_registry/tiny/weights/pagedllm-tiny-eagle
 
 Data: the target's own final hidden states over the train split of the tiny
@@ -227,7 +227,7 @@ def train(
         step += 1
     # Half precision like the rest of the shipped family.
     save_eagle_head(head, dict(config, torch_dtype="float16"), out_dir, dtype=torch.float16)
-    command = "python -m pagedllm.spec_decode.train_eagle " + " ".join(sys.argv[1:])
+    command = "python -m pagedllm.training.train_eagle " + " ".join(sys.argv[1:])
     (out_dir / "README.md").write_text(
         f"# pagedllm-tiny-eagle\n\nAn EAGLE-1 head for `{target_dir.name}`, trained by "
         f"`{command}` ({step} steps of {batch_size} x {seq_len} tokens in {minutes:g} minutes, "

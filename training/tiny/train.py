@@ -1,6 +1,6 @@
 """Train the embedded model family on CPU, reproducibly.
 
-    python -m pagedllm.model_registry.tiny.train --which target --steps N --seed S --out DIR
+    python -m pagedllm.training.tiny.train --which target --steps N --seed S --out DIR
 
 The model is Hugging Face's own `LlamaForCausalLM`, so the saved folder (HF
 layout, float16 safetensors, the project tokenizer beside it) loads unchanged
@@ -9,7 +9,7 @@ train split's token stream (each epoch visits every window once, in random
 order), AdamW, bfloat16 autocast, linear warmup then cosine decay, a
 fixed seed and a fixed step count. Beside the weights it writes
 training_stats.json (command, seed, steps, tokens seen, wall time, losses);
-`python -m pagedllm.model_registry.tiny.evaluate --write-cards` then measures
+`python -m pagedllm.training.tiny.evaluate --write-cards` then measures
 the shipped weights and writes the README.md model cards.
 """
 
@@ -151,8 +151,9 @@ def train(
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pagedllm.model_registry.tiny.evaluate import perplexity, validation_windows
-    from pagedllm.model_registry.tiny.tokenizer import special_token_ids, token_stream
+    from pagedllm.model_registry.tiny.tokenizer import special_token_ids
+    from pagedllm.training.tiny.evaluate import perplexity, validation_windows
+    from pagedllm.training.tiny.tokenizer import token_stream
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -245,7 +246,7 @@ def train(
     start_key = "untrained" if init_from is None else "start"
     stats = {
         "model": MODEL_NAMES[which],
-        "command": "python -m pagedllm.model_registry.tiny.train " + " ".join(sys.argv[1:]),
+        "command": "python -m pagedllm.training.tiny.train " + " ".join(sys.argv[1:]),
         "seed": seed,
         "steps": steps,
         "batch_size": recipe.batch_size,
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         train(args.which, args.steps, args.seed, args.out, args.tokenizer_dir, threads=args.threads,
               log_every=args.log_every, init_from=args.init_from, peak_lr=args.peak_lr)
         return
-    from pagedllm.model_registry.tiny.tokenizer import train_tokenizer
+    from pagedllm.training.tiny.tokenizer import train_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         train_tokenizer(Path(tmp))

@@ -124,7 +124,7 @@ def render_model_card(config: dict[str, Any], stats: dict[str, Any], figures: di
         "tables under `encodings/` (near-copies of each other that every model scores about 2 on). Each file "
         f"is preceded by BOS; the stream is cut into non-overlapping {stats['seq_len']}-token windows and every "
         f"token but a window's first (and BOS) is scored: {int(figures['val_tokens']):,} tokens. The shipped "
-        "float16 weights, computed in float32 (`python -m pagedllm.model_registry.tiny.evaluate`).",
+        "float16 weights, computed in float32 (`python -m pagedllm.training.tiny.evaluate`).",
         "",
         "| | validation loss (nats/token) | perplexity |",
         "|---|---|---|",

@@ -1,6 +1,6 @@
 """Measure the shipped models on the validation files (`encodings/` left out).
 
-    python -m pagedllm.model_registry.tiny.evaluate [--threads N] [--write-cards]
+    python -m pagedllm.training.tiny.evaluate [--threads N] [--write-cards]
 
 prints each model's per-token validation loss and perplexity, before (the
 seeded initial weights) and after training, and, as a first measure of draft
@@ -47,7 +47,8 @@ def validation_windows(tokenizer_dir: Path, window: int = EVAL_WINDOW) -> tuple[
     pieces; the tail is one shorter piece, so every token is covered."""
     import torch
 
-    from pagedllm.model_registry.tiny.tokenizer import special_token_ids, token_stream
+    from pagedllm.model_registry.tiny.tokenizer import special_token_ids
+    from pagedllm.training.tiny.tokenizer import token_stream
 
     stream = torch.tensor(token_stream("validation", tokenizer_dir, for_metric=True), dtype=torch.long)
     bos_id = special_token_ids(tokenizer_dir)[BOS_TOKEN]
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from pagedllm.model_registry.tiny import DRAFT_MODEL_NAME, TARGET_MODEL_NAME, get_tiny_model_dir
-    from pagedllm.model_registry.tiny.model_card import write_model_card
+    from pagedllm.training.tiny.model_card import write_model_card
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
