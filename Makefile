@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint demo bench clean
+.PHONY: install serve test lint docs demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,8 +50,9 @@ serve: $(STAMP)
 	$(VENV)/bin/pagedllm serve --host 127.0.0.1 --port 8000
 
 # The example plugins' own tests run too (each package's tests/ folder).
-# Lint first: a finding fails `make test` (and CI) like a failing test.
-test: lint
+# Lint and the docs build first: a finding or a broken page fails `make test`
+# (and CI) like a failing test.
+test: lint docs
 	$(PY) -m pytest --import-mode=importlib tests $(wildcard $(addsuffix /tests/test_*.py,$(EXAMPLE_PLUGINS))) -q
 
 # ruff over everything; mypy over the package (config in pyproject.toml). mypy must
@@ -63,6 +64,13 @@ lint: $(STAMP)
 	mkdir -p $(MYPY_ROOT) && ln -sfn ../.. $(MYPY_ROOT)/pagedllm
 	cd $(MYPY_ROOT) && $(abspath $(VENV))/bin/mypy -p pagedllm --config-file $(CURDIR)/pyproject.toml \
 		--cache-dir $(CURDIR)/.cache/mypy --python-executable $(abspath $(PY))
+
+# The manual as a site (mkdocs-material) in .cache/site. --strict (never with
+# --quiet, which hides the warnings strict counts): a broken
+# link or anchor, or a page missing from the nav, fails the build. The
+# reference pages are generated from the code as it builds (docs/gen_reference.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 demo: $(STAMP)
 	$(VENV)/bin/pagedllm generate --prompt "def fibonacci(n):" --max-tokens 32
