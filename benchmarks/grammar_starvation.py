@@ -3,9 +3,8 @@
 sent at once by one client, beside plain completions and a trivial
 structured request; prints a table of every request's status and latency.
 
-Before the validator lane the eight held both validator children and all
-four request-worker threads: plain completions waited up to 36 s, a trivial
-structured request 25.7 s. The bound: plain completions delayed under 2 s.
+The bound: plain completions delayed under 2 s. Results, before and after
+the validator lane: docs/performance.md ("Structured output").
 
     .venv/bin/python benchmarks/grammar_starvation.py [--model PATH]
         [--compile-timeout-s 10] [--num-slow 8] [--num-plain 5]

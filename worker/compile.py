@@ -6,13 +6,10 @@ rebuilt every step from host values and its kernels are already fused, so
 each Attention.forward is a graph break and the compiled pieces are shared
 across batch shapes (`dynamic=True`).
 
-Measured on the ~100M Llama in bfloat16 (throughput workload, 32 prompts
-of 64-256 tokens x 64 tokens, one thread, CPU time, loaded 2-core machine):
-one generate took 0.88x the time of eager mode with the CPU decode kernel
-(5.12 s vs 5.84 s), but the first forward compiles for ~55 s (~5 s with
-Inductor's on-disk cache warm), so it stays opt-in: `pagedllm serve` must
-answer its first request within 3 s. Inductor's `freezing` was slower here
-(6.2 s per generate, ~140 s to compile).
+It stays opt-in: the first forward compiles for far longer than the 3 s in
+which `pagedllm serve` must answer its first request, for a modest gain
+per generate afterwards (the measurement: docs/performance.md,
+"torch.compile").
 """
 
 from __future__ import annotations
