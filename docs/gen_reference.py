@@ -331,6 +331,11 @@ def routes_page(document: dict[str, Any] | None = None) -> str:
         lines += [f"## `{method} {path}`", ""]
         if operation.get("description"):
             lines += [inspect.cleandoc(operation["description"]), ""]
+        for parameter in operation.get("parameters", []):
+            schema = parameter.get("schema", {})
+            kind = " | ".join(option.get("type", "?") for option in schema.get("anyOf", [schema]))
+            required = "required" if parameter.get("required") else "optional"
+            lines += [f"Parameter `{parameter['name']}` ({parameter['in']}, {kind}, {required}).", ""]
         body = operation.get("requestBody", {}).get("content", {})
         for media_type, content in body.items():
             ref = content.get("schema", {}).get("$ref", "")
