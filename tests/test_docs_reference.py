@@ -27,6 +27,10 @@ from pagedllm.plugins.kinds import PluginKind
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 README_MAX_LINES = 200
+HOOKS_OF_API_1_0 = sorted([
+    "on_engine_start", "register_attention_backends", "register_drafters", "register_grammar_backends",
+    "register_kv_connectors", "register_models", "register_platforms",
+])
 
 
 def _load_generator() -> ModuleType:
@@ -154,8 +158,11 @@ def test_every_cli_flag_of_every_command_is_in_the_reference() -> None:
 def test_every_hook_has_its_signature_and_the_api_version_that_added_it() -> None:
     page = gen.hooks_page()
     assert missing_hook_entries(page) == []
-    assert gen.hook_versions()["register_executors"] == "1.3.0"
-    assert gen.hook_versions()["register_platforms"] == "1.0.0"
+    versions = gen.hook_versions()
+    assert versions["register_executors"] == "1.3.0" and versions["register_stat_loggers"] == "1.7.0"
+    # A hook that plugins/compat.py's version history never names is taken to be
+    # from 1.0: only the 1.0 hooks may be, so a new hook must enter the history.
+    assert sorted(name for name, version in versions.items() if version == "1.0.0") == HOOKS_OF_API_1_0
     assert "def register_stat_loggers(register: RegisterFn) -> None" in page
 
 
