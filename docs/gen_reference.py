@@ -289,7 +289,7 @@ def hooks_page() -> str:
 def openapi_document() -> dict[str, Any]:
     """The server's OpenAPI document, from an app built around a stand-in engine."""
     from pagedllm.core.config import EngineConfig
-    from pagedllm.engine.tokenizer import load_tokenizer
+    from pagedllm.model_registry.tokenizer import load_tokenizer
     from pagedllm.entrypoints.openai.api_server import build_app
     from pagedllm.model_registry.tiny import TARGET_MODEL_NAME, get_tokenizer_dir
 
