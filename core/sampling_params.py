@@ -1,15 +1,30 @@
-"""SamplingParams: vLLM's fields and defaults, validated with actionable errors."""
+"""SamplingParams: vLLM's fields and defaults, validated with actionable errors.
+
+SamplingParams and StructuredOutputsParams are msgspec Structs (as vLLM's
+SamplingParams is): they cross ZMQ to the engine core and on to the ranks as
+themselves, with no dict converters and no field-by-field twins.
+
+Validation runs once, where a user value enters: constructing one
+(`SamplingParams(temperature=...)`, as the API, `LLM` and tests do) checks
+every field and raises InvalidRequestError with the field, the value and the
+limit. msgspec runs `__post_init__` on decode too; the decoders of messages
+built from validated params (the engine core's input, a rank's step) decode
+inside `trusted_values()`, where msgspec's typed decode (types, unknown
+fields) is the only check.
+"""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import enum
 import json
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.int_limits import INT64_MAX, INT64_MIN, check_int, short_value
@@ -48,6 +63,22 @@ MAX_TEMPERATURE = 1e6
 MAX_REPETITION_PENALTY = 1e6
 
 
+# True while decoding (or copying) values that were validated where they
+# entered; see the module docstring.
+_trusted: ContextVar[bool] = ContextVar("pagedllm_trusted_sampling_params", default=False)
+
+
+@contextmanager
+def trusted_values() -> Iterator[None]:
+    """Build SamplingParams / StructuredOutputsParams without re-validating:
+    for decoding messages built from already validated params."""
+    token = _trusted.set(True)
+    try:
+        yield
+    finally:
+        _trusted.reset(token)
+
+
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -61,8 +92,7 @@ STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", 
 MAX_WHITESPACE = 64
 
 
-@dataclass
-class StructuredOutputsParams:
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """vLLM's structured-output request: exactly one of `json` (a JSON schema,
     dict or JSON text), `json_object` (True: any JSON object), `regex`,
     `choice` (list of strings), `grammar` (EBNF, root rule `root`) or
@@ -90,7 +120,8 @@ class StructuredOutputsParams:
     max_whitespace: int | None = None
 
     def __post_init__(self) -> None:
-        self._verify()
+        if not _trusted.get():
+            self._verify()
 
     @classmethod
     def coerce(cls, value: Any) -> StructuredOutputsParams | None:
@@ -98,7 +129,7 @@ class StructuredOutputsParams:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            known = {f.name for f in dataclasses.fields(cls)}
+            known = set(cls.__struct_fields__)
             unknown = sorted(set(value) - known)
             if unknown:
                 raise InvalidRequestError(
@@ -109,17 +140,15 @@ class StructuredOutputsParams:
             "structured_outputs", short_value(value, 200), "must be a StructuredOutputsParams, a dict or None"
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name, value in data.items():
-            # NOTE: a JSON round trip, not deepcopy: deepcopy spends two Python
-            # frames per level and fails at structured_output.max_schema_depth = 512.
-            data[name] = json.loads(json.dumps(value)) if isinstance(value, (dict, list)) else value
-        return data
-
     def __deepcopy__(self, memo: dict[int, Any]) -> StructuredOutputsParams:
-        # SamplingParams.clone() deep-copies; see to_dict for why not field by field.
-        return type(self)(**self.to_dict())
+        # SamplingParams.clone() deep-copies. NOTE: a JSON round trip, not
+        # deepcopy: deepcopy spends two Python frames per level and fails at
+        # structured_output.max_schema_depth = 512.
+        data = {name: getattr(self, name) for name in self.__struct_fields__}
+        for name, value in data.items():
+            data[name] = json.loads(json.dumps(value)) if isinstance(value, (dict, list)) else value
+        with trusted_values():
+            return type(self)(**data)
 
     @property
     def kind_name(self) -> str:
@@ -198,8 +227,7 @@ class StructuredOutputsParams:
         return kind, str(getattr(self, kind.value))
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -224,7 +252,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     # Constrain the output to a JSON schema, regex, choice list or grammar;
-    # a dict (as it crosses the wire) is turned into StructuredOutputsParams.
+    # a dict of its fields is turned into StructuredOutputsParams.
     structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] | None = None
     # token id -> bias added to its logit before any sampling step (OpenAI's
@@ -248,6 +276,8 @@ class SamplingParams:
     truncation_side: str = "left"
 
     def __post_init__(self) -> None:
+        if _trusted.get():
+            return
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
@@ -338,7 +368,8 @@ class SamplingParams:
         return set(self.stop_token_ids or ())
 
     def clone(self) -> SamplingParams:
-        return copy.deepcopy(self)
+        with trusted_values():
+            return copy.deepcopy(self)
 
     def for_child(self, index: int) -> SamplingParams:
         """Params of sample `index` of an `n > 1` request: n=1 and, when seeded,

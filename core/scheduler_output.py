@@ -3,22 +3,33 @@
 The runner keeps its own copy of every request's tokens (it samples them), so
 the scheduler sends a request's prompt once and afterwards only what changed:
 new block ids and the number of tokens already computed.
+
+SchedulerOutput and ModelRunnerOutput are msgspec Structs: a multi-rank
+executor sends them to its ranks and back as themselves
+(executors/messages.py holds the codec: the grammar bitmask as a msgpack
+extension, the KV connector's metadata decoded into the rank's connector's
+`metadata_cls`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import msgspec
+
+from pagedllm.core.custom_stats import FigureValue
+from pagedllm.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
+    from torch import Tensor
+else:
+    # NOTE: the core does not import torch; msgspec resolves this annotation
+    # at run time, where a tensor is whatever the codec's ext hook makes.
+    Tensor = Any
 
-    from pagedllm.core.custom_stats import FigureValue
-    from pagedllm.core.sampling_params import SamplingParams
 
-
-@dataclass
-class NewRequestData:
+class NewRequestData(msgspec.Struct, array_like=True):
     """A request the runner has not seen yet."""
 
     req_id: str
@@ -29,8 +40,7 @@ class NewRequestData:
     eos_token_id: int | None = None
 
 
-@dataclass
-class CachedRequestData:
+class CachedRequestData(msgspec.Struct, array_like=True):
     """A request the runner already holds."""
 
     req_id: str
@@ -41,11 +51,15 @@ class CachedRequestData:
     resumed_from_preemption: bool = False
 
 
-@dataclass
 class KVConnectorMetadata:
     """What a KV connector's scheduler side hands its worker side for one
-    step (blocks to load, save, spill); each connector subclasses it. It rides
-    on SchedulerOutput, hence lives here (kv_connectors.base re-exports it)."""
+    step (blocks to load, save, spill); each connector subclasses it as a
+    dataclass of plain data. It rides on SchedulerOutput, hence lives here
+    (kv_connectors.base re-exports it).
+
+    NOTE: not itself a dataclass, so msgspec treats the field's type as a
+    custom type: a rank decodes it through its decoder's hook, into its own
+    connector's `metadata_cls` (executors/messages.py)."""
 
 
 @dataclass
@@ -109,8 +123,7 @@ class KVConnectorOutput:
     stats: KVConnectorStats | None = None
 
 
-@dataclass
-class SchedulerOutput:
+class SchedulerOutput(msgspec.Struct, array_like=True):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
     # req_id -> tokens to compute this step (prompt chunk, 1 decode token,
@@ -118,20 +131,20 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     # req_id -> draft tokens to verify this step (speculative decoding).
-    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # Requests that sample this step under a grammar (structured output), in
     # batch order; each owns 1 + len(its drafts) consecutive grammar_bitmask rows.
-    structured_output_request_ids: list[str] = field(default_factory=list)
+    structured_output_request_ids: list[str] = msgspec.field(default_factory=list)
     # int32 [rows, ceil(vocab_size / 32)] on the CPU, bit set = token allowed
     # (structured_output/interface.py); None when no request needs one.
     # NOTE: a view of a buffer the next schedule() overwrites: use it this step
     # (a step with a bitmask is `sync_required`, so async scheduling waits for it).
-    grammar_bitmask: torch.Tensor | None = None
+    grammar_bitmask: Tensor | None = None
     # Requests the runner must forget (finished or aborted since last step).
-    finished_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[str] = msgspec.field(default_factory=set)
     # Requests preempted this step: the runner drops their blocks but keeps
     # their tokens and RNG state for the resume.
-    preempted_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = msgspec.field(default_factory=set)
     # The KV connector's instructions for this step (loads, saves, spills);
     # None without a connector.
     kv_connector_metadata: KVConnectorMetadata | None = None
@@ -152,17 +165,16 @@ class LogprobEntry(NamedTuple):
     rank: int  # 1-based rank of the chosen token
 
 
-@dataclass
-class ModelRunnerOutput:
+class ModelRunnerOutput(msgspec.Struct, array_like=True):
     # req_id -> tokens sampled this step (empty for a partial prefill chunk).
     sampled_token_ids: dict[str, list[int]]
     # req_id -> one entry per sampled token, for requests that asked.
-    logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
+    logprobs: dict[str, list[LogprobEntry]] = msgspec.field(default_factory=dict)
     # req_id -> entries for the prompt positions computed this step
     # (None for the very first prompt token, which has no logprob).
-    prompt_logprobs: dict[str, list[LogprobEntry | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[LogprobEntry | None]] = msgspec.field(default_factory=dict)
     # req_id -> draft tokens the drafter proposed for the next step.
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # The KV connector's worker side's report (None without a connector).
     kv_connector_output: KVConnectorOutput | None = None
     # Custom figures the ranks' components (connector worker sides, the

@@ -25,7 +25,7 @@ from pagedllm.core.engine import validate_prompt
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.int_limits import check_priority
 from pagedllm.engine.bad_words import bad_words_token_ids
-from pagedllm.engine.wire import EngineCoreRequest, sampling_params_to_dict
+from pagedllm.engine.wire import EngineCoreRequest
 from pagedllm.logits_processors.factory import LogitsProcessorArgs
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.structured_output.manager import grammar_check
@@ -74,7 +74,7 @@ class ProcessedRequest:
             EngineCoreRequest(
                 request_id=sample_id,
                 prompt_token_ids=self.prompt_token_ids,
-                sampling_params=sampling_params_to_dict(sample_params),
+                sampling_params=sample_params,
                 eos_token_id=self.eos_token_id,
                 arrival_time=self.arrival_time,
                 priority=self.priority,

@@ -1,9 +1,11 @@
 """Messages between the API process and the engine-core process (msgspec).
 
-Everything on the wire is msgpack of the typed structs below: a client's
-prompt and sampling parameters arrive as plain ints, strings, lists and dicts
-and are rebuilt (and re-validated) into SamplingParams in the core. Nothing is
-pickled, so a crafted request cannot run code in the engine core.
+Everything on the wire is msgpack of the typed structs below; a request's
+SamplingParams (a msgspec Struct) travels as itself. It was validated where
+the user's values entered (the API, `LLM`), so the core decodes it without
+validating again (`trusted_values`): msgspec's typed decode checks every
+field's type and refuses unknown fields. Nothing is pickled, so a crafted
+request cannot run code in the engine core.
 
 API -> core: AddRequests, AbortRequests, UtilityRequest, Shutdown.
 Core -> API: Ready (handshake), StartupFailed, EngineCoreOutputs (after every
@@ -16,17 +18,15 @@ wire twins.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import msgspec
 
 from pagedllm.core.custom_stats import MetricSpec
-from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.kv_cache.events import KVCacheEvent
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request
-from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams, trusted_values
 from pagedllm.core.stats import SchedulerStats
 
 # ----------------------------------------------------------- API -> core
@@ -39,8 +39,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
     request_id: str
     prompt_token_ids: list[int]
-    # SamplingParams' fields as plain values; see `sampling_params_to_dict`.
-    sampling_params: dict[str, Any]
+    # Validated by the client that built it (see the module docstring).
+    sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
@@ -149,7 +149,8 @@ class CoreInputDecoder:
         self._decoder = msgspec.msgpack.Decoder(CoreInput)
 
     def decode(self, data: bytes | memoryview) -> CoreInput:
-        return self._decoder.decode(data)
+        with trusted_values():  # validated by the client; typed decode only
+            return self._decoder.decode(data)
 
 
 class CoreOutputEncoder:
@@ -168,32 +169,15 @@ class CoreOutputDecoder:
         return self._decoder.decode(data)
 
 
-# ---------------------------------------------------------- conversions
-
-
-def sampling_params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    data = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-    if params.structured_outputs is not None:
-        # A plain dict on the wire; SamplingParams rebuilds and re-validates it.
-        data["structured_outputs"] = params.structured_outputs.to_dict()
-    return data
-
-
-def sampling_params_from_dict(data: dict[str, Any]) -> SamplingParams:
-    """Rebuild and re-validate (SamplingParams.__post_init__) what a client sent."""
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise InvalidRequestError("sampling_params", unknown, "unknown SamplingParams fields")
-    return SamplingParams(**data)
+# ------------------------------------------------------------- the core
 
 
 def from_engine_core_request(wire: EngineCoreRequest) -> Request:
-    """The scheduler's Request for a client's request, its params re-validated."""
+    """The scheduler's Request for a client's request."""
     request = Request(
         wire.request_id,
         wire.prompt_token_ids,
-        sampling_params_from_dict(wire.sampling_params),
+        wire.sampling_params,
         eos_token_id=wire.eos_token_id,
         arrival_time=wire.arrival_time,
         priority=wire.priority,

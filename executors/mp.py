@@ -35,13 +35,12 @@ from pagedllm.distributed.utils import get_distributed_init_method, get_open_por
 from pagedllm.executors.base import RankFailedError
 from pagedllm.executors.messages import (
     CallWorker,
-    ExecuteModel,
     InitWorker,
     WorkerReply,
+    encode_step,
     encoder,
     raise_reply_error,
     reply_decoder,
-    step_to_wire,
 )
 from pagedllm.executors.remote_ranks import RemoteRanksExecutor
 
@@ -121,7 +120,7 @@ class MultiprocExecutor(RemoteRanksExecutor):
         return [replies[rank].value for rank in range(self.world_size)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._broadcast(encoder.encode(ExecuteModel(step_to_wire(scheduler_output))))
+        self._broadcast(encode_step(scheduler_output))
         replies = self._wait_replies("execute_model", self._step_ranks)
         return self._step_output({rank: reply.output for rank, reply in replies.items()})
 

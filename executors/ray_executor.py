@@ -41,12 +41,11 @@ from pagedllm.distributed.utils import get_distributed_init_method
 from pagedllm.executors.base import RankFailedError
 from pagedllm.executors.messages import (
     CallWorker,
-    ExecuteModel,
     InitWorker,
+    encode_step,
     encoder,
     raise_reply_error,
     reply_decoder,
-    step_to_wire,
 )
 from pagedllm.executors.ray_utils import (
     RankActor,
@@ -195,7 +194,7 @@ class RayExecutor(RemoteRanksExecutor):
         return [reply_decoder.decode(replies[rank]).value for rank in range(self.world_size)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        refs = self._call_all("handle", encoder.encode(ExecuteModel(step_to_wire(scheduler_output))))
+        refs = self._call_all("handle", encode_step(scheduler_output))
         replies = self._wait("execute_model", refs, timeout_s=None, ranks=self._step_ranks)
         return self._step_output({rank: reply_decoder.decode(answer).output for rank, answer in replies.items()})
 

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 from pagedllm.core.custom_stats import merge_figures
 from pagedllm.executors.base import Executor, RankFailedError
 from pagedllm.executors.kv_output_aggregator import KVOutputAggregator
-from pagedllm.executors.messages import runner_output_from_wire
 from pagedllm.executors.worker_host import OUTPUT_RANK
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.worker.worker import plan_ranks
@@ -27,7 +26,6 @@ if TYPE_CHECKING:
 
     from pagedllm.attention_backends.selector import BackendSelection
     from pagedllm.core.scheduler_output import ModelRunnerOutput
-    from pagedllm.executors.messages import RunnerOutputWire
     from pagedllm.platforms.interface import Platform
     from pagedllm.worker.model_facts import ModelFacts
 
@@ -58,22 +56,23 @@ class RemoteRanksExecutor(Executor):
         if self._failure is not None:
             raise self._failure
 
-    def _step_output(self, outputs: dict[int, RunnerOutputWire | None]) -> ModelRunnerOutput:
+    def _step_output(self, outputs: dict[int, ModelRunnerOutput | None]) -> ModelRunnerOutput:
         """Rank 0's step output, with the ranks' KV connector reports merged
         (a reply without an output fails the executor)."""
-        wires: dict[int, RunnerOutputWire] = {}
+        answers: dict[int, ModelRunnerOutput] = {}
         for rank in sorted(self._step_ranks):
-            wire = outputs.get(rank)
-            if wire is None:
+            answer = outputs.get(rank)
+            if answer is None:
                 raise self._fail(RankFailedError(rank, "answered a step without its output"))
-            wires[rank] = wire
-        output = runner_output_from_wire(wires[OUTPUT_RANK])
+            answers[rank] = answer
+        output = answers[OUTPUT_RANK]
+        figures = [answer.custom_stats for answer in answers.values()]
         output.custom_stats = None
-        for wire in wires.values():  # each rank's own figures (rank 0's drafter, every rank's connector)
-            if wire.custom_stats:
-                output.custom_stats = merge_figures(output.custom_stats or {}, wire.custom_stats)
+        for rank_figures in figures:  # each rank's own figures (rank 0's drafter, every rank's connector)
+            if rank_figures:
+                output.custom_stats = merge_figures(output.custom_stats or {}, rank_figures)
         if self._kv_outputs is not None:
-            output.kv_connector_output = self._kv_outputs.merge(wire.kv_connector_output for wire in wires.values())
+            output.kv_connector_output = self._kv_outputs.merge(answer.kv_connector_output for answer in answers.values())
         return output
 
     # -------------------------------------------------------------- facts

@@ -13,20 +13,19 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.scheduler_output import ModelRunnerOutput
 from pagedllm.executors.base import Executor
 from pagedllm.executors.messages import (
     CallWorker,
     ExecuteModel,
     InitWorker,
+    WorkerInputDecoder,
     WorkerReply,
     encoder,
-    input_decoder,
-    kv_report_to_wire,
-    runner_output_to_wire,
-    step_from_wire,
 )
 
 if TYPE_CHECKING:
+    from pagedllm.core.scheduler_output import KVConnectorMetadata
     from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -41,12 +40,14 @@ class WorkerHost:
         self.worker: Worker | None = None
         self.rank = -1
         self.stopped = False
+        self.decoder = WorkerInputDecoder(self._metadata_cls)
 
     def handle(self, frame: bytes | memoryview) -> bytes | None:
         """Run what `frame` asks; the reply to send back (None: no reply due)."""
-        message = input_decoder.decode(frame)
-        method = _method_of(message)
+        method = "decode"
         try:
+            message = self.decoder.decode(frame)
+            method = _method_of(message)
             return self._dispatch(message)
         except Exception as exc:  # reported to the executor, which ends the engine
             logger.error("rank %d: %s failed:\n%s", self.rank, method, traceback.format_exc())
@@ -61,16 +62,15 @@ class WorkerHost:
     def _dispatch(self, message: InitWorker | CallWorker | ExecuteModel) -> bytes | None:
         if isinstance(message, ExecuteModel):
             worker = self._worker()
-            connector = worker.kv_connector
-            metadata_cls = None if connector is None else connector.metadata_cls
-            output = worker.execute_model(step_from_wire(message.step, metadata_cls))
-            if self.rank == OUTPUT_RANK:
-                wire = runner_output_to_wire(output)
-            elif connector is not None:
-                wire = kv_report_to_wire(output)  # every rank's connector reports (and its custom figures)
-            else:
-                return None
-            return encoder.encode(WorkerReply(self.rank, "execute_model", output=wire))
+            output = worker.execute_model(message.step)
+            if self.rank != OUTPUT_RANK:
+                if worker.kv_connector is None:
+                    return None
+                # Every rank's connector reports (and its custom figures); the tokens are the output rank's to send.
+                output = ModelRunnerOutput(
+                    sampled_token_ids={}, kv_connector_output=output.kv_connector_output, custom_stats=output.custom_stats
+                )
+            return encoder.encode(WorkerReply(self.rank, "execute_model", output=output))
         if isinstance(message, InitWorker):
             self._init_worker(message)
             return encoder.encode(WorkerReply(self.rank, "init"))
@@ -96,6 +96,11 @@ class WorkerHost:
             local_rank=message.local_rank,
             distributed_init_method=message.distributed_init_method,
         )
+
+    def _metadata_cls(self) -> type[KVConnectorMetadata] | None:
+        """What a step's KV connector metadata decodes into: this rank's connector's class."""
+        connector = None if self.worker is None else self.worker.kv_connector
+        return None if connector is None else connector.metadata_cls
 
     def _worker(self) -> Worker:
         if self.worker is None:

@@ -21,6 +21,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import EngineDeadError, EngineStartupError, InvalidRequestError
 from pagedllm.core.outputs import EngineCoreEvent, EngineCoreOutput
+from pagedllm.core.sampling_params import StructuredOutputsParams
 from pagedllm.core.scheduler_output import LogprobEntry
 from pagedllm.core.stats import SchedulerStats
 from pagedllm.engine.core_client import SyncMPClient
@@ -35,8 +36,6 @@ from pagedllm.engine.wire import (
     EngineCoreRequest,
     UtilityRequest,
     from_engine_core_request,
-    sampling_params_from_dict,
-    sampling_params_to_dict,
 )
 
 NUM_KV_BLOCKS = 64
@@ -101,24 +100,45 @@ def test_request_is_rebuilt_with_its_sampling_params_in_the_core() -> None:
     assert (rebuilt.arrival_time, rebuilt.priority, rebuilt.cache_salt) == (5.0, -1, "s")
 
 
+def test_sampling_params_cross_the_core_wire_without_being_validated_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Validated once, where the user's values entered; the core decodes them.
+    params = SamplingParams(temperature=0.5, stop=["x"], logit_bias={3: 1.0}, structured_outputs={"regex": "a+"})
+    request = make_request("r1", None, [1, 2, 3], params, 5.0, eos_token_id=2)
+    data = CoreInputEncoder().encode(AddRequests(request.engine_requests()))
+
+    def refuse(self: object) -> None:
+        raise AssertionError("validated again")
+
+    monkeypatch.setattr(SamplingParams, "_verify", refuse)
+    monkeypatch.setattr(StructuredOutputsParams, "_verify", refuse)
+    message = CoreInputDecoder().decode(data)
+    assert isinstance(message, AddRequests)
+    assert type(message.requests[0].sampling_params) is SamplingParams
+    assert message.requests[0].sampling_params == params
+
+
 @pytest.mark.parametrize(
-    ("changes", "field"),
+    ("changes", "error"),
     [
-        ({"temperature": -1.0}, "temperature"),
-        ({"max_tokens": "many"}, "max_tokens"),
-        ({"bogus": 1}, "sampling_params"),
+        ({"max_tokens": "many"}, r"Expected `int \| null`, got `str` - at `\$\[1\]\[0\]\[2\]\.max_tokens`"),
+        ({"bogus": 1}, r"Object contains unknown field `bogus` - at `\$\[1\]\[0\]\[2\]`"),
+        ({"structured_outputs": {"regexp": "a"}},
+         r"unknown field `regexp` - at `\$\[1\]\[0\]\[2\]\.structured_outputs`"),
     ],
 )
-def test_sampling_params_from_the_wire_are_revalidated(changes: dict, field: str) -> None:
-    data = {**sampling_params_to_dict(SamplingParams()), **changes}
-    with pytest.raises(InvalidRequestError) as excinfo:
-        sampling_params_from_dict(data)
-    assert excinfo.value.field == field
+def test_the_core_wire_decode_checks_sampling_params_types_and_fields(changes: dict, error: str) -> None:
+    request = make_request("r1", None, [1, 2, 3], SamplingParams(), 5.0)
+    frame = msgspec.msgpack.decode(CoreInputEncoder().encode(AddRequests(request.engine_requests())))
+    frame[1][0][2].update(changes)  # ["add", [[request_id, prompt, sampling_params, ...]]]
+    with pytest.raises(msgspec.ValidationError, match=error):
+        CoreInputDecoder().decode(msgspec.msgpack.encode(frame))
 
 
 def test_wire_never_carries_pickles() -> None:
     # A msgpack map for "add" that smuggles a non-msgpack object cannot decode.
-    wire = EngineCoreRequest("r", [1], {"n": 1}, None, 0.0)
+    wire = EngineCoreRequest("r", [1], SamplingParams(), None, 0.0)
     data = CoreInputEncoder().encode(AddRequests([wire]))
     assert b"\x80\x04" not in data  # no pickle protocol header
     with pytest.raises(msgspec.DecodeError):
@@ -244,7 +264,7 @@ def test_unknown_utility_is_refused_and_the_loop_goes_on(client: SyncMPClient) -
 
 def test_rejected_request_finishes_as_abort_without_killing_the_core(client: SyncMPClient) -> None:
     # Bypasses the API's validation: an empty prompt reaches the core.
-    client.add_requests([EngineCoreRequest("bad", [], sampling_params_to_dict(SamplingParams()), None, 0.0)])
+    client.add_requests([EngineCoreRequest("bad", [], SamplingParams(), None, 0.0)])
     # Earlier tests may leave outputs in flight (a step that ran before an abort).
     outputs = []
     while not any(o.request_id == "bad" for o in outputs):

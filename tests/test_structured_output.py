@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import msgspec
 import pytest
 import torch
 from helpers.json_schemas import MAX_TOKENS, SCHEMAS
@@ -23,8 +22,9 @@ from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.sampling_params import StructuredOutputsParams as SO
+from pagedllm.engine.input_processor import make_request
 from pagedllm.engine.llm import LLM
-from pagedllm.engine.wire import sampling_params_from_dict, sampling_params_to_dict
+from pagedllm.engine.wire import AddRequests, CoreInputDecoder, CoreInputEncoder
 from pagedllm.model_registry.tokenizer import load_tokenizer
 from pagedllm.plugins import GRAMMAR_BACKEND, get_plugin_manager, hookimpl
 from pagedllm.structured_output.bitmask import allocate_token_bitmask, unpack_bitmask
@@ -75,18 +75,22 @@ def test_bad_fields_name_the_field(fields: dict[str, Any], field: str, problem: 
     assert info.value.field == field
 
 
-def test_structured_outputs_cross_the_wire_and_are_revalidated() -> None:
+def test_structured_outputs_cross_the_engine_wire_as_themselves() -> None:
     params = SamplingParams(max_tokens=5, structured_outputs=SO(json=SCHEMAS["ref_defs"], backend="guidance"))
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(sampling_params_to_dict(params)))
-    rebuilt = sampling_params_from_dict(wire)
-    assert rebuilt.structured_outputs == params.structured_outputs
+    request = make_request("r", None, [1, 2], params, 1.0)
+    message = CoreInputDecoder().decode(CoreInputEncoder().encode(AddRequests(request.engine_requests())))
+    assert isinstance(message, AddRequests)
+    rebuilt = message.requests[0].sampling_params
+    assert type(rebuilt.structured_outputs) is SO and rebuilt.structured_outputs == params.structured_outputs
     assert rebuilt.structured_outputs.grammar_spec() == params.structured_outputs.grammar_spec()
-    wire["structured_outputs"] = {"regex": "a", "choice": ["b"]}
+
+
+def test_structured_outputs_given_as_a_dict_are_validated_as_one() -> None:
+    assert SamplingParams(structured_outputs={"regex": "a"}).structured_outputs == SO(regex="a")
     with pytest.raises(InvalidRequestError, match="exactly one"):
-        sampling_params_from_dict(wire)
-    wire["structured_outputs"] = {"regexp": "a"}
+        SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
     with pytest.raises(InvalidRequestError, match=r"regexp.*unknown fields"):
-        sampling_params_from_dict(wire)
+        SamplingParams(structured_outputs={"regexp": "a"})
 
 
 def test_config_section_defaults_and_env(monkeypatch: pytest.MonkeyPatch) -> None:

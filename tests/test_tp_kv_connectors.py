@@ -33,7 +33,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.scheduler_output import KVConnectorOutput, KVConnectorStats, SchedulerOutput
 from pagedllm.executors.kv_output_aggregator import KVOutputAggregator
-from pagedllm.executors.messages import step_from_wire, step_to_wire
+from pagedllm.executors.messages import ExecuteModel, WorkerInputDecoder, encode_step
 from pagedllm.kv_connectors.cpu_offload import CpuOffloadMetadata
 from pagedllm.kv_connectors.shared_storage import SharedStorageMetadata, read_block
 
@@ -109,9 +109,15 @@ def test_connector_metadata_crosses_to_the_ranks_as_its_dataclass() -> None:
     storage = SharedStorageMetadata(loads=[(3, b"\x01" * 8)], saves=[(5, b"\x02" * 8), (6, b"\x03" * 8)])
     offload = CpuOffloadMetadata(spills=[(1, b"a")], loads=[(2, b"b")], drops=[b"c", b"d"])
     for metadata in (storage, offload):
-        decoded = step_from_wire(step_to_wire(_step(metadata)), type(metadata)).kv_connector_metadata
+        decoded = _decoded_step(_step(metadata), type(metadata)).kv_connector_metadata
         assert type(decoded) is type(metadata) and decoded == metadata
-    assert step_from_wire(step_to_wire(_step(None))).kv_connector_metadata is None
+    assert _decoded_step(_step(None), None).kv_connector_metadata is None
+
+
+def _decoded_step(step: SchedulerOutput, metadata_cls: Any) -> SchedulerOutput:
+    message = WorkerInputDecoder(lambda: metadata_cls).decode(encode_step(step))
+    assert isinstance(message, ExecuteModel)
+    return message.step
 
 
 def test_metadata_holding_tensors_is_refused_with_a_clear_error() -> None:
@@ -125,7 +131,7 @@ def test_metadata_holding_tensors_is_refused_with_a_clear_error() -> None:
 
     refused = r"KV connector metadata TensorMetadata cannot be sent to the ranks .*no tensors"
     with pytest.raises(TypeError, match=refused):
-        step_to_wire(_step(TensorMetadata(loads=[torch.zeros(2)])))
+        encode_step(_step(TensorMetadata(loads=[torch.zeros(2)])))
 
 
 def test_a_request_is_done_when_every_rank_has_reported_it_and_counts_add_up() -> None:
