@@ -46,3 +46,5 @@ def register_kv_connectors(register: RegisterFn) -> None:
 def register_logits_processors(register: RegisterFn) -> None:
     # Forbids a request's last `ban_recent_tokens` tokens (tests/test_logits_processors.py).
     register("ban_recent", "pagedllm_test_plugin.logits_processor:BanRecentTokens", args=["ban_recent_tokens"])
+    # Records the SamplingParams a rank received (tests/test_params_reach_ranks.py).
+    register("record_params", "pagedllm_test_plugin.params_recorder:RecordParams", args=["record_params_to"])
