@@ -125,7 +125,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, forbid_unknown
 
     @classmethod
     def coerce(cls, value: Any) -> StructuredOutputsParams | None:
-        """None, a StructuredOutputsParams, or its fields as a dict (the wire form)."""
+        """None, a StructuredOutputsParams, or its fields as a dict (as a user may pass them)."""
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):

@@ -352,7 +352,8 @@ class AsyncLLM:
         sequences were counted already; without, they are counted here.
         `validated`: the caller ran `input_processor.validate` on these very params
         and prompt (the HTTP handlers do, in the worker pool), so it is not
-        run again here, on the event loop; the engine core re-validates anyway.
+        run again here, on the event loop. NOTE: the engine core does not
+        validate the params again (its decode checks their types only).
         `compiled_grammar`: what the validator lane returned for its spec.
         """
         self._check_accepting()

@@ -214,7 +214,7 @@ def test_n_samples_fan_out_and_come_back_as_one_output(tokenizer):
     params = SamplingParams(n=2, seed=7, max_tokens=2)
     request = add(processor, "r", "p", PROMPT_IDS, params, arrival_time=1.0)
     assert [(rid, p.n, p.seed) for rid, p in request.samples] == [("0_r", 1, 7), ("1_r", 1, 8)]
-    assert [(r.request_id, r.sampling_params["n"], r.sampling_params["seed"]) for r in request.engine_requests()] == [
+    assert [(r.request_id, r.sampling_params.n, r.sampling_params.seed) for r in request.engine_requests()] == [
         ("0_r", 1, 7), ("1_r", 1, 8)
     ]
     x, y = tokenizer.encode("x")[0], tokenizer.encode("y")[0]

@@ -173,7 +173,7 @@ def _router(policy: str = "prefix_aware", **flat: Any) -> ReplicaRouter:
 
 
 def _engine_request(request_id: str, tokens: list[int]) -> EngineCoreRequest:
-    return EngineCoreRequest(request_id, tokens, {}, None, 0.0)
+    return EngineCoreRequest(request_id, tokens, SamplingParams(), None, 0.0)
 
 
 def test_the_builtin_routers_are_registered() -> None:
