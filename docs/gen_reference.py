@@ -289,9 +289,9 @@ def hooks_page() -> str:
 def openapi_document() -> dict[str, Any]:
     """The server's OpenAPI document, from an app built around a stand-in engine."""
     from pagedllm.core.config import EngineConfig
-    from pagedllm.model_registry.tokenizer import load_tokenizer
     from pagedllm.entrypoints.openai.api_server import build_app
     from pagedllm.model_registry.tiny import TARGET_MODEL_NAME, get_tokenizer_dir
+    from pagedllm.model_registry.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(get_tokenizer_dir()))
     config = EngineConfig()

@@ -72,7 +72,9 @@ class RemoteRanksExecutor(Executor):
             if rank_figures:
                 output.custom_stats = merge_figures(output.custom_stats or {}, rank_figures)
         if self._kv_outputs is not None:
-            output.kv_connector_output = self._kv_outputs.merge(answer.kv_connector_output for answer in answers.values())
+            output.kv_connector_output = self._kv_outputs.merge(
+                answer.kv_connector_output for answer in answers.values()
+            )
         return output
 
     # -------------------------------------------------------------- facts

@@ -68,7 +68,9 @@ class WorkerHost:
                     return None
                 # Every rank's connector reports (and its custom figures); the tokens are the output rank's to send.
                 output = ModelRunnerOutput(
-                    sampled_token_ids={}, kv_connector_output=output.kv_connector_output, custom_stats=output.custom_stats
+                    sampled_token_ids={},
+                    kv_connector_output=output.kv_connector_output,
+                    custom_stats=output.custom_stats,
                 )
             return encoder.encode(WorkerReply(self.rank, "execute_model", output=output))
         if isinstance(message, InitWorker):
