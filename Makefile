@@ -24,8 +24,8 @@ EXAMPLE_PLUGINS := examples/plugins/pagedllm-example-model \
 # building them at install keeps that off the first `pagedllm serve`.
 define PREBUILD_CPU_KERNELS
 from pagedllm.attention_backends import cpu_decode_kernel, cpu_prefill_kernel
-from pagedllm.platforms import cpu_amx_linear, cpu_ops
-for kernel in (cpu_ops, cpu_decode_kernel, cpu_prefill_kernel, cpu_amx_linear):
+from pagedllm.platforms.cpu import amx_linear, fused_ops
+for kernel in (fused_ops, cpu_decode_kernel, cpu_prefill_kernel, amx_linear):
     kernel.load()
 endef
 export PREBUILD_CPU_KERNELS

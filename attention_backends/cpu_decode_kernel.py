@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.platforms.cpu_graph import kernel_call
-from pagedllm.platforms.cpu_kernel_build import load_library
+from pagedllm.platforms.cpu.graph import kernel_call
+from pagedllm.platforms.cpu.kernel_build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 # Storage dtypes the kernel reads (its `dtype` argument).

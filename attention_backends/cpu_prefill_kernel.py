@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.platforms.cpu_graph import kernel_call
-from pagedllm.platforms.cpu_kernel_build import load_library
+from pagedllm.platforms.cpu.graph import kernel_call
+from pagedllm.platforms.cpu.kernel_build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "prefill_attention.c"
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}

@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from pagedllm.attention_backends import cpu_decode_kernel, cpu_prefill_kernel
 from pagedllm.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
 from pagedllm.attention_backends.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv, read_kv, write_kv
-from pagedllm.platforms.cpu_graph import refuse_capture
-from pagedllm.platforms.cpu_kernel_build import prebuild_in_background
+from pagedllm.platforms.cpu.graph import refuse_capture
+from pagedllm.platforms.cpu.kernel_build import prebuild_in_background
 
 
 @dataclass

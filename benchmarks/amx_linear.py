@@ -1,4 +1,4 @@
-"""Decode-sized bfloat16 GEMMs: the AMX kernel (platforms/cpu_amx_linear.py)
+"""Decode-sized bfloat16 GEMMs: the AMX kernel (platforms/cpu/amx_linear.py)
 against oneDNN's prepacked GEMM (what the layers used before) and F.linear,
 same run, same weights.
 
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedllm.platforms import cpu_amx_linear
+from pagedllm.platforms.cpu import amx_linear as cpu_amx_linear
 
 SHAPES = [(1280, 768), (768, 768), (4096, 768), (768, 2048)]  # (N, K) of one layer
 NUM_LAYERS = 12

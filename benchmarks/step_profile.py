@@ -90,7 +90,7 @@ def profile(args: argparse.Namespace) -> None:
     _, num_prompts, (min_len, max_len) = MODELS[args.model]
     model_path = str(getattr(tiny, MODELS[args.model][0])())
     prompts = make_prompts(num_prompts, min_len, max_len, 8192, seed=0)
-    # Eager: a replayed decode graph (platforms/cpu_graph.py) runs none of the
+    # Eager: a replayed decode graph (platforms/cpu/graph.py) runs none of the
     # Python the phase timers wrap (and their profiler ranges refuse capture).
     llm = LLM(model=model_path, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=4096, enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=args.num_new_tokens, ignore_eos=True)

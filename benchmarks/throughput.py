@@ -7,7 +7,7 @@ Workload (issue 2): the benchmark Llama, random weights from a fixed seed
 left-padded. Each engine runs in its own subprocess (a fresh allocator and
 thread pool), gets a warm-up run, then several timed repetitions; the table
 shows medians and ratios to plain HF. pagedllm's CPU platform tunes glibc
-malloc for the whole process (platforms/cpu.py), which helps any torch code,
+malloc for the whole process (platforms/cpu/platform.py), which helps any torch code,
 so HF is also shown with that same tuning.
 
 `--model 100m` runs the ~100M Llama instead (hidden 768, 12 layers, GQA
@@ -153,7 +153,7 @@ def run_one(engine: str, args: argparse.Namespace) -> dict:
     prompts = workload(args)
     timer = {"vllm": time_vllm, "pagedllm": time_pagedllm}.get(engine, time_hf)
     if engine == "hf_tuned":
-        from pagedllm.platforms.cpu import keep_freed_memory_in_process
+        from pagedllm.platforms.cpu.platform import keep_freed_memory_in_process
 
         keep_freed_memory_in_process()
     times, tokens = timer(model_path, prompts, args.num_new_tokens, args.reps, args.dtype)

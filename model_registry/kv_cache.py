@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pagedllm.platforms.host_memory import anonymous_zeros
+from pagedllm.platforms.cpu.host_memory import anonymous_zeros
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
@@ -55,7 +55,7 @@ def allocate_kv_caches(
 
 def zeroed_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A tensor of zeros. On the CPU its memory is a fresh anonymous mapping
-    (platforms/host_memory.py), whose pages the kernel zero-fills when they
+    (platforms/cpu/host_memory.py), whose pages the kernel zero-fills when they
     are first touched, so no page is written now: torch.zeros writes the
     whole 1 GiB default KV cache at start (0.4 s on an idle 2-core machine,
     3 s on a loaded one) for blocks that may never be used."""

@@ -25,7 +25,7 @@ def _triton_device_types() -> list[str]:
 
 @hookimpl
 def register_platforms(register: RegisterFn) -> None:
-    register("cpu", "pagedllm.platforms.cpu:CpuPlatform", device_type="cpu")
+    register("cpu", "pagedllm.platforms.cpu.platform:CpuPlatform", device_type="cpu")
     register("cuda", "pagedllm.platforms.cuda:CudaPlatform", device_type="cuda")
 
 

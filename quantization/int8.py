@@ -4,7 +4,7 @@ Each row (output channel) of a float weight W is stored as int8 with one
 scale, s = max|W_row| / 127, q = round(W_row / s) (symmetric, no zero
 point): a quarter of float32's bytes, half of bfloat16's. The GEMM keeps
 the activations in the compute dtype. In bfloat16 on a CPU with AMX,
-batches of up to cpu_amx_linear.AMX_MAX_ROWS rows (decode) run on the
+batches of up to amx_linear.AMX_MAX_ROWS rows (decode) run on the
 platform's AMX kernel (its own copy of q in tile layout: the float32 sum of
 each column scaled and rounded once); otherwise ``torch._weight_int8pack_mm``
 (torch's int8 weight-packed matmul: x @ q^T, each output column times its
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.platforms import cpu_amx_linear
+from pagedllm.platforms.cpu import amx_linear
 from pagedllm.quantization.base import QuantizationMethod
 
 INT8_MAX = 127
@@ -46,14 +46,14 @@ def _int8_gemm(q: torch.Tensor, scale: torch.Tensor) -> Callable[[torch.Tensor, 
     packed_mm = q.device.type == "cpu" and all(size % PACKED_MM_MULTIPLE == 0 for size in q.shape)
     # bfloat16 on an AMX CPU: decode batches on the platform's AMX kernel,
     # which streams the int8 tiles and widens them in cache.
-    amx_packed = cpu_amx_linear.pack_int8(q) if scale.dtype == torch.bfloat16 else None
+    amx_packed = amx_linear.pack_int8(q) if scale.dtype == torch.bfloat16 else None
     scale_f32 = scale.float()  # the kernel's scales, converted once
 
     def apply_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if amx_packed is not None and rows.shape[0] <= cpu_amx_linear.AMX_MAX_ROWS \
+        if amx_packed is not None and rows.shape[0] <= amx_linear.AMX_MAX_ROWS \
                 and not torch.compiler.is_compiling():
-            amx_out = cpu_amx_linear.linear_int8(rows, amx_packed, scale_f32, bias)
+            amx_out = amx_linear.linear_int8(rows, amx_packed, scale_f32, bias)
             if amx_out is not None:
                 return amx_out.reshape(*x.shape[:-1], q.shape[0])
         if packed_mm and rows.shape[0] <= PACKED_MM_MAX_ROWS:

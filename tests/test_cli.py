@@ -100,7 +100,7 @@ def test_plugins_list_reports_load_errors(monkeypatch: pytest.MonkeyPatch, capsy
 ])
 def test_env_json_on_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                          flags: set[str], dtype: str, reason: str) -> None:
-    from pagedllm.platforms import cpu
+    from pagedllm.platforms.cpu import platform as cpu
 
     monkeypatch.setattr(cpu, "read_cpu_flags", lambda: flags)
     simulate_device(monkeypatch, None)

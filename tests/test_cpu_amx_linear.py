@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from helpers.kernel_builds import NO_COMPILER, build_for_march, cpu_flags
 from torch import nn
 
-from pagedllm.platforms import cpu_amx_linear
-from pagedllm.platforms.cpu_linear import onednn_linear_available, prepack_linear_layers
+from pagedllm.platforms.cpu import amx_linear as cpu_amx_linear
+from pagedllm.platforms.cpu.linear import onednn_linear_available, prepack_linear_layers
 
 pytestmark = [
     NO_COMPILER,

@@ -23,7 +23,7 @@ from helpers.kernel_builds import NO_COMPILER, build_for_march, cpu_flags
 
 from pagedllm.attention_backends import cpu_decode_kernel, torch_native
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
-from pagedllm.platforms import cpu_kernel_build
+from pagedllm.platforms.cpu import kernel_build as cpu_kernel_build
 
 pytestmark = NO_COMPILER
 

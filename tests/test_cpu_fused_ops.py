@@ -1,4 +1,4 @@
-"""The CPU platform's fused layer ops (platforms/csrc/cpu_ops.c) against the
+"""The CPU platform's fused layer ops (platforms/cpu/csrc/cpu_ops.c) against the
 layers' own torch code, and the op-kernel registry the layers consult.
 
 The reference is the same layer with no kernel registered. Rotary and the
@@ -23,7 +23,7 @@ from pagedllm.model_registry.layers import op_kernels
 from pagedllm.model_registry.layers.activation import SiluAndMul
 from pagedllm.model_registry.layers.norm import RMSNorm
 from pagedllm.model_registry.layers.rotary import RotaryEmbedding, apply_rotary_emb
-from pagedllm.platforms import cpu_ops
+from pagedllm.platforms.cpu import fused_ops as cpu_ops
 
 pytestmark = NO_COMPILER
 

@@ -1,4 +1,4 @@
-"""CPU decode graphs (platforms/cpu_graph.py): a recorded forward replays its
+"""CPU decode graphs (platforms/cpu/graph.py): a recorded forward replays its
 C kernels and ATen operations on whatever its inputs hold at replay time,
 refuses what it cannot replay, and in the engine gives the eager tokens."""
 
@@ -13,8 +13,8 @@ from test_async_scheduling_e2e import ENGINE_KWARGS, _generate
 
 from pagedllm import LLM
 from pagedllm.core.errors import GraphCaptureError
-from pagedllm.platforms import cpu_ops
-from pagedllm.platforms.cpu_graph import CpuGraph, refuse_capture
+from pagedllm.platforms.cpu import fused_ops as cpu_ops
+from pagedllm.platforms.cpu.graph import CpuGraph, refuse_capture
 
 needs_kernels = pytest.mark.skipif(cpu_ops.load() is None, reason="no C compiler for the CPU kernels")
 
@@ -190,7 +190,7 @@ def test_recording_does_not_import_dynamo() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, torch\nfrom pagedllm.platforms.cpu_graph import CpuGraph\nx = torch.ones(3)\n"
+    code = ("import sys, torch\nfrom pagedllm.platforms.cpu.graph import CpuGraph\nx = torch.ones(3)\n"
             "CpuGraph.capture(lambda: x * 2)\nprint('torch._dynamo' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "False"

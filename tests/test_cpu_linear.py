@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model_registry.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from pagedllm.platforms import cpu_amx_linear
-from pagedllm.platforms.cpu_linear import MKL_MAX_WEIGHT_ELEMENTS, onednn_linear_available, prepack_linear_layers
+from pagedllm.platforms.cpu import amx_linear as cpu_amx_linear
+from pagedllm.platforms.cpu.linear import MKL_MAX_WEIGHT_ELEMENTS, onednn_linear_available, prepack_linear_layers
 from pagedllm.quantization.int8 import Int8WeightOnlyMethod
 
 

@@ -1,4 +1,4 @@
-"""platforms/host_memory.py: big host buffers are zero, untouched until
+"""platforms/cpu/host_memory.py: big host buffers are zero, untouched until
 used, and ask Linux for transparent huge pages where told to."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from pagedllm.platforms.host_memory import PAGE_SIZE, anonymous_zeros, resident_bytes
+from pagedllm.platforms.cpu.host_memory import PAGE_SIZE, anonymous_zeros, resident_bytes
 
 
 def _vm_flags(address: int) -> set[str]:

@@ -6,7 +6,7 @@ import pytest
 
 from pagedllm.core.config import EngineConfig
 from pagedllm.engine.builder import build_engine
-from pagedllm.platforms.cpu import DEFAULT_CPU_KV_CACHE_BYTES, CpuPlatform
+from pagedllm.platforms.cpu.platform import DEFAULT_CPU_KV_CACHE_BYTES, CpuPlatform
 
 
 def test_engine_sizes_the_pool_from_the_platform_budget_after_a_profile_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -155,7 +155,7 @@ HASWELL = {"avx", "avx2", "fma"}
 def test_auto_on_cpu_is_bfloat16_only_for_half_checkpoints_on_native_bf16_cpus(
     monkeypatch: pytest.MonkeyPatch, flags: set[str], model_dtype: torch.dtype, expected: torch.dtype
 ) -> None:
-    from pagedllm.platforms import cpu
+    from pagedllm.platforms.cpu import platform as cpu
 
     monkeypatch.setattr(cpu, "read_cpu_flags", lambda: flags)
     assert CpuPlatform().resolve_dtype("auto", model_dtype) == expected
@@ -167,7 +167,7 @@ def test_auto_on_cpu_is_bfloat16_only_for_half_checkpoints_on_native_bf16_cpus(
 def test_cpu_flags_come_from_proc_cpuinfo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import builtins
 
-    from pagedllm.platforms import cpu
+    from pagedllm.platforms.cpu import platform as cpu
 
     fake = tmp_path / "cpuinfo"
     fake.write_text("processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu avx512f amx_bf16\n\nprocessor\t: 1\n")

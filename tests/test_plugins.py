@@ -82,7 +82,7 @@ class FixturePlugin:
 
     @hookimpl
     def register_platforms(self, register: RegisterFn) -> None:
-        register("fixture_platform", "pagedllm.platforms.cpu:CpuPlatform", device_type="cpu")
+        register("fixture_platform", "pagedllm.platforms.cpu.platform:CpuPlatform", device_type="cpu")
 
     @hookimpl
     def register_drafters(self, register: RegisterFn) -> None:
@@ -125,7 +125,7 @@ def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
             "flash_attn": "pagedllm.attention_backends.flash_attn:FlashAttentionBackend",
         },
         "platform": {
-            "cpu": "pagedllm.platforms.cpu:CpuPlatform",
+            "cpu": "pagedllm.platforms.cpu.platform:CpuPlatform",
             "cuda": "pagedllm.platforms.cuda:CudaPlatform",
         },
         "grammar_backend": {
@@ -576,7 +576,7 @@ def test_misspelt_metadata_is_raised_in_strict_mode(monkeypatch: pytest.MonkeyPa
 class WrongBasePlugin:
     @hookimpl
     def register_attention_backends(self, register: RegisterFn) -> None:
-        register("platform_as_backend", "pagedllm.platforms.cpu:CpuPlatform")
+        register("platform_as_backend", "pagedllm.platforms.cpu.platform:CpuPlatform")
         register("instance_factory", lambda: TestEchoBackend())
 
     @hookimpl
@@ -599,8 +599,8 @@ def test_loaded_target_must_subclass_the_kind_interface() -> None:
         with pytest.raises(PluginError) as info:
             pm.attention_backends.load("platform_as_backend")
         assert str(info.value) == (
-            "attention_backend 'platform_as_backend' from pagedllm.platforms.cpu:CpuPlatform (registered by "
-            "wrong-base) is <class 'pagedllm.platforms.cpu.CpuPlatform'>, not a subclass of "
+            "attention_backend 'platform_as_backend' from pagedllm.platforms.cpu.platform:CpuPlatform (registered by "
+            "wrong-base) is <class 'pagedllm.platforms.cpu.platform.CpuPlatform'>, not a subclass of "
             "pagedllm.attention_backends.base:AttentionBackend"
         )
         # A factory returns the class, not an instance.

@@ -19,7 +19,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError, UnknownComponentError
 from pagedllm.kv_connectors.base import model_fingerprint
 from pagedllm.model_registry.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pagedllm.platforms import cpu_amx_linear
+from pagedllm.platforms.cpu import amx_linear as cpu_amx_linear
 from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
 from pagedllm.quantization.base import QuantizationMethod
 from pagedllm.quantization.int8 import Int8WeightOnlyMethod, quantize_per_channel

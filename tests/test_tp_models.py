@@ -205,7 +205,7 @@ if __name__ == "__main__":  # one rank of the tp2_results fixture
             "param_bytes": param_bytes(model),
             "heads": (attn.num_heads, attn.num_kv_heads),
         }
-    from pagedllm.platforms.cpu_linear import prepack_linear_layers
+    from pagedllm.platforms.cpu.linear import prepack_linear_layers
 
     model = load(Path(dict(item.split("=", 1) for item in named_paths)["llama"]))
     results["llama"]["num_prepacked"] = prepack_linear_layers(model)

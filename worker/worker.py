@@ -33,7 +33,7 @@ from pagedllm.model_registry.kv_cache import allocate_kv_caches
 from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
 from pagedllm.model_registry.model_source import resolve_model_path
 from pagedllm.platforms import resolve_platform
-from pagedllm.platforms.host_memory import resident_bytes
+from pagedllm.platforms.cpu.host_memory import resident_bytes
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.spec_decode.interface import DrafterContext
 from pagedllm.worker.compile import compile_outside_attention

@@ -2,7 +2,7 @@
 
 RMSNorm, SwiGLU's SiLU * mul and rotary embedding are written in torch, a
 handful of ops each. A platform may register a fused kernel for any of them
-(the CPU platform does, platforms/cpu_ops.py) under the op's name below. The
+(the CPU platform does, platforms/cpu/fused_ops.py) under the op's name below. The
 layer calls the kernel first; a kernel returns None for inputs it does not
 take (another device, dtype or layout, or while torch.compile traces), and
 the layer's torch code runs. A kernel computes what the torch code computes,

@@ -8,11 +8,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-
-def get_cache_root() -> Path:
-    """`$PAGEDLLM_CACHE_DIR`, else `~/.cache/pagedllm`."""
-    env = os.environ.get("PAGEDLLM_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedllm"
+from pagedllm.core.cache_dir import get_cache_root
 
 
 def build_once(name: str, build: Callable[[Path], None]) -> Path:

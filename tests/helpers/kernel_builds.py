@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.platforms import cpu_kernel_build
+from pagedllm.platforms.cpu import kernel_build as cpu_kernel_build
 
 # Kernel tests skip only where a kernel cannot be built at all; with a
 # compiler present, a kernel that fails to build fails its tests.

@@ -121,9 +121,9 @@ class CpuPlatform(Platform):
     def capture_graph(
         self, run: Callable[[], torch.Tensor], pool: object | None
     ) -> tuple[Callable[[], None], torch.Tensor, object]:
-        """A CpuGraph (cpu_graph.py): the forward's kernels and ATen operations
+        """A CpuGraph (graph.py): the forward's kernels and ATen operations
         replayed without the Python around them."""
-        from pagedllm.platforms.cpu_graph import CpuGraph
+        from pagedllm.platforms.cpu.graph import CpuGraph
 
         graph = CpuGraph.capture(run)
         assert graph.output is not None
@@ -132,13 +132,13 @@ class CpuPlatform(Platform):
         return graph.replay, graph.output, pool
 
     def optimize_model(self, model: torch.nn.Module) -> None:
-        from pagedllm.platforms import cpu_ops
-        from pagedllm.platforms.cpu_linear import prepack_linear_layers
+        from pagedllm.platforms.cpu import fused_ops
+        from pagedllm.platforms.cpu.linear import prepack_linear_layers
 
         if not keep_freed_memory_in_process():
             logger.info("could not tune glibc malloc; large activations will be re-faulted")
         prepack_linear_layers(model)
-        cpu_ops.install()
+        fused_ops.install()
 
     def total_memory_bytes(self) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

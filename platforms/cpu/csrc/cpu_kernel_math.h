@@ -1,6 +1,6 @@
 /* Arithmetic shared by pagedllm's CPU kernels (cpu_ops.c, paged_decode.c,
  * prefill_attention.c): bfloat16 conversions that round as torch does, and
- * a vectorisable exp. platforms/cpu_kernel_build.py puts this folder on the
+ * a vectorisable exp. platforms/cpu/kernel_build.py puts this folder on the
  * include path and keys every build by this file too.
  */
 #ifndef PAGEDLLM_CPU_KERNEL_MATH_H

@@ -22,7 +22,7 @@
  * same way, one byte an element, half the bytes to stream. Each K block's
  * two int8 tiles are widened to bfloat16 (exact: |q| <= 128) in L1 right
  * before their tile products, and each column's float32 sum is scaled once.
- * Loaded through ctypes; see platforms/cpu_amx_linear.py.
+ * Loaded through ctypes; see platforms/cpu/amx_linear.py.
  */
 #include <stdint.h>
 #include <stdlib.h>

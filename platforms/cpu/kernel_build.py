@@ -27,6 +27,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from pagedllm.core.cache_dir import get_cache_root
+
 logger = logging.getLogger(__name__)
 # One build at a time per library: a second caller (a background prebuild
 # and the first use racing) waits and then loads what the first one built.
@@ -51,8 +53,6 @@ INCLUDE_DIR = Path(__file__).parent / "csrc"
 
 
 def library_path(source: Path, cflags: tuple[str, ...]) -> Path:
-    from pagedllm.model_registry.tiny.cache import get_cache_root
-
     headers = b"".join(header.read_bytes() for header in sorted(INCLUDE_DIR.glob("*.h")))
     key = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode() + cpu_fingerprint().encode())
     return get_cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"

@@ -1,7 +1,7 @@
 """The CPU platform's fused kernels for the layers' elementwise ops.
 
 RMSNorm with its residual add, SiLU * mul and rotary embedding, from
-csrc/cpu_ops.c (built on first use, platforms/cpu_kernel_build.py), are
+csrc/cpu_ops.c (built on first use, platforms/cpu/kernel_build.py), are
 registered as the layers' op kernels (model_registry/layers/op_kernels.py)
 when the CPU platform prepares a model. On the ~100M Llama in bfloat16 these
 ops took a quarter of a prefill step in torch, where each is several passes
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from pagedllm.model_registry.layers import op_kernels
-from pagedllm.platforms.cpu_graph import kernel_call
-from pagedllm.platforms.cpu_kernel_build import load_library
+from pagedllm.platforms.cpu.graph import kernel_call
+from pagedllm.platforms.cpu.kernel_build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
 # -ffp-contract=off: a fused multiply-add rounds differently from torch's ops.

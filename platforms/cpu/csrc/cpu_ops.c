@@ -7,7 +7,7 @@
  * rounding where torch's op sequence rounds (so bfloat16 results match torch's
  * to the bit but for the order of the RMSNorm sum). Built with
  * -ffp-contract=off: a fused multiply-add would round differently from torch.
- * Loaded through ctypes; see platforms/cpu_ops.py.
+ * Loaded through ctypes; see platforms/cpu/fused_ops.py.
  *
  * dtype: 0 float32, 1 bfloat16 (every tensor argument of a call, except the
  * float32 cos / sin tables). Strides are in elements.

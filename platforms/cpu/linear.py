@@ -13,9 +13,9 @@ the oneDNN op exists and agrees with F.linear; otherwise nothing changes.
 Layers whose weight is of another dtype (int8 from quantization/) keep
 their own GEMM.
 
-On a CPU with AMX, bfloat16 batches of at most cpu_amx_linear.AMX_MAX_ROWS
+On a CPU with AMX, bfloat16 batches of at most amx_linear.AMX_MAX_ROWS
 rows (decode) run on our own AMX kernel instead, which streams the weights
-faster than oneDNN at those sizes (cpu_amx_linear.py). Its packed copy is
+faster than oneDNN at those sizes (amx_linear.py). Its packed copy is
 one more weight-sized buffer per layer; `PAGEDLLM_CPU_AMX_LINEAR=0` goes
 without it.
 """
@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagedllm.platforms import cpu_amx_linear
+from pagedllm.platforms.cpu import amx_linear
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,8 @@ def _prepacked_gemm(module: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor |
 def _with_amx_for_few_rows(module: nn.Linear, gemm: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
                            ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
     """`gemm`, but batches of at most AMX_MAX_ROWS rows (decode) on the AMX
-    kernel (cpu_amx_linear.py) where it takes the weight."""
-    packed = cpu_amx_linear.pack(module.weight)
+    kernel (amx_linear.py) where it takes the weight."""
+    packed = amx_linear.pack(module.weight)
     if packed is None:
         return gemm
     num_out, num_in = module.weight.shape
@@ -102,9 +102,9 @@ def _with_amx_for_few_rows(module: nn.Linear, gemm: Callable[[torch.Tensor, torc
     bias_f32 = None if module.bias is None else module.bias.detach().float().contiguous()
 
     def apply_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not torch.compiler.is_compiling() and x.numel() <= cpu_amx_linear.AMX_MAX_ROWS * num_in:
+        if not torch.compiler.is_compiling() and x.numel() <= amx_linear.AMX_MAX_ROWS * num_in:
             kernel_bias = bias_f32 if bias is module.bias else bias
-            out = cpu_amx_linear.linear(x.reshape(-1, num_in), packed, num_out, kernel_bias)
+            out = amx_linear.linear(x.reshape(-1, num_in), packed, num_out, kernel_bias)
             if out is not None:
                 return out.view(*x.shape[:-1], num_out)
         return gemm(x, bias)

@@ -12,7 +12,7 @@ Sums are float32 (AMX multiplies bf16 pairs exactly), rounded once to
 bfloat16: the result is F.linear's to within its summation order.
 
 Built and loaded like the other CPU kernels (plain C, ctypes, the system C
-compiler; cpu_kernel_build.py). Without AMX, without a compiler, for K not a
+compiler; kernel_build.py). Without AMX, without a compiler, for K not a
 multiple of 32 or with `PAGEDLLM_CPU_AMX_LINEAR=0`, `pack` returns None and
 the layer keeps oneDNN.
 """
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.platforms.cpu_graph import kernel_call
-from pagedllm.platforms.cpu_kernel_build import load_library
-from pagedllm.platforms.host_memory import anonymous_zeros
+from pagedllm.platforms.cpu.graph import kernel_call
+from pagedllm.platforms.cpu.host_memory import anonymous_zeros
+from pagedllm.platforms.cpu.kernel_build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "amx_linear.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
