@@ -23,34 +23,19 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.core.errors import ConfigError
-
-# cache.cache_dtype value -> the storage dtype; "auto" is the compute dtype.
-FP8_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "fp8": torch.float8_e4m3fn,  # vLLM's "fp8" is E4M3
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-KV_CACHE_DTYPE_NAMES = ("auto", *FP8_CACHE_DTYPES)
-FP8_DTYPES = frozenset(FP8_CACHE_DTYPES.values())
+# The names and their dtypes are the platform's (it answers whether a device
+# can store one); this module is how a backend stores and reads them.
+from pagedllm.platforms.interface import (
+    FP8_CACHE_DTYPES,
+    FP8_DTYPES,
+    KV_CACHE_DTYPE_NAMES,
+    is_fp8,
+    resolve_kv_cache_dtype,
+)
 
 # The per-tensor scale of an fp8 KV cache (vLLM's k_scale / v_scale) where
 # the checkpoint provides none: every checkpoint pagedllm loads today.
 DEFAULT_KV_SCALE = 1.0
-
-
-def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the KV cache tensors are allocated in."""
-    if cache_dtype == "auto":
-        return model_dtype
-    try:
-        return FP8_CACHE_DTYPES[cache_dtype]
-    except KeyError:
-        raise ConfigError("cache.cache_dtype", cache_dtype, ", ".join(KV_CACHE_DTYPE_NAMES)) from None
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_DTYPES
 
 
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = DEFAULT_KV_SCALE) -> torch.Tensor:
@@ -116,6 +101,7 @@ def read_kv(
 __all__ = [
     "DEFAULT_KV_SCALE",
     "FP8_CACHE_DTYPES",
+    "FP8_DTYPES",
     "KV_CACHE_DTYPE_NAMES",
     "as_bytes",
     "dequantize_kv",

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from pagedllm.core.errors import ConfigError
-from pagedllm.platforms.interface import Platform
+from pagedllm.platforms.interface import Platform, is_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,6 @@ class CudaPlatform(Platform):
         e.g. Triton's E4M3 from 8.9). Answered without a tensor: a probe on
         the device would open a CUDA context on GPU 0 in every rank's
         process before the rank picks its own device."""
-        from pagedllm.attention_backends.kv_cache_dtype import is_fp8
-
         return is_fp8(dtype) or dtype in self.supported_dtypes()
 
     def resolve_dtype(self, requested: str, model_dtype: torch.dtype) -> torch.dtype:

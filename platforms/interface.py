@@ -52,6 +52,31 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ConfigError("dtype", name, "auto, " + ", ".join(DTYPE_NAMES)) from None
 
 
+# cache.cache_dtype value -> the KV cache's storage dtype; "auto" is the
+# compute dtype (attention_backends/kv_cache_dtype.py stores and reads it).
+FP8_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,  # vLLM's "fp8" is E4M3
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+KV_CACHE_DTYPE_NAMES = ("auto", *FP8_CACHE_DTYPES)
+FP8_DTYPES = frozenset(FP8_CACHE_DTYPES.values())
+
+
+def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV cache tensors are allocated in."""
+    if cache_dtype == "auto":
+        return model_dtype
+    try:
+        return FP8_CACHE_DTYPES[cache_dtype]
+    except KeyError:
+        raise ConfigError("cache.cache_dtype", cache_dtype, ", ".join(KV_CACHE_DTYPE_NAMES)) from None
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
 class DeviceCommunicator(ABC):
     """The collectives of one process group on one device (vLLM's
     DeviceCommunicatorBase). A platform returns its own from
@@ -244,8 +269,6 @@ class Platform(ABC):
         """The KV cache's storage dtype for `cache.cache_dtype` (``"auto"``:
         the compute dtype); a ConfigError naming `cache.cache_dtype` where
         this device cannot store it."""
-        from pagedllm.attention_backends.kv_cache_dtype import resolve_kv_cache_dtype
-
         cache_dtype = resolve_kv_cache_dtype(requested, compute_dtype)
         if not self.supports_kv_cache_dtype(cache_dtype):
             raise ConfigError(
