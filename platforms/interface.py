@@ -218,10 +218,19 @@ class Platform(ABC):
         `run` read, in place."""
         raise NotImplementedError(f"{self.name} cannot capture graphs")
 
+    def register_layer_ops(self, register: Callable[..., None]) -> None:  # noqa: B027 (optional)
+        """Offer this device's implementations of the layers' ops (prepacked
+        GEMMs, fused kernels) to the op registry a model is prepared with:
+        ``register(op, name, build, priority=..., supports=...)``, where
+        `build(layer)` returns the kernel the layer then calls
+        (model_registry/layers/ops.py lists the ops and their kernels'
+        signatures). Each layer asks once, before any forward. Must not
+        change what the model computes beyond rounding. Default: nothing."""
+
     def optimize_model(self, model: torch.nn.Module) -> None:  # noqa: B027 (optional: the default does nothing)
-        """Device-specific preparation of a loaded model (weight prepacking,
-        compilation). Must not change what the model computes beyond
-        rounding. Default: nothing."""
+        """Device-specific preparation of a loaded model whose ops are bound
+        (process tuning, compilation). Must not change what the model
+        computes beyond rounding. Default: nothing."""
 
     def resolve_dtype(self, requested: str, model_dtype: torch.dtype) -> torch.dtype:
         """The compute dtype: ``"auto"`` keeps the checkpoint's dtype when this

@@ -11,11 +11,19 @@ tensor-parallel collectives stay outside the GEMM, so a method never sees
 them: at tensor_parallel_size > 1 it quantizes each rank's slice as a whole
 matrix. A layer the method leaves alone (``quantize_linear`` returns False)
 runs as loaded.
+
+The GEMM over the converted storage is the method's implementation of the
+"linear" layer op (model_registry/layers/ops.py), offered in
+`register_layer_ops` with a `supports(layer)` that recognises the layers it
+converted; the layer asks the op registry once, after every layer is
+converted. (A method written for plugin API 1.x that sets
+``layer.apply_linear`` itself still works: that per-instance GEMM runs.)
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,6 +37,11 @@ class QuantizationMethod(ABC):
     def quantize_linear(self, layer: nn.Linear, prefix: str) -> bool:
         """Convert `layer` (an ``nn.Linear`` with ``apply_linear(x, bias)``,
         its float weight loaded) in place; True when it was converted."""
+
+    def register_layer_ops(self, register: Callable[..., None]) -> None:  # noqa: B027 (optional)
+        """Offer the GEMM of the converted layers:
+        ``register("linear", name, build, priority=..., supports=...)``.
+        Default: nothing (the layers keep F.linear, or a GEMM the method set)."""
 
 
 __all__ = ["QuantizationMethod"]

@@ -75,8 +75,24 @@ class Int8WeightOnlyMethod(QuantizationMethod):
         layer.weight = nn.Parameter(q, requires_grad=False)
         weight_scale = scale.to(compute_dtype)
         layer.register_buffer("weight_scale", weight_scale)
-        layer.apply_linear = _int8_gemm(layer.weight, weight_scale)  # type: ignore[assignment]  # a per-instance GEMM
         return True
 
+    def register_layer_ops(self, register: Callable[..., None]) -> None:
+        # Above any platform's GEMM: a float GEMM cannot read int8 weights.
+        register("linear", "int8", build_int8_gemm, priority=INT8_PRIORITY, supports=holds_int8_weight)
 
-__all__ = ["Int8WeightOnlyMethod", "quantize_per_channel"]
+
+INT8_PRIORITY = 100
+
+
+def holds_int8_weight(layer: nn.Module) -> bool:
+    """Whether `layer` holds weights Int8WeightOnlyMethod converted."""
+    weight = getattr(layer, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dtype == torch.int8 and hasattr(layer, "weight_scale")
+
+
+def build_int8_gemm(layer: nn.Module) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    return _int8_gemm(layer.weight, layer.weight_scale)  # type: ignore[arg-type]
+
+
+__all__ = ["Int8WeightOnlyMethod", "build_int8_gemm", "holds_int8_weight", "quantize_per_channel"]

@@ -11,8 +11,11 @@ import torch.nn.functional as F
 from helpers.kernel_builds import NO_COMPILER, build_for_march, cpu_flags
 from torch import nn
 
+from pagedllm.model_registry.layers.linear import ColumnParallelLinear
+from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.cpu import amx_linear as cpu_amx_linear
-from pagedllm.platforms.cpu.linear import onednn_linear_available, prepack_linear_layers
+from pagedllm.platforms.cpu.linear import onednn_linear_available
+from pagedllm.worker.layer_ops import prepare_layer_ops
 
 pytestmark = [
     NO_COMPILER,
@@ -125,14 +128,15 @@ def test_layers_run_few_rows_on_the_kernel_and_more_on_onednn() -> None:
     if not onednn_linear_available(torch.bfloat16):
         pytest.skip("oneDNN's prepacked linear does not run in bfloat16 here")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 96, bias=True), nn.Linear(96, 48), nn.Linear(48, 80)).to(torch.bfloat16)
+    model = nn.Sequential(ColumnParallelLinear(64, 96, bias=True), ColumnParallelLinear(96, 48),
+                          ColumnParallelLinear(48, 80)).to(torch.bfloat16)
     weights = [(layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone())
                for layer in model]
     generator = torch.Generator().manual_seed(1)
     few = torch.randn(cpu_amx_linear.AMX_MAX_ROWS, 64, generator=generator).to(torch.bfloat16)
     many = torch.randn(cpu_amx_linear.AMX_MAX_ROWS + 1, 64, generator=generator).to(torch.bfloat16)
     with torch.no_grad():
-        assert prepack_linear_layers(model) == 3
+        assert prepare_layer_ops(model, CpuPlatform())["cpu_prepacked"] == 3
         for x in (few, many):
             h = x
             for layer, (weight, bias) in zip(model, weights, strict=True):

@@ -1,7 +1,8 @@
 """The CPU platform's fused layer ops (platforms/cpu/csrc/cpu_ops.c) against the
-layers' own torch code, and the op-kernel registry the layers consult.
+layers' own torch code, and the op registry that binds them to the layers.
 
-The reference is the same layer with no kernel registered. Rotary and the
+The reference is the same layer with no kernel bound (a layer runs its
+torch code until the op registry binds it). Rotary and the
 residual sum round exactly as torch does, so they must match to the bit;
 RMSNorm sums its squares in another order and SiLU's exp is a polynomial,
 so those match to a unit in the last place of the dtype. In bfloat16 on
@@ -13,35 +14,24 @@ from __future__ import annotations
 
 import ctypes
 import platform
-from collections.abc import Iterator
 
 import pytest
 import torch
 from helpers.kernel_builds import NO_COMPILER, build_for_march, cpu_flags
 
-from pagedllm.model_registry.layers import op_kernels
 from pagedllm.model_registry.layers.activation import SiluAndMul
 from pagedllm.model_registry.layers.norm import RMSNorm
-from pagedllm.model_registry.layers.rotary import RotaryEmbedding, apply_rotary_emb
+from pagedllm.model_registry.layers.ops import SILU_AND_MUL, OpRegistry, bind_layer_ops
+from pagedllm.model_registry.layers.rotary import ApplyRotaryEmb, RotaryEmbedding, apply_rotary_emb
+from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.cpu import fused_ops as cpu_ops
+from pagedllm.worker.layer_ops import prepare_layer_ops
 
 pytestmark = NO_COMPILER
 
 DTYPES = [torch.float32, torch.bfloat16]
 # One unit in the last place, relative (float32: a few ulps of exp / sum order).
 ULP = {torch.float32: 1e-6, torch.bfloat16: 2**-7}
-
-
-@pytest.fixture
-def no_kernels() -> Iterator[None]:
-    """Run the layers' torch code; whatever was registered comes back after."""
-    saved = {name: op_kernels.op_kernel(name) for name in op_kernels.OP_NAMES}
-    op_kernels.unregister_op_kernels()
-    yield
-    op_kernels.unregister_op_kernels()
-    for name, kernel in saved.items():
-        if kernel is not None:
-            op_kernels.register_op_kernel(name, kernel)
 
 
 def _close_to_an_ulp(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -53,7 +43,7 @@ def _close_to_an_ulp(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 768 takes the parallel loop
 def test_rms_norm_with_and_without_residual_matches_the_torch_layer(
-    no_kernels: None, dtype: torch.dtype, rows: int
+    dtype: torch.dtype, rows: int
 ) -> None:
     generator = torch.Generator().manual_seed(rows)
     norm = RMSNorm(768, eps=1e-5).to(dtype)
@@ -75,7 +65,7 @@ def test_rms_norm_with_and_without_residual_matches_the_torch_layer(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_silu_and_mul_matches_the_torch_layer(no_kernels: None, dtype: torch.dtype, rows: int) -> None:
+def test_silu_and_mul_matches_the_torch_layer(dtype: torch.dtype, rows: int) -> None:
     generator = torch.Generator().manual_seed(rows)
     gate_up = (torch.randn(rows, 2 * 1408, generator=generator) * 6).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamps and silu(0)
@@ -89,7 +79,7 @@ def test_silu_and_mul_matches_the_torch_layer(no_kernels: None, dtype: torch.dty
 @pytest.mark.parametrize("head_size", [64, 32, 80])
 @pytest.mark.parametrize("table_dtype", ["float32", "model"])  # the model's buffers follow its dtype
 def test_rotary_matches_the_torch_code_to_the_bit_in_place(
-    no_kernels: None, dtype: torch.dtype, head_size: int, table_dtype: str
+    dtype: torch.dtype, head_size: int, table_dtype: str
 ) -> None:
     generator = torch.Generator().manual_seed(head_size)
     tokens, q_heads, kv_heads = 37, 6, 2
@@ -121,39 +111,44 @@ def test_inputs_the_kernels_do_not_take_fall_back_to_torch(monkeypatch: pytest.M
     assert cpu_ops.silu_and_mul(torch.randn(4, 128)) is None
 
 
-def test_a_layer_runs_its_torch_code_when_the_kernel_declines(no_kernels: None) -> None:
+def test_a_layer_runs_its_torch_code_when_the_kernel_declines() -> None:
     calls: list[torch.Size] = []
 
     def declining(gate_up: torch.Tensor) -> None:
         calls.append(gate_up.shape)
 
-    op_kernels.register_op_kernel(op_kernels.SILU_AND_MUL, declining)
+    registry = OpRegistry()
+    registry.register(SILU_AND_MUL, "declining", lambda layer: declining)
+    layer = SiluAndMul()
+    assert bind_layer_ops(layer, registry) == {"declining": 1}
     gate_up = torch.randn(3, 8)
-    out = SiluAndMul()(gate_up)
+    out = layer(gate_up)
     assert calls == [torch.Size([3, 8])]
     torch.testing.assert_close(out, torch.nn.functional.silu(gate_up[:, :4]) * gate_up[:, 4:], rtol=0, atol=0)
 
 
 def test_registering_an_unknown_op_is_an_error() -> None:
     with pytest.raises(ValueError, match="unknown layer op 'layer_norm'"):
-        op_kernels.register_op_kernel("layer_norm", lambda x: x)
+        OpRegistry().register("layer_norm", "mine", lambda layer: lambda x: x)
 
 
-def test_the_cpu_platform_installs_the_kernels_and_the_switch_keeps_torch(
-    no_kernels: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from pagedllm.platforms.cpu import CpuPlatform
+def _cpu_bound_layers() -> tuple[RMSNorm, SiluAndMul, ApplyRotaryEmb]:
+    layers = (RMSNorm(8), SiluAndMul(), ApplyRotaryEmb())
+    prepare_layer_ops(torch.nn.ModuleList(layers), CpuPlatform())
+    return layers
 
-    CpuPlatform().optimize_model(torch.nn.Linear(4, 4))
-    assert op_kernels.op_kernel(op_kernels.RMS_NORM) is cpu_ops.rms_norm
-    assert op_kernels.op_kernel(op_kernels.ROTARY_EMBEDDING) is cpu_ops.rotary_embedding
 
-    op_kernels.unregister_op_kernels()
+def test_the_cpu_platform_binds_the_kernels_and_the_switch_keeps_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    norm, act, rotary = _cpu_bound_layers()
+    assert (norm.op_kernel, act.op_kernel, rotary.op_kernel) == (
+        cpu_ops.rms_norm, cpu_ops.silu_and_mul, cpu_ops.rotary_embedding)
+    assert norm.op_impl == act.op_impl == rotary.op_impl == "cpu_fused"
+
     monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
     cpu_ops.load.cache_clear()
     try:
-        CpuPlatform().optimize_model(torch.nn.Linear(4, 4))
-        assert op_kernels.op_kernel(op_kernels.SILU_AND_MUL) is None
+        for layer in _cpu_bound_layers():
+            assert (layer.op_impl, layer.op_kernel) == ("torch", None)
     finally:
         monkeypatch.delenv(cpu_ops.ENV_SWITCH)
         cpu_ops.load.cache_clear()
@@ -288,7 +283,7 @@ def test_bf16_rms_norm_sum_order_is_the_one_the_reference_states(build: str, hid
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size", [64, 80, 2, 96])  # 80 and 2 end in a masked block; 96: one of 16 then 32
 def test_rotary_with_special_values_matches_torch_to_the_bit(
-    no_kernels: None, build: str, dtype: torch.dtype, head_size: int
+    build: str, dtype: torch.dtype, head_size: int
 ) -> None:
     generator = torch.Generator().manual_seed(head_size)
     tokens, heads = 9, 5
@@ -307,7 +302,7 @@ def test_rotary_with_special_values_matches_torch_to_the_bit(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [64, 1408, 37])
 def test_silu_and_mul_keeps_denormal_results_as_torch_does(
-    no_kernels: None, build: str, dtype: torch.dtype, width: int
+    build: str, dtype: torch.dtype, width: int
 ) -> None:
     generator = torch.Generator().manual_seed(width)
     gate_up = (torch.randn(4, 2 * width, generator=generator) * 4).to(dtype)
@@ -327,7 +322,7 @@ def test_silu_and_mul_keeps_denormal_results_as_torch_does(
     _close_to_an_ulp(out[:, 3:], expected[:, 3:])
 
 
-def test_silu_and_mul_over_every_bfloat16_gate(no_kernels: None, build: str) -> None:
+def test_silu_and_mul_over_every_bfloat16_gate(build: str) -> None:
     """Every bfloat16 value as a gate (the AVX512-BF16 build looks silu up in
     a table of all of them), up = 1: NaN where torch has NaN, elsewhere
     torch's value to an ulp, denormal results included. Below -88.7 exp is

@@ -10,10 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model_registry.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pagedllm.model_registry.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.cpu import amx_linear as cpu_amx_linear
-from pagedllm.platforms.cpu.linear import MKL_MAX_WEIGHT_ELEMENTS, onednn_linear_available, prepack_linear_layers
+from pagedllm.platforms.cpu.linear import MKL_MAX_WEIGHT_ELEMENTS, onednn_linear_available
 from pagedllm.quantization.int8 import Int8WeightOnlyMethod
+from pagedllm.worker.layer_ops import prepare_layer_ops
+
+
+def prepack_linear_layers(model: nn.Module) -> int:
+    """Bind the model's layers as a CPU worker does; how many took the prepacked GEMM."""
+    return prepare_layer_ops(model, CpuPlatform())["cpu_prepacked"]
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +39,7 @@ def _skip_without(dtype: torch.dtype) -> None:
 def _model(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(64, 96, bias=True),
+        ColumnParallelLinear(64, 96, bias=True),
         MergedColumnParallelLinear(96, [48, 48]),
         RowParallelLinear(96, 80, bias=True),
     )
@@ -67,24 +74,24 @@ def test_prepacked_float32_linear_matches_f_linear() -> None:
         torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_tensor_parallel_layers_swap_only_their_gemm() -> None:
+def test_layers_are_bound_to_the_gemm_not_patched() -> None:
     _skip_without(torch.bfloat16)
     model = _model(torch.bfloat16)
     prepack_linear_layers(model)
-    # nn.Linear gets a per-instance forward; the TP layers keep their forward
-    # (the collectives) and get a per-instance apply_linear.
-    assert "forward" in vars(model[0])
-    for layer in model[1:]:
-        assert "forward" not in vars(layer) and "apply_linear" in vars(layer)
+    # Each layer keeps its class's forward and apply_linear (the collectives
+    # stay); the op registry bound its GEMM once.
+    for layer in model:
+        assert "forward" not in vars(layer) and "apply_linear" not in vars(layer)
+        assert layer.op_impl == "cpu_prepacked"
 
 
 def test_int8_quantized_layers_keep_their_own_gemm() -> None:
     _skip_without(torch.bfloat16)
     model = _model(torch.bfloat16)
-    Int8WeightOnlyMethod().quantize_linear(model[1], "1")
-    int8_gemm = model[1].apply_linear
-    assert prepack_linear_layers(model) == 2
-    assert model[1].apply_linear is int8_gemm
+    method = Int8WeightOnlyMethod()
+    method.quantize_linear(model[1], "1")
+    assert prepare_layer_ops(model, CpuPlatform(), method) == {"cpu_prepacked": 2, "int8": 1}
+    assert model[1].op_impl == "int8"
     assert model[1].weight.dtype == torch.int8
 
 
@@ -123,8 +130,8 @@ def test_small_float32_weights_run_on_mkl_and_large_ones_on_prepacked_onednn() -
     a [K, N] copy (faster at decode sizes); a larger one stays on oneDNN."""
     _skip_without(torch.float32)
     generator = torch.Generator().manual_seed(2)
-    small = nn.Linear(64, 96, bias=True)
-    large = nn.Linear(512, 1025, bias=False)  # 524,800 elements > 1 << 19
+    small = ColumnParallelLinear(64, 96, bias=True)
+    large = ColumnParallelLinear(512, 1025, bias=False)  # 524,800 elements > 1 << 19
     assert small.weight.numel() <= MKL_MAX_WEIGHT_ELEMENTS < large.weight.numel()
     x_small, x_large = torch.randn(3, 64, generator=generator), torch.randn(3, 512, generator=generator)
     with torch.no_grad():

@@ -19,10 +19,12 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError, UnknownComponentError
 from pagedllm.kv_connectors.base import model_fingerprint
 from pagedllm.model_registry.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.cpu import amx_linear as cpu_amx_linear
 from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
 from pagedllm.quantization.base import QuantizationMethod
 from pagedllm.quantization.int8 import Int8WeightOnlyMethod, quantize_per_channel
+from pagedllm.worker.layer_ops import prepare_layer_ops
 
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "import os\nimport sys\n",
            "for i in range(10):", "# Read the file\nwith open(path) as f:", "x = [1, 2, 3]\ny ="]
@@ -60,8 +62,11 @@ def test_the_int8_gemm_is_x_times_the_dequantized_weight(
     layer = layer_cls(in_features, 16, bias=True).to(dtype)  # type: ignore[call-arg]
     q, scale = quantize_per_channel(layer.weight)
     bias = layer.bias.detach().clone()
-    assert Int8WeightOnlyMethod().quantize_linear(layer, "proj")
+    method = Int8WeightOnlyMethod()
+    assert method.quantize_linear(layer, "proj")
     assert layer.weight.dtype == torch.int8 and layer.weight_scale.dtype == dtype
+    # The int8 GEMM wins the "linear" op over any platform's float GEMM.
+    assert prepare_layer_ops(layer, CpuPlatform(), method) == {"int8": 1}
     x = torch.randn(num_rows, 1, in_features).to(dtype)
     reference = x.float() @ (q.float() * scale[:, None]).T + bias.float()
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]

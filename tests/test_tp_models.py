@@ -205,10 +205,11 @@ if __name__ == "__main__":  # one rank of the tp2_results fixture
             "param_bytes": param_bytes(model),
             "heads": (attn.num_heads, attn.num_kv_heads),
         }
-    from pagedllm.platforms.cpu.linear import prepack_linear_layers
+    from pagedllm.platforms.cpu import CpuPlatform
+    from pagedllm.worker.layer_ops import prepare_layer_ops
 
     model = load(Path(dict(item.split("=", 1) for item in named_paths)["llama"]))
-    results["llama"]["num_prepacked"] = prepack_linear_layers(model)
+    results["llama"]["num_prepacked"] = prepare_layer_ops(model, CpuPlatform())["cpu_prepacked"]
     results["llama"]["logits_prepacked"] = run_two_steps(model)
     torch.save(results, out_dir / f"rank{tp_rank}.pt")
     destroy_distributed_environment()

@@ -30,6 +30,7 @@ from pagedllm.kv_connectors.base import KVConnectorContext, KVConnectorRole, KVC
 from pagedllm.kv_connectors.factory import build_kv_connector, check_kv_connector_supports
 from pagedllm.logits_processors.factory import build_logits_processors
 from pagedllm.model_registry.kv_cache import allocate_kv_caches
+from pagedllm.model_registry.layers.ops import OpRegistry, bind_layer_ops
 from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
 from pagedllm.model_registry.model_source import resolve_model_path
 from pagedllm.platforms import resolve_platform
@@ -38,6 +39,7 @@ from pagedllm.plugins import get_plugin_manager
 from pagedllm.spec_decode.interface import DrafterContext
 from pagedllm.worker.compile import compile_outside_attention
 from pagedllm.worker.decode_graphs import DecodeGraphRunner, default_graph_sizes
+from pagedllm.worker.layer_ops import build_op_registry
 from pagedllm.worker.memory_profiler import profile_run
 from pagedllm.worker.model_facts import ModelFacts
 from pagedllm.worker.model_runner import ModelRunner
@@ -184,6 +186,7 @@ class Worker:
             )
         self.speculative: SpeculativeConfig = speculative
         self._model: ModelForCausalLM | None = None
+        self.op_registry = OpRegistry()  # load_model fills it for this platform and quantization
         self._model_runner: ModelRunner | None = None
         self._is_shut_down = False
         self.num_steps = 0
@@ -248,9 +251,12 @@ class Worker:
             load_format=self.config.model.load_format,
             seed=self.config.model.seed,
         ))
-        if self.quantization_cls is not None:
-            converted = quantize_model(model, self.quantization_cls())
+        quantization = None if self.quantization_cls is None else self.quantization_cls()
+        if quantization is not None:
+            converted = quantize_model(model, quantization)
             logger.info("quantization %s: %d linear layers converted", self.config.model.quantization, converted)
+        self.op_registry = build_op_registry(self.platform, quantization)
+        bind_layer_ops(model, self.op_registry)
         self.platform.optimize_model(model)
         if self.config.device.compile_model:
             compile_outside_attention(model)
@@ -405,6 +411,12 @@ class Worker:
             block_size=self.config.cache.block_size,
         )
         drafter = drafter_cls(self.speculative, context)
+        from torch import nn
+
+        # A model drafter's own layers run the same ops as the target's.
+        for part in vars(drafter).values():
+            if isinstance(part, nn.Module) and part is not self.model:
+                bind_layer_ops(part, self.op_registry)
         logger.info(
             "speculative decoding: %s, k=%d", self.speculative.method, self.speculative.num_speculative_tokens
         )

@@ -6,12 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model_registry.layers.op_kernels import SILU_AND_MUL, op_kernel
+from pagedllm.model_registry.layers.ops import SILU_AND_MUL, OpLayer
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(nn.Module, OpLayer):
+    op_name = SILU_AND_MUL
+
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-        kernel = op_kernel(SILU_AND_MUL)
+        kernel = self.op_kernel
         if kernel is not None and (fused := kernel(gate_up)) is not None:
             return fused
         gate, up = gate_up.chunk(2, dim=-1)

@@ -17,8 +17,9 @@ matrix.
 
 At world size 1 every layer is the plain ``nn.Linear`` it replaces, same
 shapes, same GEMM call. The layers stay ``nn.Linear`` subclasses, and the GEMM
-goes through ``apply_linear(x, bias)``, so a platform can swap just the GEMM
-(the CPU platform's oneDNN prepacking does) and keep the collectives.
+goes through ``apply_linear(x, bias)``: the "linear" op of the op registry
+(ops.py), so a platform or a quantization method supplies just the GEMM (the
+CPU platform's oneDNN prepacking, int8) and the collectives stay.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.model_registry.layers.ops import LINEAR, OpLayer
 from pagedllm.model_registry.layers.tp_heads import divide, partition_heads
 
 
@@ -52,9 +54,11 @@ def copy_shard(
         shard.copy_(loaded_weight)  # converts dtype and device
 
 
-class LinearBase(nn.Linear, ABC):
+class LinearBase(nn.Linear, OpLayer, ABC):
     """An ``nn.Linear`` of this rank's shape that knows its tensor-parallel
     group; each subclass says which slice of a checkpoint tensor is its own."""
+
+    op_name = LINEAR
 
     def __init__(self, input_size_per_partition: int, output_size_per_partition: int, bias: bool) -> None:
         super().__init__(input_size_per_partition, output_size_per_partition, bias=bias)
@@ -65,8 +69,11 @@ class LinearBase(nn.Linear, ABC):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def apply_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """This rank's GEMM (a platform may replace it per instance)."""
-        return F.linear(x, self.weight, bias)
+        """This rank's GEMM: the bound "linear" kernel, else F.linear."""
+        kernel = self.op_kernel
+        if kernel is None:
+            return F.linear(x, self.weight, bias)
+        return kernel(x, bias)  # type: ignore[no-any-return]
 
     @abstractmethod
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

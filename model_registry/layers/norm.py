@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.model_registry.layers.op_kernels import RMS_NORM, op_kernel
+from pagedllm.model_registry.layers.ops import RMS_NORM, OpLayer
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, OpLayer):
+    op_name = RMS_NORM
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -23,7 +25,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with ``residual``: (norm(x + residual), x + residual)."""
-        kernel = op_kernel(RMS_NORM)
+        kernel = self.op_kernel
         if kernel is not None:
             fused = kernel(x, residual, self.weight, self.eps)
             if fused is not None:

@@ -1,45 +1,32 @@
-"""Device kernels for the layers' elementwise ops, registered by a platform.
+"""Deprecated (plugin API 1.x): process-wide op kernels.
 
-RMSNorm, SwiGLU's SiLU * mul and rotary embedding are written in torch, a
-handful of ops each. A platform may register a fused kernel for any of them
-(the CPU platform does, platforms/cpu/fused_ops.py) under the op's name below. The
-layer calls the kernel first; a kernel returns None for inputs it does not
-take (another device, dtype or layout, or while torch.compile traces), and
-the layer's torch code runs. A kernel computes what the torch code computes,
-to rounding.
-
-Op names and their kernels' signatures:
-
-- "rms_norm": (x, residual | None, weight, eps) -> out | (out, x + residual)
-- "silu_and_mul": (gate_up) -> out
-- "rotary_embedding": (x [T, heads, head_size], cos, sin) -> x rotated; may
-  rotate x in place and return it
+Use `Platform.register_layer_ops(register)` (model_registry/layers/ops.py)
+instead. A kernel registered here is still offered, under the name
+"legacy", to every op registry built after the call, below every
+implementation registered the new way; it no longer changes a layer that is
+already bound.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-RMS_NORM = "rms_norm"
-SILU_AND_MUL = "silu_and_mul"
-ROTARY_EMBEDDING = "rotary_embedding"
-OP_NAMES = (RMS_NORM, SILU_AND_MUL, ROTARY_EMBEDDING)
+from pagedllm.model_registry.layers.ops import LEGACY_KERNELS, OP_NAMES, RMS_NORM, ROTARY_EMBEDDING, SILU_AND_MUL
 
-_kernels: dict[str, Callable[..., Any]] = {}
+__all__ = ["OP_NAMES", "RMS_NORM", "ROTARY_EMBEDDING", "SILU_AND_MUL", "register_op_kernel",
+           "unregister_op_kernels"]
 
 
 def register_op_kernel(name: str, kernel: Callable[..., Any]) -> None:
-    """Route op `name` to `kernel` first (process-wide; the last registration wins)."""
+    """Offer `kernel` for op `name` to op registries built from now on."""
     if name not in OP_NAMES:
         raise ValueError(f"unknown layer op {name!r}; known: {', '.join(OP_NAMES)}")
-    _kernels[name] = kernel
+    warnings.warn("register_op_kernel is deprecated: register the kernel in Platform.register_layer_ops",
+                  DeprecationWarning, stacklevel=2)
+    LEGACY_KERNELS[name] = kernel
 
 
 def unregister_op_kernels() -> None:
-    """Every op back to its torch code."""
-    _kernels.clear()
-
-
-def op_kernel(name: str) -> Callable[..., Any] | None:
-    return _kernels.get(name)
+    LEGACY_KERNELS.clear()

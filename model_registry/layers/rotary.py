@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.errors import ConfigError
-from pagedllm.model_registry.layers.op_kernels import ROTARY_EMBEDDING, op_kernel
+from pagedllm.model_registry.layers.ops import ROTARY_EMBEDDING, OpLayer
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -89,11 +89,9 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     all for 2,500 tokens x 16 heads, one thread, bfloat16). Same result to the
     bit: x1 * c - x2 * s == x1 * c + (-x2) * s in IEEE arithmetic.
 
-    A platform's kernel (op_kernels.py) may rotate x in place instead.
+    The torch reference of `ApplyRotaryEmb`, which a platform's kernel may
+    replace (ops.py).
     """
-    kernel = op_kernel(ROTARY_EMBEDDING)
-    if kernel is not None and (fused := kernel(x, cos, sin)) is not None:
-        return fused
     half = x.shape[-1] // 2
     cos = cos.unsqueeze(1).to(x.dtype)
     sin = sin.unsqueeze(1).to(x.dtype)
@@ -101,3 +99,16 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     out[..., :half] -= x[..., half:] * sin[..., :half]
     out[..., half:] += x[..., :half] * sin[..., half:]
     return out
+
+
+class ApplyRotaryEmb(nn.Module, OpLayer):
+    """`apply_rotary_emb` as an op layer: a platform's kernel (ops.py) may
+    rotate x in place instead. No weights."""
+
+    op_name = ROTARY_EMBEDDING
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        kernel = self.op_kernel
+        if kernel is not None and (fused := kernel(x, cos, sin)) is not None:
+            return fused  # type: ignore[no-any-return]
+        return apply_rotary_emb(x, cos, sin)

@@ -25,7 +25,7 @@ from pagedllm.model_registry.layers.attention import Attention
 from pagedllm.model_registry.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.model_registry.layers.logits_processor import LogitsProcessor
 from pagedllm.model_registry.layers.norm import RMSNorm
-from pagedllm.model_registry.layers.rotary import RotaryEmbedding, apply_rotary_emb, get_rope_parameters
+from pagedllm.model_registry.layers.rotary import ApplyRotaryEmb, RotaryEmbedding, get_rope_parameters
 from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_registry.loader import default_weight_loader
 
@@ -70,6 +70,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
         self.qk_norm = flags.qk_norm
+        self.rotary = ApplyRotaryEmb()
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -88,11 +89,11 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))  # [T, H, D]
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-            q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+            q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         else:
             # q and k side by side in qkv: one rotary pass over both heads' rows.
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
-            q, k = apply_rotary_emb(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = self.rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, attn_metadata)
         return self.o_proj(out)
 

@@ -1,9 +1,10 @@
 """The CPU platform's fused kernels for the layers' elementwise ops.
 
 RMSNorm with its residual add, SiLU * mul and rotary embedding, from
-csrc/cpu_ops.c (built on first use, platforms/cpu/kernel_build.py), are
-registered as the layers' op kernels (model_registry/layers/op_kernels.py)
-when the CPU platform prepares a model. On the ~100M Llama in bfloat16 these
+csrc/cpu_ops.c (built on first use, platforms/cpu/kernel_build.py), are the
+CPU platform's implementations of those layer ops
+(`CpuPlatform.register_layer_ops`; the registry is
+model_registry/layers/ops.py). On the ~100M Llama in bfloat16 these
 ops took a quarter of a prefill step in torch, where each is several passes
 over memory with a float32 round trip per element; on a small float32 model
 at decode they are a string of tiny ops whose dispatch costs more than their
@@ -18,11 +19,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from pagedllm.model_registry.layers import op_kernels
 from pagedllm.platforms.cpu.graph import kernel_call
 from pagedllm.platforms.cpu.kernel_build import load_library
 
@@ -109,11 +110,16 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x
 
 
-def install() -> bool:
-    """Register the kernels as the layers' op kernels; False when they cannot be built."""
+# The layer ops these kernels implement (op names of model_registry/layers/ops.py).
+KERNELS = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_embedding": rotary_embedding}
+IMPL_NAME = "cpu_fused"
+PRIORITY = 10
+
+
+def register_ops(register: Callable[..., None]) -> bool:
+    """Offer the kernels to an op registry; False when they cannot be built."""
     if load() is None:
         return False
-    op_kernels.register_op_kernel(op_kernels.RMS_NORM, rms_norm)
-    op_kernels.register_op_kernel(op_kernels.SILU_AND_MUL, silu_and_mul)
-    op_kernels.register_op_kernel(op_kernels.ROTARY_EMBEDDING, rotary_embedding)
+    for op, kernel in KERNELS.items():
+        register(op, IMPL_NAME, lambda layer, kernel=kernel: kernel, priority=PRIORITY)
     return True

@@ -22,6 +22,7 @@ without it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -125,34 +126,38 @@ def _mkl_gemm(module: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor | None]
     return apply_linear
 
 
-def _forward(module: nn.Linear, gemm: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
-             ) -> Callable[[torch.Tensor], torch.Tensor]:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return gemm(x, module.bias)
+def supports(layer: nn.Module) -> bool:
+    """Whether the prepacked GEMM takes this linear layer: a float32 or
+    bfloat16 weight on the CPU that oneDNN runs here (an int8 one from
+    quantization/ keeps its method's GEMM)."""
+    weight = getattr(layer, "weight", None)
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in PREPACKED_DTYPES
+            and weight.is_cpu and _onednn_runs(weight.dtype))
 
-    return forward
+
+@functools.cache
+def _onednn_runs(dtype: torch.dtype) -> bool:
+    return onednn_linear_available(dtype)
 
 
-def prepack_linear_layers(model: nn.Module) -> int:
-    """Switch every float32 or bfloat16 nn.Linear of `model` to a prepacked
-    oneDNN GEMM, or a small float32 one to MKL's sgemm on a [K, N] copy.
-
-    The original weight stays registered (the model's parameters and tied
-    embeddings keep working); returns how many layers were switched.
-    """
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.dtype in PREPACKED_DTYPES]
-    runnable = {dtype: onednn_linear_available(dtype) for dtype in {m.weight.dtype for m in linears}}
-    linears = [m for m in linears if runnable[m.weight.dtype]]
-    if not linears:
-        return 0
+def build_gemm(layer: nn.Module) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """The layer's GEMM, (x, bias) -> x @ weight.T + bias: prepacked oneDNN,
+    or for a small float32 weight MKL's sgemm on a [K, N] copy; in bfloat16,
+    few-row batches on the AMX kernel where it takes the weight. The original
+    weight stays registered (the model's parameters and tied embeddings keep
+    working)."""
+    assert isinstance(layer, nn.Linear)
     with torch.no_grad():
-        for module in linears:
-            gemm = _mkl_gemm(module) if _runs_on_mkl(module) else _prepacked_gemm(module)
-            if module.weight.dtype == torch.bfloat16:
-                gemm = _with_amx_for_few_rows(module, gemm)
-            if hasattr(module, "apply_linear"):  # a tensor-parallel layer: swap only its GEMM, keep its collectives
-                module.apply_linear = gemm  # type: ignore[assignment]  # a per-instance GEMM
-            else:
-                module.forward = _forward(module, gemm)  # type: ignore[method-assign,assignment]  # a per-instance forward
-    logger.info("prepacked %d linear layers for oneDNN or MKL", len(linears))
-    return len(linears)
+        gemm = _mkl_gemm(layer) if _runs_on_mkl(layer) else _prepacked_gemm(layer)
+        if layer.weight.dtype == torch.bfloat16:
+            gemm = _with_amx_for_few_rows(layer, gemm)
+    return gemm
+
+
+IMPL_NAME = "cpu_prepacked"
+PRIORITY = 10
+
+
+def register_ops(register: Callable[..., None]) -> None:
+    """Offer the prepacked GEMM as the "linear" op (model_registry/layers/ops.py)."""
+    register("linear", IMPL_NAME, build_gemm, priority=PRIORITY, supports=supports)

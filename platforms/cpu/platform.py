@@ -131,14 +131,17 @@ class CpuPlatform(Platform):
                      graph.num_steps, graph.activation_bytes / 2**20)
         return graph.replay, graph.output, pool
 
-    def optimize_model(self, model: torch.nn.Module) -> None:
-        from pagedllm.platforms.cpu import fused_ops
-        from pagedllm.platforms.cpu.linear import prepack_linear_layers
+    def register_layer_ops(self, register: Callable[..., None]) -> None:
+        """Prepacked oneDNN / MKL / AMX GEMMs for linear layers; fused C
+        kernels for RMSNorm, SiLU * mul and rotary embedding."""
+        from pagedllm.platforms.cpu import fused_ops, linear
 
+        linear.register_ops(register)
+        fused_ops.register_ops(register)
+
+    def optimize_model(self, model: torch.nn.Module) -> None:
         if not keep_freed_memory_in_process():
             logger.info("could not tune glibc malloc; large activations will be re-faulted")
-        prepack_linear_layers(model)
-        fused_ops.install()
 
     def total_memory_bytes(self) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
