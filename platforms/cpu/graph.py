@@ -28,8 +28,17 @@ is refused at capture (`GraphCaptureError`): an operation that returns a
 host value (`.item()`, `bool(t)`: the forward branched on data), a random
 one, a collective, or a replay that does not reproduce the
 recorded output exactly after every float tensor the forward created was
-set to NaN (a computation that bypassed both recorders would leave its NaN
-behind).
+set to NaN (a computation into those tensors that bypassed both recorders
+would leave its NaN behind).
+
+NOTE: that check does not cover writes into persistent state, tensors the
+forward did not create (the KV cache above all): a write there that
+bypassed both recorders leaves the value of the recorded run in place, so
+the check's replay still reproduces the output, and later replays silently
+skip the write. What keeps those writes recorded is that no C kernel runs
+outside `kernel_call`: tests/test_cpu_graph.py scans every kernel wrapper
+(a module that loads a library through kernel_build.load_library) for a
+library function called any other way.
 """
 
 from __future__ import annotations
