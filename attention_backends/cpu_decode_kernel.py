@@ -13,7 +13,7 @@ It is plain C loaded with ctypes, not a torch extension: building it takes
 the system C compiler about a second (no torch headers, no ninja), once per
 source version and CPU, into `$PAGEDLLM_CACHE_DIR/kernels/`. Without a
 compiler, or when `PAGEDLLM_CPU_DECODE_KERNEL=0`, `load()` returns None and
-torch_native keeps its gather + SDPA path; the reason is logged once.
+the `cpu` backend (torch_native.py) keeps its gather + SDPA path; the reason is logged once.
 
 It is built with OpenMP and links `libgomp.so.1`, which torch (imported
 first) has already loaded: its parallel loop over requests runs on torch's

@@ -19,7 +19,7 @@ rest is the cache writes.
 
 Built and loaded like cpu_decode_kernel.py (plain C, ctypes, the system C
 compiler). It needs AVX-512; without it, without a compiler, or with
-`PAGEDLLM_CPU_PREFILL_KERNEL=0`, `supports()` is False and torch_native
+`PAGEDLLM_CPU_PREFILL_KERNEL=0`, `supports()` is False and the `cpu` backend
 keeps SDPA. Soft capping, sliding windows shorter than the prompt, head
 sizes that are not a multiple of 16 (or over 256) and fp8 caches keep SDPA
 too.

@@ -146,7 +146,8 @@ def select_attention_backend(
         reasons = check_backend(registration, platform, **checks)
         if reasons:
             raise AttentionBackendError(requested, reasons)
-        selection = BackendSelection(requested, registration, {}, registry)
+        # An alias (a renamed backend's old name) reports the backend's name.
+        selection = BackendSelection(registration.name, registration, {}, registry)
     else:
         rejected: dict[str, list[str]] = {}
         chosen: Registration[AttentionCapabilities] | None = None

@@ -1,4 +1,8 @@
-"""Paged attention in plain PyTorch (the CPU backend, and CUDA's last resort).
+"""The `cpu` attention backend (registered as `cpu`; `torch_native`, its name
+before it ran C kernels, still selects it): paged attention in PyTorch, with
+the CPU's C kernels for decode and fresh prefills where they take the batch
+(cpu_decode_kernel.py, cpu_prefill_kernel.py); plain torch elsewhere, which
+makes it CUDA's last resort too.
 
 The batch is flattened (prefill chunks with cached context and decodes mixed,
 no padding). Every layer sees the same batch, so everything that depends only
@@ -318,7 +322,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
                                       new_kv=(key, value, plan.slot_mapping))
         # The paths below index with host values of this batch (row lists,
         # lengths): a captured graph would replay them for every batch.
-        refuse_capture("torch_native attends this batch with host-side indices, not the CPU decode kernel")
+        refuse_capture("the cpu backend attends this batch with host-side indices, not the CPU decode kernel")
         # write_kv / read_kv: an fp8 cache converts on the way in and out.
         if plan.write_rows is None:
             write_kv(key_cache, plan.write_slots, key, self.k_scale)
@@ -458,7 +462,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
 
 
 class TorchNativeBackend(AttentionBackend):
-    name = "torch_native"
+    name = "cpu"
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

@@ -62,8 +62,7 @@ def _wrap(owner: Any, attr: str, name: str) -> None:
 def instrument() -> None:
     from pagedllm.attention_backends import torch_native
     from pagedllm.model_registry import input_batch
-    from pagedllm.model_registry.layers import activation, attention, linear, logits_processor, norm
-    from pagedllm.model_registry.models import llama
+    from pagedllm.model_registry.layers import activation, attention, linear, logits_head, norm, rotary
     from pagedllm.worker import model_runner, sampler
 
     _wrap(model_runner.ModelRunner, "_prepare_inputs", "host: prepare inputs")
@@ -72,9 +71,9 @@ def instrument() -> None:
     _wrap(attention.Attention, "forward", "attention (paged, torch_native)")
     _wrap(linear.LinearBase, "__call__", "GEMM (linear layers)")
     _wrap(norm.RMSNorm, "__call__", "RMSNorm")
-    _wrap(llama, "apply_rotary_emb", "rotary")
+    _wrap(rotary.ApplyRotaryEmb, "__call__", "rotary")
     _wrap(activation.SiluAndMul, "__call__", "SiLU * mul")
-    _wrap(logits_processor.LogitsProcessor, "__call__", "LM head + logits")
+    _wrap(logits_head.LogitsHead, "__call__", "LM head + logits")
     _wrap(sampler.Sampler, "__call__", "sampling")
 
 

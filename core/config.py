@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -126,20 +126,33 @@ class DeviceConfig(_Section):
     attention_backend: str = "auto"
     # No graph capture (vLLM's enforce_eager): every step runs eagerly.
     enforce_eager: bool = False
-    # Decode batch sizes captured as graphs where the platform and backend
-    # allow; None: 1, 2, 4, 8, ... up to scheduler.max_num_seqs.
-    cuda_graph_sizes: list[int] | None = None
+    # Decode batch sizes captured as graphs (CUDA graphs, CPU graphs) where
+    # the platform and backend allow; None: 1, 2, 4, 8, ... up to
+    # scheduler.max_num_seqs. `cuda_graph_sizes` (vLLM's name, and this
+    # field's before it sized CPU graphs too) is accepted as an alias.
+    graph_sizes: list[int] | None = Field(
+        None, validation_alias=AliasChoices("graph_sizes", "cuda_graph_sizes")
+    )
     # torch.compile the model outside attention (attention stays eager).
     compile_model: bool = False
 
-    @field_validator("cuda_graph_sizes", mode="before")
+    @field_validator("graph_sizes", mode="before")
     @classmethod
     def _graph_sizes(cls, value: Any) -> Any:
         if isinstance(value, str):
             value = [int(size) for size in value.split(",") if size.strip()]
         if value is not None and (not value or any(int(size) < 1 for size in value)):
-            raise ValueError("cuda_graph_sizes must be positive batch sizes")
+            raise ValueError("graph_sizes must be positive batch sizes")
         return value
+
+    @property
+    def cuda_graph_sizes(self) -> list[int] | None:
+        """`graph_sizes` under its old name."""
+        return self.graph_sizes
+
+    @cuda_graph_sizes.setter
+    def cuda_graph_sizes(self, value: list[int] | None) -> None:
+        self.graph_sizes = value
 
 
 class PluginsConfig(_Section):
@@ -395,7 +408,8 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "platform": ("device", "platform"),
     "attention_backend": ("device", "attention_backend"),
     "enforce_eager": ("device", "enforce_eager"),
-    "cuda_graph_sizes": ("device", "cuda_graph_sizes"),
+    "graph_sizes": ("device", "graph_sizes"),
+    "cuda_graph_sizes": ("device", "graph_sizes"),
     "compile_model": ("device", "compile_model"),
     "enabled_plugins": ("plugins", "enabled"),
     "disabled_plugins": ("plugins", "disabled"),

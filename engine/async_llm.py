@@ -90,7 +90,7 @@ class _RequestStream:
 _admission_ids = itertools.count()
 
 
-class Admission:
+class RequestReservation:
     """Sequences reserved for one HTTP request by `AsyncLLM.admit()` before any
     of its prompts reaches the engine, so a request is admitted whole or not
     at all; each `generate(..., admission=...)` takes its n from here. Its
@@ -148,7 +148,7 @@ class AsyncLLM:
             ready.executor, ready.world_size, ready.communicator, ready.attention_backend, ready.num_kv_blocks,
         )
         self._streams: dict[str, _RequestStream] = {}
-        self._admissions: weakref.WeakSet[Admission] = weakref.WeakSet()
+        self._admissions: weakref.WeakSet[RequestReservation] = weakref.WeakSet()
         # Set by end_all_requests() (shutdown): new requests are refused with it.
         self._refusal: str | None = None
         # The health ping in flight, shared by concurrent checks, and when it was sent.
@@ -294,7 +294,7 @@ class AsyncLLM:
 
     # --------------------------------------------------------------- requests
 
-    def admit(self, num_prompts: int, n: int) -> Admission:
+    def admit(self, num_prompts: int, n: int) -> RequestReservation:
         """Admit one request of `num_prompts` prompts x `n` samples as a whole,
         before any of its prompts reaches the engine; pass the result to each
         of its `generate()` calls. InvalidRequestError (400) if it alone
@@ -304,7 +304,7 @@ class AsyncLLM:
         self._check_accepting()
         num_sequences = num_prompts * n
         self._check_pending_limit(num_sequences, num_prompts, n)
-        admission = Admission(num_sequences)
+        admission = RequestReservation(num_sequences)
         self._admissions.add(admission)
         return admission
 
@@ -339,7 +339,7 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
-        admission: Admission | None = None,
+        admission: RequestReservation | None = None,
         validated: bool = False,
         compiled_grammar: bytes | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
@@ -384,7 +384,7 @@ class AsyncLLM:
         priority: int,
         cache_salt: str | None,
         output_kind: RequestOutputKind,
-        admission: Admission | None = None,
+        admission: RequestReservation | None = None,
         validated: bool = False,
         compiled_grammar: bytes | None = None,
     ) -> _RequestStream:

@@ -33,6 +33,10 @@ SHORT_FLAGS: dict[tuple[str, str], str] = {
     ("parallel", "tensor_parallel_size"): "-tp",
     ("parallel", "data_parallel_size"): "-dp",
 }
+# A renamed field's old flag, still accepted beside the new one.
+ALIAS_FLAGS: dict[tuple[str, str], str] = {
+    ("device", "graph_sizes"): "--cuda-graph-sizes",
+}
 
 
 def section_models() -> dict[str, type[BaseModel]]:
@@ -72,6 +76,8 @@ def add_engine_config_flags(parser: argparse.ArgumentParser, skip: frozenset[tup
             flags = [_flag(names[(section, key)])]
             if (section, key) in SHORT_FLAGS:
                 flags.append(SHORT_FLAGS[(section, key)])
+            if (section, key) in ALIAS_FLAGS:
+                flags.append(ALIAS_FLAGS[(section, key)])
             _add_field_flag(group, flags, dest, field, f"{section}.{key}")
 
 

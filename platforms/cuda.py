@@ -71,7 +71,7 @@ class CudaPlatform(Platform):
         return dtype
 
     def get_attention_backend_priority(self) -> list[str]:
-        return ["flash_attn", "triton", "torch_native"]
+        return ["flash_attn", "triton", "cpu"]
 
     def total_memory_bytes(self) -> int:
         return int(torch.cuda.mem_get_info(self.device_index)[1])

@@ -32,9 +32,11 @@ def register_platforms(register: RegisterFn) -> None:
 @hookimpl
 def register_attention_backends(register: RegisterFn) -> None:
     register(
-        "torch_native",
+        "cpu",
         "pagedllm.attention_backends.torch_native:TorchNativeBackend",
-        # Plain torch runs anywhere; on cuda it is the last resort in priority.
+        # Its name until it ran the CPU's C kernels; still selects it.
+        aliases=["torch_native"],
+        # Its torch path runs anywhere; on cuda it is the last resort in priority.
         device_types=["cpu", "cuda"],
         dtypes=ALL_FLOAT_DTYPES,
         supports_sliding_window=True,

@@ -418,12 +418,18 @@ class PluginManager:
             def warn(message: str) -> None:  # an unknown key of a free-form kind
                 logger.warning("%s registered %s %r: %s", source, kind, name, message)
 
+            # Old names that still select this registration (a renamed component).
+            aliases = metadata.pop("aliases", None) or []
             try:
+                if isinstance(aliases, str) or not all(isinstance(alias, str) and alias for alias in aliases):
+                    raise MetadataError(f"metadata aliases={aliases!r} is invalid: a list of names")
                 info = build_info(info_cls, metadata, warn)
             except MetadataError as exc:
                 self._reject_registration(kind, plugin_name, source, f"{source} registered {kind} {name!r}: {exc}")
                 return
             registry.add(Registration(kind, name, target, source, dict(metadata), info=info, plugin=plugin_name))
+            for alias in aliases:
+                registry.add_alias(alias, name, source)
 
         return register
 

@@ -65,19 +65,35 @@ class Registry(Generic[T, InfoT]):
         self.interface = interface
         self._registrations: dict[str, Registration[InfoT]] = {}
         self._loaded: dict[str, type[T]] = {}
+        # An old name that still selects a renamed registration: alias -> (name, source).
+        self._aliases: dict[str, tuple[str, str]] = {}
 
     def add(self, registration: Registration[InfoT]) -> None:
-        existing = self._registrations.get(registration.name)
-        if existing is not None:
-            raise PluginError(
-                f"{self.kind} {registration.name!r} registered by {existing.source} "
-                f"and by {registration.source}"
-            )
+        self._check_free(registration.name, registration.source)
         self._registrations[registration.name] = registration
+
+    def add_alias(self, alias: str, name: str, source: str) -> None:
+        """`alias` selects the registration `name` too (its name before a rename)."""
+        self._check_free(alias, source)
+        self._aliases[alias] = (name, source)
+
+    def _check_free(self, name: str, source: str) -> None:
+        existing = self._registrations.get(name)
+        existing_source = existing.source if existing is not None else self._aliases.get(name, (None, None))[1]
+        if existing_source is not None:
+            raise PluginError(f"{self.kind} {name!r} registered by {existing_source} and by {source}")
+
+    def canonical(self, name: str) -> str:
+        """The registered name `name` stands for (itself unless it is an alias)."""
+        return self._aliases[name][0] if name in self._aliases else name
+
+    def aliases(self) -> dict[str, str]:
+        """alias -> the registered name it selects."""
+        return {alias: name for alias, (name, _) in self._aliases.items()}
 
     def get(self, name: str) -> Registration[InfoT]:
         try:
-            return self._registrations[name]
+            return self._registrations[self.canonical(name)]
         except KeyError:
             raise UnknownComponentError(self.kind, name, self.names()) from None
 
@@ -88,6 +104,7 @@ class Registry(Generic[T, InfoT]):
         A class target is returned as is; any other callable is a factory
         that returns the class.
         """
+        name = self.canonical(name)
         if name in self._loaded:
             return self._loaded[name]
         registration = self.get(name)
@@ -123,7 +140,7 @@ class Registry(Generic[T, InfoT]):
         return list(self._registrations.values())
 
     def __contains__(self, name: object) -> bool:
-        return name in self._registrations
+        return name in self._registrations or name in self._aliases
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._registrations)

@@ -40,7 +40,9 @@ _PR_SET_PDEATHSIG = 1
 _DEFAULT_BACKEND_MODULE = "pagedllm.structured_output.xgrammar_backend"
 
 
-class Worker:
+class ValidatorRequestHandler:
+    """Answers the parent's requests (prepare, validate) in this child process."""
+
     def __init__(self) -> None:
         # (backend path, vocab, config json) -> a backend instance, or None
         # when only `validate` can run (no vocab given, or it failed to load).
@@ -151,7 +153,7 @@ def main(argv: list[str]) -> None:
     conn = Connection(fd)
     with contextlib.suppress(ImportError):
         importlib.import_module(_DEFAULT_BACKEND_MODULE)  # the slow imports, before "ready"
-    worker = Worker()
+    worker = ValidatorRequestHandler()
     conn.send_bytes(msgspec.msgpack.encode({"ready": True}))
     while True:
         try:

@@ -57,11 +57,11 @@ NO_FLASH_REASON = "package 'flash_attn' is not installed"
         (
             (8, 0),
             (),
-            "torch_native",
+            "cpu",
             {"flash_attn": [NO_FLASH_REASON], "triton": ["package 'triton' is not installed"]},
         ),
-        (None, ("triton", "flash_attn"), "torch_native", {}),
-        (None, (), "torch_native", {}),
+        (None, ("triton", "flash_attn"), "cpu", {}),
+        (None, (), "cpu", {}),
     ],
     ids=[
         "7.5-flash", "7.5-noflash", "8.0-flash", "8.0-noflash", "9.0-flash", "9.0-noflash",
@@ -123,7 +123,7 @@ def test_triton_runs_on_cpu_only_under_the_interpreter(monkeypatch: pytest.Monke
 def test_requested_valid_backend_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
     simulate_device(monkeypatch, (7, 5), installed=("triton", "flash_attn"))
     selection = select_attention_backend(CudaPlatform(), "torch_native", load=False, **FP16_128)
-    assert (selection.name, selection.rejected) == ("torch_native", {})
+    assert (selection.name, selection.rejected) == ("cpu", {})  # its old name selects it
 
 
 def test_requested_unknown_backend_lists_registered_names(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,7 +131,7 @@ def test_requested_unknown_backend_lists_registered_names(monkeypatch: pytest.Mo
     with pytest.raises(UnknownComponentError) as info:
         select_attention_backend(resolve_platform(), "xformers", load=False, **FP16_128)
     assert info.value.kind == "attention_backend"
-    assert {"torch_native", "triton", "flash_attn"} <= set(info.value.known)
+    assert {"cpu", "triton", "flash_attn"} <= set(info.value.known)
 
 
 def test_bf16_on_turing_rejects_triton_through_the_platform(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,7 +182,7 @@ def test_sliding_window_needs_declared_support(monkeypatch: pytest.MonkeyPatch, 
     with pytest.raises(AttentionBackendError) as info:
         select_attention_backend(platform, "no_window", load=False, **checks)
     assert info.value.reasons == ["sliding window (4096) is not supported"]
-    assert select_attention_backend(platform, "auto", load=False, **checks).name == "torch_native"
+    assert select_attention_backend(platform, "auto", load=False, **checks).name == "cpu"
 
 
 def test_selector_reads_the_typed_capabilities(monkeypatch: pytest.MonkeyPatch, no_window_plugin: None) -> None:
@@ -241,6 +241,6 @@ def test_auto_with_nothing_usable_reports_each_backend(monkeypatch: pytest.Monke
         )
     assert info.value.name == "auto"
     assert info.value.reasons == [
-        "torch_native: dtype float64 is not supported (supports float32, float16, bfloat16); "
+        "cpu: dtype float64 is not supported (supports float32, float16, bfloat16); "
         "dtype float64 is not supported by cpu"
     ]

@@ -44,7 +44,7 @@ def test_plugins_list_json_shows_every_kind_name_and_source(capsys: pytest.Captu
     assert list(payload["components"]) == list(KINDS)
     backends = {c["name"]: c["source"] for c in payload["components"]["attention_backend"]}
     assert backends == {
-        "torch_native": "builtin",
+        "cpu": "builtin",
         "triton": "builtin",
         "flash_attn": "builtin",
         "test_echo": TEST_DIST_SOURCE,
@@ -107,7 +107,7 @@ def test_env_json_on_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capture
     payload = run_json(capsys, ["env", "--json"])
     assert payload["platform"] == "cpu"
     assert payload["device_capability"] is None
-    assert payload["attention_backend"] == "torch_native"
+    assert payload["attention_backend"] == "cpu"
     assert payload["rejected"] == {}
     # Under the Triton interpreter (this suite) triton may run on CPU, so only "auto" skips it.
     if os.environ.get("TRITON_INTERPRET") != "1":

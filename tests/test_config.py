@@ -107,7 +107,7 @@ def test_unknown_key_in_file_is_an_error(tmp_path: Path) -> None:
         EngineConfig.load(path)
     assert info.value.key == "device.backend"
     assert info.value.allowed == (
-        "known keys platform, attention_backend, enforce_eager, cuda_graph_sizes, compile_model"
+        "known keys platform, attention_backend, enforce_eager, graph_sizes, compile_model"
     )
 
 
@@ -189,7 +189,7 @@ def test_from_flat_maps_vllm_names_to_sections(tmp_path: Path) -> None:
     assert (d["scheduler"]["max_num_seqs"], d["scheduler"]["max_num_batched_tokens"]) == (4, 256)
     assert d["scheduler"]["scheduling_policy"] == "priority"
     assert d["device"] == {"platform": "auto", "attention_backend": "torch_native", "enforce_eager": False,
-                           "cuda_graph_sizes": None, "compile_model": False}
+                           "graph_sizes": None, "compile_model": False}
     assert d["plugins"] == {"enabled": ["a"], "disabled": [], "strict": True, "config": {}}
 
 

@@ -5,6 +5,7 @@ captured size and the fallbacks are all exercised."""
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable
 
@@ -91,9 +92,29 @@ def test_graph_sizes_from_config_are_validated() -> None:
     from pagedllm.core.config import EngineConfig
     from pagedllm.core.errors import ConfigError
 
-    assert EngineConfig.from_flat(cuda_graph_sizes="1,2,8").device.cuda_graph_sizes == [1, 2, 8]
-    with pytest.raises(ConfigError, match="cuda_graph_sizes"):
-        EngineConfig.from_flat(cuda_graph_sizes=[0, 4])
+    assert EngineConfig.from_flat(graph_sizes="1,2,8").device.graph_sizes == [1, 2, 8]
+    with pytest.raises(ConfigError, match="graph_sizes"):
+        EngineConfig.from_flat(graph_sizes=[0, 4])
+
+
+def test_cuda_graph_sizes_is_an_alias_of_graph_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The field sizes CPU graphs too, so it lost "cuda"; vLLM's name, its
+    env var and its flag keep working."""
+    from pagedllm.core.config import EngineConfig
+    from pagedllm.entrypoints.config_flags import add_engine_config_flags, engine_config_overrides
+
+    assert EngineConfig.from_flat(cuda_graph_sizes="1,2,8").device.graph_sizes == [1, 2, 8]
+    assert EngineConfig.load(device={"cuda_graph_sizes": [4]}).device.graph_sizes == [4]
+    config = EngineConfig.load(device={"graph_sizes": [2]})
+    assert config.device.cuda_graph_sizes == [2]
+    config.device.cuda_graph_sizes = [3]
+    assert config.device.graph_sizes == [3]
+    parser = argparse.ArgumentParser()
+    add_engine_config_flags(parser)
+    assert engine_config_overrides(parser.parse_args(["--cuda-graph-sizes", "1,16"])) == {
+        "device": {"graph_sizes": ["1", "16"]}}  # parsed by the field, as --graph-sizes is
+    monkeypatch.setenv("PAGEDLLM_DEVICE__CUDA_GRAPH_SIZES", "[5, 6]")
+    assert EngineConfig.load().device.graph_sizes == [5, 6]
 
 
 def test_compile_outside_attention_keeps_outputs_and_leaves_attention_eager() -> None:

@@ -178,7 +178,7 @@ def test_a_backend_that_does_not_declare_fp8_is_rejected_with_the_reason() -> No
         "KV cache dtype float8_e4m3fn is not supported (cache dtypes: none besides the compute dtype)"]
     assert select_attention_backend(CpuPlatform(), "test_echo", kv_cache_dtype=torch.float32, load=False, **checks)
     chosen = select_attention_backend(CpuPlatform(), "auto", kv_cache_dtype=torch.float8_e5m2, load=False, **checks)
-    assert chosen.name == "torch_native"
+    assert chosen.name == "cpu"
 
 
 def test_flash_attn_declares_no_fp8_and_triton_needs_8_9_for_e4m3(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -205,7 +205,7 @@ def test_pagedllm_env_shows_the_cache_dtype_and_the_rejection(capsys: pytest.Cap
     import json
 
     payload = json.loads(capsys.readouterr().out)
-    assert payload["kv_cache_dtype"] == "float8_e4m3fn" and payload["attention_backend"] == "torch_native"
+    assert payload["kv_cache_dtype"] == "float8_e4m3fn" and payload["attention_backend"] == "cpu"
     assert "KV cache dtype float8_e4m3fn is not supported (cache dtypes: none besides the compute dtype)" in (
         payload["backends"]["flash_attn"])
 

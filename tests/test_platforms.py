@@ -26,7 +26,7 @@ def test_cpu_platform_facts() -> None:
     assert CpuPlatform.is_available()
     assert (cpu.name, cpu.device_type, cpu.device()) == ("cpu", "cpu", torch.device("cpu"))
     assert cpu.get_device_capability() is None
-    assert cpu.get_attention_backend_priority() == ["torch_native"]
+    assert cpu.get_attention_backend_priority() == ["cpu"]
     assert set(cpu.supported_dtypes()) == {torch.float32, torch.float16, torch.bfloat16}
     assert 0 < cpu.free_memory_bytes() <= cpu.total_memory_bytes()
     assert cpu.get_device_name()
@@ -44,7 +44,7 @@ def test_cuda_reads_capability_from_torch_and_gates_bf16(
     assert cuda.get_device_capability() == capability
     assert (torch.bfloat16 in cuda.supported_dtypes()) is has_bf16
     assert torch.float16 in cuda.supported_dtypes()
-    assert cuda.get_attention_backend_priority() == ["flash_attn", "triton", "torch_native"]
+    assert cuda.get_attention_backend_priority() == ["flash_attn", "triton", "cpu"]
     assert cuda.device() == torch.device("cuda", 0)
     assert cuda.describe() == f"cuda (compute capability {capability[0]}.{capability[1]})"
 

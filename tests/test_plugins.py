@@ -120,7 +120,7 @@ def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
             "Qwen3ForCausalLM": "pagedllm.model_registry.models.qwen3:Qwen3ForCausalLM",
         },
         "attention_backend": {
-            "torch_native": "pagedllm.attention_backends.torch_native:TorchNativeBackend",
+            "cpu": "pagedllm.attention_backends.torch_native:TorchNativeBackend",
             "triton": "pagedllm.attention_backends.triton:TritonBackend",
             "flash_attn": "pagedllm.attention_backends.flash_attn:FlashAttentionBackend",
         },
@@ -205,7 +205,7 @@ def test_unknown_name_lists_the_registered_names() -> None:
     with pytest.raises(UnknownComponentError) as info:
         get_plugin_manager().registry("attention_backend").get("nope")
     assert info.value.kind == "attention_backend"
-    assert {"torch_native", "triton", "flash_attn"} <= set(info.value.known)
+    assert {"cpu", "triton", "flash_attn"} <= set(info.value.known)
     assert "no attention_backend named 'nope'; registered: " in str(info.value)
 
 
@@ -237,6 +237,35 @@ def test_duplicate_name_is_an_error_naming_both_sources() -> None:
     finally:
         pm.unregister(name="dup-plugin")
     assert pm.registry("attention_backend").get("torch_native").source == "builtin"
+
+
+def test_a_renamed_builtin_is_selected_by_its_old_name() -> None:
+    """The CPU attention backend was `torch_native` until it ran C kernels:
+    the old name selects the same registration, the new one is listed."""
+    registry = get_plugin_manager().registry("attention_backend")
+    assert registry.get("torch_native") is registry.get("cpu")
+    assert registry.load("torch_native") is registry.load("cpu")
+    assert "torch_native" in registry and "torch_native" not in registry.names()
+    assert registry.aliases() == {"torch_native": "cpu"}
+
+
+class BadAliases:
+    @hookimpl
+    def register_attention_backends(self, register: RegisterFn) -> None:
+        register("aliased_backend", "elsewhere:Backend", aliases="not_a_list")
+
+
+def test_aliases_must_be_a_list_of_names() -> None:
+    pm = get_plugin_manager()
+    pm.register(BadAliases(), name="bad-aliases")
+    try:
+        assert "aliased_backend" not in pm.registry("attention_backend")
+        assert [error.error for error in pm.load_errors if error.plugin == "bad-aliases"] == [
+            "PluginError: bad-aliases registered attention_backend 'aliased_backend': "
+            "metadata aliases='not_a_list' is invalid: a list of names"
+        ]
+    finally:
+        pm.unregister(name="bad-aliases")
 
 
 def test_duplicate_of_an_installed_distribution_names_its_version() -> None:
@@ -360,7 +389,7 @@ def test_broken_entry_point_found_through_patched_entry_points(monkeypatch: pyte
     assert pm.load_errors == [
         PluginLoadError("ghost", "unknown", "ModuleNotFoundError: No module named 'pagedllm_ghost_module'")
     ]
-    assert pm.registry("attention_backend").names() == ["torch_native", "triton", "flash_attn"]
+    assert pm.registry("attention_backend").names() == ["cpu", "triton", "flash_attn"]
 
 
 def test_allow_list_loads_only_the_enabled_plugins(fake_site: Path) -> None:

@@ -28,7 +28,7 @@ from pagedllm.model_registry.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from pagedllm.model_registry.layers.logits_processor import LogitsProcessor
+from pagedllm.model_registry.layers.logits_head import LogitsHead
 from pagedllm.model_registry.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -99,7 +99,7 @@ def run_layers(layers: dict[str, Any], t: dict[str, torch.Tensor], tp_rank: int,
             "qkv2": layers["qkv2"](x),
             "qkv1": layers["qkv1"](x),
             "embed": layers["embed"](torch.tensor(IDS)),
-            "logits": LogitsProcessor(VOCAB)(layers["lm_head"], t["hidden"]),
+            "logits": LogitsHead(VOCAB)(layers["lm_head"], t["hidden"]),
             "num_kv_heads": (layers["qkv2"].num_kv_heads, layers["qkv1"].num_kv_heads),
         }
 

@@ -478,7 +478,7 @@ class Worker:
             self.model,
             self.attn_backend,
             self.platform,
-            sizes=device_config.cuda_graph_sizes or default_graph_sizes(self.config.scheduler.max_num_seqs),
+            sizes=device_config.graph_sizes or default_graph_sizes(self.config.scheduler.max_num_seqs),
             max_model_len=max_model_len,
             block_size=block_size,
             device=self.device,

@@ -73,7 +73,7 @@ class LinearBase(nn.Linear, OpLayer, ABC):
         kernel = self.op_kernel
         if kernel is None:
             return F.linear(x, self.weight, bias)
-        return kernel(x, bias)  # type: ignore[no-any-return]
+        return kernel(x, bias)
 
     @abstractmethod
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

@@ -71,6 +71,13 @@ def _always(layer: nn.Module) -> bool:
     return True
 
 
+def _same_for_every_layer(kernel: Kernel) -> Callable[[nn.Module], Kernel]:
+    def build(layer: nn.Module) -> Kernel:
+        return kernel
+
+    return build
+
+
 class OpRegistry:
     """Implementations per op; `register` is what platforms and
     quantization methods are handed."""
@@ -78,7 +85,7 @@ class OpRegistry:
     def __init__(self) -> None:
         self._impls: dict[str, list[OpImpl]] = {op: [] for op in OP_NAMES}
         for op, kernel in LEGACY_KERNELS.items():
-            self.register(op, "legacy", lambda layer, kernel=kernel: kernel, priority=LEGACY_PRIORITY)
+            self.register(op, "legacy", _same_for_every_layer(kernel), priority=LEGACY_PRIORITY)
 
     def register(
         self,

@@ -110,5 +110,5 @@ class ApplyRotaryEmb(nn.Module, OpLayer):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         kernel = self.op_kernel
         if kernel is not None and (fused := kernel(x, cos, sin)) is not None:
-            return fused  # type: ignore[no-any-return]
+            return fused
         return apply_rotary_emb(x, cos, sin)

@@ -3,7 +3,7 @@
 The vocabulary is cut into tp contiguous ranges of ceil(vocab / tp) rows;
 rank r holds rows [r * per_rank, min((r + 1) * per_rank, vocab)), and the last
 rank's range is padded with zero rows up to per_rank so every rank's shard
-has one shape (the padded logits are dropped by the LogitsProcessor). At
+has one shape (the padded logits are dropped by the LogitsHead). At
 world size 1 there is no padding: the shard is the whole table.
 """
 
@@ -70,7 +70,7 @@ class ParallelLMHead(LinearBase):
     """The output projection hidden -> this rank's vocabulary range: an
     ``nn.Linear`` of [per_rank, hidden] (so a platform's GEMM swap applies),
     sharded like VocabParallelEmbedding so a tied head shares its weight.
-    Applied by LogitsProcessor, which gathers the ranks' logits."""
+    Applied by LogitsHead, which gathers the ranks' logits."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         tp_group = get_tp_group()
@@ -83,4 +83,4 @@ class ParallelLMHead(LinearBase):
         load_vocab_shard(param, loaded_weight, self.shard, self.num_embeddings)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("ParallelLMHead holds one rank's vocabulary; use LogitsProcessor(lm_head, hidden_states)")
+        raise RuntimeError("ParallelLMHead holds one rank's vocabulary; use LogitsHead(lm_head, hidden_states)")

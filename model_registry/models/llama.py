@@ -23,7 +23,7 @@ from pagedllm.model_registry.interface import ModelForCausalLM
 from pagedllm.model_registry.layers.activation import SiluAndMul
 from pagedllm.model_registry.layers.attention import Attention
 from pagedllm.model_registry.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagedllm.model_registry.layers.logits_processor import LogitsProcessor
+from pagedllm.model_registry.layers.logits_head import LogitsHead
 from pagedllm.model_registry.layers.norm import RMSNorm
 from pagedllm.model_registry.layers.rotary import ApplyRotaryEmb, RotaryEmbedding, get_rope_parameters
 from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -185,7 +185,7 @@ class LlamaForCausalLM(ModelForCausalLM):
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.logits_processor = LogitsProcessor(hf_config.vocab_size)
+        self.logits_head = LogitsHead(hf_config.vocab_size)
         self.to(dtype)
 
     def forward(
@@ -194,7 +194,7 @@ class LlamaForCausalLM(ModelForCausalLM):
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.logits_processor(self.lm_head, hidden_states).float()
+        return self.logits_head(self.lm_head, hidden_states).float()
 
     def get_attention_layers(self) -> list[Attention]:
         return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.model.layers]

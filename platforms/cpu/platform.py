@@ -1,4 +1,4 @@
-"""The CPU platform: always available, torch-native attention."""
+"""The CPU platform: always available, the `cpu` attention backend."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ class CpuPlatform(Platform):
                 f"(none of {', '.join(NATIVE_BF16_FLAGS)})")
 
     def get_attention_backend_priority(self) -> list[str]:
-        return ["torch_native"]
+        return ["cpu"]
 
     def kv_cache_budget_bytes(self, utilization: float, profile_run: Callable[[], None]) -> int:
         # Host memory is shared with everything else: a fixed space, not a

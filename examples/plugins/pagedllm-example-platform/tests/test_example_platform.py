@@ -32,8 +32,9 @@ def test_auto_picks_the_example_platform_only_when_enabled(pm: PluginManager, mo
     platform = resolve_platform("auto", pm)
     assert platform.name == "example_accel"
     selection = select_attention_backend(platform, head_size=16, dtype=torch.float32, block_size=16, load=False, plugin_manager=pm)
-    # its own priority: sdpa when pagedllm-example-attention is installed, else torch_native
-    expected = "sdpa" if "sdpa" in pm.registry("attention_backend") else "torch_native"
+    # its own priority: sdpa when pagedllm-example-attention is installed, else cpu (its
+    # priority names it torch_native, the built-in's old name, which still selects it)
+    expected = "sdpa" if "sdpa" in pm.registry("attention_backend") else "cpu"
     assert selection.name == expected
 
 

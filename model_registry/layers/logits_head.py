@@ -6,6 +6,9 @@ sampling rank: each rank runs the sampler and the drafter (as in vLLM V1), so
 each rank's input batch advances with the same tokens and draft tokens without
 a broadcast of the sampled ids after every step; gloo and NCCL all-gather give
 bit-identical tensors on every rank, and with the same seeds the samplers agree.
+
+(vLLM calls this layer LogitsProcessor; here that name is the plugin kind
+that edits logits before sampling, logits_processors/interface.py.)
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from torch import nn
 from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead
 
 
-class LogitsProcessor(nn.Module):
+class LogitsHead(nn.Module):
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
