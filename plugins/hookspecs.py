@@ -293,8 +293,10 @@ def register_quantization_methods(register: RegisterFn) -> None:
         ``LLM(quantization=...)``) selects. The target must be a subclass of
         :class:`pagedllm.quantization.base.QuantizationMethod`, built with no
         arguments once per rank after the model's weights are loaded; its
-        ``quantize_linear(layer, prefix)`` converts one linear layer (its
-        storage and its ``apply_linear`` GEMM). Metadata
+        ``quantize_linear(layer, prefix)`` converts one linear layer's
+        storage, and ``register_layer_ops(register)`` offers the GEMM over
+        it as the layer's "linear" op (model_registry/layers/ops.py; a
+        method that sets ``layer.apply_linear`` itself still works). Metadata
         (:class:`pagedllm.plugins.metadata.QuantizationInfo`):
         ``device_types``, ``dtypes`` (compute dtypes it runs) and
         ``requires``; a configuration outside them is a ConfigError before

@@ -240,12 +240,12 @@ def test_sdpa_generates_what_torch_native_generates(model: str) -> None:
     chunks and decodes share steps."""
     path = cached_tiny_gpt2() if model == "gpt2" else cached_tiny_model("llama", with_tokenizer=True, seed=5)
     results = {}
-    for backend in ("sdpa", "torch_native"):
+    for backend in ("sdpa", "cpu"):  # the built-in formerly called torch_native
         llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64, attention_backend=backend,
                   max_num_batched_tokens=16)
         assert llm.engine_core.ready.attention_backend == backend
         results[backend] = llm.generate(PROMPTS, _greedy(8, logprobs=1), use_tqdm=False)
-    for sdpa, native in zip(results["sdpa"], results["torch_native"], strict=True):
+    for sdpa, native in zip(results["sdpa"], results["cpu"], strict=True):
         assert sdpa.outputs[0].token_ids == native.outputs[0].token_ids
         assert sdpa.outputs[0].cumulative_logprob == pytest.approx(native.outputs[0].cumulative_logprob, abs=1e-4)
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pagedllm.model_registry.layers import op_kernels
 from pagedllm.model_registry.layers.activation import SiluAndMul
 from pagedllm.model_registry.layers.linear import ColumnParallelLinear
-from pagedllm.model_registry.layers.ops import LINEAR, SILU_AND_MUL, OpRegistry, bind_layer_ops
+from pagedllm.model_registry.layers.ops import LINEAR, SILU_AND_MUL, OpLayer, OpRegistry, bind_layer_ops
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,3 +120,21 @@ def test_no_package_module_patches_a_built_modules_forward_or_gemm() -> None:
         if found:
             offenders[relative] = found
     assert offenders == {}
+
+
+def _impls(model: torch.nn.Module) -> set[tuple[str, str]]:
+    return {(type(layer).__name__, layer.op_impl) for layer in model.modules() if isinstance(layer, OpLayer)}
+
+
+def test_a_worker_binds_the_target_and_its_draft_model_alike() -> None:
+    from pagedllm import LLM
+
+    llm = LLM("tiny", dtype="float32", num_kv_blocks=64, speculative_method="draft_model",
+              speculative_model="tiny-draft", num_speculative_tokens=2)
+    try:
+        worker = llm.engine_core.engine_core.model_executor.driver_worker  # type: ignore[attr-defined]
+        target, draft = _impls(worker.model), _impls(worker.drafter.model)
+    finally:
+        llm.shutdown()
+    # The same implementations (the platform's kernels where they build here), the draft's included.
+    assert draft == target and {name for name, _ in draft} >= {"RMSNorm", "SiluAndMul", "ApplyRotaryEmb"}

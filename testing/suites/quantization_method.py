@@ -1,6 +1,7 @@
 """The quantization-method suite: built with no arguments, the method
 converts the model's linear layers in place (column- and row-parallel, with
-and without bias) so that their output stays close to the float layer's."""
+and without bias), and with the GEMM it registers for the "linear" layer op
+their output stays close to the float layer's."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def check_close(name: str) -> None:
     import torch
 
     from pagedllm.model_registry.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from pagedllm.model_registry.layers.ops import OpRegistry, bind_layer_ops
 
     rule = "output-close-to-float"
     method, dtype_name = _method(rule, name)
@@ -60,6 +62,10 @@ def check_close(name: str) -> None:
             expected = layer(x).float()
             if not method.quantize_linear(layer, prefix):
                 continue
+            # The layer then asks the op registry for its GEMM, as a worker's layers do.
+            registry = OpRegistry()
+            method.register_layer_ops(registry.register)
+            bind_layer_ops(layer, registry)
             converted += 1
             actual = layer(x).float()
         error = ((actual - expected).norm() / expected.norm()).item()
