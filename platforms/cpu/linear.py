@@ -23,15 +23,12 @@ without it.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from pagedllm.platforms.cpu import amx_linear
-
-logger = logging.getLogger(__name__)
 
 # The batch size oneDNN tunes the packed layout for; any size still works.
 _PACK_BATCH_HINT = 64
