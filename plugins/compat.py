@@ -70,7 +70,17 @@ from packaging.version import Version
 #      (`pagedllm.testing`).
 # 1.8: `GrammarBackend.serialize` / `deserialize` (optional, with defaults):
 #      the API side's compile of a slow spec is loaded by the engine core.
-API_VERSION = "1.8.0"
+# 1.9: one op registry (`model_registry/layers/ops.py`): platforms and
+#      quantization methods offer kernels through `Platform.register_layer_ops`
+#      / `QuantizationMethod.register_layer_ops` (the 1.x
+#      `op_kernels.register_op_kernel` still works); registrations may name
+#      `aliases` (the `torch_native` backend is now `cpu`, its old name an
+#      alias). KV connectors get their role (`KVConnectorRole`) and are built
+#      once per side under every executor (`uni` no longer shares one
+#      instance between the scheduler and the rank), the scheduler side from
+#      the ranks' `KVConnectorShard`s. `SamplingParams` is a msgspec Struct
+#      (same fields and constructor).
+API_VERSION = "1.9.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

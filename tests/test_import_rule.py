@@ -51,27 +51,9 @@ def test_the_graph_covers_the_package(package_graph) -> None:
     assert "pagedllm.core.scheduler" in importers
 
 
-# Violations that other parts of issue 31 remove: executors/messages.py stops
-# importing engine/wire.py (one type per message); platforms/ stops reaching
-# into model_registry/ and attention_backends/ (the CPU kernel library moves
-# to platforms/cpu/, training out of the package). Empty at merge: the test
-# below fails on an entry that no longer occurs.
-PENDING_OTHER_PARTS = frozenset(
-    {
-        ("pagedllm.platforms.cpu_kernel_build", "pagedllm.model_registry.tiny.cache"),
-        ("pagedllm.platforms.cpu_ops", "pagedllm.model_registry.layers.op_kernels"),
-        ("pagedllm.platforms.cuda", "pagedllm.attention_backends.kv_cache_dtype"),
-        ("pagedllm.platforms.interface", "pagedllm.attention_backends.kv_cache_dtype"),
-    }
-)
-
-
 def test_every_module_imports_only_its_layer_or_below(package_graph) -> None:
-    found = {(imp.importer, imp.target): imp for imp in layer_violations(package_graph)}
-    unexpected = [str(imp) for key, imp in found.items() if key not in PENDING_OTHER_PARTS]
-    assert unexpected == [], "run-time imports against the layer map:\n" + "\n".join(unexpected)
-    fixed = sorted(PENDING_OTHER_PARTS - set(found))
-    assert fixed == [], f"no longer violations, remove them from PENDING_OTHER_PARTS: {fixed}"
+    violations = [str(imp) for imp in layer_violations(package_graph)]
+    assert violations == [], "run-time imports against the layer map:\n" + "\n".join(violations)
 
 
 def test_the_layer_map_names_real_packages_and_orders_the_kinds(package_graph) -> None:
