@@ -31,6 +31,7 @@ from torch import nn
 
 from pagedllm.core.errors import ConfigError
 from pagedllm.model_registry.input_batch import InputBatch
+from pagedllm.model_registry.layers.linear import ReplicatedLinear
 from pagedllm.model_registry.layers.rotary import RotaryEmbedding, get_rope_parameters
 from pagedllm.model_registry.loader import ModelLoadError, default_weight_loader, iterate_safetensors
 from pagedllm.model_registry.models.llama import LlamaDecoderLayer, LlamaFlags, LlamaForCausalLM
@@ -51,7 +52,8 @@ class EagleHead(nn.Module):
     def __init__(self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype = torch.float32):
         super().__init__()
         hidden_size = hf_config.hidden_size
-        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=bool(getattr(hf_config, "bias", False)))
+        # A LinearBase, so the platform's GEMM (prepacked on a CPU) runs it.
+        self.fc = ReplicatedLinear(2 * hidden_size, hidden_size, bias=bool(getattr(hf_config, "bias", False)))
         layers = [
             LlamaDecoderLayer(hf_config, LlamaFlags(), i, attn_backend) for i in range(hf_config.num_hidden_layers)
         ]

@@ -138,3 +138,18 @@ def test_a_worker_binds_the_target_and_its_draft_model_alike() -> None:
         llm.shutdown()
     # The same implementations (the platform's kernels where they build here), the draft's included.
     assert draft == target and {name for name, _ in draft} >= {"RMSNorm", "SiluAndMul", "ApplyRotaryEmb"}
+
+
+def test_an_eagle_heads_layers_run_the_targets_kernels_its_input_projection_too() -> None:
+    from pagedllm import LLM
+
+    llm = LLM("tiny", dtype="float32", num_kv_blocks=64, speculative_method="eagle",
+              speculative_model="tiny-eagle", num_speculative_tokens=2)
+    try:
+        worker = llm.engine_core.engine_core.model_executor.driver_worker  # type: ignore[attr-defined]
+        target, head = dict(_impls(worker.model)), _impls(worker.drafter.head)
+    finally:
+        llm.shutdown()
+    # fc (2H -> H) is a ReplicatedLinear: the platform's GEMM, as the target's linears.
+    assert ("ReplicatedLinear", target["QKVParallelLinear"]) in head
+    assert head <= set(target.items()) | {("ReplicatedLinear", target["QKVParallelLinear"])}

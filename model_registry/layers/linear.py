@@ -11,6 +11,8 @@ matrix.
   of the output (all-gathered only when ``gather_output``).
 - RowParallelLinear: input features split; the partial products are summed by
   one all-reduce, the bias added once after it.
+- ReplicatedLinear: the whole matrix on every rank (a small layer not worth
+  splitting, such as an EAGLE head's input projection).
 - MergedColumnParallelLinear (gate/up) and QKVParallelLinear (q/k/v) stack
   several checkpoint matrices so each is one matmul; every stacked matrix is
   split per rank on its own.
@@ -78,6 +80,19 @@ class LinearBase(nn.Linear, OpLayer, ABC):
     @abstractmethod
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy this rank's slice of the full checkpoint tensor into `param`."""
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole matrix on every rank; its GEMM is the "linear" op all the same."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        copy_shard(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, I] -> [T, O]
+        return self.apply_linear(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
