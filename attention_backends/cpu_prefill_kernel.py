@@ -11,11 +11,8 @@ and kernel allow it (P multiplied as two bf16 parts, so it keeps ~17 bits:
 SDPA rounds it to 8), on AVX512-BF16 dot products or float32 FMAs
 otherwise.
 
-The ~100M Llama's 2,505-token bf16 prefill step (16 prompts of 64-256
-tokens), one thread, CPU time, min of 3 runs (`benchmarks/step_profile.py`):
-attention 152.7 ms with SDPA, 96.0 ms with the kernel (1.59x); float32
-264.8 -> 189.3 ms (1.40x). The kernel is the larger part of that row; the
-rest is the cache writes.
+What it saves on a prefill step is measured by `benchmarks/step_profile.py`
+(the numbers: docs/performance.md).
 
 Built and loaded like cpu_decode_kernel.py (plain C, ctypes, the system C
 compiler). It needs AVX-512; without it, without a compiler, or with

@@ -18,9 +18,8 @@ Requests are split into padded groups, decodes (query_len == 1) and prefill
 chunks with cached context, so that one long prefill does not pad every
 decode to its query length; decodes of very different context lengths are
 split once more (`split_by_length`), so that short contexts are not padded to
-the longest one: the gather and the decode SDPA read every padded key (24
-decodes of 16-48 keys beside 8 of 900-1000: 6.3 -> 2.0 ms per layer, one
-thread, bfloat16; contexts spread evenly, 65-320, stay one group). A fresh prefill (no cached context: its
+the longest one: the gather and the decode SDPA read every padded key
+(contexts spread evenly stay one group). A fresh prefill (no cached context: its
 keys are exactly this step's keys) skips the cache and the padding: one
 causal SDPA call per request over its own rows, which lets the kernel skip
 the masked half. For 16 prompts of 64-256 tokens that is 2.2x less attention

@@ -3,10 +3,10 @@
 A decode step multiplies a few rows by every weight of the model, so its
 GEMMs are bound by how fast the weights stream from memory. The kernel packs
 each weight once into AMX's tile layout and streams it in one contiguous run
-per 32 output columns; at 1-32 rows it moves the weights of the ~100M Llama
-1.1-1.5x faster than oneDNN's prepacked GEMM (1-2 threads, the model's 48
-layer GEMMs in turn). From about 100 rows on, oneDNN's blocking wins, so
-larger batches keep it (`AMX_MAX_ROWS`).
+per 32 output columns; at decode sizes that beats oneDNN's prepacked GEMM
+(`benchmarks/amx_linear.py`; the numbers: docs/performance.md). From about
+100 rows on, oneDNN's blocking wins, so larger batches keep it
+(`AMX_MAX_ROWS`).
 
 Sums are float32 (AMX multiplies bf16 pairs exactly), rounded once to
 bfloat16: the result is F.linear's to within its summation order.

@@ -2,9 +2,8 @@
 
 A CUDA graph removes the launch cost of a decode step's kernels; on the CPU
 the same cost is Python's: module calls, the kernel wrappers' checks and
-allocations, argument conversion. On the ~100M Llama at batch 32 that was a
-quarter of the decode step (5.4 of 20 ms, with both cores' kernels 15 ms),
-and the second core idles through all of it. A `CpuGraph` runs the forward
+allocations, argument conversion: a large share of a decode step
+(docs/performance.md), and the second core idles through all of it. A `CpuGraph` runs the forward
 once while recording what actually computes, in order:
 
 - every call of a C kernel made through `kernel_call` (tensors passed as

@@ -3,12 +3,11 @@ MKL's sgemm on a transposed copy for small float32 weights, see
 MKL_MAX_WEIGHT_ELEMENTS).
 
 MKL's plain sgemm re-lays the weight out for every call; oneDNN can do it
-once at load time. For the small, skinny GEMMs of decode (64 x 256 x 8192 for
-a tiny model's lm_head) that is 1.2-1.7x faster. vLLM's CPU backend prepacks
-the same way. bfloat16 GEMMs already run on oneDNN (AMX / AVX-512 BF16), but
-prepacked they skip the per-call reorder too: 1.2-2.8x faster at decode sizes
-(1-32 rows, K=768, N=768-8192, one thread), the same at prefill sizes, and
-bit-identical to F.linear. A dtype is prepacked only after a probe shows
+once at load time, which pays for the small, skinny GEMMs of decode. vLLM's
+CPU backend prepacks the same way. bfloat16 GEMMs already run on oneDNN
+(AMX / AVX-512 BF16), but prepacked they skip the per-call reorder too
+(faster at decode sizes, the same at prefill sizes: docs/performance.md),
+and bit-identical to F.linear. A dtype is prepacked only after a probe shows
 the oneDNN op exists and agrees with F.linear; otherwise nothing changes.
 Layers whose weight is of another dtype (int8 from quantization/) keep
 their own GEMM.

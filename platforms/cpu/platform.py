@@ -49,7 +49,7 @@ def keep_freed_memory_in_process() -> bool:
 
     By default a buffer over 128 KiB is mmap'ed and munmap'ed on free, so each
     2 MB intermediate of a prefill page-faults its memory in again: elementwise
-    ops ran at ~3 GB/s and a prefill step took twice as long. vLLM's CPU
+    ops slowed to a crawl and a prefill step took about twice as long. vLLM's CPU
     backend asks for tcmalloc for the same reason; mallopt gets most of the
     gain without an LD_PRELOAD. A no-op off glibc.
     """
