@@ -52,11 +52,12 @@ serve: $(STAMP)
 # The example plugins' own tests run too (each package's tests/ folder).
 # Lint and the docs build first: a finding or a broken page fails `make test`
 # (and CI) like a failing test.
-# Two workers (pytest-xdist) on the two cores CI has; TEST_WORKERS=0 runs in-process.
+# Two workers (pytest-xdist) on the two cores CI has, a file's tests on one (its
+# module-scoped servers start once); TEST_WORKERS=0 runs in-process.
 TEST_WORKERS ?= 2
 
 test: lint docs
-	$(PY) -m pytest --import-mode=importlib -n $(TEST_WORKERS) --dist loadgroup tests $(wildcard $(addsuffix /tests/test_*.py,$(EXAMPLE_PLUGINS))) -q
+	$(PY) -m pytest --import-mode=importlib -n $(TEST_WORKERS) --dist loadfile tests $(wildcard $(addsuffix /tests/test_*.py,$(EXAMPLE_PLUGINS))) -q
 
 # ruff over everything; mypy over the package (config in pyproject.toml). mypy must
 # see this root as the package `pagedllm`, which the package-dir layout cannot
