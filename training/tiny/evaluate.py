@@ -65,6 +65,17 @@ def _batches(windows: list[torch.Tensor], batch_size: int) -> list[list[torch.Te
     return [full[i : i + batch_size] for i in range(0, len(full), batch_size)] + [[w] for w in short]
 
 
+def _summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+    """Summed cross-entropy of `logits` [B, L, V] at `targets` [B, L] (-100:
+    not scored), and how many positions were scored."""
+    import torch
+
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    return nll.item(), int((targets != -100).sum())
+
+
 def perplexity(model: torch.nn.Module, windows: list[torch.Tensor], bos_id: int, batch_size: int = 8) -> Perplexity:
     """Every token but a window's first is predicted, except BOS (a file
     boundary, not something to predict)."""
@@ -76,10 +87,8 @@ def perplexity(model: torch.nn.Module, windows: list[torch.Tensor], bos_id: int,
             input_ids = torch.stack(batch)  # [B, L]
             logits = model(input_ids=input_ids).logits[:, :-1].float()  # [B, L-1, V]
             targets = input_ids[:, 1:].masked_fill(input_ids[:, 1:] == bos_id, -100)
-            total_nll += torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum"
-            ).item()
-            total_tokens += int((targets != -100).sum())
+            nll, num_tokens = _summed_nll(logits, targets)
+            total_nll, total_tokens = total_nll + nll, total_tokens + num_tokens
     loss = total_nll / total_tokens
     return Perplexity(loss, math.exp(loss), total_tokens)
 
@@ -121,10 +130,8 @@ def sliding_perplexity(
                 for row, (_, first) in enumerate(group):
                     targets[row, : first - 1] = -100  # scored by an earlier window
                 targets = targets.masked_fill(targets == bos_id, -100)
-                total_nll += torch.nn.functional.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum"
-                ).item()
-                total_tokens += int((targets != -100).sum())
+                nll, num_tokens = _summed_nll(logits, targets)
+                total_nll, total_tokens = total_nll + nll, total_tokens + num_tokens
     loss = total_nll / total_tokens
     return Perplexity(loss, math.exp(loss), total_tokens)
 
