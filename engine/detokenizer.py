@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
+# Tokens before the decode window are dropped once this many gathered.
+TRIM_AFTER = 64
 
 
 class IncrementalDetokenizer:
@@ -70,7 +72,17 @@ class IncrementalDetokenizer:
         self.read_offset = end
         self._prefix_text = self._decode_fn(self.token_ids[self.prefix_offset : self.read_offset])
         self.output_text += delta
+        if self.prefix_offset >= TRIM_AFTER:
+            self._trim()
         return delta
+
+    def _trim(self) -> None:
+        """Forget the tokens before the window: no decode reads them again,
+        and a long request's whole token list would otherwise be held (and
+        scanned by the garbage collector) once more here."""
+        del self.token_ids[: self.prefix_offset]
+        self.read_offset -= self.prefix_offset
+        self.prefix_offset = 0
 
     def flush(self) -> str:
         """Emit whatever is held back (call when the request finishes): a
@@ -79,7 +91,8 @@ class IncrementalDetokenizer:
             return ""
         window_text = self._decode_fn(self.token_ids[self.prefix_offset :])
         delta = window_text[len(self._prefix_text) :]
-        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.token_ids.clear()
+        self.prefix_offset = self.read_offset = 0
         self._prefix_text = ""
         self.output_text += delta
         return delta

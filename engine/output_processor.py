@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.outputs import EngineCoreOutput
@@ -25,12 +25,14 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.outputs import (
     CompletionOutput,
     Logprob,
+    LogprobPairs,
+    PackedLogprobs,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
     RequestOutputKind,
-    SampleLogprobs,
 )
+from pagedllm.engine.sealed_list import SealedList
 from pagedllm.engine.stop_strings import check_stop_strings, stop_buffer_length
 
 if TYPE_CHECKING:
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from pagedllm.core.scheduler_output import LogprobEntry
     from pagedllm.core.stats import IterationStats
     from pagedllm.engine.input_processor import ProcessedRequest
+    from pagedllm.engine.outputs import SampleLogprobs
 
 
 class ProcessedOutputs(NamedTuple):
@@ -72,12 +75,13 @@ class RequestState:
     parent: ParentRequest | None = None
     max_tokens: int | None = None  # the request's max_tokens, for metrics
     output_text: str = ""
-    output_token_ids: list[int] = field(default_factory=list)
-    logprobs: SampleLogprobs | None = None
+    # NOTE: SealedLists, not lists: the collector need not scan them (sealed_list.py).
+    output_token_ids: SealedList[int] = field(default_factory=SealedList)
+    logprobs: SealedList[LogprobPairs] | None = None
     cumulative_logprob: float | None = None
     # logprob_token_ids: the entries after the sampled token are those ids, not a top-k.
     explicit_logprob_ids: bool = False
-    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs: SealedList[LogprobPairs | None] | None = None
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -112,12 +116,14 @@ class RequestState:
         text = self.next_text(delta)
         start = self.sent_num_tokens if delta else 0
         self.sent_num_tokens = len(self.output_token_ids)
+        # Sample positions are never None: the packed sequence holds dicts only.
+        logprobs = None if self.logprobs is None else cast("SampleLogprobs", PackedLogprobs(self.logprobs.since(start)))
         return CompletionOutput(
             index=self.index,
             text=text,
-            token_ids=self.output_token_ids[start:],
+            token_ids=self.output_token_ids.since(start),
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=None if self.logprobs is None else self.logprobs[start:],
+            logprobs=logprobs,
             finish_reason=self.finish_reason,  # type: ignore[arg-type]
             stop_reason=self.stop_reason,
         )
@@ -127,7 +133,7 @@ class RequestState:
             return None
         start = self.sent_num_prompt_logprobs if self.output_kind == RequestOutputKind.DELTA else 0
         self.sent_num_prompt_logprobs = len(self.prompt_logprobs)
-        return self.prompt_logprobs[start:]
+        return PackedLogprobs(self.prompt_logprobs.since(start))
 
 
 class ParentRequest:
@@ -252,10 +258,10 @@ class OutputProcessor:
             include_stop_str_in_output=getattr(params, "include_stop_str_in_output", False),
             min_tokens=getattr(params, "min_tokens", 0) or 0,
             metrics=RequestMetrics(arrival_time=request.arrival_time),
-            logprobs=[] if want_logprobs else None,
+            logprobs=SealedList() if want_logprobs else None,
             cumulative_logprob=0.0 if want_logprobs else None,
             explicit_logprob_ids=getattr(params, "logprob_token_ids", None) is not None,
-            prompt_logprobs=[] if getattr(params, "prompt_logprobs", None) is not None else None,
+            prompt_logprobs=SealedList() if getattr(params, "prompt_logprobs", None) is not None else None,
             max_tokens=getattr(params, "max_tokens", None),
         )
         self.request_states[request_id] = state
@@ -364,11 +370,11 @@ class OutputProcessor:
             state.output_token_ids.extend(new_token_ids)
         if state.logprobs is not None and engine_output.new_logprobs:
             for entry in engine_output.new_logprobs:
-                state.logprobs.append(self._to_logprob_dict(entry, ranked=not state.explicit_logprob_ids))
+                state.logprobs.append(self._to_logprob_pairs(entry, ranked=not state.explicit_logprob_ids))
                 state.cumulative_logprob = (state.cumulative_logprob or 0.0) + entry.logprobs[0]
         if state.prompt_logprobs is not None and engine_output.new_prompt_logprobs:
             state.prompt_logprobs.extend(
-                None if entry is None else self._to_logprob_dict(entry) for entry in engine_output.new_prompt_logprobs
+                None if entry is None else self._to_logprob_pairs(entry) for entry in engine_output.new_prompt_logprobs
             )
 
         finish_reason = engine_output.finish_reason
@@ -430,7 +436,7 @@ class OutputProcessor:
             metrics=parent.metrics(),
         )
 
-    def _to_logprob_dict(self, entry: LogprobEntry, ranked: bool = True) -> dict[int, Logprob]:
+    def _to_logprob_pairs(self, entry: LogprobEntry, ranked: bool = True) -> LogprobPairs:
         # Index 0 is the chosen token with its own rank; then top-k ranked 1..k
         # (or, not `ranked`, the request's logprob_token_ids, whose ranks are not computed).
         logprobs: dict[int, Logprob] = {}
@@ -439,7 +445,7 @@ class OutputProcessor:
                 continue  # the chosen token is also in the top-k
             rank = entry.rank if position == 0 else (position if ranked else None)
             logprobs[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=self._decode_token(token_id))
-        return logprobs
+        return tuple(logprobs.items())
 
     def _decode_token(self, token_id: int) -> str | None:
         if self.tokenizer is None:

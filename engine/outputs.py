@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, overload
 
 import msgspec
 
@@ -24,10 +26,57 @@ class Logprob(msgspec.Struct, gc=False):
     decoded_token: str | None = None
 
 
-# One dict per generated token: token id -> Logprob (the sampled token + top-k).
-SampleLogprobs = list[dict[int, Logprob]]
+# One position's logprobs as (token id, Logprob) pairs: tuples of untracked
+# objects, which the garbage collector untracks in turn (a dict it would not).
+LogprobPairs = tuple[tuple[int, Logprob], ...]
+
+
+class PackedLogprobs(Sequence[dict[int, Logprob] | None]):
+    """A read-only sequence of per-position logprob dicts (vLLM returns a
+    list of them: `list(packed)` is one), each made when it is read.
+
+    NOTE: held as LogprobPairs, so the collector scans none of it: n=128 x
+    1,500 tokens of 20 logprobs kept as dicts in lists made every full
+    collection in the API process walk ~600k items with the GIL held (up to
+    200 ms, /health included), and making the dicts when the request
+    finishes would cost ~300 ms on the event loop; the handlers read them
+    in the request worker pool instead.
+    """
+
+    __slots__ = ("_packed",)
+
+    def __init__(self, packed: Iterable[LogprobPairs | None]) -> None:
+        self._packed = tuple(packed)
+
+    def __len__(self) -> int:
+        return len(self._packed)
+
+    @overload
+    def __getitem__(self, index: int) -> dict[int, Logprob] | None: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[dict[int, Logprob] | None]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [None if pairs is None else dict(pairs) for pairs in self._packed[index]]
+        pairs = self._packed[index]
+        return None if pairs is None else dict(pairs)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedLogprobs):
+            return self._packed == other._packed
+        return isinstance(other, Sequence) and not isinstance(other, (str, bytes)) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+# One dict per generated token: token id -> Logprob (the sampled token + top-k);
+# a list, or a PackedLogprobs from the engine.
+SampleLogprobs = Sequence[dict[int, Logprob]]
 # One entry per prompt token; the first prompt token has no logprob (None).
-PromptLogprobs = list[dict[int, Logprob] | None]
+PromptLogprobs = Sequence[dict[int, Logprob] | None]
 
 
 class RequestOutputKind(enum.IntEnum):

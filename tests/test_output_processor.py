@@ -203,10 +203,42 @@ def test_kept_logprobs_are_out_of_the_garbage_collectors_reach(tokenizer):
     step = EngineCoreOutput("r", [a], new_logprobs=[LogprobEntry([a, b], [-0.5, -1.5], 1)])
     processor.process_outputs([step])
     (state,) = processor.request_states.values()
-    (entry,) = state.logprobs
-    assert entry == {a: Logprob(-0.5, 1, "a"), b: Logprob(-1.5, 1, "b")}
-    assert not gc.is_tracked(entry[a])
-    assert not gc.is_tracked(entry)
+    (pairs,) = state.logprobs.since()
+    assert dict(pairs) == {a: Logprob(-0.5, 1, "a"), b: Logprob(-1.5, 1, "b")}
+    gc.collect()
+    gc.collect()  # the pairs are untracked by the first, the tuple of them by the second
+    assert not gc.is_tracked(pairs[0][1])
+    assert not gc.is_tracked(pairs)
+
+
+def _scanned_items() -> int:
+    """Items of the lists and tuples the garbage collector tracks: what a
+    full collection walks one by one (after the collections that untrack
+    nested tuples of untracked items, one level each at worst)."""
+    import gc
+
+    for _ in range(3):
+        gc.collect()
+    return sum(len(o) for o in gc.get_objects() if type(o) in (list, tuple))
+
+
+def test_a_long_requests_kept_outputs_leave_the_collector_little_to_scan(tokenizer):
+    # n=128 x 1,500 tokens with logprobs kept ~600k items in lists (token
+    # ids twice, one dict per token) that every full collection walked,
+    # holding the GIL for up to 150 ms in the API server.
+    processor = OutputProcessor(tokenizer)
+    a, b = (tokenizer.convert_tokens_to_ids(ch) for ch in "ab")
+    add(processor, "r", None, [a, b], SamplingParams(max_tokens=2000, logprobs=1))
+    before = _scanned_items()
+    for position in range(1500):
+        token = (a, b)[position % 2]
+        processor.process_outputs([EngineCoreOutput("r", [token], new_logprobs=[
+            LogprobEntry([token, a], [-0.5, -1.5], 1)])])
+    assert _scanned_items() - before < 600  # the unsealed tails and the window: was > 4,500
+    (state,) = processor.request_states.values()
+    assert len(state.output_token_ids) == len(state.logprobs) == 1500
+    assert state.output_token_ids.since(1498) == [a, b]
+    assert state.detokenizer.output_text == "ab" * 750
 
 
 def test_n_samples_fan_out_and_come_back_as_one_output(tokenizer):
@@ -269,3 +301,17 @@ def test_num_cached_tokens_reported(tokenizer):
     engine_output = EngineCoreOutput("r", [40], finish_reason="length", num_cached_tokens=48)
     (output,) = processor.process_outputs([engine_output]).request_outputs
     assert output.num_cached_tokens == 48
+
+
+def test_packed_logprobs_read_as_a_list_of_dicts():
+    from pagedllm.engine.outputs import PackedLogprobs
+
+    first, second = {3: Logprob(-0.5, 1, "a")}, {4: Logprob(-1.0, 2, "b"), 3: Logprob(-2.0, 3, "a")}
+    packed = PackedLogprobs([None, tuple(first.items()), tuple(second.items())])
+    assert len(packed) == 3
+    assert packed[1] == first and packed[-1] == second and packed[0] is None
+    assert list(packed[2].items()) == list(second.items())  # the order is kept: the sampled token first
+    assert packed[1:] == [first, second]
+    assert packed == [None, first, second] and [None, first, second] == packed
+    assert packed != [None, first] and packed != "abc"
+    assert list(packed) == [None, first, second]

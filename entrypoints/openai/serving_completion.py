@@ -239,7 +239,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 index = prompt_index * request.n + completion.index
                 delta_text = completion.text
                 token_ids: Sequence[int] = completion.token_ids
-                top_logprobs: list[Any] | None = completion.logprobs
+                top_logprobs: Sequence[Any] | None = completion.logprobs
                 echo_ids: list[int] = []
                 echo_logprobs: PromptLogprobs | None = None
                 if request.echo and not echoed[index]:
