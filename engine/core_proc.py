@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import zmq
 
 from pagedllm.core.errors import PagedLLMError
 from pagedllm.core.outputs import EngineCoreOutput
+from pagedllm.core.startup_heap import freeze_startup_heap
 from pagedllm.engine.wire import (
     AbortRequests,
     AddRequests,
@@ -70,7 +72,7 @@ class EngineCoreProc:
     """Runs an EngineCore against a pair of ZMQ sockets."""
 
     # NOTE: the only names a UtilityRequest may call; never getattr() a client's string.
-    UTILITIES = frozenset({"flush_stats", "reset_prefix_cache", "ping", "memory_usage"})
+    UTILITIES = frozenset({"flush_stats", "reset_prefix_cache", "ping", "memory_usage", "gc_stats"})
 
     def __init__(
         self,
@@ -190,6 +192,10 @@ class EngineCoreProc:
     def utility_memory_usage(self) -> list[dict[str, int]]:
         return self.memory_usage() if self.memory_usage is not None else []
 
+    def utility_gc_stats(self) -> dict[str, int]:
+        """Objects the garbage collector scans, and those start-up froze."""
+        return {"tracked_objects": len(gc.get_objects()), "frozen_objects": gc.get_freeze_count()}
+
     def utility_ping(self) -> str:
         # NOTE: the answer only proves the busy loop turns (between steps);
         # it must stay free of work so /health measures the loop, not itself.
@@ -249,6 +255,8 @@ def run_engine_core(
             exit_code = 1
             return
         output_socket.send(encoder.encode(ready_message(parts)))
+        if in_own_process:
+            freeze_startup_heap()  # never the host's heap, when the core is a thread of it
         proc = EngineCoreProc(
             parts.engine_core, input_socket, output_socket, parent_pid, check_health=parts.executor.check_health,
             memory_usage=lambda: parts.executor.collective_rpc("memory_usage"),

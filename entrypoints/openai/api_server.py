@@ -9,7 +9,6 @@ body is parsed (and apply to every route, /docs and /openapi.json included).
 from __future__ import annotations
 
 import asyncio
-import gc
 import inspect
 import logging
 import os
@@ -29,6 +28,7 @@ from pagedllm.core.errors import (
     EngineUnresponsiveError,
     InvalidRequestError,
 )
+from pagedllm.core.startup_heap import freeze_startup_heap
 from pagedllm.entrypoints.openai.errors import (
     OpenAIServingError,
     describe_validation_error,
@@ -400,16 +400,6 @@ async def serve(config: EngineConfig, engine_core: Any = None) -> None:
     if server is not None and server.engine_dead_error is not None:
         raise EngineDeadError(f"{server.engine_dead_error}; the API server exited so that a supervisor can "
                               "restart it (server.keep_alive_on_engine_death keeps it up instead)")
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive after start-up (modules, the tokenizer,
-    pydantic schemas) out of the garbage collector's reach, as vLLM does: a
-    full collection walked them all, ~250 ms with the GIL held on a busy
-    2-core machine, stalling every client whenever one request's
-    allocations (a large response) triggered it."""
-    gc.collect()
-    gc.freeze()
 
 
 async def _start_engine(async_llm_cls: Any, config: EngineConfig, engine_core: Any = None) -> AsyncLLM:

@@ -82,7 +82,8 @@ class FakeEngine:
 def main() -> None:
     import uvicorn
 
-    from pagedllm.entrypoints.openai.api_server import build_app, freeze_startup_heap
+    from pagedllm.core.startup_heap import freeze_startup_heap
+    from pagedllm.entrypoints.openai.api_server import build_app
 
     parser = argparse.ArgumentParser()
     parser.add_argument("port", type=int)
