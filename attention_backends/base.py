@@ -256,6 +256,13 @@ class AttentionBackend(ABC):
         return False
 
     @classmethod
+    def supports_uniform_query_capture(cls, block_size: int) -> bool:
+        """Whether a batch in which every request scores the same q > 1
+        tokens over its context (a speculative verify step) can be captured
+        too, on the same terms (the host's `max_query_len` is q, fixed)."""
+        return False
+
+    @classmethod
     def build_metadata(cls, common: AttentionMetadata, block_size: int) -> AttentionMetadata:
         """Per-batch work every layer would otherwise repeat (index plans,
         masks, scheduler metadata of a kernel), done once per forward by the

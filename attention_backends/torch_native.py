@@ -34,6 +34,13 @@ values in place through its block table (the group carries the block table
 rows and lengths for it). It pads nothing, so there the decodes stay one
 group, one kernel call per layer; the length split is built only for a layer
 that gathers (`TorchNativeBatchPlan.gather_groups`).
+
+A batch in which every request scores the same q > 1 tokens over a cached
+context (a speculative verify step: the newest token and k drafts) runs on
+the decode kernel too: q calls per layer, call i attending row i of every
+request over its context plus rows 0..i (the calls run in order, so row i
+sees the keys rows < i wrote). It reads only the metadata's tensors, so a
+verify step is captured as a graph like a decode step (`uniform_query_len`).
 """
 
 from __future__ import annotations
@@ -146,6 +153,9 @@ class TorchNativeBatchPlan:
     # Builds `groups` with the decodes split by length (split_by_length), for
     # layers that gather and pad the keys instead; None: the same as `groups`.
     _build_gather_groups: Callable[[], list[RequestGroup]] | None = None
+    # Every request scores this many (2..MAX_UNIFORM_QUERY_LEN) tokens over a
+    # cached context: the decode kernel serves them row by row (None: no).
+    uniform_query_len: int | None = None
 
     @functools.cached_property
     def fresh_prefill_bounds(self) -> torch.Tensor:
@@ -277,7 +287,24 @@ def build_batch_plan(attn_metadata: AttentionMetadata, block_size: int) -> Torch
 
     groups = build_groups([decodes])
     return TorchNativeBatchPlan(block_size, num_tokens, write_rows, write_slots, slot_mapping, groups,
-                                fresh_prefill_rows, build_gather_groups if decodes.numel() > 1 else None)
+                                fresh_prefill_rows, build_gather_groups if decodes.numel() > 1 else None,
+                                _uniform_query_len(query_lens, seq_lens_cpu))
+
+
+# The most tokens per request the decode kernel serves row by row (one call
+# per row and layer): verify steps of up to 15 drafts.
+MAX_UNIFORM_QUERY_LEN = 16
+
+
+def _uniform_query_len(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> int | None:
+    """q when every request scores q (2..MAX_UNIFORM_QUERY_LEN) tokens over
+    a cached context, else None."""
+    if query_lens.numel() == 0:
+        return None
+    query_len = int(query_lens[0])
+    if not 1 < query_len <= MAX_UNIFORM_QUERY_LEN or not bool((query_lens == query_len).all()):
+        return None
+    return query_len if bool((seq_lens > query_len).all()) else None
 
 
 @dataclass
@@ -312,6 +339,9 @@ class TorchNativeAttentionImpl(AttentionImpl):
         key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
         value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
         kernel_runs = self._decode_kernel_runs(query, key_cache)
+        if kernel_runs and plan.uniform_query_len is not None and cpu_decode_kernel.takes_new_kv(
+                key, value, plan.slot_mapping, key_cache):
+            return self._attend_uniform_queries(query, key, value, key_cache, value_cache, attn_metadata, plan)
         groups = plan.groups if kernel_runs else plan.gather_groups
         if kernel_runs and self._kernel_writes_kv(groups, key, value, key_cache, plan):
             # A whole batch of decodes on the kernel: it writes each request's
@@ -342,6 +372,33 @@ class TorchNativeAttentionImpl(AttentionImpl):
             group_out = self._attend_group(query[group.token_rows], key_cache, value_cache, group, plan.block_size,
                                            kernel_runs)
             output.index_copy_(0, group.token_rows, group_out)
+        return output
+
+    def _attend_uniform_queries(
+        self,
+        query: torch.Tensor,  # [B * q, H, D], request by request
+        key: torch.Tensor,  # [B * q, Hkv, D]
+        value: torch.Tensor,
+        key_cache: torch.Tensor,  # [slots, Hkv, D]
+        value_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        plan: TorchNativeBatchPlan,
+    ) -> torch.Tensor:  # [B * q, H, D]
+        """Every request's q rows on the decode kernel, row i of all requests
+        per call: it writes their keys and values (none for slot -1), then
+        attends over the context up to and including row i. Reads only the
+        metadata's tensors (a captured verify graph replays on new values)."""
+        query_len = plan.uniform_query_len
+        assert query_len is not None
+        block_table, seq_lens = _decode_kernel_rows(attn_metadata, torch.empty(0), whole_batch=True)
+        output = torch.empty_like(query)
+        for row in range(query_len):
+            rows = slice(row, None, query_len)
+            output[rows] = cpu_decode_kernel.paged_decode(
+                query[rows], key_cache, value_cache, plan.block_size, block_table,
+                seq_lens - (query_len - 1 - row), self.scale, self.sliding_window, self.logits_soft_cap,
+                (key[rows], value[rows], plan.slot_mapping[rows].contiguous()),
+            )
         return output
 
     def _decode_kernel_runs(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -472,6 +529,11 @@ class TorchNativeBackend(AttentionBackend):
         # Whole batches of decodes on the CPU decode kernel read only the
         # metadata's tensors; any other path refuses at capture time
         # (refuse_capture), and the steps then run eagerly.
+        return True
+
+    @classmethod
+    def supports_uniform_query_capture(cls, block_size: int) -> bool:
+        # Verify steps run row by row on the decode kernel (uniform_query_len).
         return True
 
     @classmethod

@@ -236,3 +236,45 @@ def test_build_metadata_attaches_the_plan_every_layer_reuses() -> None:
         kv_cache = torch.zeros(TorchNativeBackend.get_kv_cache_shape(4, 16, 1, 8))
         outputs.append(impl.forward(q, k, v, kv_cache, metadata))
     assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (5, None), (None, 3.0)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 1)])
+def test_uniform_query_batches_run_on_the_decode_kernel_and_match_reference(
+    dtype: torch.dtype, atol: float, sliding_window: int | None, soft_cap: float | None, num_heads: int,
+    num_kv_heads: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A verify step (every request scores 1 + k tokens over its context)
+    runs row by row on the decode kernel, never on the gather path."""
+    from pagedllm.attention_backends import cpu_decode_kernel, torch_native
+
+    if cpu_decode_kernel.load() is None:
+        pytest.skip("the CPU decode kernel is not built here")
+    calls: list[int] = []
+    paged_decode = cpu_decode_kernel.paged_decode
+    monkeypatch.setattr(cpu_decode_kernel, "paged_decode", lambda query, *a: calls.append(query.shape[0])
+                        or paged_decode(query, *a))
+    monkeypatch.setattr(torch_native.TorchNativeAttentionImpl, "_attend_group", None)  # no other path may run
+    seq_lens, query_lens = [9, 40, 17, 70], [5, 5, 5, 5]
+    out, ref = run_case(seq_lens=seq_lens, query_lens=query_lens, dtype=dtype, sliding_window=sliding_window,
+                        soft_cap=soft_cap, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
+    assert calls == [4] * 5  # one call per row index, every request in each
+
+
+def test_batch_plan_marks_uniform_query_batches_only() -> None:
+    def plan(seq_lens: list[int], query_lens: list[int]) -> int | None:
+        starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        num_tokens = int(starts[-1])
+        metadata = AttentionMetadata(num_tokens, len(seq_lens), max(query_lens), max(seq_lens), starts,
+                                     torch.tensor(seq_lens, dtype=torch.int32),
+                                     torch.zeros(len(seq_lens), 5, dtype=torch.int32), torch.arange(num_tokens),
+                                     starts, torch.tensor(seq_lens, dtype=torch.int32))
+        return build_batch_plan(metadata, block_size=16).uniform_query_len
+
+    assert plan([9, 40], [3, 3]) == 3
+    assert plan([9, 40], [3, 2]) is None  # not uniform
+    assert plan([3, 40], [3, 3]) is None  # a fresh prefill: no context
+    assert plan([9, 40], [1, 1]) is None  # plain decodes
+    assert plan([90, 90], [17, 17]) is None  # past MAX_UNIFORM_QUERY_LEN

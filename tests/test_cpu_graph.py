@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_async_scheduling_e2e import ENGINE_KWARGS, _generate
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import GraphCaptureError
 from pagedllm.platforms.cpu import fused_ops as cpu_ops
 from pagedllm.platforms.cpu.graph import CpuGraph, kernel_call, refuse_capture
@@ -261,7 +261,7 @@ def test_decode_graphs_give_the_eager_tokens_with_hits_preemption_and_grammars(
     the prefix cache, cross block boundaries and follow JSON schemas."""
     llm = LLM(**ENGINE_KWARGS)
     runner = _graph_runner(llm)
-    assert runner is not None and sorted(runner.graphs) == [1, 2, 4, 8]
+    assert runner is not None and runner.sizes_for(1) == [1, 2, 4, 8]
     assert _generate(llm) == eager_tokens
     core = llm.engine_core.engine_core  # type: ignore[attr-defined]
     assert core.scheduler.num_preemptions > 0 and core.kv_cache_manager.total_prefix_cache_hits > 0
@@ -270,12 +270,23 @@ def test_decode_graphs_give_the_eager_tokens_with_hits_preemption_and_grammars(
 
 @pytest.mark.slow
 def test_decode_graphs_with_async_scheduling_and_with_drafts(eager_tokens: list[list[int]]) -> None:
-    """Async scheduling replays too; a drafter's verify steps run eagerly."""
+    """Async scheduling replays too; so do a drafter's verify steps in which
+    every request scores the same 1 + j tokens (j = 1..k drafts)."""
     llm = LLM(**ENGINE_KWARGS, async_scheduling=True)
     assert _generate(llm) == eager_tokens and _graph_runner(llm).num_replays > 50
     speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     llm = LLM(**ENGINE_KWARGS, speculative_config=speculative)
+    runner = _graph_runner(llm)
+    # q x size tokens fit the largest decode graph's 8.
+    assert [runner.sizes_for(q) for q in (2, 3, 4)] == [[1, 2, 4], [1, 2], [1, 2]]
     assert _generate(llm) == eager_tokens
+    # One request at a time: every verify step is uniform.
+    prompt = "one two three four one two three four one two three four one two"
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    eager = LLM(**ENGINE_KWARGS, enforce_eager=True).generate([prompt], params)[0].outputs[0].token_ids
+    before = sum(count for q, count in runner.num_replays_by_query_len.items() if q > 1)
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == eager
+    assert sum(count for q, count in runner.num_replays_by_query_len.items() if q > 1) > before
 
 
 @pytest.mark.slow

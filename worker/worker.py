@@ -482,6 +482,7 @@ class Worker:
             max_model_len=max_model_len,
             block_size=block_size,
             device=self.device,
+            query_lens=self._verify_query_lens(block_size),
         )
         try:
             runner.capture()
@@ -489,7 +490,19 @@ class Worker:
             logger.warning("decode graphs: off, every step runs eagerly (%s)", error)
             return None
         logger.info("decode graphs captured for batch sizes %s", runner.sizes)
+        for query_len in runner.query_lens[1:]:
+            logger.info("verify graphs of %d tokens per request captured for batch sizes %s", query_len,
+                        runner.sizes_for(query_len))
         return runner
+
+    def _verify_query_lens(self, block_size: int) -> list[int]:
+        """The tokens per request of verify steps (2 .. 1 + k: a drafter may
+        propose fewer than k), when a drafter runs and the backend can
+        capture such steps."""
+        num_drafts = self.speculative.num_speculative_tokens if self.speculative.method else 0
+        if not num_drafts or not self.attn_backend.supports_uniform_query_capture(block_size):
+            return []
+        return list(range(2, num_drafts + 2))
 
 
 def _host_resident_bytes(tensors: list[torch.Tensor]) -> int:
