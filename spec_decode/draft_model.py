@@ -18,6 +18,7 @@ from pagedllm.model_registry.input_batch import InputBatch
 from pagedllm.spec_decode.model_drafter import DraftStart, ModelDrafter, load_draft_hf_config
 
 if TYPE_CHECKING:
+    from pagedllm.attention_backends.base import AttentionMetadata
     from pagedllm.core.config import SpeculativeConfig
     from pagedllm.model_registry.interface import ModelForCausalLM
     from pagedllm.spec_decode.interface import DrafterContext, DraftInputs, TargetStep
@@ -77,8 +78,9 @@ class DraftModelDrafter(ModelDrafter):
         logits = self.model.compute_logits(hidden_states[torch.from_numpy(last_rows).to(device)])
         return DraftStart(logits, None, next_positions, next_positions)
 
-    def _draft_step(
-        self, tokens: torch.Tensor, hidden_states: torch.Tensor | None, batch: InputBatch
+    def _draft_forward(
+        self, tokens: torch.Tensor, hidden_states: torch.Tensor | None, positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden_states = self.model(tokens, *self._to_device(batch))
+        hidden_states = self.model(tokens, positions, attn_metadata)
         return self.model.compute_logits(hidden_states), None

@@ -135,6 +135,7 @@ class EagleDrafter(ModelDrafter):
         self.head.load_checkpoint(iterate_safetensors(path), path)
         self.head.eval()
         self.kv_caches = self._allocate_kv_caches(self.head)
+        self.draft_feature_size = hf_config.hidden_size
 
     def _catch_up(self, inputs: DraftInputs, step: TargetStep) -> DraftStart | None:
         device = self.context.device
@@ -161,9 +162,10 @@ class EagleDrafter(ModelDrafter):
         last_positions = batch.positions[last_rows[sampling_rows]]
         return DraftStart(self.target.compute_logits(feature), feature, last_positions + 2, last_positions + 1)
 
-    def _draft_step(
-        self, tokens: torch.Tensor, hidden_states: torch.Tensor | None, batch: InputBatch
+    def _draft_forward(
+        self, tokens: torch.Tensor, hidden_states: torch.Tensor | None, positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert hidden_states is not None  # NOTE: _catch_up always starts from the head's features
-        feature = self.head(self.embed_tokens(tokens), hidden_states, *self._to_device(batch))
+        feature = self.head(self.embed_tokens(tokens), hidden_states, positions, attn_metadata)
         return self.target.compute_logits(feature), feature

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
     from pagedllm.core.config import SpeculativeConfig
     from pagedllm.core.sampling_params import SamplingParams
+    from pagedllm.platforms.interface import Platform
 
 
 @dataclass
@@ -115,6 +116,12 @@ class Drafter(ABC):
         from `get_tp_group()`, which the Worker has joined when it asks);
         the engine sizes the shared block pool with it."""
         return 0
+
+    def capture_graphs(self, platform: Platform, sizes: list[int]) -> None:  # noqa: B027 - optional: no model
+        """Capture the drafter's forwards as graphs for these batch sizes
+        (called once, after its layers are bound to the platform's ops, when
+        the engine captures graphs at all). Default: nothing to capture.
+        A forward that cannot be captured should run eagerly, logged."""
 
     @abstractmethod
     def propose(self, inputs: DraftInputs) -> DraftOutput:

@@ -9,8 +9,9 @@ computes, the drafter computes too, in the same step.
 Each step (`propose`):
 1. catch up (`_catch_up`, per drafter): run the model over the target's kept
    rows of this step; its logits at each sampling request's end give draft 1;
-2. k - 1 single-token steps (`_draft_step`, per drafter) feed draft j for
-   draft j + 1.
+2. k - 1 single-token steps (`_draft_forward`, per drafter) feed draft j
+   for draft j + 1. They are uniform decode batches: with graphs captured
+   (`capture_graphs`), each replays the graph of its batch size.
 Greedy requests draft the argmax (q one-hot); random requests sample from the
 draft distribution at their temperature and report it as q (a seeded
 request from its own generator: see `DraftSampling`).
@@ -18,6 +19,7 @@ request from its own generator: see `DraftSampling`).
 
 from __future__ import annotations
 
+import logging
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -26,8 +28,9 @@ import numpy as np
 import torch
 
 from pagedllm.attention_backends.base import STANDARD_KV_CACHE_LAYOUT
-from pagedllm.core.errors import ConfigError
+from pagedllm.core.errors import ConfigError, GraphCaptureError
 from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.model_registry.batch_graphs import BatchGraphs
 from pagedllm.model_registry.input_batch import InputBatch
 from pagedllm.model_registry.kv_cache import PagedModule, allocate_kv_caches
 from pagedllm.model_registry.layers.tp_heads import partition_heads
@@ -36,6 +39,9 @@ from pagedllm.spec_decode.interface import Drafter, DrafterContext, DraftInputs,
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionMetadata
     from pagedllm.core.config import SpeculativeConfig
+    from pagedllm.platforms.interface import Platform
+
+logger = logging.getLogger(__name__)
 
 
 def load_draft_hf_config(config: SpeculativeConfig, method: str) -> tuple[str, Any]:
@@ -108,17 +114,57 @@ class ModelDrafter(Drafter):
         # Unseeded random requests draw their drafts from this.
         self.generator = torch.Generator(device=context.device)
         self.generator.manual_seed(0)
+        self.draft_graphs: BatchGraphs | None = None
 
     @abstractmethod
     def _catch_up(self, inputs: DraftInputs, step: TargetStep) -> DraftStart | None:
         """Mirror the target's kept rows of this step into the drafter's KV
         cache; None when no request sampled (nothing to draft)."""
 
+    # The per-row features `_draft_forward` feeds back (EAGLE's), [hidden]; None: none.
+    draft_feature_size: int | None = None
+
     @abstractmethod
+    def _draft_forward(
+        self, tokens: torch.Tensor, hidden_states: torch.Tensor | None, positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed one draft per request: (logits of the next draft, what the next step feeds back)."""
+
+    def capture_graphs(self, platform: Platform, sizes: list[int]) -> None:
+        """Graphs of the single-token draft steps, per batch size."""
+        context = self.context
+        extras: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        if self.draft_feature_size is not None:
+            extras["hidden_states"] = ((self.draft_feature_size,), context.dtype)
+
+        def forward(tokens: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                    inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            logits, feature = self._draft_forward(tokens, inputs.get("hidden_states"), positions, metadata)
+            return (logits,) if feature is None else (logits, feature)
+
+        graphs = BatchGraphs(forward, context.attn_backend, platform, sizes=sizes,
+                             max_model_len=context.max_model_len, block_size=context.block_size,
+                             device=context.device, extra_inputs=extras)
+        try:
+            with torch.inference_mode():
+                graphs.capture()
+        except GraphCaptureError as error:
+            logger.warning("%s draft graphs: off, draft steps run eagerly (%s)", self.method, error)
+            return
+        self.draft_graphs = graphs
+        logger.info("%s draft graphs captured for batch sizes %s", self.method, graphs.sizes)
+
     def _draft_step(
         self, tokens: torch.Tensor, hidden_states: torch.Tensor | None, batch: InputBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feed one draft per request: (logits of the next draft, what the next step feeds back)."""
+        """One single-token draft step: its graph's replay where there is one."""
+        graphs = self.draft_graphs
+        if graphs is None or not graphs.can_run(batch):
+            return self._draft_forward(tokens, hidden_states, *self._to_device(batch))
+        extras = None if hidden_states is None else {"hidden_states": hidden_states}
+        outputs = graphs.run(tokens, batch, extras)
+        return outputs[0], outputs[1] if len(outputs) > 1 else None
 
     def _allocate_kv_caches(self, model: PagedModule) -> list[torch.Tensor]:
         """The drafter's own KV cache, with the target's block geometry: the

@@ -290,6 +290,24 @@ def test_decode_graphs_with_async_scheduling_and_with_drafts(eager_tokens: list[
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method,model", [("eagle", "tiny-eagle"), ("draft_model", "tiny-draft")])
+def test_model_drafters_replay_their_draft_steps_with_the_eager_tokens(method: str, model: str) -> None:
+    """The k - 1 single-token draft steps of a model drafter replay graphs
+    per batch size; the tokens are the eager engine's."""
+    speculative = {"method": method, "model": model, "num_speculative_tokens": 3}
+    prompt = "one two three four one two three four one two three four one two"
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    eager = LLM(**ENGINE_KWARGS, speculative_config=speculative, enforce_eager=True)
+    llm = LLM(**ENGINE_KWARGS, speculative_config=speculative)
+    graphs = _graph_runner(llm)  # the target's
+    drafter = llm.engine_core.engine_core.model_executor.driver_worker.model_runner.drafter  # type: ignore[attr-defined]
+    assert drafter.draft_graphs is not None and drafter.draft_graphs.sizes_for(1) == graphs.sizes_for(1)
+    assert [o.outputs[0].token_ids for o in llm.generate([prompt, prompt[4:]], params)] == [
+        o.outputs[0].token_ids for o in eager.generate([prompt, prompt[4:]], params)]
+    assert drafter.draft_graphs.num_replays > 0
+
+
+@pytest.mark.slow
 def test_bfloat16_decode_graphs_give_the_eager_tokens() -> None:
     kwargs = {**ENGINE_KWARGS, "dtype": "bfloat16"}
     eager = _generate(LLM(**kwargs, enforce_eager=True))

@@ -1,61 +1,22 @@
-"""Graph capture for uniform batches: decode steps and verify steps.
-
-A decode step of n requests runs the same kernels every time, only on other
-values: capture the model's forward once per batch size and replay it. The
-inputs live in persistent buffers sized for the largest captured batch; a
-step of n requests copies its values in, pads to the smallest captured size
->= n (padded rows write no KV: slot -1; they read keys of block 0 and are
-thrown away) and replays.
-
-A speculative verify step, in which every request scores the same q = 1 + k
-tokens (its newest token and k drafts), is as regular (vLLM captures such
-uniform query-length batches too): graphs are captured per batch size and
-query length, for the query lengths asked for (`query_lens`), at the sizes
-whose q-token batches are no bigger than the largest decode graph's batch.
-Rejection sampling runs after the replay, on its output. Prefill steps,
-mixed steps and steps with drafts of different lengths run eagerly.
-
-Only backends whose forward reads nothing but the metadata's device tensors
-(and no host value that changes between steps) can be captured: they say so
-with `AttentionBackend.supports_graph_capture(block_size)`; a backend that
-finds a query length it cannot serve that way refuses at capture, and those
-steps run eagerly.
-"""
+"""The model runner's graphs: the target model's forward over uniform decode
+and verify batches (model_registry/batch_graphs.py captures and replays)."""
 
 from __future__ import annotations
 
-import bisect
-import logging
-from collections import Counter
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from pagedllm.attention_backends.base import AttentionMetadata
-from pagedllm.core.errors import GraphCaptureError
+from pagedllm.model_registry.batch_graphs import BatchGraphs, default_graph_sizes
 
 if TYPE_CHECKING:
-    from pagedllm.attention_backends.base import AttentionBackend
+    from pagedllm.attention_backends.base import AttentionBackend, AttentionMetadata
     from pagedllm.model_registry.input_batch import InputBatch
     from pagedllm.model_registry.interface import ModelForCausalLM
     from pagedllm.platforms.interface import Platform
 
-logger = logging.getLogger(__name__)
 
-
-def default_graph_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, 16, ... up to max_num_seqs, and max_num_seqs itself."""
-    sizes = []
-    size = 1
-    while size < max_num_seqs:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, max_num_seqs]
-
-
-class DecodeGraphRunner:
+class DecodeGraphRunner(BatchGraphs):
     def __init__(
         self,
         model: ModelForCausalLM,
@@ -68,118 +29,17 @@ class DecodeGraphRunner:
         device: torch.device,
         query_lens: list[int] | None = None,
     ) -> None:
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                    extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            return (model(input_ids, positions, metadata),)
+
+        super().__init__(forward, attn_backend, platform, sizes=sizes, max_model_len=max_model_len,
+                         block_size=block_size, device=device, query_lens=query_lens)
         self.model = model
-        self.attn_backend = attn_backend
-        self.platform = platform
-        self.sizes = sorted(set(sizes))
-        self.query_lens = sorted(set(query_lens or [1]) | {1})
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        max_size = self.sizes[-1]
-        self.max_blocks_per_req = -(-max_model_len // block_size)
-        max_tokens = max_size * max(self.query_lens)
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)
-        # Constant per query length q: request r's rows start at r * q.
-        self.query_start_locs = {
-            query_len: torch.arange(max_size + 1, dtype=torch.int32, device=device) * query_len
-            for query_len in self.query_lens
-        }
-        self.block_table = torch.zeros(max_size, self.max_blocks_per_req, dtype=torch.int32, device=device)
-        # (batch size, query length) -> (replay, output hidden states)
-        self.graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor]] = {}
-        self.num_replays = 0
-        self.num_replays_by_query_len: Counter[int] = Counter()
 
-    def sizes_for(self, query_len: int) -> list[int]:
-        """The captured batch sizes of steps that score `query_len` tokens per request."""
-        return sorted(size for size, graph_query_len in self.graphs if graph_query_len == query_len)
-
-    def _metadata(self, size: int, query_len: int) -> AttentionMetadata:
-        # Host-side fields describe the worst case the graph must serve.
-        common = AttentionMetadata(
-            num_actual_tokens=size * query_len,
-            num_reqs=size,
-            max_query_len=query_len,
-            max_seq_len=self.max_model_len,
-            query_start_loc=self.query_start_locs[query_len][: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size],
-            slot_mapping=self.slot_mapping[: size * query_len],
-            query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32) * query_len,
-            seq_lens_cpu=torch.full((size,), self.max_model_len, dtype=torch.int32),
-        )
-        return self.attn_backend.build_metadata(common, self.block_size)
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Decode graphs (GraphCaptureError when one cannot be captured),
-        then verify graphs, each query length given up as a whole (its steps
-        run eagerly) when the backend cannot serve it from tensors alone."""
-        pool = self._capture_query_len(1, self.sizes, None)
-        for query_len in self.query_lens[1:]:
-            sizes = [size for size in self.sizes if size * query_len <= self.sizes[-1]] or [1]
-            try:
-                pool = self._capture_query_len(query_len, sizes, pool)
-            except GraphCaptureError as error:
-                for size in sizes:
-                    self.graphs.pop((size, query_len), None)
-                logger.info("verify graphs of %d tokens per request: off (%s)", query_len, error)
-
-    def _capture_query_len(self, query_len: int, sizes: list[int], pool: object | None) -> object | None:
-        for size in reversed(sizes):  # largest first: the rest fit in its memory pool
-            metadata = self._metadata(size, query_len)
-            num_tokens = size * query_len
-
-            def run(num_tokens: int = num_tokens, metadata: AttentionMetadata = metadata) -> torch.Tensor:
-                return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens], metadata)
-
-            replay, output, pool = self.platform.capture_graph(run, pool)
-            self.graphs[(size, query_len)] = (replay, output)
-        return pool
-
-    def _graph_size(self, batch: InputBatch) -> tuple[int, int] | None:
-        """(size, q) of the graph that serves `batch`: every request scores
-        the same q tokens, q and a size >= its requests captured; else None."""
-        num_reqs = batch.num_reqs
-        if num_reqs == 0 or batch.num_tokens % num_reqs or batch.block_table.shape[1] > self.max_blocks_per_req:
-            return None
-        query_len = batch.num_tokens // num_reqs
-        if query_len > 1 and not bool((np.diff(batch.query_start_loc) == query_len).all()):
-            return None
-        sizes = self.sizes_for(query_len)
-        index = bisect.bisect_left(sizes, num_reqs)
-        return (sizes[index], query_len) if index < len(sizes) else None
-
-    def can_run(self, batch: InputBatch) -> bool:
-        """A uniform batch (one token per request, or the same 1 + k) of a captured shape."""
-        return self._graph_size(batch) is not None
-
-    def run(self, input_ids: torch.Tensor, batch: InputBatch) -> torch.Tensor:
+    def run_model(self, input_ids: torch.Tensor, batch: InputBatch) -> torch.Tensor:
         """Hidden states [n * q, hidden] of a uniform step of n requests."""
-        shape = self._graph_size(batch)
-        assert shape is not None, "run() without can_run()"
-        size, query_len = shape
-        n, num_tokens = batch.num_reqs, batch.num_tokens
-        padded_tokens = size * query_len
-        width = batch.block_table.shape[1]
-        # The step's host arrays go straight into the persistent buffers.
-        self.input_ids[:num_tokens].copy_(input_ids)
-        self.positions[:num_tokens].copy_(torch.from_numpy(batch.positions))
-        self.slot_mapping[:num_tokens].copy_(torch.from_numpy(batch.slot_mapping))
-        self.seq_lens[:n].copy_(torch.from_numpy(batch.seq_lens))
-        self.block_table[:n, :width].copy_(torch.from_numpy(batch.block_table))
-        self.block_table[:n, width:].zero_()
-        # Padding requests: q tokens each that write nothing and read block 0.
-        self.input_ids[num_tokens:padded_tokens].zero_()
-        self.positions[num_tokens:padded_tokens].zero_()
-        self.slot_mapping[num_tokens:padded_tokens].fill_(-1)
-        self.seq_lens[n:size].fill_(query_len)
-        self.block_table[n:size].zero_()
-        replay, output = self.graphs[(size, query_len)]
-        replay()
-        self.num_replays += 1
-        self.num_replays_by_query_len[query_len] += 1
-        return output[:num_tokens]
+        return self.run(input_ids, batch)[0]
+
+
+__all__ = ["DecodeGraphRunner", "default_graph_sizes"]

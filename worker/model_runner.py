@@ -199,7 +199,7 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, batch: InputBatch) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.run(input_ids, batch)
+            return self.graph_runner.run_model(input_ids, batch)
         return self.model(input_ids, *batch.to_device(self.attn_backend, self.block_size, self.device))
 
     def _sampling_batch(

@@ -417,6 +417,8 @@ class Worker:
         for part in vars(drafter).values():
             if isinstance(part, nn.Module) and part is not self.model:
                 bind_layer_ops(part, self.op_registry)
+        if self._graphs_enabled():
+            drafter.capture_graphs(self.platform, self._graph_sizes())
         logger.info(
             "speculative decoding: %s, k=%d", self.speculative.method, self.speculative.num_speculative_tokens
         )
@@ -468,17 +470,14 @@ class Worker:
         """Decode graphs for the configured batch sizes, when the platform and
         the backend can capture them (after the KV caches are bound: graphs
         read them)."""
-        device_config, block_size = self.config.device, self.config.cache.block_size
-        if device_config.enforce_eager or not self.platform.supports_graph_capture():
-            return None
-        if not self.attn_backend.supports_graph_capture(block_size):
-            logger.info("decode graphs: off (attention backend %s cannot be captured)", self.attn_backend.__name__)
+        block_size = self.config.cache.block_size
+        if not self._graphs_enabled():
             return None
         runner = DecodeGraphRunner(
             self.model,
             self.attn_backend,
             self.platform,
-            sizes=device_config.graph_sizes or default_graph_sizes(self.config.scheduler.max_num_seqs),
+            sizes=self._graph_sizes(),
             max_model_len=max_model_len,
             block_size=block_size,
             device=self.device,
@@ -494,6 +493,19 @@ class Worker:
             logger.info("verify graphs of %d tokens per request captured for batch sizes %s", query_len,
                         runner.sizes_for(query_len))
         return runner
+
+    def _graphs_enabled(self) -> bool:
+        """Whether forwards are captured as graphs here: not enforce_eager,
+        and the platform and the attention backend can capture them."""
+        if self.config.device.enforce_eager or not self.platform.supports_graph_capture():
+            return False
+        if not self.attn_backend.supports_graph_capture(self.config.cache.block_size):
+            logger.info("graphs: off (attention backend %s cannot be captured)", self.attn_backend.__name__)
+            return False
+        return True
+
+    def _graph_sizes(self) -> list[int]:
+        return self.config.device.graph_sizes or default_graph_sizes(self.config.scheduler.max_num_seqs)
 
     def _verify_query_lens(self, block_size: int) -> list[int]:
         """The tokens per request of verify steps (2 .. 1 + k: a drafter may
