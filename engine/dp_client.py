@@ -59,6 +59,9 @@ class DPAsyncMPClient:
         self._failures: collections.deque[ReplicaFailure] = collections.deque()
         # Engine request id -> its request's engine requests, until any of them has output.
         self._unstarted: dict[str, list[EngineCoreRequest]] = {}
+        # Replica -> (sent at, its health ping in flight): one at a time each.
+        self._pings: dict[int, tuple[float, asyncio.Task[Any]]] = {}
+        self.health_timeout_s = config.server.health_timeout_s
         try:
             for replica_config in replica_configs(config, self.router.mirrors_caches):
                 self.clients.append(AsyncMPClient(replica_config, in_thread=in_thread))
@@ -236,7 +239,11 @@ class DPAsyncMPClient:
     async def call_utility_async(self, name: str, *args: Any) -> Any:
         """Run a utility on every live replica; reset_prefix_cache: whether
         every replica reset, else the first replica's answer (of those that
-        answered: one that dies meanwhile leaves it to the others)."""
+        answered: one that dies meanwhile leaves it to the others). A ping
+        answers with the first replica's pong: a stopped or wedged one must
+        not hold /health back (replica_health names it)."""
+        if name == "ping":
+            return await self._ping_any()
         results = await asyncio.gather(
             *(self.clients[book.index].call_utility_async(name, *args) for book in self.router.live()),
             return_exceptions=True,
@@ -251,8 +258,41 @@ class DPAsyncMPClient:
             return all(answers)
         return answers[0] if answers else None
 
+    async def _ping_any(self) -> Any:
+        pending = {self._replica_ping(book.index) for book in self.router.live()}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for ping in done:
+                if not ping.cancelled() and ping.exception() is None:
+                    return ping.result()
+        self.check_alive()  # EngineDeadError once none is alive
+        return None
+
+    def _replica_ping(self, replica: int) -> asyncio.Task[Any]:
+        """The replica's health ping in flight, sent now if none is."""
+        in_flight = self._pings.get(replica)
+        if in_flight is None or in_flight[1].done():
+            task = asyncio.ensure_future(self.clients[replica].call_utility_async("ping"))
+            in_flight = self._pings[replica] = (time.monotonic(), task)
+        return in_flight[1]
+
     def replica_health(self) -> list[dict[str, Any]]:
-        return self.router.health()
+        """Each replica: alive (or the error it died of) and, when alive,
+        responsive: heard from within server.health_timeout_s, or its ping
+        not yet that old (one is sent to a replica not heard from)."""
+        now = time.monotonic()
+        rows = self.router.health()
+        for row in rows:
+            if row["alive"]:
+                row["responsive"] = self._responsive(row["replica"], now)
+        return rows
+
+    def _responsive(self, replica: int, now: float) -> bool:
+        if now - self.clients[replica].last_heard_at < self.health_timeout_s:
+            return True
+        self._replica_ping(replica)
+        sent_at, _ = self._pings[replica]
+        return now - sent_at < self.health_timeout_s
 
 
 class SyncDPClient(EngineCoreClient):

@@ -350,3 +350,30 @@ def test_serve_dp2_gives_a_single_engines_tokens_and_survives_a_dead_replica() -
         message = httpx.get(f"{server.base_url}/health").json()["error"]["message"]
         assert "every engine replica died" in message and "replica 0" in message and "replica 1" in message
         assert _complete(server, prompts[0]).status_code == 503
+
+
+def test_a_stopped_replica_makes_health_degraded_not_503_and_comes_back() -> None:
+    """A replica that is alive but silent (SIGSTOP) is named unresponsive
+    once its ping is older than --health-timeout-s; /health stays 200 while
+    the other answers, and is plain 200 again once it answers again."""
+    with start_server("tiny", "--dtype", "float32", "--num-kv-blocks", str(NUM_KV_BLOCKS), "-dp", "2",
+                      "--health-timeout-s", "1") as server:
+        pids = httpx.get(f"{server.base_url}/server_info").json()["engine_pids"]
+        assert httpx.get(f"{server.base_url}/health").status_code == 200
+        os.kill(pids[0], signal.SIGSTOP)
+        try:
+            seen: list[tuple[int, str]] = []
+
+            def degraded() -> bool:
+                response = httpx.get(f"{server.base_url}/health", timeout=10)
+                seen.append((response.status_code, response.text))
+                return response.status_code == 200 and '"degraded"' in response.text
+
+            assert wait_until(degraded, 10.0), seen[-3:]
+            assert all(status == 200 for status, _ in seen), seen  # never a 503: replica 1 answers
+            replicas = json.loads(seen[-1][1])["replicas"]
+            states = [(r["replica"], r["alive"], r["responsive"]) for r in replicas]
+            assert states == [(0, True, False), (1, True, True)]
+        finally:
+            os.kill(pids[0], signal.SIGCONT)
+        assert wait_until(lambda: httpx.get(f"{server.base_url}/health").content == b"", 10.0)

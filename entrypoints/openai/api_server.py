@@ -76,7 +76,7 @@ GRACEFUL_SHUTDOWN_S = 5
 # /health documents what it answers: no body on 200, the error JSON on 503.
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The engine core answered a ping in time (no body; with data-parallel replicas "
-                         "of which some died: `{\"status\": \"degraded\", \"replicas\": [...]}`)",
+                         "of which some died or do not answer: `{\"status\": \"degraded\", \"replicas\": [...]}`)",
           "content": None},
     503: {"description": "The engine core died or did not answer within server.health_timeout_s, or the "
                          "server is draining (shutting down: `{\"status\": \"draining\", \"error\": ...}`)",
@@ -189,8 +189,8 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
         if problem is not None:
             return _error_response(503, problem)
         replicas = engine.replica_health()
-        if replicas is not None and not all(replica["alive"] for replica in replicas):
-            # Some data-parallel replicas died, the others serve: degraded, still 200.
+        if replicas is not None and not all(replica["alive"] and replica["responsive"] for replica in replicas):
+            # Some data-parallel replicas died or stopped answering, the others serve: degraded, still 200.
             return JSONResponse({"status": "degraded", "replicas": replicas})
         return Response(status_code=200)
 
