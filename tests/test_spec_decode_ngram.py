@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
 from pagedllm.core.config import SpeculativeConfig
 from pagedllm.spec_decode.interface import DraftInputs
-from pagedllm.spec_decode.ngram import NgramDrafter, ngram_propose
+from pagedllm.spec_decode.ngram import NgramDrafter, batch_ngram_propose, ngram_propose
 
 
 def test_bigram_suffix_proposes_what_followed_it() -> None:
@@ -49,3 +50,35 @@ def test_drafter_batch_is_fast_for_hundreds_of_requests() -> None:
     assert len(out.draft_token_ids) == 256
     assert all(len(d) <= 4 for d in out.draft_token_ids)
     print(f"256 requests x 1000 tokens: {elapsed * 1000:.1f} ms")
+
+
+def _random_and_adversarial_batches() -> list[list[list[int]]]:
+    rng = np.random.default_rng(1)
+    batches = [
+        [rng.integers(0, vocab, size=int(rng.integers(0, 60))).tolist() for _ in range(int(rng.integers(1, 10)))]
+        for vocab in (2, 3, 7, 1000)
+        for _ in range(50)
+    ]
+    # Adversarial: one token repeated (every window matches), lengths 0..3
+    # beside a long row (padding next to real tokens), a match that is the
+    # sequence's own prefix, rows identical but for the last token.
+    batches.append([[5] * 40, [], [5], [5, 5], [1, 5, 5], [5] * 3])
+    batches.append([[1, 2, 3, 1, 2, 3, 1, 2], [9] * 200, [2, 1]])
+    batches.append([[4, 5, 6, 7, 4, 5, 6, 8], [4, 5, 6, 7, 4, 5, 6, 7], [0, 1, 0, 1, 0]])
+    return batches
+
+
+def test_batch_proposals_equal_the_per_request_rule() -> None:
+    for batch in _random_and_adversarial_batches():
+        for min_n, max_n in ((1, 1), (1, 3), (2, 4), (3, 5), (4, 2)):
+            ks = [(i % 5) for i in range(len(batch))]
+            expected = [ngram_propose(tokens, min_n, max_n, k) for tokens, k in zip(batch, ks, strict=True)]
+            assert batch_ngram_propose(batch, min_n, max_n, ks) == expected
+
+
+def test_drafter_caps_drafts_at_max_model_len_per_request() -> None:
+    context = SimpleNamespace(max_model_len=10)
+    drafter = NgramDrafter(SpeculativeConfig(method="ngram", num_speculative_tokens=4), context)  # type: ignore[arg-type]
+    token_ids = [[1, 2, 3, 1, 2, 3, 1, 2], [1, 2, 1]]
+    out = drafter.propose(DraftInputs(req_ids=["a", "b"], token_ids=token_ids, sampling_params=[]))
+    assert out.draft_token_ids == [[3, 1], [2, 1]]
