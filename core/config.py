@@ -239,7 +239,7 @@ class StructuredOutputConfig(_Section):
 class SpeculativeConfig(_Section):
     """Speculative decoding (vLLM's `speculative_config`); off while `method` is None."""
 
-    # A registered `drafter` name: ngram, draft_model, eagle, or a plugin's.
+    # A registered `drafter` name: ngram, suffix, draft_model, eagle, or a plugin's.
     method: str | None = None
     # Draft tokens proposed per request per step (k).
     num_speculative_tokens: int = Field(3, ge=1, le=32)
@@ -248,6 +248,19 @@ class SpeculativeConfig(_Section):
     # n-gram (prompt lookup): the shortest and longest suffix n-gram matched.
     prompt_lookup_min: int = Field(1, ge=1)
     prompt_lookup_max: int = Field(4, ge=1)
+    # suffix decoding: the suffix trees keep windows of up to this many tokens
+    # (a match is at most max_tree_depth - 1 long, match + draft at most this).
+    suffix_decoding_max_tree_depth: int = Field(24, ge=2)
+    # Finished requests whose outputs the global suffix tree keeps (oldest
+    # evicted first; 0 = no global tree, each request matches only itself).
+    suffix_decoding_max_cached_requests: int = Field(1000, ge=0)
+    # Draft at most int(match length * factor + offset) tokens (and at most
+    # num_speculative_tokens): a longer match earns a longer draft.
+    suffix_decoding_max_spec_factor: float = Field(1.0, gt=0)
+    suffix_decoding_max_spec_offset: float = 0.0
+    # Stop the draft where the continuation's estimated probability (product of
+    # child count / parent count along the path) falls below this.
+    suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1)
 
     @field_validator("prompt_lookup_max")
     @classmethod

@@ -84,6 +84,7 @@ def register_models(register: RegisterFn) -> None:
 @hookimpl
 def register_drafters(register: RegisterFn) -> None:
     register("ngram", "pagedllm.spec_decode.ngram:NgramDrafter", needs_model=False)
+    register("suffix", "pagedllm.spec_decode.suffix:SuffixDrafter", needs_model=False)
     register("draft_model", "pagedllm.spec_decode.draft_model:DraftModelDrafter", needs_model=True)
     register("eagle", "pagedllm.spec_decode.eagle:EagleDrafter", needs_model=True)
 

@@ -80,7 +80,10 @@ from packaging.version import Version
 #      instance between the scheduler and the rank), the scheduler side from
 #      the ranks' `KVConnectorShard`s. `SamplingParams` is a msgspec Struct
 #      (same fields and constructor).
-API_VERSION = "1.9.0"
+# 1.10: `Drafter.finish_requests` (default no-op): the model runner names the
+#      requests that finished or were aborted, so a stateful drafter (suffix)
+#      frees what it keeps per request.
+API_VERSION = "1.10.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

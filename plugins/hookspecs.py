@@ -172,8 +172,8 @@ def register_drafters(register: RegisterFn) -> None:
     :return: nothing; the return value is ignored.
 
     Called lazily when the drafter registry is first needed (building an
-    engine with ``speculative.method`` set, ``pagedllm plugins list``). Built-ins: ``ngram``, ``draft_model``,
-    ``eagle``.
+    engine with ``speculative.method`` set, ``pagedllm plugins list``). Built-ins: ``ngram``, ``suffix``,
+    ``draft_model``, ``eagle``.
     """
 
 

@@ -126,3 +126,10 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, inputs: DraftInputs) -> DraftOutput:
         """Up to `num_speculative_tokens` drafts for each request of `inputs`."""
+
+    def finish_requests(self, req_ids: set[str]) -> None:  # noqa: B027 - optional hook, default no-op
+        """These requests finished or were aborted: drop what is kept for them.
+
+        The model runner calls it before the step that follows (the ids the
+        scheduler freed); ids the drafter never saw may be among them.
+        Default: nothing (a stateless drafter). Plugin API >= 1.10."""

@@ -25,7 +25,7 @@ from pagedllm.model_registry.tiny import MODEL_ALIASES, WEIGHTS_DIR
 from pagedllm.testing.suites.drafter import repeated_span_prompts
 
 NUM_PROMPTS = 16
-METHODS = ["ngram", "draft_model", "eagle"]
+METHODS = ["ngram", "suffix", "draft_model", "eagle"]
 MAX_NEW_TOKENS = 24
 
 
@@ -47,6 +47,8 @@ def _target() -> str:
 def _drafter_config(method: str, k: int) -> dict[str, Any]:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}
     if method == "draft_model":
         shipped = _shipped("tiny-draft") if _shipped("tiny") else None
         model = str(shipped) if shipped else str(
@@ -110,7 +112,7 @@ def test_greedy_output_is_identical_with_speculation(method: str, k: int) -> Non
     assert _generate(llm, prompts, _greedy()) == _reference(prompts, _greedy())
     stats = _spec_stats(llm)
     assert stats.num_draft_tokens > 0  # speculation actually happened
-    if method == "ngram" or _shipped("tiny"):  # a random draft model may never be right
+    if method in ("ngram", "suffix") or _shipped("tiny"):  # a random draft model may never be right
         assert stats.num_accepted_tokens > 0
 
 

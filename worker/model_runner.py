@@ -100,6 +100,8 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             input_batch.remove_request(req_id)
+        if self.drafter is not None and scheduler_output.finished_req_ids:
+            self.drafter.finish_requests(set(scheduler_output.finished_req_ids))
         for req_id in scheduler_output.preempted_req_ids:
             # Keep tokens and RNG state: the request resumes where it was.
             if req_id in self.requests:
