@@ -133,6 +133,7 @@ def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
         },
         "drafter": {
             "ngram": "pagedllm.spec_decode.ngram:NgramDrafter",
+            "suffix": "pagedllm.spec_decode.suffix:SuffixDrafter",
             "draft_model": "pagedllm.spec_decode.draft_model:DraftModelDrafter",
             "eagle": "pagedllm.spec_decode.eagle:EagleDrafter",
         },
