@@ -241,7 +241,8 @@ def add_spec_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     spec.add_argument("--tokenizer", default=None)
     spec.add_argument("--dtype", default=None)
     spec.add_argument("--methods", default="ngram,draft_model,eagle",
-                      help="comma-separated drafter names (registered speculative.method values)")
+                      help="comma-separated drafter names (registered speculative.method values: "
+                      "ngram, suffix, draft_model, eagle, a plugin's)")
     spec.add_argument("--draft-model", default=None, help="default: the shipped tiny-draft")
     spec.add_argument("--eagle-model", default=None, help="default: the shipped tiny-eagle")
     spec.add_argument("--speculative-model", default=None, help="speculative.model for a plugin drafter")
