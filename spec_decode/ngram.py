@@ -9,15 +9,21 @@ The drafter matches the whole batch at once: the requests' tokens, padded on
 the left into one [B, L] matrix so that every row ends in the same column, are
 compared with their last n tokens in max_n vectorised passes
 (`batch_ngram_propose`). `ngram_propose` is the same rule for one sequence.
+Each request's tokens are kept as a growing array (`TokenBuffer`) so a step
+converts only its new tokens; `finish_requests` drops them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagedllm.spec_decode.interface import Drafter, DraftInputs, DraftOutput
+from pagedllm.spec_decode.interface import Drafter, DrafterContext, DraftInputs, DraftOutput
+
+if TYPE_CHECKING:
+    from pagedllm.core.config import SpeculativeConfig
 
 # Left padding of the batch matrix: never equal to a token id.
 _PAD = -1
@@ -52,7 +58,7 @@ def ngram_propose(token_ids: np.ndarray | list[int], min_n: int, max_n: int, k: 
     return tokens[end : end + k].tolist()
 
 
-def _left_padded(token_ids: Sequence[Sequence[int]], lengths: np.ndarray) -> np.ndarray:
+def _left_padded(token_ids: Sequence[Sequence[int] | np.ndarray], lengths: np.ndarray) -> np.ndarray:
     """[B, L] int64, row i's tokens in its last lengths[i] columns, _PAD before."""
     width = int(lengths.max())
     matrix = np.full((len(token_ids), width), _PAD, dtype=np.int64)
@@ -60,6 +66,30 @@ def _left_padded(token_ids: Sequence[Sequence[int]], lengths: np.ndarray) -> np.
         if len(tokens):
             matrix[row, width - len(tokens) :] = tokens
     return matrix
+
+
+class TokenBuffer:
+    """A request's tokens as a growing int64 array, so that each step converts
+    only the new tokens (converting ~1k Python ints costs more than the match)."""
+
+    def __init__(self) -> None:
+        self.array = np.empty(0, dtype=np.int64)
+        self.num_tokens = 0
+
+    def update(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The tokens as an array view, after appending those not seen yet (or
+        rebuilding, when `token_ids` does not extend what was seen)."""
+        n = self.num_tokens
+        if len(token_ids) < n or (n and token_ids[n - 1] != self.array[n - 1]) or (n and token_ids[0] != self.array[0]):
+            n = self.num_tokens = 0
+        new = token_ids[n:]
+        if n + len(new) > len(self.array):
+            grown = np.empty(max(2 * len(self.array), n + len(new), 64), dtype=np.int64)
+            grown[:n] = self.array[:n]
+            self.array = grown
+        self.array[n : n + len(new)] = new
+        self.num_tokens = n + len(new)
+        return self.array[: self.num_tokens]
 
 
 def batch_match_lengths(matrix: np.ndarray, max_n: int) -> np.ndarray:
@@ -85,7 +115,7 @@ def batch_match_lengths(matrix: np.ndarray, max_n: int) -> np.ndarray:
 
 
 def batch_ngram_propose(
-    token_ids: Sequence[Sequence[int]], min_n: int, max_n: int, ks: Sequence[int]
+    token_ids: Sequence[Sequence[int] | np.ndarray], min_n: int, max_n: int, ks: Sequence[int]
 ) -> list[list[int]]:
     """`ngram_propose(token_ids[i], min_n, max_n, ks[i])` for every i, in one
     vectorised pass over the batch."""
@@ -110,11 +140,21 @@ def batch_ngram_propose(
 
 
 class NgramDrafter(Drafter):
+    def __init__(self, config: SpeculativeConfig, context: DrafterContext) -> None:
+        super().__init__(config, context)
+        self.buffers: dict[str, TokenBuffer] = {}
+
     def propose(self, inputs: DraftInputs) -> DraftOutput:
         config = self.config
         k = self.num_speculative_tokens
         max_model_len = self.context.max_model_len if self.context is not None else None
         ks = [k if max_model_len is None else max(0, min(k, max_model_len - len(t))) for t in inputs.token_ids]
-        return DraftOutput(
-            batch_ngram_propose(inputs.token_ids, config.prompt_lookup_min, config.prompt_lookup_max, ks)
-        )
+        token_arrays = [
+            self.buffers.setdefault(req_id, TokenBuffer()).update(token_ids)
+            for req_id, token_ids in zip(inputs.req_ids, inputs.token_ids, strict=True)
+        ]
+        return DraftOutput(batch_ngram_propose(token_arrays, config.prompt_lookup_min, config.prompt_lookup_max, ks))
+
+    def finish_requests(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self.buffers.pop(req_id, None)

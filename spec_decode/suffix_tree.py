@@ -37,19 +37,18 @@ class SuffixTree:
     def extend(self, cursor: Cursor, tokens: Sequence[int]) -> None:
         """Append `tokens` to the sequence whose suffixes `cursor` holds."""
         keep = self.max_depth - 1
+        root = self.root
         for token in tokens:
-            self.root.count += 1
-            grown = [self._child(self.root, token)]
-            grown.extend(self._child(node, token) for node in cursor)  # up to depth max_depth
+            root.count += 1
+            grown = []
+            for node in (root, *cursor):  # every suffix grows by `token`, up to depth max_depth
+                child = node.children.get(token)
+                if child is None:
+                    child = node.children[token] = Node()
+                    self.num_nodes += 1
+                child.count += 1
+                grown.append(child)
             cursor[:] = grown[:keep]
-
-    def _child(self, node: Node, token: int) -> Node:
-        child = node.children.get(token)
-        if child is None:
-            child = node.children[token] = Node()
-            self.num_nodes += 1
-        child.count += 1
-        return child
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Undo `extend` of these tokens (a whole sequence, as added)."""

@@ -82,3 +82,18 @@ def test_drafter_caps_drafts_at_max_model_len_per_request() -> None:
     token_ids = [[1, 2, 3, 1, 2, 3, 1, 2], [1, 2, 1]]
     out = drafter.propose(DraftInputs(req_ids=["a", "b"], token_ids=token_ids, sampling_params=[]))
     assert out.draft_token_ids == [[3, 1], [2, 1]]
+
+
+def test_drafter_keeps_each_requests_tokens_across_steps_and_frees_them() -> None:
+    drafter = NgramDrafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), None)  # type: ignore[arg-type]
+    rng = np.random.default_rng(2)
+    full = [rng.integers(0, 4, size=200).tolist() for _ in range(3)]
+    for length in range(2, 200, 7):  # decoding: each step sees a longer prefix
+        batch = [tokens[:length] for tokens in full]
+        out = drafter.propose(DraftInputs(req_ids=["a", "b", "c"], token_ids=batch, sampling_params=[]))
+        assert out.draft_token_ids == [ngram_propose(tokens, 1, 4, 3) for tokens in batch]
+    # The same id with other tokens (no finish in between): rebuilt, not appended to.
+    out = drafter.propose(DraftInputs(req_ids=["a"], token_ids=[[7, 8, 9, 7, 8]], sampling_params=[]))
+    assert out.draft_token_ids == [[9, 7, 8]]
+    drafter.finish_requests({"a", "b", "unknown"})
+    assert set(drafter.buffers) == {"c"}
