@@ -296,3 +296,27 @@ def test_spawned_engine_core_speculates_and_reports_counts() -> None:
     assert [tokens[f"req-{i}"] for i in range(len(prompts))] == _reference(prompts, params)
     assert all(c is not None and c[1] >= c[2] >= 0 for c in counts.values())
     assert sum(c[1] for c in counts.values()) > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_drafter_frees_what_it_keeps_when_requests_finish_or_abort(method: str) -> None:
+    from pagedllm.core.request import Request
+
+    llm = _llm(_drafter_config(method, 3))
+    core = llm.engine_core.engine_core  # type: ignore[attr-defined]
+    drafter = llm.engine_core.executor.driver_worker.drafter  # type: ignore[attr-defined]
+    kept = drafter.requests if method == "suffix" else drafter.buffers
+    prompts = repeated_span_prompts(4, seed=41)
+    for i, max_tokens in enumerate([3, 60, 60]):
+        core.add_request(Request(f"r{i}", prompts[i], _greedy(max_tokens), eos_token_id=None))
+    for _ in range(8):  # r0 finishes (3 tokens), r1 and r2 keep decoding
+        core.step()
+    core.abort_requests(["r1"])
+    core.step()  # the runner learns of r0 and r1 before this step
+    assert set(kept) == {"r2"}
+    core.abort_requests(["r2"])
+    core.add_request(Request("r3", prompts[3], _greedy(4), eos_token_id=None))
+    core.step()
+    assert set(kept) == {"r3"}
+    if method == "suffix":  # finished outputs stay in the global tree, in finishing order
+        assert list(drafter.cached_outputs) == ["r0", "r1", "r2"]
