@@ -26,6 +26,11 @@ KNOWN_BROKEN: dict[tuple[str, str], tuple[set[str], str]] = {
          "sliding-window-matches-reference"},
         "test_echo does no attention by design",
     ),
+    # suffix decoding's global tree holds the outputs of other (and earlier)
+    # requests on purpose, so an unseeded request's drafts depend on what else
+    # ran; greedy tokens do not (its greedy rules hold), nor do a seeded
+    # request's (it drafts from its own tree only).
+    ("drafter", "suffix"): ({"batch-order"}, "suffix's global tree is shared across requests by design"),
 }
 if os.environ.get("TRITON_INTERPRET") == "1":
     # Triton's CPU interpreter computes bfloat16 kernels wrong (errors ~1e8 even
