@@ -80,11 +80,13 @@ class SuffixTree:
         return best, low
 
     def find(self, path: Sequence[int]) -> Node | None:
-        node: Node | None = self.root
+        """The node of `path` (None: it never occurred)."""
+        node = self.root
         for token in path:
-            node = node.children.get(token)
-            if node is None:
+            child = node.children.get(token)
+            if child is None:
                 return None
+            node = child
         return node
 
 
