@@ -82,7 +82,9 @@ from packaging.version import Version
 #      (same fields and constructor).
 # 1.10: `Drafter.finish_requests` (default no-op): the model runner names the
 #      requests that finished or were aborted, so a stateful drafter (suffix)
-#      frees what it keeps per request.
+#      frees what it keeps per request. `Drafter.capture_graphs(platform,
+#      sizes)` (default: nothing): a drafter captures its forwards as graphs
+#      (the model drafters their single-token draft steps).
 API_VERSION = "1.10.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
