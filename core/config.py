@@ -239,11 +239,11 @@ class StructuredOutputConfig(_Section):
 class SpeculativeConfig(_Section):
     """Speculative decoding (vLLM's `speculative_config`); off while `method` is None."""
 
-    # A registered `drafter` name: ngram, suffix, draft_model, eagle, or a plugin's.
+    # A registered `drafter` name: ngram, suffix, draft_model, eagle, eagle3, or a plugin's.
     method: str | None = None
     # Draft tokens proposed per request per step (k).
     num_speculative_tokens: int = Field(3, ge=1, le=32)
-    # The drafter's model (draft_model, eagle): a folder, hub id or shipped alias.
+    # The drafter's model (draft_model, eagle, eagle3): a folder, hub id or shipped alias.
     model: str | None = None
     # n-gram (prompt lookup): the shortest and longest suffix n-gram matched.
     prompt_lookup_min: int = Field(1, ge=1)

@@ -70,6 +70,15 @@ class ModelForCausalLM(nn.Module, metaclass=ABCMeta):
         saved rotary table, or the copy of a tied lm_head)."""
         return False
 
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """Keep the hidden states entering these layers at every forward
+        (EAGLE-3's features); a model that cannot says so."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no auxiliary hidden states")
+
+    def get_aux_hidden_states(self) -> torch.Tensor | None:
+        """The last forward's kept states, [T, len(layers) * hidden] (None: none kept)."""
+        return None
+
     @classmethod
     def __subclasshook__(cls, candidate: type) -> bool:
         if cls is ModelForCausalLM and issubclass(candidate, nn.Module) and all(

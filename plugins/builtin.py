@@ -87,6 +87,7 @@ def register_drafters(register: RegisterFn) -> None:
     register("suffix", "pagedllm.spec_decode.suffix:SuffixDrafter", needs_model=False)
     register("draft_model", "pagedllm.spec_decode.draft_model:DraftModelDrafter", needs_model=True)
     register("eagle", "pagedllm.spec_decode.eagle:EagleDrafter", needs_model=True)
+    register("eagle3", "pagedllm.spec_decode.eagle3:Eagle3Drafter", needs_model=True)
 
 
 @hookimpl

@@ -173,7 +173,7 @@ def register_drafters(register: RegisterFn) -> None:
 
     Called lazily when the drafter registry is first needed (building an
     engine with ``speculative.method`` set, ``pagedllm plugins list``). Built-ins: ``ngram``, ``suffix``,
-    ``draft_model``, ``eagle``.
+    ``draft_model``, ``eagle``, ``eagle3``.
     """
 
 

@@ -153,19 +153,34 @@ class EagleDrafter(ModelDrafter):
         next_ids[:-1] = step.input_ids[kept_t[1:]]
         next_ids[torch.from_numpy(last_rows).to(device)] = torch.from_numpy(step.next_token_ids).to(device)
         batch = InputBatch.from_positions(step.positions[kept], query_lens, step.block_table, self.context.block_size)
-        features = self.head(self.embed_tokens(next_ids), step.hidden_states[kept_t], *self._to_device(batch))
+        outputs, features = self._run_head(next_ids, self._target_features(step, kept_t), *self._to_device(batch))
         sampling_rows = inputs.batch_rows
         if not sampling_rows:
             return None
         # Draft j sits at position (last kept position) + 1 + j; the head reads it one position earlier.
-        feature = features[torch.from_numpy(last_rows[sampling_rows]).to(device)]
+        rows = torch.from_numpy(last_rows[sampling_rows]).to(device)
         last_positions = batch.positions[last_rows[sampling_rows]]
-        return DraftStart(self.target.compute_logits(feature), feature, last_positions + 2, last_positions + 1)
+        return DraftStart(self._compute_logits(outputs[rows]), features[rows], last_positions + 2, last_positions + 1)
 
     def _draft_forward(
         self, tokens: torch.Tensor, hidden_states: torch.Tensor | None, positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert hidden_states is not None  # NOTE: _catch_up always starts from the head's features
-        feature = self.head(self.embed_tokens(tokens), hidden_states, positions, attn_metadata)
-        return self.target.compute_logits(feature), feature
+        outputs, features = self._run_head(tokens, hidden_states, positions, attn_metadata)
+        return self._compute_logits(outputs), features
+
+    def _target_features(self, step: TargetStep, rows: torch.Tensor) -> torch.Tensor:
+        """What the head reads of the target at these rows."""
+        return step.hidden_states[rows]
+
+    def _run_head(
+        self, tokens: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what the logits are computed from, what the next draft step feeds back)."""
+        features = self.head(self.embed_tokens(tokens), hidden_states, positions, attn_metadata)
+        return features, features
+
+    def _compute_logits(self, outputs: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(outputs)

@@ -69,6 +69,9 @@ class TargetStep:
     # The token after each request's last kept row: the newest sampled token,
     # or the next prompt token after a prefill chunk (EAGLE's shifted input).
     next_token_ids: np.ndarray  # [B] int64
+    # The hidden states entering the layers a drafter asked the target to
+    # keep (EAGLE-3), [T, n * hidden]; None when none were asked for.
+    aux_hidden_states: torch.Tensor | None = None
 
 
 @dataclass

@@ -136,6 +136,7 @@ def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
             "suffix": "pagedllm.spec_decode.suffix:SuffixDrafter",
             "draft_model": "pagedllm.spec_decode.draft_model:DraftModelDrafter",
             "eagle": "pagedllm.spec_decode.eagle:EagleDrafter",
+            "eagle3": "pagedllm.spec_decode.eagle3:Eagle3Drafter",
         },
         "kv_connector": {
             "shared_storage": "pagedllm.kv_connectors.shared_storage:SharedStorageConnector",

@@ -29,17 +29,27 @@ class DecodeGraphRunner(BatchGraphs):
         device: torch.device,
         query_lens: list[int] | None = None,
     ) -> None:
+        get_aux = getattr(model, "get_aux_hidden_states", None)
+
         def forward(input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                     extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-            return (model(input_ids, positions, metadata),)
+            hidden_states = model(input_ids, positions, metadata)
+            # The layer inputs an EAGLE-3 drafter asked the model to keep: an
+            # output of the graph too, so that each replay refreshes them.
+            aux = None if get_aux is None else get_aux()
+            return (hidden_states,) if aux is None else (hidden_states, aux)
 
         super().__init__(forward, attn_backend, platform, sizes=sizes, max_model_len=max_model_len,
                          block_size=block_size, device=device, query_lens=query_lens)
         self.model = model
+        # The kept layer inputs of the last step that replayed (None: it ran eagerly, or none are kept).
+        self.replayed_aux: torch.Tensor | None = None
 
     def run_model(self, input_ids: torch.Tensor, batch: InputBatch) -> torch.Tensor:
         """Hidden states [n * q, hidden] of a uniform step of n requests."""
-        return self.run(input_ids, batch)[0]
+        outputs = self.run(input_ids, batch)
+        self.replayed_aux = outputs[1] if len(outputs) > 1 else None
+        return outputs[0]
 
 
 __all__ = ["DecodeGraphRunner", "default_graph_sizes"]

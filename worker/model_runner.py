@@ -157,6 +157,7 @@ class ModelRunner:
             # NOTE: called even when nothing sampled: a model drafter mirrors
             # every prefill chunk into its own KV cache.
             target_step = self._target_step(states, drafts, batch, input_ids, hidden_states, sampling, output)
+            target_step.aux_hidden_states = self._aux_hidden_states()
             self._propose_drafts(self.drafter, sampling, target_step, output)
         output.kv_connector_output = self._kv_connector_output(scheduler_output)
         return output
@@ -199,9 +200,21 @@ class ModelRunner:
         stats, self._reported_connector_stats = now.minus(self._reported_connector_stats), now
         return KVConnectorOutput(finished_sending, finished_recving, stats)
 
+    def _aux_hidden_states(self) -> torch.Tensor | None:
+        """The target's kept layer inputs of this step (EAGLE-3), from the
+        graph that replayed it or the eager forward; None for a model
+        without them (a plugin API 1.0 model has no such method)."""
+        if self.graph_runner is not None and self.graph_runner.replayed_aux is not None:
+            return self.graph_runner.replayed_aux
+        get = getattr(self.model, "get_aux_hidden_states", None)
+        return None if get is None else get()
+
     def _forward(self, input_ids: torch.Tensor, batch: InputBatch) -> torch.Tensor:
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.run_model(input_ids, batch)
+        graphs = self.graph_runner
+        if graphs is not None:
+            if graphs.can_run(batch):
+                return graphs.run_model(input_ids, batch)
+            graphs.replayed_aux = None  # this step's are the model's own
         return self.model(input_ids, *batch.to_device(self.attn_backend, self.block_size, self.device))
 
     def _sampling_batch(

@@ -153,6 +153,11 @@ class LlamaModel(nn.Module):
         head_dim = cast(LlamaDecoderLayer, self.layers[0]).self_attn.head_dim if self.layers else 1
         # One cos/sin table for all layers: a forward looks its positions up once.
         self.rotary_emb = RotaryEmbedding(head_dim, hf_config.max_position_embeddings, get_rope_parameters(hf_config))
+        # EAGLE-3's features: the residual stream entering these layers,
+        # concatenated in this order into `aux_hidden_states` [T, n * hidden]
+        # by every forward (empty: nothing kept, no extra copies).
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
@@ -160,8 +165,14 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions)  # [T, head_dim] each, shared by every layer
         residual = None
-        for layer in self.layers:
+        aux_layers = self.aux_hidden_state_layers
+        aux: dict[int, torch.Tensor] = {}
+        for idx, layer in enumerate(self.layers):
+            if idx in aux_layers:  # NOTE: a new tensor: a fused norm may update residual in place
+                aux[idx] = x if residual is None else x + residual
             x, residual = layer(x, cos, sin, attn_metadata, residual)
+        if aux_layers:
+            self.aux_hidden_states = torch.cat([aux[idx] for idx in aux_layers], dim=-1)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
@@ -195,6 +206,12 @@ class LlamaForCausalLM(ModelForCausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_head(self.lm_head, hidden_states).float()
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        self.model.aux_hidden_state_layers = tuple(layers)
+
+    def get_aux_hidden_states(self) -> torch.Tensor | None:
+        return self.model.aux_hidden_states
 
     def get_attention_layers(self) -> list[Attention]:
         return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.model.layers]
