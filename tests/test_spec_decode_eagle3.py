@@ -204,3 +204,25 @@ def test_a_head_that_does_not_fit_the_target_is_a_config_error(
 ) -> None:
     with pytest.raises(ConfigError, match=match):
         _llm_with(_rewrite(head_dir, tmp_path / "bad", config), target_dir)
+
+
+@torch.inference_mode()
+def test_training_head_computes_what_the_paged_head_computes(head_dir: Path) -> None:
+    from transformers import LlamaConfig
+
+    from pagedllm.training.train_eagle3 import TrainableEagle3Head
+
+    cfg = json.loads((head_dir / "config.json").read_text())
+    weights = load_file(str(head_dir / "model.safetensors"))
+    trainable = TrainableEagle3Head(LlamaConfig(**cfg), len(AUX_LAYERS), torch.arange(DRAFT_VOCAB) + weights["d2t"])
+    missing, unexpected = trainable.load_state_dict(weights, strict=False)
+    assert unexpected == [] and all("rotary_emb" in name for name in missing)
+    generator = torch.Generator().manual_seed(2)
+    seq, hidden = 7, cfg["hidden_size"]
+    embeds = torch.randn(1, seq, hidden, generator=generator)
+    aux = torch.randn(1, seq, len(AUX_LAYERS) * hidden, generator=generator)
+    want_logits, want_features = trainable.step(embeds, trainable.fc(aux), 0, [])
+    head = _paged_head(head_dir)
+    normed, features = head(embeds[0], head.combine_hidden_states(aux[0]), *_batch(seq))
+    torch.testing.assert_close(features, want_features[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(head.compute_draft_logits(normed), want_logits[0], atol=1e-5, rtol=1e-5)
