@@ -72,6 +72,8 @@ def aux_layer_ids(hf_config: Any, num_target_layers: int) -> tuple[int, ...]:
 
 
 class Eagle3Head(nn.Module):
+    d2t: torch.Tensor  # [draft_vocab] long buffer: target id - draft id
+
     def __init__(
         self, hf_config: Any, num_aux_layers: int, attn_backend: type[AttentionBackend],
         dtype: torch.dtype = torch.float32,
@@ -134,7 +136,7 @@ class Eagle3Head(nn.Module):
         return out
 
     def get_attention_layers(self) -> list[Attention]:
-        return [cast(LlamaDecoderLayer, self.midlayer).self_attn.attn]
+        return [self.midlayer.self_attn.attn]
 
     def load_checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]], model_path: str) -> None:
         """Strict: every parameter loaded, nothing unknown; d2t required

@@ -82,6 +82,8 @@ class _Eagle3Layer(nn.Module):
 class TrainableEagle3Head(nn.Module):
     """Plain-torch EAGLE-3 head whose state_dict names are vLLM's checkpoint's."""
 
+    d2t: torch.Tensor
+
     def __init__(self, config: Any, num_aux_layers: int, draft_ids: torch.Tensor) -> None:
         super().__init__()
         hidden = config.hidden_size
