@@ -7,6 +7,7 @@ states entering layers l_1..l_n (the residual stream, before each layer):
     g_p = fc([a_p^{l_1}; ...; a_p^{l_n}])                  # [n*H] -> [H]
     x_p = [input_norm(embed(token_{p+1})); hidden_norm(g_p)]   # [2H]
     r_p = o_proj(Attention(q/k/v_proj(x_p))) + g_p           # q/k/v read 2H
+                                        # (+ hidden_norm(g_p) with norm_before_residual)
     f_p = mlp(post_attention_norm(r_p)) + r_p              # fed back as the next g
     logits_{p+2} = scatter_{d2t}(lm_head(norm(f_p)))         # draft vocab -> target vocab
 
@@ -83,6 +84,8 @@ class Eagle3Head(nn.Module):
         eps = hf_config.rms_norm_eps
         self.vocab_size = hf_config.vocab_size
         self.draft_vocab_size = getattr(hf_config, "draft_vocab_size", None) or hf_config.vocab_size
+        # vLLM's option: the attention's residual is the normed feature.
+        self.norm_before_residual = bool(getattr(hf_config, "norm_before_residual", False))
         self.fc = ReplicatedLinear(num_aux_layers * hidden_size, hidden_size, bias=False)
         layer = LlamaDecoderLayer(hf_config, LlamaFlags(), 0, attn_backend)
         attn = layer.self_attn
@@ -115,10 +118,13 @@ class Eagle3Head(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(f), f), [T, H] each
         layer = cast(Any, self.midlayer)
         hidden_states = hidden_states.to(input_embeds.dtype)
-        x = torch.cat([layer.input_layernorm(input_embeds), layer.hidden_norm(hidden_states)], dim=-1)
+        normed_hidden = layer.hidden_norm(hidden_states)
+        x = torch.cat([layer.input_layernorm(input_embeds), normed_hidden], dim=-1)
         cos, sin = self.rotary_emb(positions)
         # NOTE: residual sums spelled out: a fused norm may update its residual in place.
-        residual = layer.self_attn(x, cos, sin, attn_metadata) + hidden_states
+        residual = layer.self_attn(x, cos, sin, attn_metadata) + (
+            normed_hidden if self.norm_before_residual else hidden_states
+        )
         features = layer.mlp(layer.post_attention_layernorm(residual)) + residual
         return self.norm(features), features
 

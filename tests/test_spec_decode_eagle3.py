@@ -90,7 +90,8 @@ def _reference(w: dict[str, torch.Tensor], cfg: dict[str, Any], embeds: torch.Te
     scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
     scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
     attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(seq, heads * d)
-    r = attn @ w["midlayer.self_attn.o_proj.weight"].T + g
+    normed_g = _rms(g, w["midlayer.hidden_norm.weight"], eps)
+    r = attn @ w["midlayer.self_attn.o_proj.weight"].T + (normed_g if cfg.get("norm_before_residual") else g)
     h = _rms(r, w["midlayer.post_attention_layernorm.weight"], eps)
     mlp = torch.nn.functional.silu(h @ w["midlayer.mlp.gate_proj.weight"].T) * (h @ w["midlayer.mlp.up_proj.weight"].T)
     f = mlp @ w["midlayer.mlp.down_proj.weight"].T + r
@@ -103,8 +104,13 @@ def _reference(w: dict[str, torch.Tensor], cfg: dict[str, Any], embeds: torch.Te
 # ------------------------------------------------------------------ tests
 
 
+@pytest.mark.parametrize("norm_before_residual", [False, True])
 @torch.inference_mode()
-def test_eagle3_head_logits_equal_the_reference_formulas(head_dir: Path) -> None:
+def test_eagle3_head_logits_equal_the_reference_formulas(
+    head_dir: Path, tmp_path: Path, norm_before_residual: bool
+) -> None:
+    if norm_before_residual:
+        head_dir = _rewrite(head_dir, tmp_path / "nbr", {"norm_before_residual": True})
     cfg = json.loads((head_dir / "config.json").read_text())
     weights = load_file(str(head_dir / "model.safetensors"))
     head = _paged_head(head_dir)
