@@ -333,3 +333,32 @@ def test_drafter_frees_what_it_keeps_when_requests_finish_or_abort(method: str) 
     assert set(kept) == {"r3"}
     if method == "suffix":  # finished outputs stay in the global tree, in finishing order
         assert list(drafter.cached_outputs) == ["r0", "r1", "r2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3"])
+def test_model_drafters_draft_the_same_under_graphs_as_eagerly(method: str) -> None:
+    """The target's and the drafter's steps replay graphs (EAGLE-3's layer
+    inputs come out of the target's replays): every proposal is the one the
+    eager engine makes."""
+    prompts = repeated_span_prompts(4, seed=1)
+
+    def proposals(llm: LLM) -> list[list[list[int]]]:
+        runner = llm.engine_core.engine_core.model_executor.driver_worker.model_runner  # type: ignore[attr-defined]
+        seen: list[list[list[int]]] = []
+        propose = runner.drafter.propose
+        runner.drafter.propose = lambda inputs: _record(propose, inputs, seen)
+        _generate(llm, prompts, _greedy())
+        return seen
+
+    eager = proposals(_llm(_drafter_config(method, 3), enforce_eager=True))
+    llm = _llm(_drafter_config(method, 3))
+    assert proposals(llm) == eager and any(eager)
+    runner = llm.engine_core.engine_core.model_executor.driver_worker.model_runner  # type: ignore[attr-defined]
+    assert runner.graph_runner.num_replays > 0 and runner.drafter.draft_graphs.num_replays > 0
+
+
+def _record(propose: Any, inputs: Any, seen: list[list[list[int]]]) -> Any:
+    output = propose(inputs)
+    seen.append(output.draft_token_ids)
+    return output
