@@ -56,6 +56,25 @@ def _check_block_invariant_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDLLM_DEBUG_KV", "1")
 
 
+@pytest.fixture(scope="module")
+def _eagle3_head(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """No EAGLE-3 head ships for the tiny model: the drafter suite drafts
+    with a random one in vLLM's layout (its drafts are rarely right, never harmful)."""
+    from helpers.eagle3_heads import save_random_eagle3_head
+
+    from pagedllm.model_registry.tiny import get_tiny_model_dir
+
+    return str(save_random_eagle3_head(get_tiny_model_dir(), tmp_path_factory.mktemp("eagle3") / "head"))
+
+
+@pytest.fixture(autouse=True)
+def _drafter_models(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if "eagle3" in request.node.name:
+        from pagedllm.testing.suites import drafter
+
+        monkeypatch.setitem(drafter.DRAFTER_MODELS, "eagle3", request.getfixturevalue("_eagle3_head"))
+
+
 @pytest.mark.parametrize(("kind", "name", "rule"), _targets())
 def test_every_registered_component_keeps_its_kinds_rules(kind: str, name: str, rule: str) -> None:
     broken, why = KNOWN_BROKEN.get((kind, name), (set(), ""))
