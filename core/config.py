@@ -261,6 +261,14 @@ class SpeculativeConfig(_Section):
     # Stop the draft where the continuation's estimated probability (product of
     # child count / parent count along the path) falls below this.
     suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1)
+    # A registered `spec_policy` name: how many tokens each request drafts per
+    # step, 0 included. adaptive: where its measured acceptance pays for the
+    # measured draft + verify cost at this batch size; batch_size: vLLM's
+    # disable_by_batch_size alone; always: k every step; or a plugin's.
+    policy: str = "adaptive"
+    # vLLM's disable_by_batch_size: no drafts in steps of at least this many
+    # requests (adaptive and batch_size policies). None = no such limit.
+    disable_by_batch_size: int | None = Field(None, ge=1)
 
     @field_validator("prompt_lookup_max")
     @classmethod
@@ -434,6 +442,8 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "speculative_method": ("speculative", "method"),
     "speculative_model": ("speculative", "model"),
     "num_speculative_tokens": ("speculative", "num_speculative_tokens"),
+    "speculative_policy": ("speculative", "policy"),
+    "speculative_disable_by_batch_size": ("speculative", "disable_by_batch_size"),
     "kv_transfer_config": ("kv_transfer", None),
     "kv_connector": ("kv_transfer", "connector"),
     "kv_role": ("kv_transfer", "role"),

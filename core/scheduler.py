@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from pagedllm.core.grammar import GrammarManager
     from pagedllm.core.kv_cache.block_pool import KVCacheBlock
     from pagedllm.core.kv_cache.manager import KVCacheManager
-    from pagedllm.core.scheduler_output import KVConnectorStats
+    from pagedllm.core.scheduler_output import KVConnectorStats, SpecStepTimes
     from pagedllm.kv_connectors.base import KVConnectorBase
 
 
@@ -539,6 +539,8 @@ class Scheduler:
         outputs, self._finished_outputs = self._finished_outputs, []
         if self.kv_transfer is not None:
             self.kv_transfer.update_from_output(runner_output.kv_connector_output)
+        if runner_output.spec_step is not None:
+            self._account_spec_step(runner_output.spec_step)
         sampled_token_ids = runner_output.sampled_token_ids
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         all_logprobs = runner_output.logprobs
@@ -595,6 +597,11 @@ class Scheduler:
         if self.spec_decoding_stats is not None and self.total_spec_decoding_stats is not None:
             self.spec_decoding_stats.observe_draft(num_draft_tokens, num_sampled - 1)
             self.total_spec_decoding_stats.observe_draft(num_draft_tokens, num_sampled - 1)
+
+    def _account_spec_step(self, times: SpecStepTimes) -> None:
+        if self.spec_decoding_stats is not None and self.total_spec_decoding_stats is not None:
+            self.spec_decoding_stats.observe_step(times)
+            self.total_spec_decoding_stats.observe_step(times)
 
     def _append_sampled_tokens(self, request: Request, sampled: Sequence[int]) -> tuple[int, bool]:
         """Append tokens until one stops the request: (tokens appended, stopped)."""

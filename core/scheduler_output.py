@@ -165,6 +165,16 @@ class LogprobEntry(NamedTuple):
     rank: int  # 1-based rank of the chosen token
 
 
+class SpecStepTimes(msgspec.Struct, array_like=True):
+    """One step's speculative-decoding timings and the policy's choice, as
+    the model runner measured them (ModelRunnerOutput.spec_step)."""
+
+    verify_s: float  # the target's forward + sampling / verification
+    draft_s: float  # the drafter's propose (0.0: not asked)
+    num_sampled_reqs: int  # requests that sampled (the policy chose for these)
+    num_drafted_reqs: int  # of them, those the policy let draft (> 0 tokens)
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
     # req_id -> tokens sampled this step (empty for a partial prefill chunk).
     sampled_token_ids: dict[str, list[int]]
@@ -180,3 +190,5 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     # Custom figures the ranks' components (connector worker sides, the
     # drafter) collected this step, summed over the ranks (core/custom_stats.py).
     custom_stats: dict[str, FigureValue] | None = None
+    # With a drafter: this step's verify and draft times and the policy's choice.
+    spec_step: SpecStepTimes | None = None

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 # NOTE: run-time imports: msgspec resolves the field types on first use.
 from pagedllm.core.custom_stats import FigureValue
 from pagedllm.kv_connectors.base import KVConnectorStats
+
+if TYPE_CHECKING:
+    from pagedllm.core.scheduler_output import SpecStepTimes
 
 
 class SpecDecodingStats(msgspec.Struct, array_like=True):
@@ -29,6 +32,13 @@ class SpecDecodingStats(msgspec.Struct, array_like=True):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = []
+    # Steps the runner timed, their summed times, and the policy's choices
+    # over them (SpecStepTimes): the split `pagedllm bench spec` reports.
+    num_steps: int = 0
+    verify_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    num_sampled_reqs: int = 0
+    num_drafted_reqs: int = 0
 
     @classmethod
     def new(cls, num_spec_tokens: int) -> SpecDecodingStats:
@@ -41,10 +51,22 @@ class SpecDecodingStats(msgspec.Struct, array_like=True):
         for position in range(min(num_accepted_tokens, self.num_spec_tokens)):
             self.num_accepted_tokens_per_pos[position] += 1
 
+    def observe_step(self, times: SpecStepTimes) -> None:
+        self.num_steps += 1
+        self.verify_time_s += times.verify_s
+        self.draft_time_s += times.draft_s
+        self.num_sampled_reqs += times.num_sampled_reqs
+        self.num_drafted_reqs += times.num_drafted_reqs
+
     def add(self, other: SpecDecodingStats) -> None:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_steps += other.num_steps
+        self.verify_time_s += other.verify_time_s
+        self.draft_time_s += other.draft_time_s
+        self.num_sampled_reqs += other.num_sampled_reqs
+        self.num_drafted_reqs += other.num_drafted_reqs
         if len(other.num_accepted_tokens_per_pos) > len(self.num_accepted_tokens_per_pos):
             grow = len(other.num_accepted_tokens_per_pos) - len(self.num_accepted_tokens_per_pos)
             self.num_accepted_tokens_per_pos.extend([0] * grow)
@@ -61,6 +83,11 @@ class SpecDecodingStats(msgspec.Struct, array_like=True):
     def mean_acceptance_length(self) -> float:
         """Tokens per verification step: 1 + accepted / drafts."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def drafted_fraction(self) -> float:
+        """Of the requests that sampled, the fraction the policy let draft."""
+        return self.num_drafted_reqs / self.num_sampled_reqs if self.num_sampled_reqs else 0.0
 
     @property
     def per_position_acceptance_rate(self) -> list[float]:

@@ -91,6 +91,15 @@ def register_drafters(register: RegisterFn) -> None:
 
 
 @hookimpl
+def register_spec_policies(register: RegisterFn) -> None:
+    # How many tokens each request drafts per step: where measured acceptance
+    # pays for measured cost (default); vLLM's disable_by_batch_size; always k.
+    register("adaptive", "pagedllm.spec_decode.adaptive_policy:AdaptivePolicy")
+    register("batch_size", "pagedllm.spec_decode.policy:BatchSizePolicy")
+    register("always", "pagedllm.spec_decode.policy:AlwaysPolicy")
+
+
+@hookimpl
 def register_grammar_backends(register: RegisterFn) -> None:
     register(
         "xgrammar",

@@ -85,6 +85,10 @@ from packaging.version import Version
 #      frees what it keeps per request. `Drafter.capture_graphs(platform,
 #      sizes)` (default: nothing): a drafter captures its forwards as graphs
 #      (the model drafters their single-token draft steps).
+#      The speculation-policy kind (`register_spec_policies`,
+#      `SpeculationPolicy`, `SpecPolicyInfo`, `pm.spec_policies`,
+#      `speculative.policy`, `speculative.disable_by_batch_size`) and the
+#      measurements it reads (`spec_decode.measurements.SpecMeasurements`).
 API_VERSION = "1.10.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"

@@ -37,7 +37,7 @@ hook receives a ``register`` function and calls it once per component::
 
 Each kind is a :class:`pagedllm.plugins.kinds.PluginKind`; its registry is
 ``get_plugin_manager().registry(kind)``, or typed: ``.platforms``,
-``.attention_backends``, ``.models``, ``.drafters``, ``.grammar_backends``,
+``.attention_backends``, ``.models``, ``.drafters``, ``.spec_policies``, ``.grammar_backends``,
 ``.kv_connectors``, ``.model_sources``, ``.executors``, ``.routers``,
 ``.quantization_methods``, ``.tool_parsers``, ``.reasoning_parsers``, ``.logits_processors``,
 ``.stat_loggers``.
@@ -174,6 +174,29 @@ def register_drafters(register: RegisterFn) -> None:
     Called lazily when the drafter registry is first needed (building an
     engine with ``speculative.method`` set, ``pagedllm plugins list``). Built-ins: ``ngram``, ``suffix``,
     ``draft_model``, ``eagle``, ``eagle3``.
+    """
+
+
+@hookspec
+def register_spec_policies(register: RegisterFn) -> None:
+    """Register speculation policies (kind ``spec_policy``, plugin API 1.10).
+
+    :param register: call ``register(name, "pkg.mod:PolicyCls")``; ``name``
+        is what ``speculative.policy`` selects. The target must be a subclass
+        of :class:`pagedllm.spec_decode.policy.SpeculationPolicy`, built as
+        ``PolicyCls(speculative_config)``; after every step its
+        ``num_drafts(req_ids, measurements)`` says how many tokens each
+        request drafts for its next step (0..``num_speculative_tokens``),
+        from :class:`pagedllm.spec_decode.measurements.SpecMeasurements`
+        (per-request acceptance, per-batch-size step costs). No metadata
+        keywords (:class:`pagedllm.plugins.metadata.SpecPolicyInfo`).
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the policy registry is first needed (building an
+    engine with ``speculative.method`` set, ``pagedllm plugins list``).
+    Built-ins: ``adaptive`` (default: drafts where measured acceptance pays
+    for the measured cost), ``batch_size`` (vLLM's ``disable_by_batch_size``)
+    and ``always``.
     """
 
 

@@ -21,6 +21,7 @@ class PluginKind(enum.StrEnum):
     ATTENTION_BACKEND = "attention_backend"
     MODEL = "model"
     DRAFTER = "drafter"
+    SPEC_POLICY = "spec_policy"
     GRAMMAR_BACKEND = "grammar_backend"
     KV_CONNECTOR = "kv_connector"
     MODEL_SOURCE = "model_source"
@@ -69,6 +70,12 @@ KIND_SPECS: dict[PluginKind, KindSpec] = {
             "register_drafters",
             "pagedllm.spec_decode.interface:Drafter",
             f"{_METADATA}:DrafterInfo",
+        ),
+        KindSpec(
+            PluginKind.SPEC_POLICY,
+            "register_spec_policies",
+            "pagedllm.spec_decode.policy:SpeculationPolicy",
+            f"{_METADATA}:SpecPolicyInfo",
         ),
         KindSpec(
             PluginKind.GRAMMAR_BACKEND,

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         QuantizationInfo,
         ReasoningParserInfo,
         RouterInfo,
+        SpecPolicyInfo,
         StatLoggerInfo,
         ToolParserInfo,
     )
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from pagedllm.reasoning.interface import ReasoningParser
     from pagedllm.routers.base import RoutingPolicy
     from pagedllm.spec_decode.interface import Drafter
+    from pagedllm.spec_decode.policy import SpeculationPolicy
     from pagedllm.stat_loggers.base import StatLoggerBase
     from pagedllm.structured_output.interface import GrammarBackend
     from pagedllm.tool_parsers.base import ToolParser
@@ -344,6 +346,10 @@ class PluginManager:
     @property
     def drafters(self) -> Registry[Drafter, DrafterInfo]:
         return self.registry(PluginKind.DRAFTER)
+
+    @property
+    def spec_policies(self) -> Registry[SpeculationPolicy, SpecPolicyInfo]:
+        return self.registry(PluginKind.SPEC_POLICY)
 
     @property
     def grammar_backends(self) -> Registry[GrammarBackend, GrammarBackendInfo]:

@@ -173,6 +173,11 @@ class DrafterInfo:
 
 
 @dataclass(frozen=True)
+class SpecPolicyInfo:
+    """``register_spec_policies`` metadata: none (the policy's class is all)."""
+
+
+@dataclass(frozen=True)
 class GrammarBackendInfo:
     """``register_grammar_backends`` metadata (informational)."""
 
@@ -257,6 +262,7 @@ __all__ = [
     "QuantizationInfo",
     "ReasoningParserInfo",
     "RouterInfo",
+    "SpecPolicyInfo",
     "StatLoggerInfo",
     "ToolParserInfo",
     "build_info",

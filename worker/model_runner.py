@@ -10,21 +10,25 @@ one. Both read the step's one SamplingBatch (worker/sampling_batch.py).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from pagedllm.core.sampling_params import SamplingType
 from pagedllm.core.scheduler_output import (
     KVConnectorOutput,
     KVConnectorStats,
     LogprobEntry,
     ModelRunnerOutput,
     SchedulerOutput,
+    SpecStepTimes,
 )
 from pagedllm.model_registry.input_batch import InputBatch
 from pagedllm.spec_decode.interface import DraftInputs, TargetStep
+from pagedllm.spec_decode.measurements import SpecMeasurements
 from pagedllm.worker.draft_verification import verify_drafts
 from pagedllm.worker.logits_processor_rows import LogitsProcessorRows
 from pagedllm.worker.persistent_batch import CachedRequestState, PersistentBatch
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
     from pagedllm.logits_processors.interface import LogitsProcessor
     from pagedllm.model_registry.interface import ModelForCausalLM
     from pagedllm.spec_decode.interface import Drafter
+    from pagedllm.spec_decode.policy import SpeculationPolicy
     from pagedllm.worker.decode_graphs import DecodeGraphRunner
 
 
@@ -60,6 +65,7 @@ class ModelRunner:
         max_num_reqs: int,
         seed: int = 0,
         drafter: Drafter | None = None,
+        spec_policy: SpeculationPolicy | None = None,
         kv_connector: KVConnectorBase | None = None,
         graph_runner: DecodeGraphRunner | None = None,
         logits_processors: Sequence[LogitsProcessor] = (),
@@ -75,6 +81,11 @@ class ModelRunner:
         # Speculative decoding: proposes drafts after every step (a model
         # drafter holds its own KV cache with the same block geometry).
         self.drafter = drafter
+        # How many tokens each request drafts for its next step (None: all k),
+        # from what the runner measures (spec_decode/measurements.py).
+        self.spec_policy = spec_policy
+        self.spec_measurements = SpecMeasurements()
+        self._last_step_end: float | None = None
         # With kv_transfer configured: loads before the forward, saves after it.
         self.kv_connector = kv_connector
         self._reported_connector_stats = KVConnectorStats()
@@ -100,6 +111,7 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             input_batch.remove_request(req_id)
+            self.spec_measurements.forget(req_id)
         if self.drafter is not None and scheduler_output.finished_req_ids:
             self.drafter.finish_requests(set(scheduler_output.finished_req_ids))
         for req_id in scheduler_output.preempted_req_ids:
@@ -134,6 +146,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={}, kv_connector_output=self._kv_connector_output(
@@ -154,12 +167,17 @@ class ModelRunner:
             )
             self._record_sampled(sampling, sampled, output)
         if self.drafter is not None:
+            verify_s = time.perf_counter() - start
             # NOTE: called even when nothing sampled: a model drafter mirrors
             # every prefill chunk into its own KV cache.
             target_step = self._target_step(states, drafts, batch, input_ids, hidden_states, sampling, output)
             target_step.aux_hidden_states = self._aux_hidden_states()
-            self._propose_drafts(self.drafter, sampling, target_step, output)
+            self._observe_acceptance(sampling, output)
+            draft_s, num_drafted = self._propose_drafts(self.drafter, sampling, target_step, output)
+            output.spec_step = SpecStepTimes(verify_s, draft_s, len(sampling.requests), num_drafted)
+            self._observe_step_cost(scheduler_output, drafts, sampling, output.spec_step, start)
         output.kv_connector_output = self._kv_connector_output(scheduler_output)
+        self._last_step_end = time.perf_counter()
         return output
 
     def _prepare_inputs(
@@ -338,25 +356,86 @@ class ModelRunner:
             ),
         )
 
-    @staticmethod
     def _propose_drafts(
-        drafter: Drafter, sampling: SamplingBatch, target_step: TargetStep, output: ModelRunnerOutput
-    ) -> None:
+        self, drafter: Drafter, sampling: SamplingBatch, target_step: TargetStep, output: ModelRunnerOutput
+    ) -> tuple[float, int]:
+        """Ask the drafter and keep, per request, as many drafts as the policy
+        allows: (seconds in `propose`, requests given drafts). A drafter
+        without its own KV (`needs_lookahead_slots` False) is asked only for
+        the requests given drafts; a model drafter mirrors every request."""
         requests = sampling.requests
+        counts = self._policy_counts(requests)
+        chosen = [i for i, n in enumerate(counts) if n > 0 or drafter.needs_lookahead_slots]
+        for state in requests:
+            state.draft_probs = None
+        if not chosen:
+            return 0.0, 0
+        start = time.perf_counter()
         draft_output = drafter.propose(
             DraftInputs(
-                req_ids=[s.req_id for s in requests],
-                token_ids=[s.token_ids for s in requests],
-                sampling_params=[s.sampling_params for s in requests],
-                batch_rows=sampling.batch_rows,
+                req_ids=[requests[i].req_id for i in chosen],
+                token_ids=[requests[i].token_ids for i in chosen],
+                sampling_params=[requests[i].sampling_params for i in chosen],
+                batch_rows=[sampling.batch_rows[i] for i in chosen],
                 target_step=target_step,
             )
         )
+        draft_s = time.perf_counter() - start
         all_probs = draft_output.draft_probs
-        for i, (state, draft_token_ids) in enumerate(zip(requests, draft_output.draft_token_ids, strict=False)):
-            state.draft_probs = all_probs[i] if all_probs is not None else None
-            if draft_token_ids:
-                output.spec_token_ids[state.req_id] = list(draft_token_ids)
+        for j, (i, draft_token_ids) in enumerate(zip(chosen, draft_output.draft_token_ids, strict=False)):
+            state, num_kept = requests[i], counts[i]
+            probs = all_probs[j] if all_probs is not None else None
+            state.draft_probs = None if probs is None else probs[:num_kept]
+            if draft_token_ids and num_kept:
+                output.spec_token_ids[state.req_id] = list(draft_token_ids[:num_kept])
+        return draft_s, sum(1 for n in counts if n > 0)
+
+    def _policy_counts(self, requests: list[CachedRequestState]) -> list[int]:
+        """Drafts each request may have for its next step: the policy's
+        choice, except that a seeded random request always gets k: which
+        tokens it samples depends on where drafts were verified, so its
+        draft count must not depend on timings or on the batch around it."""
+        policy = self.spec_policy
+        k = self.drafter.num_speculative_tokens if self.drafter is not None else 0
+        if policy is None:
+            return [k] * len(requests)
+        req_ids = [state.req_id for state in requests]
+        counts = [max(0, min(k, int(n))) for n in policy.num_drafts(req_ids, self.spec_measurements)]
+        for i, state in enumerate(requests):
+            if state.sampling_params.sampling_type == SamplingType.RANDOM_SEED:
+                counts[i] = k
+            self.spec_measurements.observe_drafted(state.req_id, counts[i])
+        return counts
+
+    def _observe_acceptance(self, sampling: SamplingBatch, output: ModelRunnerOutput) -> None:
+        """Each verified request's accepted / proposed, for the policy."""
+        if not sampling.drafts:
+            return
+        for state, drafts in zip(sampling.requests, sampling.drafts, strict=True):
+            if drafts:
+                num_accepted = len(output.sampled_token_ids[state.req_id]) - 1
+                self.spec_measurements.observe_acceptance(state.req_id, len(drafts), num_accepted)
+
+    def _observe_step_cost(
+        self,
+        scheduler_output: SchedulerOutput,
+        drafts: list[list[int]],
+        sampling: SamplingBatch,
+        times: SpecStepTimes,
+        start: float,
+    ) -> None:
+        """Record a pure decode step's cost (every request scored 1 + its
+        drafts and sampled): plain or verify, the runner's time for it
+        (propose included), and the time outside the runner before it."""
+        num_drafts = sum(len(d) for d in drafts)
+        if len(sampling.requests) != len(drafts) or (
+            scheduler_output.total_num_scheduled_tokens != len(drafts) + num_drafts
+        ):
+            return
+        rest_s = None if self._last_step_end is None else start - self._last_step_end
+        self.spec_measurements.observe_step(
+            len(drafts), verified=num_drafts > 0, step_s=times.verify_s + times.draft_s, rest_s=rest_s
+        )
 
     # ------------------------------------------------------- prompt logprobs
 

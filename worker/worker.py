@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from pagedllm.plugins.manager import PluginManager
     from pagedllm.quantization.base import QuantizationMethod
     from pagedllm.spec_decode.interface import Drafter
+    from pagedllm.spec_decode.policy import SpeculationPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,9 @@ class Worker:
         )
         method = config.speculative.method
         self.drafter_cls: type[Drafter] | None = None if method is None else self.plugin_manager.drafters.load(method)
+        # How many tokens each request drafts per step (an unknown name fails here).
+        self.spec_policy_cls: type[SpeculationPolicy] | None = (
+            None if method is None else self.plugin_manager.spec_policies.load(config.speculative.policy))
         quantization = config.model.quantization
         # Checked here, before any weight is loaded: an unknown or unfit method is a ConfigError.
         self.quantization_cls: type[QuantizationMethod] | None = None if quantization is None else (
@@ -343,6 +347,7 @@ class Worker:
             max_num_reqs=self.config.scheduler.max_num_seqs,
             seed=self.config.model.seed,
             drafter=self.drafter,
+            spec_policy=None if self.spec_policy_cls is None else self.spec_policy_cls(self.speculative),
             kv_connector=self.kv_connector,
             graph_runner=self._capture_decode_graphs(max_model_len),
             logits_processors=build_logits_processors(self.config, self.plugin_manager, self.device),

@@ -1,0 +1,84 @@
+"""The default speculation policy: draft only where it pays for itself.
+
+A request whose drafts are accepted with probability `a` per token gets, from
+a k-token draft, `(1 - a^(k+1)) / (1 - a)` tokens per step on average (the
+accepted prefix plus the bonus token) instead of 1. Drafting costs time: at
+this batch size a step that verifies drafts (and proposes the next ones)
+takes `S = verify + rest` seconds against `P = plain + rest` for a plain
+decode step (measured, spec_decode/measurements.py). With `r = S / P`, a request drafting k is charged
+`1 + (r - 1) * k / k_max` plain steps; the policy picks the k in
+0..k_max with the most tokens per charged step, and 0 unless that beats a
+plain step by `MIN_GAIN`. So speculation is chosen only where it is measured
+to be faster, per request and per batch size.
+
+Exploring: a bucket without a measured verify step drafts k_max everywhere,
+then one without a measured plain step drafts nothing for a step; a request
+never verified drafts k_max; and a request held at 0 for `PROBE_INTERVAL`
+steps drafts k_max once, so that its acceptance is measured again.
+vLLM's `disable_by_batch_size`, when set, applies first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedllm.spec_decode.measurements import SpecMeasurements, StepCost
+from pagedllm.spec_decode.policy import SpeculationPolicy
+
+# Tokens per charged step a draft must reach to be chosen over a plain step
+# (a margin against timing noise: speculation must not lose).
+MIN_GAIN = 1.05
+# Steps at 0 drafts after which a request drafts once to re-measure its acceptance.
+PROBE_INTERVAL = 16
+
+
+def expected_tokens(acceptance: float, num_drafts: int) -> float:
+    """Tokens a step yields from `num_drafts` drafts accepted with
+    per-token probability `acceptance`: (1 - a^(k+1)) / (1 - a)."""
+    if acceptance >= 1.0:
+        return float(num_drafts + 1)
+    return (1.0 - acceptance ** (num_drafts + 1)) / (1.0 - acceptance)
+
+
+def cost_ratio(cost: StepCost) -> float | None:
+    """A verify step's time over a plain step's (None: not both measured)."""
+    if cost.plain_s is None or cost.verify_s is None:
+        return None
+    rest = cost.rest_s or 0.0
+    plain = cost.plain_s + rest
+    return (cost.verify_s + rest) / plain if plain > 0 else None
+
+
+def best_num_drafts(acceptance: float, ratio: float, max_drafts: int) -> int:
+    """The k in 0..max_drafts with the most tokens per charged plain step
+    (see the module docstring); 0 unless it gains `MIN_GAIN`."""
+    best_k, best_gain = 0, MIN_GAIN
+    for k in range(1, max_drafts + 1):
+        gain = expected_tokens(acceptance, k) / (1.0 + (ratio - 1.0) * k / max_drafts)
+        if gain > best_gain:
+            best_k, best_gain = k, gain
+    return best_k
+
+
+class AdaptivePolicy(SpeculationPolicy):
+    """Drafts k per request where measured acceptance pays for measured cost."""
+
+    def num_drafts(self, req_ids: Sequence[str], measurements: SpecMeasurements) -> list[int]:
+        k_max = self.num_speculative_tokens
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(req_ids) >= limit:
+            return [0] * len(req_ids)
+        cost = measurements.step_cost(len(req_ids))
+        if cost.verify_s is None:
+            return [k_max] * len(req_ids)  # measure a verify step at this size
+        ratio = cost_ratio(cost)
+        if ratio is None:
+            return [0] * len(req_ids)  # measure a plain step at this size
+        counts = []
+        for req_id in req_ids:
+            acceptance = measurements.acceptance(req_id)
+            if acceptance is None or measurements.steps_without_drafts(req_id) >= PROBE_INTERVAL:
+                counts.append(k_max)
+            else:
+                counts.append(best_num_drafts(acceptance, ratio, k_max))
+        return counts

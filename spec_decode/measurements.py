@@ -1,0 +1,108 @@
+"""What a speculation policy decides from: each request's measured acceptance
+and the measured cost of a step at each batch size.
+
+The model runner fills it (worker/model_runner.py): after every verification
+it records how many of a request's drafts were proposed and accepted, and
+after every decode step how long the runner took for it (the target's
+forward pass, sampling or verification, and the drafter's `propose` for the
+next step; a step that scored drafts is a *verify* step, one without a
+*plain* decode step) and how long passed outside the runner since the
+previous step (scheduling, output processing: the *rest*, paid by both kinds
+of step). Times are exponential moving averages per batch-size bucket (the
+next power of two), so a policy compares steps of similar size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def batch_bucket(batch_size: int) -> int:
+    """The power of two at or above `batch_size` (1, 2, 4, 8, ...)."""
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+class _Ema:
+    """An exponential moving average; None until the first observation."""
+
+    __slots__ = ("decay", "value")
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.value: float | None = None
+
+    def observe(self, sample: float) -> None:
+        self.value = sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Mean seconds per step at one batch-size bucket (None: not measured yet)."""
+
+    plain_s: float | None  # the runner's time for a step that scored no drafts
+    verify_s: float | None  # the runner's time for a step that scored drafts (propose included)
+    rest_s: float | None  # outside the runner between two steps
+
+
+class _BucketCost:
+    def __init__(self, decay: float) -> None:
+        self.plain, self.verify, self.rest = _Ema(decay), _Ema(decay), _Ema(decay)
+
+    def snapshot(self) -> StepCost:
+        return StepCost(self.plain.value, self.verify.value, self.rest.value)
+
+
+class SpecMeasurements:
+    """Per-request acceptance and per-bucket step costs (see the module docstring)."""
+
+    def __init__(self, acceptance_decay: float = 0.7, cost_decay: float = 0.9) -> None:
+        self.acceptance_decay = acceptance_decay
+        self.cost_decay = cost_decay
+        self._acceptance: dict[str, _Ema] = {}
+        self._costs: dict[int, _BucketCost] = {}
+        # Steps each request went without drafts since it last drafted.
+        self._steps_without_drafts: dict[str, int] = {}
+
+    # ---------------------------------------------------------- acceptance
+
+    def observe_acceptance(self, req_id: str, num_proposed: int, num_accepted: int) -> None:
+        """A verification of `num_proposed` drafts that kept `num_accepted`."""
+        if num_proposed <= 0:
+            return
+        ema = self._acceptance.setdefault(req_id, _Ema(self.acceptance_decay))
+        ema.observe(num_accepted / num_proposed)
+
+    def acceptance(self, req_id: str) -> float | None:
+        """The request's moving average of accepted / proposed (None: never verified)."""
+        ema = self._acceptance.get(req_id)
+        return None if ema is None else ema.value
+
+    def observe_drafted(self, req_id: str, num_drafts: int) -> None:
+        """The policy let `req_id` draft `num_drafts` tokens for its next step."""
+        if num_drafts > 0:
+            self._steps_without_drafts[req_id] = 0
+        else:
+            self._steps_without_drafts[req_id] = self._steps_without_drafts.get(req_id, 0) + 1
+
+    def steps_without_drafts(self, req_id: str) -> int:
+        return self._steps_without_drafts.get(req_id, 0)
+
+    def forget(self, req_id: str) -> None:
+        """The request finished: drop what was kept for it."""
+        self._acceptance.pop(req_id, None)
+        self._steps_without_drafts.pop(req_id, None)
+
+    # ---------------------------------------------------------------- cost
+
+    def observe_step(self, batch_size: int, *, verified: bool, step_s: float, rest_s: float | None) -> None:
+        """A decode step of `batch_size` requests: the runner's time for it (a
+        verify step if it scored drafts) and the time outside the runner
+        before it (None: unknown)."""
+        bucket = self._costs.setdefault(batch_bucket(batch_size), _BucketCost(self.cost_decay))
+        (bucket.verify if verified else bucket.plain).observe(step_s)
+        if rest_s is not None:
+            bucket.rest.observe(rest_s)
+
+    def step_cost(self, batch_size: int) -> StepCost:
+        bucket = self._costs.get(batch_bucket(batch_size))
+        return StepCost(None, None, None) if bucket is None else bucket.snapshot()

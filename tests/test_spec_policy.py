@@ -1,0 +1,198 @@
+"""The speculation-policy kind: how many tokens each request drafts per step.
+
+The adaptive policy's decisions are checked against hand-computed numbers
+(expected tokens of a k-draft at acceptance a: (1 - a^(k+1)) / (1 - a),
+against a verify step's measured cost over a plain step's); vLLM's
+disable_by_batch_size is a policy; and whatever a policy decides, greedy
+output is the one without speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.config import EngineConfig, SpeculativeConfig
+from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
+from pagedllm.spec_decode.adaptive_policy import (
+    PROBE_INTERVAL,
+    AdaptivePolicy,
+    best_num_drafts,
+    expected_tokens,
+)
+from pagedllm.spec_decode.measurements import SpecMeasurements, batch_bucket
+from pagedllm.spec_decode.policy import AlwaysPolicy, BatchSizePolicy, SpeculationPolicy
+from pagedllm.testing.suites.drafter import repeated_span_prompts
+
+K = 3
+
+
+def _measured(batch_size: int, plain_s: float, verify_s: float, rest_s: float = 0.0) -> SpecMeasurements:
+    measurements = SpecMeasurements()
+    measurements.observe_step(batch_size, verified=False, step_s=plain_s, rest_s=rest_s)
+    measurements.observe_step(batch_size, verified=True, step_s=verify_s, rest_s=rest_s)
+    return measurements
+
+
+def _config(**kwargs: Any) -> SpeculativeConfig:
+    return SpeculativeConfig(method="ngram", num_speculative_tokens=K, **kwargs)
+
+
+def test_expected_tokens_of_a_draft() -> None:
+    assert expected_tokens(0.9, 3) == pytest.approx(3.439)  # 1 + .9 + .81 + .729
+    assert expected_tokens(0.1, 3) == pytest.approx(1.111)
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_high_acceptance_and_cheap_drafts_draft_k() -> None:
+    # plain 10 ms, verify 15 ms: r = 1.5; a k-draft costs 1 + 0.5 k / 3 plain steps.
+    # a = 0.9: k=1 1.9/1.167 = 1.63, k=2 2.71/1.333 = 2.03, k=3 3.439/1.5 = 2.29 -> 3
+    measurements = _measured(1, plain_s=0.010, verify_s=0.015)
+    measurements.observe_acceptance("a", num_proposed=10, num_accepted=9)
+    assert AdaptivePolicy(_config()).num_drafts(["a"], measurements) == [3]
+
+
+def test_low_acceptance_drafts_nothing() -> None:
+    # a = 0.1: k=1 1.1/1.167 = 0.94, k=2 1.11/1.333, k=3 1.111/1.5: none beats a plain step -> 0
+    measurements = _measured(1, plain_s=0.010, verify_s=0.015)
+    measurements.observe_acceptance("a", num_proposed=10, num_accepted=1)
+    assert AdaptivePolicy(_config()).num_drafts(["a"], measurements) == [0]
+
+
+def test_middling_acceptance_and_dear_drafts_draft_fewer() -> None:
+    # r = 2 (rest counts for both): k=1 1.5/1.333 = 1.125, k=2 1.75/1.667 = 1.05, k=3 1.875/2 -> 1
+    assert best_num_drafts(0.5, 2.0, K) == 1
+    measurements = _measured(2, plain_s=0.008, verify_s=0.018, rest_s=0.002)
+    measurements.observe_acceptance("a", 2, 1)
+    measurements.observe_acceptance("b", 3, 3)
+    assert AdaptivePolicy(_config()).num_drafts(["a", "b"], measurements) == [1, 3]
+
+
+def test_each_batch_size_bucket_has_its_own_cost() -> None:
+    measurements = _measured(1, plain_s=0.010, verify_s=0.012)  # cheap at batch 1
+    measurements.observe_step(8, verified=False, step_s=0.010, rest_s=None)
+    measurements.observe_step(8, verified=True, step_s=0.040, rest_s=None)  # r = 4 at batch 5..8
+    for req_id in "abcde":
+        measurements.observe_acceptance(req_id, 3, 2)  # a = 2/3
+    policy = AdaptivePolicy(_config())
+    assert policy.num_drafts(["a"], measurements) == [3]
+    assert policy.num_drafts(list("abcde"), measurements) == [0] * 5
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9, 32)] == [1, 2, 4, 8, 8, 16, 32]
+
+
+def test_adaptive_policy_measures_before_it_decides_and_probes_again() -> None:
+    policy, measurements = AdaptivePolicy(_config()), SpecMeasurements()
+    assert policy.num_drafts(["a"], measurements) == [K]  # no verify step measured yet
+    measurements.observe_step(1, verified=True, step_s=0.015, rest_s=0.0)
+    assert policy.num_drafts(["a"], measurements) == [0]  # now a plain one
+    measurements.observe_step(1, verified=False, step_s=0.010, rest_s=0.0)
+    assert policy.num_drafts(["new"], measurements) == [K]  # a request never verified drafts
+    measurements.observe_acceptance("a", 10, 1)
+    for _ in range(PROBE_INTERVAL):
+        assert policy.num_drafts(["a"], measurements) == [0]
+        measurements.observe_drafted("a", 0)
+    assert policy.num_drafts(["a"], measurements) == [K]  # probes its acceptance again
+    measurements.forget("a")
+    assert measurements.acceptance("a") is None and measurements.steps_without_drafts("a") == 0
+
+
+def test_acceptance_is_a_moving_average_per_request() -> None:
+    measurements = SpecMeasurements(acceptance_decay=0.5)
+    measurements.observe_acceptance("a", 4, 4)
+    measurements.observe_acceptance("a", 4, 0)
+    measurements.observe_acceptance("a", 0, 0)  # nothing proposed: nothing learned
+    assert measurements.acceptance("a") == 0.5
+    assert measurements.acceptance("b") is None
+
+
+def test_disable_by_batch_size_is_a_policy() -> None:
+    measurements = _measured(4, plain_s=0.010, verify_s=0.011)
+    for req_id in "abcd":
+        measurements.observe_acceptance(req_id, 10, 9)
+    batch_size = BatchSizePolicy(_config(disable_by_batch_size=4))
+    assert batch_size.num_drafts(list("abc"), measurements) == [K] * 3
+    assert batch_size.num_drafts(list("abcd"), measurements) == [0] * 4
+    # the adaptive default honours it first: cheap drafts, a = 0.9, still 0 at 4 requests
+    assert AdaptivePolicy(_config(disable_by_batch_size=4)).num_drafts(list("abcd"), measurements) == [0] * 4
+    assert AdaptivePolicy(_config()).num_drafts(list("abcd"), measurements) == [K] * 4
+    assert BatchSizePolicy(_config()).num_drafts(list("abcd"), measurements) == [K] * 4
+    assert AlwaysPolicy(_config()).num_drafts(["a"], SpecMeasurements()) == [K]
+
+
+def test_policy_config_fields_and_vllm_flag_names() -> None:
+    config = EngineConfig.from_flat(speculative_policy="batch_size", speculative_disable_by_batch_size=8)
+    assert (config.speculative.policy, config.speculative.disable_by_batch_size) == ("batch_size", 8)
+    config = EngineConfig.from_flat(speculative_config={"method": "ngram", "disable_by_batch_size": 16})
+    assert (config.speculative.policy, config.speculative.disable_by_batch_size) == ("adaptive", 16)
+
+
+def test_builtin_policies_are_registered_like_plugins() -> None:
+    registry = get_plugin_manager().spec_policies
+    assert {name: registry.get(name).source for name in ("adaptive", "batch_size", "always")} == dict.fromkeys(
+        ("adaptive", "batch_size", "always"), "builtin"
+    )
+    assert registry.load("adaptive") is AdaptivePolicy
+
+
+# ------------------------------------------------------------- end to end
+
+
+class StaggeredPolicy(SpeculationPolicy):
+    """Request i of a step drafts i mod (k + 1): 0, 1, .., k, 0, ..."""
+
+    def num_drafts(self, req_ids: Sequence[str], measurements: SpecMeasurements) -> list[int]:
+        return [i % (self.num_speculative_tokens + 1) for i in range(len(req_ids))]
+
+
+class NeverPolicy(SpeculationPolicy):
+    def num_drafts(self, req_ids: Sequence[str], measurements: SpecMeasurements) -> list[int]:
+        return [0] * len(req_ids)
+
+
+class PolicyPlugin:
+    @hookimpl
+    def register_spec_policies(self, register: RegisterFn) -> None:
+        register("fixture_staggered", f"{__name__}:StaggeredPolicy")
+        register("fixture_never", f"{__name__}:NeverPolicy")
+
+
+@pytest.fixture
+def policy_plugin() -> Iterator[None]:
+    pm = get_plugin_manager()
+    name = pm.register(PolicyPlugin(), name="spec-policy-test-plugin")
+    yield
+    pm.unregister(name=name)
+
+
+def _generate(policy: str | None, prompts: list[list[int]]) -> tuple[list[list[int]], Any]:
+    speculative = None if policy is None else {
+        "method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "policy": policy,
+    }
+    extra = {} if speculative is None else {"speculative_config": speculative}
+    llm = LLM(model="tiny", dtype="float32", num_kv_blocks=128, **extra)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], llm.engine_core.engine_core.scheduler
+
+
+@pytest.mark.slow
+def test_greedy_output_is_the_same_whatever_the_policy_decides(policy_plugin: None) -> None:
+    prompts = repeated_span_prompts(6, seed=7)
+    reference, _ = _generate(None, prompts)
+    for policy in ("fixture_staggered", "fixture_never", "adaptive", "batch_size"):
+        tokens, scheduler = _generate(policy, prompts)
+        assert tokens == reference, policy
+        stats = scheduler.total_spec_decoding_stats
+        # every step was timed, and the runner kept what the policy allowed
+        assert stats.num_steps > 0 and stats.verify_time_s > 0 and stats.num_sampled_reqs >= 6
+        if policy == "fixture_never":
+            assert (stats.num_drafts, stats.num_drafted_reqs, stats.draft_time_s) == (0, 0, 0.0)
+        if policy == "fixture_staggered":
+            # 6 requests: 5 of 6 draft while all run; never more than k per draft
+            assert 0 < stats.num_drafted_reqs < stats.num_sampled_reqs
+            assert stats.num_draft_tokens <= K * stats.num_drafts and stats.draft_time_s > 0
