@@ -19,10 +19,12 @@ def test_bench_spec_writes_a_table_and_json(tmp_path: Path, capsys: pytest.Captu
         "bench", "spec", "--model", str(model), "--methods", "ngram,draft_model", "--draft-model", str(model),
         "--dataset", "repeat", "--num-prompts", "2", "--output-len", "8", "--batch-sizes", "1,2",
         "-k", "3", "--num-kv-blocks", "64", "--disable-tqdm", "--result-file", str(result_file),
+        "--policy", "always",
     ])
     assert rc == 0
     table = capsys.readouterr().out
     assert "speedup" in table and "ngram" in table and "draft_model" in table
+    assert all(column in table for column in ("draft ms", "verify ms", "rest ms", "drafted"))
     rows = json.loads(result_file.read_text())["results"]
     assert [(r["method"], r["batch_size"]) for r in rows] == [
         ("none", 1), ("none", 2), ("ngram", 1), ("ngram", 2), ("draft_model", 1), ("draft_model", 2),
@@ -31,8 +33,14 @@ def test_bench_spec_writes_a_table_and_json(tmp_path: Path, capsys: pytest.Captu
         assert row["output_tokens"] == 2 * 8
         if row["method"] == "none":
             assert row["acceptance_rate"] is None
+            assert (row["draft_ms"], row["verify_ms"], row["rest_ms"], row["drafted_fraction"]) == (None,) * 4
         else:
             assert row["speedup"] == pytest.approx(row["output_tok_s"] / row["baseline_tok_s"])
             assert len(row["per_position_acceptance"]) == 3
+            # the step split adds up to the measured time per step; `always` drafts every step
+            assert row["num_steps"] > 0 and row["draft_ms"] > 0 and row["verify_ms"] > 0
+            per_step_ms = 1000 * row["elapsed_s"] / row["num_steps"]
+            assert row["draft_ms"] + row["verify_ms"] + row["rest_ms"] == pytest.approx(per_step_ms)
+            assert row["drafted_fraction"] == 1.0
     # The draft model is the target: every draft is accepted.
     assert all(r["acceptance_rate"] == 1.0 for r in rows if r["method"] == "draft_model")

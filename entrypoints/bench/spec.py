@@ -4,10 +4,15 @@ For a target model and one or more drafter configs, over a built-in prompt set
 (`code`: continue held-out Python standard library files; `repeat`: a
 document followed by its own beginning, so the continuation repeats it;
 `chat`: free chat through the chat template), it reports per batch size
-(1, 4, 16 by default): acceptance rate, mean acceptance length (1 + accepted
-/ drafts), per-position acceptance, output tok/s, and the speedup over no
-speculation measured in the same run. Greedy decoding with ignore_eos, so
-every run produces the same number of tokens.
+(1, 8, 32 by default): acceptance rate, mean acceptance length (1 + accepted
+/ drafts), per-position acceptance, output tok/s, the speedup over no
+speculation measured in the same run, the mean step time split into draft
+(the drafter's propose), verify (the target's forward and sampling or
+verification, as the model runner times them) and rest (everything else:
+scheduling, output processing), and the fraction of the requests' steps the
+speculation policy (`--policy`, default the engine's: adaptive) let draft.
+Greedy decoding with ignore_eos, so every run produces the same number of
+tokens.
 
     pagedllm bench spec --model tiny --methods ngram,draft_model,eagle --dataset repeat
 """
@@ -52,6 +57,14 @@ class SpecRunResult:
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
     per_position_acceptance: list[float] = field(default_factory=list)
+    # Mean per step, in ms: the drafter's propose, the target's forward +
+    # verification, and the rest of the step (None without a drafter).
+    num_steps: int | None = None
+    draft_ms: float | None = None
+    verify_ms: float | None = None
+    rest_ms: float | None = None
+    # Of the requests' steps, the fraction the policy let draft.
+    drafted_fraction: float | None = None
 
 
 def build_prompts(
@@ -141,7 +154,22 @@ def _diff_stats(after: Any, before: Any) -> Any:
     diff.num_accepted_tokens_per_pos = [
         a - b for a, b in zip(after.num_accepted_tokens_per_pos, before.num_accepted_tokens_per_pos, strict=True)
     ]
+    for name in ("num_steps", "verify_time_s", "draft_time_s", "num_sampled_reqs", "num_drafted_reqs"):
+        setattr(diff, name, getattr(after, name) - getattr(before, name))
     return diff
+
+
+def _add_step_split(result: SpecRunResult, stats: Any) -> None:
+    """Mean draft / verify / rest ms per step and the policy's drafted fraction."""
+    result.acceptance_rate = stats.acceptance_rate
+    result.mean_acceptance_length = stats.mean_acceptance_length
+    result.per_position_acceptance = stats.per_position_acceptance_rate
+    result.drafted_fraction = stats.drafted_fraction
+    result.num_steps = stats.num_steps
+    if stats.num_steps:
+        result.draft_ms = 1000 * stats.draft_time_s / stats.num_steps
+        result.verify_ms = 1000 * stats.verify_time_s / stats.num_steps
+        result.rest_ms = 1000 * result.elapsed_s / stats.num_steps - result.draft_ms - result.verify_ms
 
 
 def run_bench(args: argparse.Namespace) -> list[SpecRunResult]:
@@ -175,6 +203,10 @@ def run_bench(args: argparse.Namespace) -> list[SpecRunResult]:
             extra: dict[str, Any] = {}
             if method != "none":
                 extra["speculative_config"] = _speculative_config(method, args)
+                if args.policy:
+                    extra["speculative_config"]["policy"] = args.policy
+                if args.disable_by_batch_size:
+                    extra["speculative_config"]["disable_by_batch_size"] = args.disable_by_batch_size
             llm = LLM(**engine_args, **extra)
             _run(llm, prompts[:2], 2, 32)  # warm-up
             for batch_size in batch_sizes:
@@ -191,9 +223,7 @@ def run_bench(args: argparse.Namespace) -> list[SpecRunResult]:
                     if result.baseline_tok_s:
                         result.speedup = result.output_tok_s / result.baseline_tok_s
                 if stats is not None:
-                    result.acceptance_rate = stats.acceptance_rate
-                    result.mean_acceptance_length = stats.mean_acceptance_length
-                    result.per_position_acceptance = stats.per_position_acceptance_rate
+                    _add_step_split(result, stats)
                 results.append(result)
                 progress.update(1)
                 if args.result_file:  # partial results survive an interrupted run
@@ -205,18 +235,20 @@ def run_bench(args: argparse.Namespace) -> list[SpecRunResult]:
 
 def format_table(results: list[SpecRunResult], k: int) -> str:
     header = (
-        f"{'dataset':<8} {'method':<12} {'bs':>3} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'mean len':>8}  "
-        f"per-position acceptance (k={k})"
+        f"{'dataset':<8} {'method':<12} {'bs':>3} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'mean len':>8} "
+        f"{'draft ms':>8} {'verify ms':>9} {'rest ms':>7} {'drafted':>7}  per-position acceptance (k={k})"
     )
     lines = [header, "-" * len(header)]
     for r in results:
         speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
         accept = f"{r.acceptance_rate:.3f}" if r.acceptance_rate is not None else "-"
         mean_len = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
+        split = [f"{ms:.2f}" if ms is not None else "-" for ms in (r.draft_ms, r.verify_ms, r.rest_ms)]
+        drafted = f"{r.drafted_fraction:.2f}" if r.drafted_fraction is not None else "-"
         per_pos = " ".join(f"{p:.2f}" for p in r.per_position_acceptance)
         lines.append(
             f"{r.dataset:<8} {r.method:<12} {r.batch_size:>3} {r.output_tok_s:>9.1f} {speedup:>8} {accept:>7} "
-            f"{mean_len:>8}  {per_pos}"
+            f"{mean_len:>8} {split[0]:>8} {split[1]:>9} {split[2]:>7} {drafted:>7}  {per_pos}"
         )
     return "\n".join(lines)
 
@@ -252,7 +284,11 @@ def add_spec_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     spec.add_argument("--dataset", default="all", help=f"{', '.join(DATASETS)}, all, or a comma-separated list")
     spec.add_argument("--num-prompts", type=_positive_int, default=16)
     spec.add_argument("--output-len", type=_positive_int, default=128)
-    spec.add_argument("--batch-sizes", default="1,4,16")
+    spec.add_argument("--batch-sizes", default="1,8,32")
+    spec.add_argument("--policy", default=None,
+                      help="speculative.policy (adaptive, batch_size, always, or a plugin's); default: the engine's")
+    spec.add_argument("--disable-by-batch-size", type=_positive_int, default=None,
+                      help="speculative.disable_by_batch_size (vLLM's)")
     spec.add_argument("--num-kv-blocks", type=_positive_int, default=None)
     spec.add_argument("--seed", type=int, default=0)
     spec.add_argument("--result-file", default=None, help="write every row as JSON here")
