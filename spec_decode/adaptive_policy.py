@@ -8,8 +8,11 @@ takes `S = verify + rest` seconds against `P = plain + rest` for a plain
 decode step (measured, spec_decode/measurements.py). With `r = S / P`, a request drafting k is charged
 `1 + (r - 1) * k / k_max` plain steps; the policy picks the k in
 0..k_max with the most tokens per charged step, and 0 unless that beats a
-plain step by `MIN_GAIN`. So speculation is chosen only where it is measured
-to be faster, per request and per batch size.
+plain step by `MIN_GAIN`. A step in which any request drafts is a verify
+step for the whole batch (no plain decode graph), so the batch drafts at all
+only if its mean expected tokens per request beat `r` by `MIN_GAIN` too.
+So speculation is chosen only where it is measured to be faster, per
+request and per batch size.
 
 Exploring: a bucket without a measured verify step drafts k_max everywhere,
 then one without a measured plain step drafts nothing for a step; a request
@@ -74,11 +77,15 @@ class AdaptivePolicy(SpeculationPolicy):
         ratio = cost_ratio(cost)
         if ratio is None:
             return [0] * len(req_ids)  # measure a plain step at this size
-        counts = []
+        counts, tokens, probing = [], 0.0, False
         for req_id in req_ids:
             acceptance = measurements.acceptance(req_id)
             if acceptance is None or measurements.steps_without_drafts(req_id) >= PROBE_INTERVAL:
                 counts.append(k_max)
+                probing = True
             else:
                 counts.append(best_num_drafts(acceptance, ratio, k_max))
+                tokens += expected_tokens(acceptance, counts[-1])
+        if not probing and tokens / len(req_ids) <= MIN_GAIN * ratio:
+            return [0] * len(req_ids)  # the whole step pays the verify cost: not worth it
         return counts

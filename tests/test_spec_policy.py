@@ -72,6 +72,18 @@ def test_middling_acceptance_and_dear_drafts_draft_fewer() -> None:
     assert AdaptivePolicy(_config()).num_drafts(["a", "b"], measurements) == [1, 3]
 
 
+def test_a_batch_drafts_only_if_its_mean_gain_pays_for_the_verify_step() -> None:
+    # r = 3 at batch 4. "a" alone (a = .95): k=3 gives 3.71 / 3 = 1.24 -> 3 per request;
+    # but any draft makes the whole step a verify step: (3.71 + 3 x 1) / 4 = 1.68 < 1.05 x 3 -> 0
+    measurements = _measured(4, plain_s=0.010, verify_s=0.030)
+    measurements.observe_acceptance("a", 20, 19)
+    for req_id in "bcd":
+        measurements.observe_acceptance(req_id, 10, 1)
+    assert AdaptivePolicy(_config()).num_drafts(list("abcd"), measurements) == [0] * 4
+    # a request never verified probes: the step verifies anyway, so "a" drafts too
+    assert AdaptivePolicy(_config()).num_drafts(list("abcn"), measurements) == [3, 0, 0, 3]
+
+
 def test_each_batch_size_bucket_has_its_own_cost() -> None:
     measurements = _measured(1, plain_s=0.010, verify_s=0.012)  # cheap at batch 1
     measurements.observe_step(8, verified=False, step_s=0.010, rest_s=None)
