@@ -86,6 +86,10 @@ class DraftInputs:
     # outside a step, e.g. in tests of a drafter that needs no model).
     batch_rows: list[int] = field(default_factory=list)
     target_step: TargetStep | None = None
+    # Per request, how many drafts the speculation policy keeps (at most
+    # num_speculative_tokens; empty: all k). A drafter may propose no more
+    # than that; the runner cuts longer proposals.
+    num_drafts: list[int] = field(default_factory=list)
 
 
 @dataclass

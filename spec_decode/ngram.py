@@ -148,7 +148,10 @@ class NgramDrafter(Drafter):
         config = self.config
         k = self.num_speculative_tokens
         max_model_len = self.context.max_model_len if self.context is not None else None
-        ks = [k if max_model_len is None else max(0, min(k, max_model_len - len(t))) for t in inputs.token_ids]
+        # The policy's count per request (k without one), capped by max_model_len.
+        wanted = inputs.num_drafts or [k] * len(inputs.token_ids)
+        ks = [k_i if max_model_len is None else max(0, min(k_i, max_model_len - len(t)))
+              for k_i, t in zip(wanted, inputs.token_ids, strict=True)]
         token_arrays = [
             self.buffers.setdefault(req_id, TokenBuffer()).update(token_ids)
             for req_id, token_ids in zip(inputs.req_ids, inputs.token_ids, strict=True)

@@ -208,3 +208,15 @@ def test_greedy_output_is_the_same_whatever_the_policy_decides(policy_plugin: No
             # 6 requests: 5 of 6 draft while all run; never more than k per draft
             assert 0 < stats.num_drafted_reqs < stats.num_sampled_reqs
             assert stats.num_draft_tokens <= K * stats.num_drafts and stats.draft_time_s > 0
+
+
+def test_ngram_proposes_no_more_than_the_policy_keeps() -> None:
+    from pagedllm.spec_decode.interface import DraftInputs
+    from pagedllm.spec_decode.ngram import NgramDrafter
+
+    drafter = NgramDrafter(_config(prompt_lookup_min=1, prompt_lookup_max=3), None)  # type: ignore[arg-type]
+    tokens = [5, 6, 7, 8, 9, 5, 6]  # "5 6" matched: 7 8 9 follow
+    inputs = DraftInputs(req_ids=["a", "b", "c"], token_ids=[tokens] * 3, sampling_params=[], num_drafts=[3, 1, 0])
+    assert drafter.propose(inputs).draft_token_ids == [[7, 8, 9], [7], []]
+    inputs.num_drafts = []  # not given: k each
+    assert drafter.propose(inputs).draft_token_ids == [[7, 8, 9]] * 3

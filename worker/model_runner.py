@@ -378,6 +378,7 @@ class ModelRunner:
                 sampling_params=[requests[i].sampling_params for i in chosen],
                 batch_rows=[sampling.batch_rows[i] for i in chosen],
                 target_step=target_step,
+                num_drafts=[counts[i] for i in chosen],
             )
         )
         draft_s = time.perf_counter() - start
