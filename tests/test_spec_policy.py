@@ -220,3 +220,17 @@ def test_ngram_proposes_no_more_than_the_policy_keeps() -> None:
     assert drafter.propose(inputs).draft_token_ids == [[7, 8, 9], [7], []]
     inputs.num_drafts = []  # not given: k each
     assert drafter.propose(inputs).draft_token_ids == [[7, 8, 9]] * 3
+
+
+@pytest.mark.slow
+def test_a_model_drafter_still_mirrors_prefill_chunks_that_sample_nothing() -> None:
+    # The draft model is the target: every greedy draft is right, unless the
+    # drafter missed a prompt chunk (a step in which nothing sampled).
+    prompts = repeated_span_prompts(2, seed=11)
+    speculative = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": K}
+    llm = LLM(model="tiny", dtype="float32", num_kv_blocks=128, max_num_batched_tokens=8,
+              enable_chunked_prefill=True, speculative_config=speculative)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stats = llm.engine_core.engine_core.scheduler.total_spec_decoding_stats
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0

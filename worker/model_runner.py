@@ -368,8 +368,8 @@ class ModelRunner:
         chosen = [i for i, n in enumerate(counts) if n > 0 or drafter.needs_lookahead_slots]
         for state in requests:
             state.draft_probs = None
-        if not chosen:
-            return 0.0, 0
+        if not chosen and not drafter.needs_lookahead_slots:
+            return 0.0, 0  # NOTE: a model drafter mirrors prefill chunks even when nothing sampled
         start = time.perf_counter()
         draft_output = drafter.propose(
             DraftInputs(
