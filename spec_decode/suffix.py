@@ -62,7 +62,8 @@ class SuffixDrafter(Drafter):
         drafts = []
         for i, (req_id, token_ids) in enumerate(zip(inputs.req_ids, inputs.token_ids, strict=True)):
             trees = self._update(req_id, token_ids)
-            num_drafts = k if max_model_len is None else max(0, min(k, max_model_len - len(token_ids)))
+            wanted = inputs.num_drafts[i] if inputs.num_drafts else k  # the policy's count
+            num_drafts = wanted if max_model_len is None else max(0, min(wanted, max_model_len - len(token_ids)))
             # A seeded request drafts from its own tokens only: which drafts it
             # gets decides which random numbers it draws, and those must not
             # depend on the other requests (its tokens are the same alone or

@@ -210,12 +210,15 @@ def test_greedy_output_is_the_same_whatever_the_policy_decides(policy_plugin: No
             assert stats.num_draft_tokens <= K * stats.num_drafts and stats.draft_time_s > 0
 
 
-def test_ngram_proposes_no_more_than_the_policy_keeps() -> None:
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_model_free_drafters_propose_no_more_than_the_policy_keeps(method: str) -> None:
     from pagedllm.spec_decode.interface import DraftInputs
     from pagedllm.spec_decode.ngram import NgramDrafter
+    from pagedllm.spec_decode.suffix import SuffixDrafter
 
-    drafter = NgramDrafter(_config(prompt_lookup_min=1, prompt_lookup_max=3), None)  # type: ignore[arg-type]
-    tokens = [5, 6, 7, 8, 9, 5, 6]  # "5 6" matched: 7 8 9 follow
+    config = _config(prompt_lookup_min=1, prompt_lookup_max=3)
+    drafter = (NgramDrafter if method == "ngram" else SuffixDrafter)(config, None)  # type: ignore[arg-type]
+    tokens = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]  # "5 6" matched: 7 8 9 follow
     inputs = DraftInputs(req_ids=["a", "b", "c"], token_ids=[tokens] * 3, sampling_params=[], num_drafts=[3, 1, 0])
     assert drafter.propose(inputs).draft_token_ids == [[7, 8, 9], [7], []]
     inputs.num_drafts = []  # not given: k each
