@@ -58,7 +58,8 @@ class SpecMeasurements:
     def __init__(self, acceptance_decay: float = 0.7, cost_decay: float = 0.9) -> None:
         self.acceptance_decay = acceptance_decay
         self.cost_decay = cost_decay
-        self._acceptance: dict[str, _Ema] = {}
+        # req_id -> (accepted positions, positions tried), moving averages per verification.
+        self._acceptance: dict[str, tuple[_Ema, _Ema]] = {}
         self._costs: dict[int, _BucketCost] = {}
         # Steps each request went without drafts since it last drafted.
         self._steps_without_drafts: dict[str, int] = {}
@@ -66,16 +67,25 @@ class SpecMeasurements:
     # ---------------------------------------------------------- acceptance
 
     def observe_acceptance(self, req_id: str, num_proposed: int, num_accepted: int) -> None:
-        """A verification of `num_proposed` drafts that kept `num_accepted`."""
+        """A verification of `num_proposed` drafts that kept `num_accepted`:
+        `num_accepted` positions accepted, then one rejected unless all were."""
         if num_proposed <= 0:
             return
-        ema = self._acceptance.setdefault(req_id, _Ema(self.acceptance_decay))
-        ema.observe(num_accepted / num_proposed)
+        accepted, tried = self._acceptance.setdefault(
+            req_id, (_Ema(self.acceptance_decay), _Ema(self.acceptance_decay)))
+        accepted.observe(num_accepted)
+        tried.observe(num_accepted + (num_accepted < num_proposed))
 
     def acceptance(self, req_id: str) -> float | None:
-        """The request's moving average of accepted / proposed (None: never verified)."""
-        ema = self._acceptance.get(req_id)
-        return None if ema is None else ema.value
+        """The request's per-position acceptance probability a (None: never
+        verified): accepted positions over positions tried, each a moving
+        average. A draft is accepted position by position up to the first
+        rejection, so accepted / proposed would understate a (a = 0.8 and
+        k = 4 accept 2.36 of 4 drafts, 0.59, on average)."""
+        kept = self._acceptance.get(req_id)
+        if kept is None or not kept[1].value:
+            return None
+        return (kept[0].value or 0.0) / kept[1].value
 
     def observe_drafted(self, req_id: str, num_drafts: int) -> None:
         """The policy let `req_id` draft `num_drafts` tokens for its next step."""

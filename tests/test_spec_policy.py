@@ -58,8 +58,11 @@ def test_high_acceptance_and_cheap_drafts_draft_k() -> None:
 
 def test_low_acceptance_drafts_nothing() -> None:
     # a = 0.1: k=1 1.1/1.167 = 0.94, k=2 1.11/1.333, k=3 1.111/1.5: none beats a plain step -> 0
+    assert best_num_drafts(0.1, 1.5, K) == 0
+    # a = 0 (the first draft rejected): 1 token per step whatever k
     measurements = _measured(1, plain_s=0.010, verify_s=0.015)
-    measurements.observe_acceptance("a", num_proposed=10, num_accepted=1)
+    measurements.observe_acceptance("a", num_proposed=10, num_accepted=0)
+    assert measurements.acceptance("a") == 0.0
     assert AdaptivePolicy(_config()).num_drafts(["a"], measurements) == [0]
 
 
@@ -103,7 +106,7 @@ def test_adaptive_policy_measures_before_it_decides_and_probes_again() -> None:
     assert policy.num_drafts(["a"], measurements) == [0]  # now a plain one
     measurements.observe_step(1, verified=False, step_s=0.010, rest_s=0.0)
     assert policy.num_drafts(["new"], measurements) == [K]  # a request never verified drafts
-    measurements.observe_acceptance("a", 10, 1)
+    measurements.observe_acceptance("a", 10, 0)  # a = 0
     for _ in range(PROBE_INTERVAL):
         assert policy.num_drafts(["a"], measurements) == [0]
         measurements.observe_drafted("a", 0)
@@ -113,12 +116,17 @@ def test_adaptive_policy_measures_before_it_decides_and_probes_again() -> None:
 
 
 def test_acceptance_is_a_moving_average_per_request() -> None:
+    # Per position: 4 of 4 tried accepted, then 0 of 1 (the first rejected).
+    # Moving averages (decay 0.5): accepted 0.5 x 4 + 0.5 x 0 = 2, tried 0.5 x 4 + 0.5 x 1 = 2.5.
     measurements = SpecMeasurements(acceptance_decay=0.5)
     measurements.observe_acceptance("a", 4, 4)
+    assert measurements.acceptance("a") == 1.0
     measurements.observe_acceptance("a", 4, 0)
     measurements.observe_acceptance("a", 0, 0)  # nothing proposed: nothing learned
-    assert measurements.acceptance("a") == 0.5
-    assert measurements.acceptance("b") is None
+    assert measurements.acceptance("a") == pytest.approx(0.8)
+    measurements.observe_acceptance("b", 4, 2)  # 2 accepted, the third rejected: a = 2/3
+    assert measurements.acceptance("b") == pytest.approx(2 / 3)
+    assert measurements.acceptance("c") is None
 
 
 def test_disable_by_batch_size_is_a_policy() -> None:
