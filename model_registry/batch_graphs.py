@@ -81,7 +81,7 @@ class BatchGraphs:
     ) -> None:
         """`extra_inputs`: name -> (shape of one row, dtype) of the other
         per-row inputs `forward` reads (each a persistent buffer too)."""
-        self.forward = forward
+        self.batch_forward = forward
         self.attn_backend = attn_backend
         self.platform = platform
         self.sizes = sorted(set(sizes))
@@ -153,7 +153,7 @@ class BatchGraphs:
             def run(num_tokens: int = num_tokens, metadata: AttentionMetadata = metadata,
                     extras: dict[str, torch.Tensor] = extras,
                     outputs: list[tuple[torch.Tensor, ...]] = outputs) -> torch.Tensor:
-                outputs[:] = [self.forward(self.input_ids[:num_tokens], self.positions[:num_tokens], metadata,
+                outputs[:] = [self.batch_forward(self.input_ids[:num_tokens], self.positions[:num_tokens], metadata,
                                            extras)]
                 return outputs[0][0]
 

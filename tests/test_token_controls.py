@@ -245,7 +245,9 @@ def test_truncate_prompt_tokens_at_the_context_length_is_refused(llm: LLM) -> No
     assert "max_model_len (64)" in info.value.limit
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# policy always: draft counts are compared across runs (the default policy follows measured times).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "policy": "always"}
 
 
 def test_speculative_decoding_verifies_drafts_under_the_token_controls(llm: LLM, tokenizer: Any) -> None:

@@ -67,9 +67,12 @@ SCHEMA = {
     "additionalProperties": False,
 }
 SPEC_METHODS: dict[str, dict[str, Any]] = {
-    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-    "eagle": {"method": "eagle", "num_speculative_tokens": 3, "model": "tiny-eagle"},
-    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": "tiny-draft"},
+    # policy always: the draft counts are compared across runs, and the
+    # default policy's choices follow measured (so varying) step times.
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+              "policy": "always"},
+    "eagle": {"method": "eagle", "num_speculative_tokens": 3, "model": "tiny-eagle", "policy": "always"},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": "tiny-draft", "policy": "always"},
 }
 
 

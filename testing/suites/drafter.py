@@ -51,7 +51,9 @@ def _greedy() -> Any:
 
 
 def _speculative(rule: str, name: str, k: int) -> dict[str, Any]:
-    config: dict[str, Any] = {"method": name, "num_speculative_tokens": k}
+    # The drafter's rules, not the policy's: drafts every step (the default
+    # policy's choices follow measured step times, which vary from run to run).
+    config: dict[str, Any] = {"method": name, "num_speculative_tokens": k, "policy": "always"}
     if registration(rule, KIND, name).info.needs_model:
         config["model"] = DRAFTER_MODELS.get(name, DEFAULT_DRAFTER_MODEL)
     return config
