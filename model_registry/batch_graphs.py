@@ -11,7 +11,8 @@ A speculative verify step, in which every request scores the same q = 1 + k
 tokens (its newest token and k drafts), is as regular (vLLM captures such
 uniform query-length batches too): graphs are captured per batch size and
 query length, for the query lengths asked for (`query_lens`), at the sizes
-whose q-token batches are no bigger than the largest decode graph's batch.
+whose q-token batches are no bigger than the largest decode graph's batch,
+each when a step first needs it (`capture` takes the decode graphs only).
 Rejection sampling runs after the replay, on its output. Prefill steps,
 mixed steps and steps with drafts of different lengths run eagerly.
 
@@ -107,9 +108,17 @@ class BatchGraphs:
         self.graphs: dict[tuple[int, int], tuple[Callable[[], None], tuple[torch.Tensor, ...]]] = {}
         self.num_replays = 0
         self.num_replays_by_query_len: Counter[int] = Counter()
+        # q -> the batch sizes a graph may be captured at: every size for
+        # decode steps, those whose q-token batches fit the largest decode
+        # graph's for verify steps.
+        self.allowed_sizes = {
+            query_len: [size for size in self.sizes if size * query_len <= self.sizes[-1]] or [1]
+            for query_len in self.query_lens
+        }
+        self._pool: object | None = None
 
     def sizes_for(self, query_len: int) -> list[int]:
-        """The captured batch sizes of steps that score `query_len` tokens per request."""
+        """The batch sizes captured so far for steps that score `query_len` tokens per request."""
         return sorted(size for size, graph_query_len in self.graphs if graph_query_len == query_len)
 
     def _metadata(self, size: int, query_len: int) -> AttentionMetadata:
@@ -130,18 +139,12 @@ class BatchGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Decode graphs (GraphCaptureError when one cannot be captured),
-        then verify graphs, each query length given up as a whole (its steps
-        run eagerly) when the backend cannot serve it from tensors alone."""
-        pool = self._capture_query_len(1, self.sizes, None)
-        for query_len in self.query_lens[1:]:
-            sizes = [size for size in self.sizes if size * query_len <= self.sizes[-1]] or [1]
-            try:
-                pool = self._capture_query_len(query_len, sizes, pool)
-            except GraphCaptureError as error:
-                for size in sizes:
-                    self.graphs.pop((size, query_len), None)
-                logger.info("verify graphs of %d tokens per request: off (%s)", query_len, error)
+        """The decode graphs, now (GraphCaptureError when one cannot be
+        captured). Verify graphs (q > 1) are captured when a step first
+        needs one: the shapes are many (every q of 2..1 + k at every size),
+        most never seen by a given workload, and capturing them all at
+        start-up doubled an engine's start."""
+        self._pool = self._capture_query_len(1, self.sizes, self._pool)
 
     def _capture_query_len(self, query_len: int, sizes: list[int], pool: object | None) -> object | None:
         for size in reversed(sizes):  # largest first: the rest fit in its memory pool
@@ -171,13 +174,41 @@ class BatchGraphs:
         query_len = batch.num_tokens // num_reqs
         if query_len > 1 and not bool((np.diff(batch.query_start_loc) == query_len).all()):
             return None
-        sizes = self.sizes_for(query_len)
+        sizes = self.allowed_sizes.get(query_len, [])
         index = bisect.bisect_left(sizes, num_reqs)
         return (sizes[index], query_len) if index < len(sizes) else None
 
     def can_run(self, batch: InputBatch) -> bool:
-        """A uniform batch (one token per request, or the same 1 + k) of a captured shape."""
-        return self._graph_size(batch) is not None
+        """A uniform batch (one token per request, or the same 1 + k) of a
+        shape captured, or captured now (a verify shape's first step); a
+        query length the backend cannot serve from tensors alone is given
+        up as a whole (its steps run eagerly), logged."""
+        shape = self._graph_size(batch)
+        if shape is None:
+            return False
+        if shape not in self.graphs:
+            size, query_len = shape
+            self._idle_inputs(size * query_len, size, query_len)
+            try:
+                with torch.inference_mode():
+                    self._pool = self._capture_query_len(query_len, [size], self._pool)
+            except GraphCaptureError as error:
+                self.allowed_sizes.pop(query_len, None)
+                logger.info("graphs of %d tokens per request: off, those steps run eagerly (%s)", query_len, error)
+                return False
+        return True
+
+    def _idle_inputs(self, num_tokens: int, num_reqs: int, query_len: int) -> None:
+        """Inputs under which a forward (the capture's runs) writes no KV
+        (slot -1) and reads block 0 only: the buffers still hold the last
+        step's slots, and a capture between two steps must not write there."""
+        self.input_ids[:num_tokens].zero_()
+        self.positions[:num_tokens].zero_()
+        self.slot_mapping[:num_tokens].fill_(-1)
+        self.seq_lens[:num_reqs].fill_(query_len)
+        self.block_table[:num_reqs].zero_()
+        for buffer in self.extras.values():
+            buffer[:num_tokens].zero_()
 
     def run(self, input_ids: torch.Tensor, batch: InputBatch,
             extras: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:

@@ -19,7 +19,6 @@ request from its own generator: see `DraftSampling`).
 
 from __future__ import annotations
 
-import logging
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention_backends.base import STANDARD_KV_CACHE_LAYOUT
-from pagedllm.core.errors import ConfigError, GraphCaptureError
+from pagedllm.core.errors import ConfigError
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.model_registry.batch_graphs import BatchGraphs
 from pagedllm.model_registry.input_batch import InputBatch
@@ -41,7 +40,6 @@ if TYPE_CHECKING:
     from pagedllm.core.config import SpeculativeConfig
     from pagedllm.platforms.interface import Platform
 
-logger = logging.getLogger(__name__)
 
 
 def load_draft_hf_config(config: SpeculativeConfig, method: str) -> tuple[str, Any]:
@@ -132,7 +130,8 @@ class ModelDrafter(Drafter):
         """Feed one draft per request: (logits of the next draft, what the next step feeds back)."""
 
     def capture_graphs(self, platform: Platform, sizes: list[int]) -> None:
-        """Graphs of the single-token draft steps, per batch size."""
+        """Graphs of the single-token draft steps, per batch size, each
+        captured when a step first needs it."""
         context = self.context
         extras: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         if self.draft_feature_size is not None:
@@ -146,14 +145,9 @@ class ModelDrafter(Drafter):
         graphs = BatchGraphs(forward, context.attn_backend, platform, sizes=sizes,
                              max_model_len=context.max_model_len, block_size=context.block_size,
                              device=context.device, extra_inputs=extras)
-        try:
-            with torch.inference_mode():
-                graphs.capture()
-        except GraphCaptureError as error:
-            logger.warning("%s draft graphs: off, draft steps run eagerly (%s)", self.method, error)
-            return
+        # NOTE: nothing captured now: each size when a draft step first needs it
+        # (one that cannot be captured runs eagerly, logged).
         self.draft_graphs = graphs
-        logger.info("%s draft graphs captured for batch sizes %s", self.method, graphs.sizes)
 
     def _draft_step(
         self, tokens: torch.Tensor, hidden_states: torch.Tensor | None, batch: InputBatch

@@ -277,8 +277,9 @@ def test_decode_graphs_with_async_scheduling_and_with_drafts(eager_tokens: list[
     speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     llm = LLM(**ENGINE_KWARGS, speculative_config=speculative)
     runner = _graph_runner(llm)
-    # q x size tokens fit the largest decode graph's 8.
-    assert [runner.sizes_for(q) for q in (2, 3, 4)] == [[1, 2, 4], [1, 2], [1, 2]]
+    # q x size tokens fit the largest decode graph's 8; each captured when first needed.
+    assert [runner.allowed_sizes[q] for q in (2, 3, 4)] == [[1, 2, 4], [1, 2], [1, 2]]
+    assert [runner.sizes_for(q) for q in (2, 3, 4)] == [[], [], []]
     assert _generate(llm) == eager_tokens
     # One request at a time: every verify step is uniform.
     prompt = "one two three four one two three four one two three four one two"
@@ -301,10 +302,10 @@ def test_model_drafters_replay_their_draft_steps_with_the_eager_tokens(method: s
     llm = LLM(**ENGINE_KWARGS, speculative_config=speculative)
     graphs = _graph_runner(llm)  # the target's
     drafter = llm.engine_core.engine_core.model_executor.driver_worker.model_runner.drafter  # type: ignore[attr-defined]
-    assert drafter.draft_graphs is not None and drafter.draft_graphs.sizes_for(1) == graphs.sizes_for(1)
+    assert drafter.draft_graphs is not None and drafter.draft_graphs.allowed_sizes[1] == graphs.sizes_for(1)
     assert [o.outputs[0].token_ids for o in llm.generate([prompt, prompt[4:]], params)] == [
         o.outputs[0].token_ids for o in eager.generate([prompt, prompt[4:]], params)]
-    assert drafter.draft_graphs.num_replays > 0
+    assert drafter.draft_graphs.num_replays > 0 and drafter.draft_graphs.sizes_for(1) == [1, 2]
 
 
 @pytest.mark.slow

@@ -494,9 +494,9 @@ class Worker:
             logger.warning("decode graphs: off, every step runs eagerly (%s)", error)
             return None
         logger.info("decode graphs captured for batch sizes %s", runner.sizes)
-        for query_len in runner.query_lens[1:]:
-            logger.info("verify graphs of %d tokens per request captured for batch sizes %s", query_len,
-                        runner.sizes_for(query_len))
+        if runner.query_lens[1:]:
+            logger.info("verify graphs of %s tokens per request: captured when first needed, at sizes up to %d",
+                        runner.query_lens[1:], runner.allowed_sizes[runner.query_lens[1]][-1])
         return runner
 
     def _graphs_enabled(self) -> bool:
