@@ -116,6 +116,8 @@ class BatchGraphs:
             for query_len in self.query_lens
         }
         self._pool: object | None = None
+        # Graphs captured so far (a step that captured one took that much longer).
+        self.num_captures = 0
 
     def sizes_for(self, query_len: int) -> list[int]:
         """The batch sizes captured so far for steps that score `query_len` tokens per request."""
@@ -163,6 +165,7 @@ class BatchGraphs:
             # NOTE: the platform runs `run` last for the recording: `outputs` holds that run's tensors.
             replay, _, pool = self.platform.capture_graph(run, pool)
             self.graphs[(size, query_len)] = (replay, outputs[0])
+            self.num_captures += 1
         return pool
 
     def _graph_size(self, batch: InputBatch) -> tuple[int, int] | None:

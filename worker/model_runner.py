@@ -86,6 +86,7 @@ class ModelRunner:
         self.spec_policy = spec_policy
         self.spec_measurements = SpecMeasurements()
         self._last_step_end: float | None = None
+        self._captures_at_start = 0
         # With kv_transfer configured: loads before the forward, saves after it.
         self.kv_connector = kv_connector
         self._reported_connector_stats = KVConnectorStats()
@@ -147,6 +148,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
+        self._captures_at_start = self._num_graph_captures()
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={}, kv_connector_output=self._kv_connector_output(
@@ -417,6 +419,11 @@ class ModelRunner:
                 num_accepted = len(output.sampled_token_ids[state.req_id]) - 1
                 self.spec_measurements.observe_acceptance(state.req_id, len(drafts), num_accepted)
 
+    def _num_graph_captures(self) -> int:
+        """Graphs the target and the drafter captured so far (lazily, on a shape's first step)."""
+        graphs = [self.graph_runner, getattr(self.drafter, "draft_graphs", None)]
+        return sum(graph.num_captures for graph in graphs if graph is not None)
+
     def _observe_step_cost(
         self,
         scheduler_output: SchedulerOutput,
@@ -433,6 +440,8 @@ class ModelRunner:
             scheduler_output.total_num_scheduled_tokens != len(drafts) + num_drafts
         ):
             return
+        if self._num_graph_captures() != self._captures_at_start:
+            return  # this step captured a graph (its shape's first): not what such a step costs
         rest_s = None if self._last_step_end is None else start - self._last_step_end
         self.spec_measurements.observe_step(
             len(drafts), verified=num_drafts > 0, step_s=times.verify_s + times.draft_s, rest_s=rest_s
