@@ -191,7 +191,7 @@ class BatchGraphs:
             return False
         if shape not in self.graphs:
             size, query_len = shape
-            self._idle_inputs(size * query_len, size, query_len)
+            self._idle_inputs(0, size, query_len)
             try:
                 with torch.inference_mode():
                     self._pool = self._capture_query_len(query_len, [size], self._pool)
@@ -201,17 +201,19 @@ class BatchGraphs:
                 return False
         return True
 
-    def _idle_inputs(self, num_tokens: int, num_reqs: int, query_len: int) -> None:
-        """Inputs under which a forward (the capture's runs) writes no KV
-        (slot -1) and reads block 0 only: the buffers still hold the last
-        step's slots, and a capture between two steps must not write there."""
-        self.input_ids[:num_tokens].zero_()
-        self.positions[:num_tokens].zero_()
-        self.slot_mapping[:num_tokens].fill_(-1)
-        self.seq_lens[:num_reqs].fill_(query_len)
-        self.block_table[:num_reqs].zero_()
+    def _idle_inputs(self, first: int, end: int, query_len: int) -> None:
+        """Requests first..end - 1 of q tokens each as idle rows: they write
+        no KV (slot -1) and read block 0 only. Padding rows are such; so is
+        a whole batch a graph is captured on between two steps (the buffers
+        still hold the last step's slots: the capture must not write there)."""
+        tokens = slice(first * query_len, end * query_len)
+        self.input_ids[tokens].zero_()
+        self.positions[tokens].zero_()
+        self.slot_mapping[tokens].fill_(-1)
+        self.seq_lens[first:end].fill_(query_len)
+        self.block_table[first:end].zero_()
         for buffer in self.extras.values():
-            buffer[:num_tokens].zero_()
+            buffer[tokens].zero_()
 
     def run(self, input_ids: torch.Tensor, batch: InputBatch,
             extras: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
@@ -221,7 +223,6 @@ class BatchGraphs:
         assert shape is not None, "run() without can_run()"
         size, query_len = shape
         n, num_tokens = batch.num_reqs, batch.num_tokens
-        padded_tokens = size * query_len
         width = batch.block_table.shape[1]
         # The step's host arrays go straight into the persistent buffers.
         self.input_ids[:num_tokens].copy_(input_ids)
@@ -230,15 +231,9 @@ class BatchGraphs:
         self.seq_lens[:n].copy_(torch.from_numpy(batch.seq_lens))
         self.block_table[:n, :width].copy_(torch.from_numpy(batch.block_table))
         self.block_table[:n, width:].zero_()
-        # Padding requests: q tokens each that write nothing and read block 0.
-        self.input_ids[num_tokens:padded_tokens].zero_()
-        self.positions[num_tokens:padded_tokens].zero_()
-        self.slot_mapping[num_tokens:padded_tokens].fill_(-1)
-        self.seq_lens[n:size].fill_(query_len)
-        self.block_table[n:size].zero_()
         for name, values in (extras or {}).items():
             self.extras[name][:num_tokens].copy_(values)
-            self.extras[name][num_tokens:padded_tokens].zero_()
+        self._idle_inputs(n, size, query_len)  # the padding requests
         replay, outputs = self.graphs[(size, query_len)]
         replay()
         self.num_replays += 1

@@ -110,6 +110,23 @@ class EagleHead(nn.Module):
             raise ModelLoadError(model_path, missing=missing, unexpected=unexpected)
 
 
+def target_embedding(config: SpeculativeConfig, hf_config: Any, target: nn.Module, head: str) -> nn.Embedding:
+    """The target's token embedding, which an EAGLE head shares, after
+    checking the target has one and an LM head, and the head its width."""
+    embed = getattr(getattr(target, "model", None), "embed_tokens", None)
+    if embed is None or not hasattr(target, "compute_logits"):
+        raise ConfigError(
+            "speculative.method", config.method,
+            "a target model with model.embed_tokens and compute_logits (Llama family)",
+        )
+    if hf_config.hidden_size != embed.embedding_dim:
+        raise ConfigError(
+            "speculative.model", config.model,
+            f"an {head} for hidden size {embed.embedding_dim} (this one has {hf_config.hidden_size})",
+        )
+    return cast(nn.Embedding, embed)
+
+
 class EagleDrafter(ModelDrafter):
     method = "eagle"
 
@@ -117,18 +134,7 @@ class EagleDrafter(ModelDrafter):
         super().__init__(config, context)
         path, hf_config = load_draft_hf_config(config, self.method)
         target = context.target_model
-        embed = getattr(getattr(target, "model", None), "embed_tokens", None)
-        if embed is None or not hasattr(target, "compute_logits"):
-            raise ConfigError(
-                "speculative.method", "eagle",
-                "a target model with model.embed_tokens and compute_logits (Llama family)",
-            )
-        if hf_config.hidden_size != embed.embedding_dim:
-            raise ConfigError(
-                "speculative.model", config.model,
-                f"an EAGLE head for hidden size {embed.embedding_dim} (this one has {hf_config.hidden_size})",
-            )
-        self.embed_tokens = embed
+        self.embed_tokens = target_embedding(config, hf_config, target, "EAGLE head")
         self.target = cast("ModelForCausalLM", target)
         with torch.device(context.device):
             self.head = EagleHead(hf_config, context.attn_backend, dtype=context.dtype)

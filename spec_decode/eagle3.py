@@ -41,7 +41,7 @@ from pagedllm.model_registry.layers.norm import RMSNorm
 from pagedllm.model_registry.layers.rotary import RotaryEmbedding, get_rope_parameters
 from pagedllm.model_registry.loader import ModelLoadError, default_weight_loader, iterate_safetensors
 from pagedllm.model_registry.models.llama import LlamaDecoderLayer, LlamaFlags, LlamaForCausalLM
-from pagedllm.spec_decode.eagle import EagleDrafter
+from pagedllm.spec_decode.eagle import EagleDrafter, target_embedding
 from pagedllm.spec_decode.model_drafter import ModelDrafter, load_draft_hf_config
 
 if TYPE_CHECKING:
@@ -209,29 +209,25 @@ class Eagle3Drafter(EagleDrafter):
         self.target = cast("ModelForCausalLM", target)
         self.embed_tokens = self._check_target(config, hf_config, target)
         layer_ids = aux_layer_ids(hf_config, len(cast(Any, target).model.layers))
+        try:
+            self.target.set_aux_hidden_state_layers(layer_ids)
+        except NotImplementedError:  # the interface's default: the model keeps none
+            raise ConfigError(
+                "speculative.method", "eagle3",
+                f"a target model that keeps auxiliary hidden states (Llama family; not {type(target).__name__})",
+            ) from None
         with torch.device(context.device):
             self.eagle3_head = Eagle3Head(hf_config, len(layer_ids), context.attn_backend, dtype=context.dtype)
         self.eagle3_head.load_checkpoint(iterate_safetensors(path), path)
         self.eagle3_head.eval()
         if self.eagle3_head.embed_tokens is not None:
             self.embed_tokens = self.eagle3_head.embed_tokens
-        self.target.set_aux_hidden_state_layers(layer_ids)
         self.kv_caches = self._allocate_kv_caches(self.eagle3_head)
         self.draft_feature_size = hf_config.hidden_size
 
     def _check_target(self, config: SpeculativeConfig, hf_config: Any, target: nn.Module) -> Any:
         """The target's embedding, after checking the head fits the target."""
-        embed = getattr(getattr(target, "model", None), "embed_tokens", None)
-        if embed is None or not hasattr(target, "compute_logits") or not hasattr(target, "set_aux_hidden_state_layers"):
-            raise ConfigError(
-                "speculative.method", "eagle3",
-                "a target model with model.embed_tokens, model.layers and aux hidden states (Llama family)",
-            )
-        if hf_config.hidden_size != embed.embedding_dim:
-            raise ConfigError(
-                "speculative.model", config.model,
-                f"an EAGLE-3 head for hidden size {embed.embedding_dim} (this one has {hf_config.hidden_size})",
-            )
+        embed = target_embedding(config, hf_config, target, "EAGLE-3 head")
         draft_vocab = getattr(hf_config, "draft_vocab_size", None) or hf_config.vocab_size
         if hf_config.vocab_size != self.context.vocab_size or draft_vocab > hf_config.vocab_size:
             raise ConfigError(

@@ -232,3 +232,17 @@ def test_training_head_computes_what_the_paged_head_computes(head_dir: Path) -> 
     normed, features = head(embeds[0], head.combine_hidden_states(aux[0]), *_batch(seq))
     torch.testing.assert_close(features, want_features[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(head.compute_draft_logits(normed), want_logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_target_that_keeps_no_aux_hidden_states_is_a_config_error(
+    head_dir: Path, target_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model with the interface's default (a plugin's, say) is refused at
+    start-up with the method named, not a NotImplementedError."""
+    from pagedllm.model_registry.interface import ModelForCausalLM
+    from pagedllm.model_registry.models.llama import LlamaForCausalLM
+
+    monkeypatch.setattr(LlamaForCausalLM, "set_aux_hidden_state_layers",
+                        ModelForCausalLM.set_aux_hidden_state_layers)
+    with pytest.raises(ConfigError, match=r"speculative.method='eagle3'.*keeps auxiliary hidden states"):
+        _llm_with(head_dir, target_dir)
