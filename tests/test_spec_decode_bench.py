@@ -37,10 +37,12 @@ def test_bench_spec_writes_a_table_and_json(tmp_path: Path, capsys: pytest.Captu
         else:
             assert row["speedup"] == pytest.approx(row["output_tok_s"] / row["baseline_tok_s"])
             assert len(row["per_position_acceptance"]) == 3
-            # the step split adds up to the measured time per step; `always` drafts every step
+            # The runner's draft and verify times are per step, within the wall
+            # time per step (rest is what is left, so it cannot be negative);
+            # `always` drafts every step.
             assert row["num_steps"] > 0 and row["draft_ms"] > 0 and row["verify_ms"] > 0
             per_step_ms = 1000 * row["elapsed_s"] / row["num_steps"]
-            assert row["draft_ms"] + row["verify_ms"] + row["rest_ms"] == pytest.approx(per_step_ms)
+            assert row["draft_ms"] + row["verify_ms"] <= per_step_ms and row["rest_ms"] >= 0
             assert row["drafted_fraction"] == 1.0
     # The draft model is the target: every draft is accepted.
     assert all(r["acceptance_rate"] == 1.0 for r in rows if r["method"] == "draft_model")

@@ -148,7 +148,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
-        self._captures_at_start = self._num_graph_captures()
+        if self.drafter is not None:  # for the speculation policy's cost samples only
+            self._captures_at_start = self._num_graph_captures()
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={}, kv_connector_output=self._kv_connector_output(
@@ -411,7 +412,7 @@ class ModelRunner:
         return counts
 
     def _observe_acceptance(self, sampling: SamplingBatch, output: ModelRunnerOutput) -> None:
-        """Each verified request's accepted / proposed, for the policy."""
+        """Each verified request's drafts proposed and accepted, for the policy."""
         if not sampling.drafts:
             return
         for state, drafts in zip(sampling.requests, sampling.drafts, strict=True):
