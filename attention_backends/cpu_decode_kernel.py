@@ -44,7 +44,7 @@ ENV_SWITCH = "PAGEDLLM_CPU_DECODE_KERNEL"
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ARGTYPES: list[Any] = [_INT, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64,
-                        _I64, _INT, _INT, _INT, _INT, _F32, _I64, _F32]
+                        _I64, _INT, _INT, _INT, _INT, _F32, _I64, _F32, _I64]
 
 
 @functools.cache
@@ -80,44 +80,51 @@ def takes_new_kv(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, ke
 
 
 def paged_decode(
-    query: torch.Tensor,  # [B, H, D], one row per request; heads and head dims contiguous
+    query: torch.Tensor,  # [B * q, H, D], q rows per request; heads and head dims contiguous
     key_cache: torch.Tensor,  # [num_blocks * block_size, Hkv, D]: flat slots, heads and head dims contiguous
     value_cache: torch.Tensor,  # same shape and strides
     block_size: int,
     block_table: torch.Tensor,  # int32 [B, W], rows contiguous
-    seq_lens: torch.Tensor,  # int32 [B], contiguous; request r attends to its positions < seq_lens[r]
+    seq_lens: torch.Tensor,  # int32 [B], contiguous; request r's last row attends to its positions < seq_lens[r]
     scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:  # [B, H, D]
-    """Attention of each request's one query token over its cached keys.
+    query_len: int = 1,
+) -> torch.Tensor:  # [B * q, H, D]
+    """Attention of each request's `query_len` (q) newest tokens over its
+    cached keys: row i of request r (its row r * q + i) attends to positions
+    < seq_lens[r] - (q - 1 - i), causally over the request's rows before it
+    (q = 1: a decode step; q = 1 + k: a verify step in which every request
+    scores k drafts).
 
-    `new_kv` (key [B, Hkv, D], value [B, Hkv, D], int64 slots [B]): each
-    request's new key and value, written to its slot in the caches first
-    (what write_kv would do before the call). Their heads and head dims
-    must be contiguous (`takes_new_kv`)."""
+    `new_kv` (key [B * q, Hkv, D], value [B * q, Hkv, D], int64 slots
+    [B * q]): each row's new key and value, all written to their slots in
+    the caches before any row attends (what write_kv would do before the
+    call). Their heads and head dims must be contiguous (`takes_new_kv`)."""
     library = load()
     if library is None:
         raise RuntimeError("the CPU paged-decode kernel is not built; check supports() first")
-    num_reqs, num_heads, head_size = query.shape
+    num_rows, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[1]
+    if query_len < 1 or num_rows != seq_lens.numel() * query_len:
+        raise ValueError(f"paged_decode: {num_rows} query rows for {seq_lens.numel()} requests of {query_len}")
     if query.stride(2) != 1 or query.stride(1) != head_size:
         query = query.contiguous()
-    out = torch.empty(num_reqs, num_heads, head_size, dtype=query.dtype)
+    out = torch.empty(num_rows, num_heads, head_size, dtype=query.dtype)
     new_rows: tuple[torch.Tensor | None, int, torch.Tensor | None, int, torch.Tensor | None] = (None, 0, None, 0, None)
     if new_kv is not None:
         key, value, slots = new_kv
-        if not takes_new_kv(key, value, slots, key_cache) or slots.numel() != num_reqs:
-            raise ValueError("paged_decode: new_kv must be [B, Hkv, D] rows with contiguous heads and int64 slots")
+        if not takes_new_kv(key, value, slots, key_cache) or slots.numel() != num_rows:
+            raise ValueError("paged_decode: new_kv must be [B * q, Hkv, D] rows with contiguous heads and int64 slots")
         new_rows = (key, key.stride(0), value, value.stride(0), slots)
     leading = (
         KERNEL_DTYPES[key_cache.dtype], query, query.stride(0), key_cache, value_cache, key_cache.stride(0),
         block_table, block_table.stride(0), seq_lens, out, *new_rows,
     )
-    trailing = (num_heads, num_kv_heads, head_size, block_size, scale, sliding_window or 0, soft_cap or 0.0)
+    trailing = (num_heads, num_kv_heads, head_size, block_size, scale, sliding_window or 0, soft_cap or 0.0, query_len)
 
-    if kernel_call(library.paged_decode, *leading, 0, num_reqs, *trailing) != 0:
+    if kernel_call(library.paged_decode, *leading, 0, num_rows, *trailing) != 0:
         raise RuntimeError(f"paged_decode kernel: unsupported shape (heads {num_heads}/{num_kv_heads}, "
                            f"head size {head_size}) or out of memory")
     return out

@@ -154,7 +154,7 @@ class TorchNativeBatchPlan:
     # layers that gather and pad the keys instead; None: the same as `groups`.
     _build_gather_groups: Callable[[], list[RequestGroup]] | None = None
     # Every request scores this many (2..MAX_UNIFORM_QUERY_LEN) tokens over a
-    # cached context: the decode kernel serves them row by row (None: no).
+    # cached context: the decode kernel serves them all in one call (None: no).
     uniform_query_len: int | None = None
 
     @functools.cached_property
@@ -291,8 +291,8 @@ def build_batch_plan(attn_metadata: AttentionMetadata, block_size: int) -> Torch
                                 _uniform_query_len(query_lens, seq_lens_cpu))
 
 
-# The most tokens per request the decode kernel serves row by row (one call
-# per row and layer): verify steps of up to 15 drafts.
+# The most tokens per request the decode kernel serves in one call per layer
+# (at most its MAX_QUERY_LEN): verify steps of up to 15 drafts.
 MAX_UNIFORM_QUERY_LEN = 16
 
 
@@ -384,22 +384,17 @@ class TorchNativeAttentionImpl(AttentionImpl):
         attn_metadata: AttentionMetadata,
         plan: TorchNativeBatchPlan,
     ) -> torch.Tensor:  # [B * q, H, D]
-        """Every request's q rows on the decode kernel, row i of all requests
-        per call: it writes their keys and values (none for slot -1), then
-        attends over the context up to and including row i. Reads only the
-        metadata's tensors (a captured verify graph replays on new values)."""
+        """Every request's q rows in one decode-kernel call: it writes all
+        their keys and values (none for slot -1), then each row attends over
+        the context up to and including itself. Reads only the metadata's
+        tensors (a captured verify graph replays on new values)."""
         query_len = plan.uniform_query_len
         assert query_len is not None
         block_table, seq_lens = _decode_kernel_rows(attn_metadata, torch.empty(0), whole_batch=True)
-        output = torch.empty_like(query)
-        for row in range(query_len):
-            rows = slice(row, None, query_len)
-            output[rows] = cpu_decode_kernel.paged_decode(
-                query[rows], key_cache, value_cache, plan.block_size, block_table,
-                seq_lens - (query_len - 1 - row), self.scale, self.sliding_window, self.logits_soft_cap,
-                (key[rows], value[rows], plan.slot_mapping[rows].contiguous()),
-            )
-        return output
+        return cpu_decode_kernel.paged_decode(
+            query, key_cache, value_cache, plan.block_size, block_table, seq_lens, self.scale, self.sliding_window,
+            self.logits_soft_cap, (key, value, plan.slot_mapping), query_len=query_len,
+        )
 
     def _decode_kernel_runs(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
         return cpu_decode_kernel.supports(query, key_cache, self.num_heads, self.num_kv_heads)
@@ -533,7 +528,7 @@ class TorchNativeBackend(AttentionBackend):
 
     @classmethod
     def supports_uniform_query_capture(cls, block_size: int) -> bool:
-        # Verify steps run row by row on the decode kernel (uniform_query_len).
+        # Verify steps run on the decode kernel, all rows in one call (uniform_query_len).
         return True
 
     @classmethod

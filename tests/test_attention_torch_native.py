@@ -246,21 +246,21 @@ def test_uniform_query_batches_run_on_the_decode_kernel_and_match_reference(
     num_kv_heads: int, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A verify step (every request scores 1 + k tokens over its context)
-    runs row by row on the decode kernel, never on the gather path."""
+    runs on the decode kernel in one call per layer, never on the gather path."""
     from pagedllm.attention_backends import cpu_decode_kernel, torch_native
 
     if cpu_decode_kernel.load() is None:
         pytest.skip("the CPU decode kernel is not built here")
     calls: list[int] = []
     paged_decode = cpu_decode_kernel.paged_decode
-    monkeypatch.setattr(cpu_decode_kernel, "paged_decode", lambda query, *a: calls.append(query.shape[0])
-                        or paged_decode(query, *a))
+    monkeypatch.setattr(cpu_decode_kernel, "paged_decode", lambda query, *a, **kw: calls.append(query.shape[0])
+                        or paged_decode(query, *a, **kw))
     monkeypatch.setattr(torch_native.TorchNativeAttentionImpl, "_attend_group", None)  # no other path may run
     seq_lens, query_lens = [9, 40, 17, 70], [5, 5, 5, 5]
     out, ref = run_case(seq_lens=seq_lens, query_lens=query_lens, dtype=dtype, sliding_window=sliding_window,
                         soft_cap=soft_cap, num_heads=num_heads, num_kv_heads=num_kv_heads)
     torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
-    assert calls == [4] * 5  # one call per row index, every request in each
+    assert calls == [4 * 5]  # every row of every request in one call
 
 
 def test_batch_plan_marks_uniform_query_batches_only() -> None:

@@ -29,38 +29,41 @@ pytestmark = NO_COMPILER
 
 
 def reference(case_requests: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], scale: float,
-              sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
-    """[B, H, D] float64: each request's last position attends over its keys."""
+              sliding_window: int | None, soft_cap: float | None, query_len: int = 1) -> torch.Tensor:
+    """[B * q, H, D] float64: each request's last q positions, each over its
+    keys up to and including its own."""
     outs = []
     for query, keys, values in case_requests:
         num_heads, num_kv_heads = query.shape[1], keys.shape[1]
-        k = keys.double().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [S, H, D]
-        v = values.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
-        scores = torch.einsum("hd,shd->hs", query[-1].double(), k) * scale
-        if soft_cap is not None:
-            scores = soft_cap * torch.tanh(scores / soft_cap)
-        seq_len = keys.shape[0]
-        if sliding_window is not None:
-            scores[:, : max(0, seq_len - sliding_window)] = float("-inf")
-        outs.append(torch.einsum("hs,shd->hd", torch.softmax(scores, dim=-1), v))
+        for row in range(query_len):
+            seq_len = keys.shape[0] - (query_len - 1 - row)
+            k = keys[:seq_len].double().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [S, H, D]
+            v = values[:seq_len].double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+            scores = torch.einsum("hd,shd->hs", query[row - query_len].double(), k) * scale
+            if soft_cap is not None:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
+            if sliding_window is not None:
+                scores[:, : max(0, seq_len - sliding_window)] = float("-inf")
+            outs.append(torch.einsum("hs,shd->hd", torch.softmax(scores, dim=-1), v))
     return torch.stack(outs)
 
 
-def run_kernel(seq_lens: list[int], dtype: torch.dtype, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kernel output [B, H, D], float64 reference) for one decode token per request."""
+def run_kernel(seq_lens: list[int], dtype: torch.dtype, query_len: int = 1,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel output [B * q, H, D], float64 reference) for q query tokens per
+    request (1: a decode step; more: a verify step), their keys and values
+    written by the kernel itself."""
     sliding_window, soft_cap = kwargs.get("sliding_window"), kwargs.get("soft_cap")
-    case = build_case(seq_lens, [1] * len(seq_lens), dtype=dtype, **kwargs)
+    case = build_case(seq_lens, [query_len] * len(seq_lens), dtype=dtype, **kwargs)
     head_size, block_size = case.head_size, case.block_size
-    # The step's own key and value go in the cache first, as the backend writes them.
-    slots = case.metadata.slot_mapping
     key_cache = case.kv_cache[0].view(-1, case.num_kv_heads, head_size)
     value_cache = case.kv_cache[1].view(-1, case.num_kv_heads, head_size)
-    key_cache[slots], value_cache[slots] = case.key, case.value
     out = cpu_decode_kernel.paged_decode(
         case.query, key_cache, value_cache, block_size, case.metadata.block_table, case.metadata.seq_lens_cpu,
-        head_size**-0.5, sliding_window, soft_cap,
+        head_size**-0.5, sliding_window, soft_cap, (case.key, case.value, case.metadata.slot_mapping),
+        query_len=query_len,
     )
-    return out, reference(case.requests, head_size**-0.5, sliding_window, soft_cap)
+    return out, reference(case.requests, head_size**-0.5, sliding_window, soft_cap, query_len)
 
 
 SEQ_LENS = [1, 17, 40, 16, 95, 3, 64]
@@ -104,6 +107,31 @@ def test_unusual_shapes(head_size: int, num_heads: int, num_kv_heads: int, dtype
 def assert_rounded_once(out: torch.Tensor, ref: torch.Tensor) -> None:
     bound = torch.finfo(torch.bfloat16).eps / 2 * ref.abs() + 1e-6
     assert bool(((out.double() - ref).abs() <= bound).all()), float(((out.double() - ref).abs() / bound).max())
+
+
+@pytest.mark.parametrize("query_len", [2, 5])
+@pytest.mark.parametrize("num_heads,num_kv_heads,window,cap",
+                         [(12, 4, None, None), (4, 4, 20, 3.0), (16, 2, None, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_rows_attend_causally_in_one_call(
+    query_len: int, num_heads: int, num_kv_heads: int, window: int | None, cap: float | None, dtype: torch.dtype
+) -> None:
+    """q rows per request (a verify step): each attends over its context up
+    to its own position, the rows' new keys written first."""
+    out, ref = run_kernel([5, 17, 40, 16, 95, 64], dtype, query_len, num_heads=num_heads,
+                          num_kv_heads=num_kv_heads, sliding_window=window, soft_cap=cap)
+    if dtype == torch.bfloat16:
+        assert_rounded_once(out, ref)
+    else:
+        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+
+
+def test_query_rows_must_be_whole_requests() -> None:
+    case = build_case([9, 12], [2, 2])
+    caches = [case.kv_cache[i].view(-1, case.num_kv_heads, case.head_size) for i in (0, 1)]
+    with pytest.raises(ValueError, match="4 query rows for 2 requests of 3"):
+        cpu_decode_kernel.paged_decode(case.query, *caches, case.block_size, case.metadata.block_table,
+                                       case.metadata.seq_lens_cpu, 0.125, None, None, query_len=3)
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 16, 32])  # a 16-token chunk spans blocks, or part of one
@@ -218,12 +246,13 @@ def test_builds_for_older_cpus_match_the_reference(
     monkeypatch.setattr(cpu_decode_kernel, "load", lambda: library)
     for head_size, num_heads, num_kv_heads, window, cap in [(64, 12, 4, None, None), (80, 8, 1, 30, 2.0),
                                                             (32, 4, 4, None, None), (128, 6, 2, 17, None)]:
-        out, ref = run_kernel(SEQ_LENS, dtype, head_size=head_size, num_heads=num_heads,
-                              num_kv_heads=num_kv_heads, sliding_window=window, soft_cap=cap)
-        if dtype == torch.bfloat16:
-            assert_rounded_once(out, ref)
-        else:
-            torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+        for seq_lens, query_len in [(SEQ_LENS, 1), ([5, 40, 17], 4)]:
+            out, ref = run_kernel(seq_lens, dtype, query_len, head_size=head_size, num_heads=num_heads,
+                                  num_kv_heads=num_kv_heads, sliding_window=window, soft_cap=cap)
+            if dtype == torch.bfloat16:
+                assert_rounded_once(out, ref)
+            else:
+                torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
 
 
 def test_a_torch_native_layer_starts_the_build_in_the_background_and_loads_build_once(

@@ -25,6 +25,7 @@
 #endif
 
 #define MAX_HEAD_SIZE 512
+#define MAX_QUERY_LEN 64 /* rows per request (a verify step: 1 + drafts) */
 
 #if !HAVE_AVX512 /* the portable kernel */
 /* Each query head's scores [n] -> softmax probabilities, in place. */
@@ -316,15 +317,34 @@ static inline __attribute__((always_inline)) void pv_pass(int bf16, const char *
     }
 }
 
+/* Folded rows (see paged_decode): head h is query row (h % group) / (group /
+ * rows) of its request, which sees keys [max(start, its len - window), its
+ * len), its len being len - (rows - 1 - row). The scores of the keys it does
+ * not see become `value`: -inf before the softmax, 0 after it (exp clamps). */
+static void mask_folded_rows(float *scores, int num_heads, int group, int rows, int64_t start, int64_t len,
+                             int64_t window, float value) {
+    const int64_t n = len - start;
+    const int per_row = group / rows;
+    for (int h = 0; h < num_heads; h++) {
+        int row = (h % group) / per_row;
+        int64_t row_len = len - (rows - 1 - row);
+        int64_t row_start = window > 0 && row_len > window ? row_len - window : 0;
+        float *sh = scores + (int64_t)h * n;
+        for (int64_t t = start; t < row_start && t < len; t++) sh[t - start] = value;
+        for (int64_t t = row_len > start ? row_len : start; t < len; t++) sh[t - start] = value;
+    }
+}
+
 /* One request, every query head over keys [start, len): scores, soft cap,
- * softmax, weighted sum of values. HS and BF16 are constants at the call
- * sites below, so the common head sizes' loops unroll. */
+ * softmax, weighted sum of values; `rows` > 1: folded rows (see
+ * paged_decode), each masked to its own keys. HS and BF16 are constants at
+ * the call sites below, so the common head sizes' loops unroll. */
 static inline __attribute__((always_inline)) void attend_vec(int bf16, const void *q, const float *qf, float scale,
                                                              const void *k_cache, const void *v_cache,
                                                              int64_t stride_slot, const int32_t *blocks,
                                                              int block_size, int64_t start, int64_t len,
                                                              int num_heads, int group, int hs, float soft_cap,
-                                                             float *scores, float *out) {
+                                                             int rows, int64_t window, float *scores, float *out) {
     const int64_t n = len - start, slot_bytes = stride_slot * (bf16 ? 2 : 4);
     const int64_t row_bytes = (int64_t)(num_heads / group) * hs * (bf16 ? 2 : 4);
     qk_pass(bf16, q, qf, scale, k_cache, slot_bytes, blocks, block_size, start, len, num_heads, group, hs, scores);
@@ -333,20 +353,24 @@ static inline __attribute__((always_inline)) void attend_vec(int bf16, const voi
         prefetch_chunk(v_cache, slot_bytes, blocks, block_size, t, len, row_bytes);
     if (soft_cap > 0.0f)
         for (int64_t i = 0; i < (int64_t)num_heads * n; i++) scores[i] = soft_cap * tanhf(scores[i] / soft_cap);
+    if (rows > 1) mask_folded_rows(scores, num_heads, group, rows, start, len, window, -INFINITY);
     softmax_rows16(scores, num_heads, n);
+    if (rows > 1) mask_folded_rows(scores, num_heads, group, rows, start, len, window, 0.0f);
     pv_pass(bf16, v_cache, slot_bytes, blocks, block_size, start, len, num_heads, group, hs, scores, out);
 }
 
 typedef void (*attend_vec_fn)(const void *, const float *, float, const void *, const void *, int64_t,
-                              const int32_t *, int, int64_t, int64_t, int, int, int, float, float *, float *);
+                              const int32_t *, int, int64_t, int64_t, int, int, int, float, int, int64_t, float *,
+                              float *);
 
 #define DEFINE_ATTEND_VEC(NAME, BF16, HS)                                                                  \
     static void NAME(const void *q, const float *qf, float scale, const void *k_cache, const void *v_cache, \
                      int64_t stride_slot, const int32_t *blocks, int block_size, int64_t start, int64_t len, \
-                     int num_heads, int group, int head_size, float soft_cap, float *scores, float *out) {   \
+                     int num_heads, int group, int head_size, float soft_cap, int rows, int64_t window,     \
+                     float *scores, float *out) {                                                          \
         (void)head_size;                                                                                   \
         attend_vec(BF16, q, qf, scale, k_cache, v_cache, stride_slot, blocks, block_size, start, len,       \
-                   num_heads, group, HS, soft_cap, scores, out);                                           \
+                   num_heads, group, HS, soft_cap, rows, window, scores, out);                             \
     }
 DEFINE_ATTEND_VEC(attend_vec_f32, 0, head_size)
 DEFINE_ATTEND_VEC(attend_vec_bf16, 1, head_size)
@@ -392,22 +416,81 @@ static attend_fn pick_attend(int dtype, int head_size) {
  * out: [rows][num_heads][head_size], contiguous.
  * k_new / v_new (NULL: none): request r's new key and value, its KV heads
  * contiguous at k_new + r * k_new_stride (elements), written to cache slot
- * new_slots[r] before the request attends (its own slot: no other request
- * reads it; a negative slot: nothing is written), which saves torch two
- * index_copy_ passes per layer.
+ * new_slots[r] before any row attends (a negative slot: nothing is
+ * written), which saves torch two index_copy_ passes per layer.
+ * query_len: rows per request (a verify step scores 1 + k tokens of each
+ * request): row r is query row r % query_len of request r / query_len,
+ * which reads that request's block table row and attends up to
+ * seq_lens[r / query_len] - (query_len - 1 - r % query_len), i.e. causally
+ * over the request's rows before it, whose keys and values are all written first.
  * sliding_window <= 0 and soft_cap <= 0 mean none.
  * Returns 0, or -1 when a scratch buffer cannot be allocated or a size is out of range.
  */
+#if HAVE_AVX512
+/* Request b's query_len rows folded into one pass over its keys and values
+ * (they share them): query head h of row i becomes head (h / group *
+ * query_len + i) * group + h % group, so each KV head's group is all its
+ * heads of all rows (group * query_len), and mask_folded_rows keeps each row
+ * causal. qraw / qf / acc hold num_heads * query_len heads. */
+static void attend_folded_request(attend_vec_fn attend, int dtype, const void *q, int64_t q_stride_row,
+                                  const void *k_cache, const void *v_cache, int64_t cache_stride_slot,
+                                  const int32_t *blocks, int64_t b, int64_t len, int64_t query_len, int num_heads,
+                                  int num_kv_heads, int head_size, int block_size, float scale,
+                                  int64_t sliding_window, float soft_cap, void *qraw, float *qf, float *scores,
+                                  float *acc, void *out) {
+    const int group = num_heads / num_kv_heads, folded_group = group * (int)query_len;
+    const size_t elem = dtype ? 2 : 4, head_bytes = (size_t)head_size * elem;
+    for (int64_t i = 0; i < query_len; i++)
+        for (int h = 0; h < num_heads; h++) {
+            int64_t folded = (h / group * query_len + i) * group + h % group;
+            memcpy((char *)qraw + folded * head_bytes,
+                   (const char *)q + ((b * query_len + i) * q_stride_row + (int64_t)h * head_size) * elem, head_bytes);
+        }
+    const int64_t num_values = (int64_t)num_heads * query_len * head_size;
+    for (int64_t i = 0; i < num_values; i++)
+        qf[i] = (dtype ? bf16_to_f32(((const uint16_t *)qraw)[i]) : ((const float *)qraw)[i]) * scale;
+    int64_t first_len = len - (query_len - 1);
+    int64_t start = sliding_window > 0 && first_len > sliding_window ? first_len - sliding_window : 0;
+    attend(qraw, qf, scale, k_cache, v_cache, cache_stride_slot, blocks, block_size, start, len,
+           num_heads * (int)query_len, folded_group, head_size, soft_cap, (int)query_len, sliding_window, scores, acc);
+    for (int64_t i = 0; i < query_len; i++)
+        for (int h = 0; h < num_heads; h++) {
+            const float *src = acc + ((h / group * query_len + i) * group + h % group) * head_size;
+            size_t dst = ((size_t)(b * query_len + i) * (size_t)num_heads + (size_t)h) * (size_t)head_size;
+            for (int d = 0; d < head_size; d++) {
+                if (dtype)
+                    ((uint16_t *)out)[dst + d] = f32_to_bf16(src[d]);
+                else
+                    ((float *)out)[dst + d] = src[d];
+            }
+        }
+}
+#endif
+
+/* Writes rows [begin, end)'s new keys and values to their slots. */
+static void write_new_kv(int dtype, void *k_cache, void *v_cache, int64_t cache_stride_slot, const void *k_new,
+                         int64_t k_new_stride, const void *v_new, int64_t v_new_stride, const int64_t *new_slots,
+                         int64_t r, int num_kv_heads, int head_size) {
+    if (new_slots[r] < 0) return; /* slot -1: a row that writes nothing (a graph's padding) */
+    size_t elem = dtype ? 2 : 4, kv_row = (size_t)num_kv_heads * (size_t)head_size * elem;
+    memcpy((char *)k_cache + new_slots[r] * cache_stride_slot * (int64_t)elem,
+           (const char *)k_new + r * k_new_stride * (int64_t)elem, kv_row);
+    memcpy((char *)v_cache + new_slots[r] * cache_stride_slot * (int64_t)elem,
+           (const char *)v_new + r * v_new_stride * (int64_t)elem, kv_row);
+}
+
 int paged_decode(int dtype, const void *q, int64_t q_stride_row, void *k_cache, void *v_cache,
                  int64_t cache_stride_slot, const int32_t *block_table, int64_t block_table_stride,
                  const int32_t *seq_lens, void *out, const void *k_new, int64_t k_new_stride, const void *v_new,
                  int64_t v_new_stride, const int64_t *new_slots, int64_t req_begin, int64_t req_end, int num_heads,
                  int num_kv_heads, int head_size, int block_size, float scale, int64_t sliding_window,
-                 float soft_cap) {
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_size > MAX_HEAD_SIZE) return -1;
+                 float soft_cap, int64_t query_len) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_size > MAX_HEAD_SIZE || query_len < 1 ||
+        query_len > MAX_QUERY_LEN || req_begin % query_len || req_end % query_len)
+        return -1;
     int64_t max_len = 1;
     for (int64_t r = req_begin; r < req_end; r++)
-        if (seq_lens[r] > max_len) max_len = seq_lens[r];
+        if (seq_lens[r / query_len] > max_len) max_len = seq_lens[r / query_len];
     int failed = 0;
     /* Requests are shared out one at a time (their lengths differ) over the
      * OpenMP team. The library links the libgomp.so.1 torch has loaded, so
@@ -416,12 +499,13 @@ int paged_decode(int dtype, const void *q, int64_t q_stride_row, void *k_cache, 
      * idle threads for the cores and gained nothing at 2 threads. */
 #pragma omp parallel reduction(| : failed) if (req_end - req_begin > 1)
     {
-    size_t row = (size_t)num_heads * (size_t)head_size;
-    float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)max_len);
-    float *acc = malloc(sizeof(float) * row);
-    float *qf = malloc(sizeof(float) * row);
+    size_t row = (size_t)num_heads * (size_t)head_size, rows = row * (size_t)query_len;
+    float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)query_len * (size_t)max_len);
+    float *acc = malloc(sizeof(float) * rows);
+    float *qf = malloc(sizeof(float) * rows);
+    void *qraw = malloc(sizeof(float) * rows);
     int *kv_head = malloc(sizeof(int) * (size_t)num_heads);
-    failed = !scores || !acc || !qf || !kv_head;
+    failed = !scores || !acc || !qf || !qraw || !kv_head;
     /* An integer division per head and token was a third of the kernel's time. */
     for (int h = 0; !failed && h < num_heads; h++) kv_head[h] = h / (num_heads / num_kv_heads);
 #if HAVE_AVX512
@@ -429,27 +513,43 @@ int paged_decode(int dtype, const void *q, int64_t q_stride_row, void *k_cache, 
 #else
     attend_fn attend = pick_attend(dtype, head_size);
 #endif
+    /* Every new row first (the barrier ending this loop orders them before
+     * any read): with query_len > 1 a row attends over its request's earlier rows. */
+    if (k_new) {
+#pragma omp for schedule(static)
+        for (int64_t r = req_begin; r < req_end; r++)
+            write_new_kv(dtype, k_cache, v_cache, cache_stride_slot, k_new, k_new_stride, v_new, v_new_stride,
+                         new_slots, r, num_kv_heads, head_size);
+    }
+#if HAVE_AVX512
+    if (query_len > 1) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = req_begin / query_len; b < req_end / query_len; b++) {
+            if (failed) continue;
+            attend_folded_request(attend, dtype, q, q_stride_row, k_cache, v_cache, cache_stride_slot,
+                                  block_table + b * block_table_stride, b, seq_lens[b], query_len, num_heads,
+                                  num_kv_heads, head_size, block_size, scale, sliding_window, soft_cap, qraw, qf,
+                                  scores, acc, out);
+        }
+    } else
+#endif
+    {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = req_begin; r < req_end; r++) {
         if (failed) continue;
-        int64_t len = seq_lens[r];
+        int64_t req = r / query_len;
+        int64_t len = seq_lens[req] - (query_len - 1 - r % query_len);
         int64_t start = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
-        if (k_new && new_slots[r] >= 0) { /* slot -1: a row that writes nothing (a decode graph's padding) */
-            size_t elem = dtype ? 2 : 4, kv_row = (size_t)num_kv_heads * (size_t)head_size * elem;
-            memcpy((char *)k_cache + new_slots[r] * cache_stride_slot * (int64_t)elem,
-                   (const char *)k_new + r * k_new_stride * (int64_t)elem, kv_row);
-            memcpy((char *)v_cache + new_slots[r] * cache_stride_slot * (int64_t)elem,
-                   (const char *)v_new + r * v_new_stride * (int64_t)elem, kv_row);
-        }
         for (size_t i = 0; i < row; i++) {
             int64_t src_i = r * q_stride_row + (int64_t)i;
             float x = dtype ? bf16_to_f32(((const uint16_t *)q)[src_i]) : ((const float *)q)[src_i];
             qf[i] = x * scale;
         }
-        const int32_t *blocks = block_table + r * block_table_stride;
+        const int32_t *blocks = block_table + req * block_table_stride;
 #if HAVE_AVX512
         attend((const char *)q + r * q_stride_row * (dtype ? 2 : 4), qf, scale, k_cache, v_cache, cache_stride_slot,
-               blocks, block_size, start, len, num_heads, num_heads / num_kv_heads, head_size, soft_cap, scores, acc);
+               blocks, block_size, start, len, num_heads, num_heads / num_kv_heads, head_size, soft_cap, 1, 0,
+               scores, acc);
 #else
         attend(qf, k_cache, v_cache, cache_stride_slot, blocks, block_size, start, len, num_heads, num_kv_heads,
                head_size, soft_cap, kv_head, scores, acc);
@@ -462,7 +562,8 @@ int paged_decode(int dtype, const void *q, int64_t q_stride_row, void *k_cache, 
                 ((float *)out)[dst_i] = acc[i];
         }
     }
-    free(scores), free(acc), free(qf), free(kv_head);
+    }
+    free(scores), free(acc), free(qf), free(qraw), free(kv_head);
     }
     return failed ? -1 : 0;
 }
