@@ -11,10 +11,16 @@ A speculative verify step, in which every request scores the same q = 1 + k
 tokens (its newest token and k drafts), is as regular (vLLM captures such
 uniform query-length batches too): graphs are captured per batch size and
 query length, for the query lengths asked for (`query_lens`), at the sizes
-whose q-token batches are no bigger than the largest decode graph's batch,
-each when a step first needs it (`capture` takes the decode graphs only).
-Rejection sampling runs after the replay, on its output. Prefill steps,
-mixed steps and steps with drafts of different lengths run eagerly.
+whose q-token batches hold at most `max_verify_tokens` tokens (the largest
+decode graph's batch, and at least MIN_VERIFY_GRAPH_TOKENS), each when a
+step first needs it (`capture` takes the decode graphs only). A step whose
+requests score 1..q tokens (drafts of different lengths, some none) replays
+the q graph too: each request's rows are padded to q at its end, padding
+rows write no KV and their outputs are dropped, and the request's context
+length is raised by its padding so that its real rows attend exactly as
+they would unpadded (row i of q sees the context up to seq_len - (q - 1 - i)).
+Rejection sampling runs after the replay, on its output. Steps with a
+prefill chunk longer than q run eagerly.
 
 Only backends whose forward reads nothing but the metadata's device tensors
 (and no host value that changes between steps) can be captured: they say so
@@ -55,6 +61,11 @@ BatchForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, dict[str
 
 logger = logging.getLogger(__name__)
 
+# Verify graphs may hold up to this many tokens even where the largest decode
+# graph is smaller (a benchmark with max_num_seqs 8 still replays batch-8
+# verify steps of 1 + 4 tokens). vLLM bounds its graphs by tokens too.
+MIN_VERIFY_GRAPH_TOKENS = 64
+
 
 def default_graph_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, 16, ... up to max_num_seqs, and max_num_seqs itself."""
@@ -91,7 +102,9 @@ class BatchGraphs:
         self.block_size = block_size
         max_size = self.sizes[-1]
         self.max_blocks_per_req = -(-max_model_len // block_size)
-        max_tokens = max_size * max(self.query_lens)
+        self.max_verify_tokens = max(max_size, MIN_VERIFY_GRAPH_TOKENS)
+        max_tokens = max(max_size, max(size * q for q in self.query_lens for size in self.sizes
+                                       if size * q <= self.max_verify_tokens))
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
@@ -108,11 +121,12 @@ class BatchGraphs:
         self.graphs: dict[tuple[int, int], tuple[Callable[[], None], tuple[torch.Tensor, ...]]] = {}
         self.num_replays = 0
         self.num_replays_by_query_len: Counter[int] = Counter()
+        self.num_padded_replays = 0  # of steps whose requests scored different numbers of tokens
         # q -> the batch sizes a graph may be captured at: every size for
-        # decode steps, those whose q-token batches fit the largest decode
-        # graph's for verify steps.
+        # decode steps, those whose q-token batches fit max_verify_tokens for
+        # verify steps.
         self.allowed_sizes = {
-            query_len: [size for size in self.sizes if size * query_len <= self.sizes[-1]] or [1]
+            query_len: [size for size in self.sizes if size * query_len <= self.max_verify_tokens] or [1]
             for query_len in self.query_lens
         }
         self._pool: object | None = None
@@ -169,17 +183,23 @@ class BatchGraphs:
         return pool
 
     def _graph_size(self, batch: InputBatch) -> tuple[int, int] | None:
-        """(size, q) of the graph that serves `batch`: every request scores
-        the same q tokens, q and a size >= its requests captured; else None."""
+        """(size, q) of the graph that serves `batch`: its requests score 1..q
+        tokens each (q the most; padded to q unless all score q), a size >=
+        its requests allowed for q, and every padded context length within
+        the block table; else None."""
         num_reqs = batch.num_reqs
-        if num_reqs == 0 or batch.num_tokens % num_reqs or batch.block_table.shape[1] > self.max_blocks_per_req:
+        if num_reqs == 0 or batch.block_table.shape[1] > self.max_blocks_per_req:
             return None
-        query_len = batch.num_tokens // num_reqs
-        if query_len > 1 and not bool((np.diff(batch.query_start_loc) == query_len).all()):
-            return None
+        query_len = int(batch.query_lens.max())
         sizes = self.allowed_sizes.get(query_len, [])
         index = bisect.bisect_left(sizes, num_reqs)
-        return (sizes[index], query_len) if index < len(sizes) else None
+        if index == len(sizes):
+            return None
+        if batch.num_tokens != num_reqs * query_len and (
+            int((batch.seq_lens - batch.query_lens).max()) + query_len > self.max_blocks_per_req * self.block_size
+        ):
+            return None  # a padded request would attend past its block table
+        return sizes[index], query_len
 
     def can_run(self, batch: InputBatch) -> bool:
         """A uniform batch (one token per request, or the same 1 + k) of a
@@ -223,8 +243,25 @@ class BatchGraphs:
         assert shape is not None, "run() without can_run()"
         size, query_len = shape
         n, num_tokens = batch.num_reqs, batch.num_tokens
-        width = batch.block_table.shape[1]
-        # The step's host arrays go straight into the persistent buffers.
+        if num_tokens == n * query_len:
+            self._copy_inputs(input_ids, batch, extras)
+            rows = None
+        else:
+            rows = self._copy_padded_inputs(input_ids, batch, query_len, extras)
+        self._idle_inputs(n, size, query_len)  # the padding requests
+        replay, outputs = self.graphs[(size, query_len)]
+        replay()
+        self.num_replays += 1
+        self.num_replays_by_query_len[query_len] += 1
+        if rows is None:
+            return tuple(output[:num_tokens] for output in outputs)
+        self.num_padded_replays += 1
+        return tuple(output.index_select(0, rows) for output in outputs)
+
+    def _copy_inputs(self, input_ids: torch.Tensor, batch: InputBatch,
+                     extras: dict[str, torch.Tensor] | None) -> None:
+        """The step's host arrays, straight into the persistent buffers."""
+        n, num_tokens, width = batch.num_reqs, batch.num_tokens, batch.block_table.shape[1]
         self.input_ids[:num_tokens].copy_(input_ids)
         self.positions[:num_tokens].copy_(torch.from_numpy(batch.positions))
         self.slot_mapping[:num_tokens].copy_(torch.from_numpy(batch.slot_mapping))
@@ -233,9 +270,24 @@ class BatchGraphs:
         self.block_table[:n, width:].zero_()
         for name, values in (extras or {}).items():
             self.extras[name][:num_tokens].copy_(values)
-        self._idle_inputs(n, size, query_len)  # the padding requests
-        replay, outputs = self.graphs[(size, query_len)]
-        replay()
-        self.num_replays += 1
-        self.num_replays_by_query_len[query_len] += 1
-        return tuple(output[:num_tokens] for output in outputs)
+
+    def _copy_padded_inputs(self, input_ids: torch.Tensor, batch: InputBatch, query_len: int,
+                            extras: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """Request r's rows into graph rows r * q + 0.. (the rest of its q
+        idle), its context length raised by its padding; returns the graph
+        row of each of the step's rows."""
+        n, width = batch.num_reqs, batch.block_table.shape[1]
+        query_lens = batch.query_lens
+        starts = np.repeat(batch.query_start_loc[:-1], query_lens)
+        rows = torch.from_numpy(np.repeat(np.arange(n) * query_len, query_lens) + np.arange(batch.num_tokens) - starts)
+        rows = rows.to(self.input_ids.device)
+        self._idle_inputs(0, n, query_len)
+        self.input_ids.index_copy_(0, rows, input_ids)
+        self.positions.index_copy_(0, rows, torch.from_numpy(batch.positions).to(self.positions.device))
+        self.slot_mapping.index_copy_(0, rows, torch.from_numpy(batch.slot_mapping).to(self.slot_mapping.device))
+        self.seq_lens[:n].copy_(torch.from_numpy(batch.seq_lens + (query_len - query_lens)))
+        self.block_table[:n, :width].copy_(torch.from_numpy(batch.block_table))
+        self.block_table[:n, width:].zero_()
+        for name, values in (extras or {}).items():
+            self.extras[name].index_copy_(0, rows, values)
+        return rows
