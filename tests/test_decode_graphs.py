@@ -63,6 +63,34 @@ def test_replayed_decode_steps_give_the_eager_tokens(
     assert runner.num_replays == 3 + 3 + 3  # decode steps of 3, 2 and 1 running requests
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+def test_triton_verify_steps_replay_uniform_and_padded_graphs_with_the_eager_tokens(
+    fake_graph_capture: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Triton backend opts into verify graphs (the CUDA path): steps in
+    which requests score 1 + k tokens, or different counts padded to the
+    longest, replay and give the eager engine's tokens."""
+    from pagedllm.attention_backends.triton.backend import TritonBackend
+
+    monkeypatch.setattr(TritonBackend, "supports_graph_capture", classmethod(lambda cls, block_size: True))
+    speculative = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+                   "policy": "always"}
+    common = dict(model="tiny", dtype="float32", num_kv_blocks=32, max_num_seqs=2)
+    prompts = ["a b a b a b a b", "x = 1\ny = 2\n"]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    eager = tokens(LLM(**common, attention_backend="torch_native", enforce_eager=True))
+    llm = LLM(**common, attention_backend="triton", cuda_graph_sizes=[1, 2], speculative_config=speculative)
+    runner = llm.engine_core.engine_core.model_executor.driver_worker.model_runner.graph_runner
+    assert tokens(llm) == eager
+    assert sum(n for q, n in runner.num_replays_by_query_len.items() if q > 1) > 0
+    assert runner.num_padded_replays > 0
+
+
 def test_enforce_eager_captures_nothing(fake_graph_capture: list[int]) -> None:
     llm = LLM(model="tiny", num_kv_blocks=16, attention_backend="torch_native", enforce_eager=True)
     assert llm.engine_core.engine_core.model_executor.driver_worker.model_runner.graph_runner is None

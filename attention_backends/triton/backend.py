@@ -96,6 +96,13 @@ class TritonBackend(AttentionBackend):
         return os.environ.get("TRITON_INTERPRET") != "1"
 
     @classmethod
+    def supports_uniform_query_capture(cls, block_size: int) -> bool:
+        # unified_attention's launch depends on num_reqs and max_query_len
+        # alone (q, fixed per verify graph); each row's causal bound is
+        # read from seq_lens and query_start_loc on the device.
+        return cls.supports_graph_capture(block_size)
+
+    @classmethod
     def build_metadata(cls, common: AttentionMetadata, block_size: int) -> TritonMetadata:
         fields = {f.name: getattr(common, f.name) for f in dataclasses.fields(AttentionMetadata)}
         num_segments = choose_num_segments(common.num_reqs, common.max_query_len, common.max_seq_len)
