@@ -1,7 +1,7 @@
 """A smaller model of the same vocabulary proposes the drafts.
 
 The catch-up runs the draft model over the target's rows of this step minus
-the rejected drafts, plus, for each request that sampled, its newest token at
+the rejected drafts, plus, for each request that drafts, its newest token at
 the next position: the logits there give draft 1. Each further draft feeds
 the previous one at the next position (spec_decode/model_drafter.py).
 """
@@ -46,17 +46,17 @@ class DraftModelDrafter(ModelDrafter):
         ))
         self.kv_caches = self._allocate_kv_caches(self.model)
 
-    def _catch_up(self, inputs: DraftInputs, step: TargetStep) -> DraftStart | None:
+    def _catch_up(self, inputs: DraftInputs, step: TargetStep, drafting: list[int]) -> DraftStart | None:
         device = self.context.device
         num_batch = len(step.req_ids)
-        sampling_rows = inputs.batch_rows
-        # The target's kept rows, plus one row per sampling request for its newest token.
+        drafting_rows = [inputs.batch_rows[i] for i in drafting]
+        # The target's kept rows, plus one row per drafting request for its newest token.
         kept_lens = np.diff(step.query_start_loc) - step.num_rejected
         query_lens = kept_lens.copy()
-        query_lens[sampling_rows] += 1
+        query_lens[drafting_rows] += 1
         out_start = np.zeros(num_batch + 1, dtype=np.int64)
         np.cumsum(query_lens, out=out_start[1:])
-        # Interleave: request b's kept rows, then its extra row when it sampled.
+        # Interleave: request b's kept rows, then its extra row when it drafts.
         kept = np.concatenate([np.arange(step.query_start_loc[b], step.query_start_loc[b] + kept_lens[b])
                                for b in range(num_batch)]).astype(np.int64)
         kept_dest = np.concatenate([np.arange(out_start[b], out_start[b] + kept_lens[b])
@@ -65,22 +65,23 @@ class DraftModelDrafter(ModelDrafter):
         input_ids[torch.from_numpy(kept_dest).to(device)] = step.input_ids[torch.from_numpy(kept).to(device)]
         positions = np.empty(int(out_start[-1]), dtype=np.int64)
         positions[kept_dest] = step.positions[kept]
-        last_rows = np.array([out_start[b + 1] - 1 for b in sampling_rows], dtype=np.int64)
-        if sampling_rows:
-            newest = [token_ids[-1] for token_ids in inputs.token_ids]
+        last_rows = np.array([out_start[b + 1] - 1 for b in drafting_rows], dtype=np.int64)
+        if drafting:
+            newest = [inputs.token_ids[i][-1] for i in drafting]
             input_ids[torch.from_numpy(last_rows).to(device)] = torch.tensor(newest, device=device)
             positions[last_rows] = positions[last_rows - 1] + 1
         batch = InputBatch.from_positions(positions, query_lens, step.block_table, self.context.block_size)
         hidden_states = self.model(input_ids, *self._to_device(batch))
-        if not sampling_rows:
+        if not drafting:
             return None
-        next_positions = positions[last_rows] + 1
-        logits = self.model.compute_logits(hidden_states[torch.from_numpy(last_rows).to(device)])
-        return DraftStart(logits, None, next_positions, next_positions)
+        return DraftStart(hidden_states[torch.from_numpy(last_rows).to(device)], None, positions[last_rows] + 1)
 
     def _draft_forward(
         self, tokens: torch.Tensor, hidden_states: torch.Tensor | None, positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden_states = self.model(tokens, positions, attn_metadata)
-        return self.model.compute_logits(hidden_states), None
+        return self._compute_logits(hidden_states), None
+
+    def _compute_logits(self, outputs: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(outputs)

@@ -143,7 +143,7 @@ class EagleDrafter(ModelDrafter):
         self.kv_caches = self._allocate_kv_caches(self.head)
         self.draft_feature_size = hf_config.hidden_size
 
-    def _catch_up(self, inputs: DraftInputs, step: TargetStep) -> DraftStart | None:
+    def _catch_up(self, inputs: DraftInputs, step: TargetStep, drafting: list[int]) -> DraftStart | None:
         device = self.context.device
         num_batch = len(step.req_ids)
         # The target's kept rows, each with the token after it.
@@ -160,13 +160,12 @@ class EagleDrafter(ModelDrafter):
         next_ids[torch.from_numpy(last_rows).to(device)] = torch.from_numpy(step.next_token_ids).to(device)
         batch = InputBatch.from_positions(step.positions[kept], query_lens, step.block_table, self.context.block_size)
         outputs, features = self._run_head(next_ids, self._target_features(step, kept_t), *self._to_device(batch))
-        sampling_rows = inputs.batch_rows
-        if not sampling_rows:
+        if not drafting:
             return None
         # Draft j sits at position (last kept position) + 1 + j; the head reads it one position earlier.
-        rows = torch.from_numpy(last_rows[sampling_rows]).to(device)
-        last_positions = batch.positions[last_rows[sampling_rows]]
-        return DraftStart(self._compute_logits(outputs[rows]), features[rows], last_positions + 2, last_positions + 1)
+        drafting_rows = last_rows[[inputs.batch_rows[i] for i in drafting]]
+        rows = torch.from_numpy(drafting_rows).to(device)
+        return DraftStart(outputs[rows], features[rows], batch.positions[drafting_rows] + 1)
 
     def _draft_forward(
         self, tokens: torch.Tensor, hidden_states: torch.Tensor | None, positions: torch.Tensor,

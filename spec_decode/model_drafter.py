@@ -8,10 +8,16 @@ computes, the drafter computes too, in the same step.
 
 Each step (`propose`):
 1. catch up (`_catch_up`, per drafter): run the model over the target's kept
-   rows of this step; its logits at each sampling request's end give draft 1;
-2. k - 1 single-token steps (`_draft_forward`, per drafter) feed draft j
-   for draft j + 1. They are uniform decode batches: with graphs captured
-   (`capture_graphs`), each replays the graph of its batch size.
+   rows of this step; its logits at the end of each request that drafts
+   give draft 1;
+2. single-token steps (`_draft_forward`, per drafter) feed draft j for
+   draft j + 1, as many as the longest draft needs. They are uniform decode
+   batches: with graphs captured (`capture_graphs`), each replays the graph
+   of its batch size.
+Each request drafts what the speculation policy gave it
+(`DraftInputs.num_drafts`), fewer near max_model_len. Only the requests that
+draft at all take part after the catch-up: when none does, the catch-up (the
+KV mirror) is all that runs, and no logits are computed.
 Greedy requests draft the argmax (q one-hot); random requests sample from the
 draft distribution at their temperature and report it as q (a seeded
 request from its own generator: see `DraftSampling`).
@@ -69,12 +75,12 @@ class DraftSampling:
 
 @dataclass
 class DraftStart:
-    """Where drafting starts for the sampling requests, after the catch-up."""
+    """Where drafting starts for the requests that draft, after the catch-up."""
 
-    logits: torch.Tensor  # [N, V] the distribution of draft 1
+    # [N, H] what the logits of draft 1 are computed from (`_compute_logits`)
+    outputs: torch.Tensor
     # What `_draft_step` feeds back besides the token (EAGLE's features); None for a plain model.
     hidden_states: torch.Tensor | None
-    next_positions: np.ndarray  # [N] the position of draft 1 in the target's sequence
     feed_positions: np.ndarray  # [N] the drafter's position when it is fed draft 1
 
 
@@ -115,9 +121,14 @@ class ModelDrafter(Drafter):
         self.draft_graphs: BatchGraphs | None = None
 
     @abstractmethod
-    def _catch_up(self, inputs: DraftInputs, step: TargetStep) -> DraftStart | None:
+    def _catch_up(self, inputs: DraftInputs, step: TargetStep, drafting: list[int]) -> DraftStart | None:
         """Mirror the target's kept rows of this step into the drafter's KV
-        cache; None when no request sampled (nothing to draft)."""
+        cache; where the requests `drafting` (indices into `inputs`) start
+        drafting, None when that is none of them (no logits computed)."""
+
+    @abstractmethod
+    def _compute_logits(self, outputs: torch.Tensor) -> torch.Tensor:
+        """[N, H] model outputs -> [N, V] logits over the target's vocabulary."""
 
     # The per-row features `_draft_forward` feeds back (EAGLE's), [hidden]; None: none.
     draft_feature_size: int | None = None
@@ -178,15 +189,17 @@ class ModelDrafter(Drafter):
     def propose(self, inputs: DraftInputs) -> DraftOutput:
         if inputs.target_step is None:
             raise ValueError(f"the {self.method} drafter needs the target step")
-        start = self._catch_up(inputs, inputs.target_step)
+        step = inputs.target_step
+        num_drafts = self._num_drafts(inputs, step)
+        drafting = [int(i) for i in np.flatnonzero(num_drafts)]
+        start = self._catch_up(inputs, step, drafting)
         if start is None:
-            return DraftOutput([])
-        sampling = self._draft_sampling(inputs)
-        num_drafts = self._num_drafts(start.next_positions)
-        max_drafts = int(num_drafts.max()) if len(num_drafts) else 0
-        block_table = inputs.target_step.block_table[inputs.batch_rows]
-        single_rows = np.ones(len(inputs.batch_rows), dtype=np.int64)
-        logits, hidden_states = start.logits, start.hidden_states
+            return DraftOutput([[] for _ in inputs.req_ids])
+        sampling = self._draft_sampling(inputs, drafting)
+        max_drafts = int(num_drafts.max())
+        block_table = step.block_table[[inputs.batch_rows[i] for i in drafting]]
+        single_rows = np.ones(len(drafting), dtype=np.int64)
+        logits, hidden_states = self._compute_logits(start.outputs), start.hidden_states
         draft_tokens: list[torch.Tensor] = []
         draft_probs: list[torch.Tensor | None] = []
         for j in range(max_drafts):
@@ -199,7 +212,7 @@ class ModelDrafter(Drafter):
             feed_positions = np.minimum(start.feed_positions + j, self.context.max_model_len - 1)
             batch = InputBatch.from_positions(feed_positions, single_rows, block_table, self.context.block_size)
             logits, hidden_states = self._draft_step(tokens, hidden_states, batch)
-        return self._to_output(draft_tokens, draft_probs, num_drafts)
+        return self._to_output(draft_tokens, draft_probs, num_drafts, drafting)
 
     def _sample_drafts(
         self, logits: torch.Tensor, sampling: DraftSampling, draft_index: int
@@ -221,19 +234,27 @@ class ModelDrafter(Drafter):
         one_hot = torch.zeros_like(probs).scatter_(1, tokens.unsqueeze(1), 1.0)
         return tokens, torch.where(is_greedy.unsqueeze(1), one_hot, probs)
 
-    def _num_drafts(self, next_positions: np.ndarray) -> np.ndarray:
-        """Drafts per request: k, fewer near max_model_len (draft j sits at
-        position next_position + j - 1, which must stay below it)."""
-        room = self.context.max_model_len - next_positions
-        return np.clip(room, 0, self.num_speculative_tokens)
+    def _num_drafts(self, inputs: DraftInputs, step: TargetStep) -> np.ndarray:
+        """Drafts per request of `inputs`: what the policy gave it (k when
+        not given), fewer near max_model_len. Draft 1 sits two positions
+        after the request's last kept row (its newest token is in between),
+        draft j at that + j - 1, which must stay below max_model_len."""
+        rows = np.asarray(inputs.batch_rows, dtype=np.int64)
+        kept_lens = np.diff(step.query_start_loc)[rows] - step.num_rejected[rows]
+        first_positions = step.positions[step.query_start_loc[rows] + kept_lens - 1] + 2
+        room = self.context.max_model_len - first_positions
+        wanted = np.asarray(inputs.num_drafts if inputs.num_drafts else [self.num_speculative_tokens] * len(rows),
+                            dtype=np.int64)
+        return np.clip(np.minimum(room, wanted), 0, self.num_speculative_tokens)
 
-    def _draft_sampling(self, inputs: DraftInputs) -> DraftSampling:
+    def _draft_sampling(self, inputs: DraftInputs, drafting: list[int]) -> DraftSampling:
         device = self.context.device
-        is_greedy = [p.temperature < 1e-5 for p in inputs.sampling_params]
-        temperatures = [1.0 if g else p.temperature for p, g in zip(inputs.sampling_params, is_greedy, strict=True)]
+        params = [inputs.sampling_params[i] for i in drafting]
+        is_greedy = [p.temperature < 1e-5 for p in params]
+        temperatures = [1.0 if g else p.temperature for p, g in zip(params, is_greedy, strict=True)]
         seeds = [
-            None if greedy or params.seed is None else (params.seed, len(tokens))
-            for params, greedy, tokens in zip(inputs.sampling_params, is_greedy, inputs.token_ids, strict=True)
+            None if greedy or p.seed is None else (p.seed, len(inputs.token_ids[i]))
+            for p, greedy, i in zip(params, is_greedy, drafting, strict=True)
         ]
         return DraftSampling(
             temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
@@ -244,18 +265,22 @@ class ModelDrafter(Drafter):
 
     @staticmethod
     def _to_output(
-        draft_tokens: list[torch.Tensor], draft_probs: list[torch.Tensor | None], num_drafts: np.ndarray
+        draft_tokens: list[torch.Tensor], draft_probs: list[torch.Tensor | None], num_drafts: np.ndarray,
+        drafting: list[int],
     ) -> DraftOutput:
-        """Per-step tensors [N] (all requests drafted at step j) -> per request lists."""
-        num_requests = len(num_drafts)
-        if not draft_tokens:
-            return DraftOutput([[] for _ in range(num_requests)])
-        tokens = torch.stack(draft_tokens, dim=1).tolist()  # [N, k]
-        out_tokens = [tokens[i][: int(num_drafts[i])] for i in range(num_requests)]
+        """Per-step tensors [N] (the requests `drafting`, drafted at step j)
+        -> per request lists (empty for a request that drafts nothing)."""
+        out_tokens: list[list[int]] = [[] for _ in num_drafts]
+        tokens = torch.stack(draft_tokens, dim=1).tolist()  # [N, max drafts]
+        for row, i in enumerate(drafting):
+            out_tokens[i] = tokens[row][: int(num_drafts[i])]
         if all(p is None for p in draft_probs):
             return DraftOutput(out_tokens)
         vocab_size = next(p for p in draft_probs if p is not None).shape[-1]
         stacked = torch.stack(
-            [p if p is not None else torch.zeros(num_requests, vocab_size) for p in draft_probs], dim=1
-        )  # [N, k, V]
-        return DraftOutput(out_tokens, [stacked[i, : int(num_drafts[i])] for i in range(num_requests)])
+            [p if p is not None else torch.zeros(len(drafting), vocab_size) for p in draft_probs], dim=1
+        )  # [N, max drafts, V]
+        out_probs: list[torch.Tensor | None] = [None] * len(num_drafts)
+        for row, i in enumerate(drafting):
+            out_probs[i] = stacked[row, : int(num_drafts[i])]
+        return DraftOutput(out_tokens, out_probs)
