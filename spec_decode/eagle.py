@@ -16,6 +16,12 @@ optional), `layers.0.self_attn.{q,k,v,o}_proj.weight`,
 `layers.0.post_attention_layernorm.weight`; an `embed_tokens.weight` or
 `lm_head.weight` copy is ignored (the target's are used).
 
+A head may score a reduced draft vocabulary (spec_decode/draft_vocab.py:
+`draft_vocab_size` in config.json, a `d2t` tensor among its weights): its
+draft logits are then the target's lm_head rows of those tokens only (a
+copy gathered once at load, draft_vocab x H), FR-Spec's (Zhao et al., 2025)
+cut of the lm_head, which is the largest part of a small head's draft step.
+
 Like the draft model, the head keeps a paged KV cache with the target's
 geometry, addressed by the same block tables, and mirrors every target row.
 """
@@ -33,8 +39,10 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.model_registry.input_batch import InputBatch
 from pagedllm.model_registry.layers.linear import ReplicatedLinear
 from pagedllm.model_registry.layers.rotary import RotaryEmbedding, get_rope_parameters
+from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead
 from pagedllm.model_registry.loader import ModelLoadError, default_weight_loader, iterate_safetensors
 from pagedllm.model_registry.models.llama import LlamaDecoderLayer, LlamaFlags, LlamaForCausalLM
+from pagedllm.spec_decode.draft_vocab import D2T, T2D, check_d2t, draft_vocab_size, to_target_logits
 from pagedllm.spec_decode.model_drafter import DraftStart, ModelDrafter, load_draft_hf_config
 
 if TYPE_CHECKING:
@@ -49,9 +57,23 @@ _SHARED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
 
 
 class EagleHead(nn.Module):
+    # [draft_vocab] long: target id - draft id (a reduced draft vocabulary only)
+    d2t: torch.Tensor
+
     def __init__(self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype = torch.float32):
         super().__init__()
         hidden_size = hf_config.hidden_size
+        self.vocab_size = hf_config.vocab_size
+        self.draft_vocab_size = draft_vocab_size(hf_config)
+        if self.draft_vocab_size > self.vocab_size:
+            raise ConfigError("speculative.model (draft_vocab_size)", self.draft_vocab_size,
+                              f"at most the head's vocab_size {self.vocab_size}")
+        # The target's lm_head rows of the draft vocabulary (set by
+        # `set_draft_lm_head`); None: the target's whole lm_head scores drafts.
+        self.lm_head: ReplicatedLinear | None = None
+        if self.draft_vocab_size < self.vocab_size:
+            self.lm_head = ReplicatedLinear(hidden_size, self.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
         # A LinearBase, so the platform's GEMM (prepacked on a CPU) runs it.
         self.fc = ReplicatedLinear(2 * hidden_size, hidden_size, bias=bool(getattr(hf_config, "bias", False)))
         layers = [
@@ -82,15 +104,36 @@ class EagleHead(nn.Module):
     def get_attention_layers(self) -> list[Attention]:
         return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.layers]
 
+    def draft_target_ids(self) -> torch.Tensor:
+        """[draft_vocab] the target id of each draft token."""
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def set_draft_lm_head(self, target_lm_head_weight: torch.Tensor) -> None:
+        """Copy the target's lm_head rows [vocab, H] of the draft vocabulary."""
+        assert self.lm_head is not None  # NOTE: only a head with a reduced draft vocabulary has one
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_lm_head_weight[self.draft_target_ids()])
+
+    def compute_draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> float32 logits over the target vocabulary, -inf outside
+        the draft vocabulary (only its rows of the lm_head are computed)."""
+        assert self.lm_head is not None  # NOTE: only a head with a reduced draft vocabulary has one
+        return to_target_logits(self.lm_head(features).float(), self.draft_target_ids(), self.vocab_size)
+
     def load_checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]], model_path: str) -> None:
         """Strict: every parameter loaded, nothing unknown (shared and absent
-        input norms aside)."""
-        params = dict(self.named_parameters())
+        input norms aside); d2t required with a reduced draft vocabulary."""
+        params = {name: p for name, p in self.named_parameters() if not name.startswith("lm_head.")}
         loaded: set[str] = set()
         unexpected: list[str] = []
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if name in _SHARED_WEIGHTS or name.endswith("rotary_emb.inv_freq"):
+            if name in _SHARED_WEIGHTS or name == T2D or name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == D2T and self.lm_head is not None:
+                check_d2t(tensor, self.draft_vocab_size, self.vocab_size, model_path)
+                self.d2t.copy_(tensor.to(torch.long))
+                loaded.add(name)
                 continue
             param_name, shard_id = LlamaForCausalLM.checkpoint_to_param_name(name)
             param = params.get(param_name)
@@ -106,6 +149,8 @@ class EagleHead(nn.Module):
                 raise ModelLoadError(model_path, detail=f"{name}: {err}") from err
             loaded.add(param_name)
         missing = set(params) - loaded
+        if self.lm_head is not None and D2T not in loaded:
+            missing.add(D2T)
         if missing or unexpected:
             raise ModelLoadError(model_path, missing=missing, unexpected=unexpected)
 
@@ -127,6 +172,24 @@ def target_embedding(config: SpeculativeConfig, hf_config: Any, target: nn.Modul
     return cast(nn.Embedding, embed)
 
 
+def target_lm_head_weight(config: SpeculativeConfig, hf_config: Any, target: ModelForCausalLM) -> torch.Tensor:
+    """The target's whole lm_head weight [vocab, H] (a tensor-parallel
+    target's vocabulary shards gathered), which a head with a reduced draft
+    vocabulary takes its rows of, after checking the head fits it."""
+    lm_head = getattr(target, "lm_head", None)
+    if not isinstance(lm_head, ParallelLMHead) or lm_head.num_embeddings != hf_config.vocab_size:
+        raise ConfigError(
+            "speculative.model", config.model,
+            f"an EAGLE head with draft_vocab_size for a target with a ParallelLMHead lm_head of its "
+            f"vocab_size {hf_config.vocab_size} (the target: {type(target).__name__}, "
+            f"{getattr(lm_head, 'num_embeddings', None)} tokens)",
+        )
+    weight: torch.Tensor = lm_head.weight
+    if lm_head.tp_size > 1:
+        weight = lm_head.tp_group.all_gather(weight, dim=0)[: lm_head.num_embeddings]
+    return weight
+
+
 class EagleDrafter(ModelDrafter):
     method = "eagle"
 
@@ -139,6 +202,8 @@ class EagleDrafter(ModelDrafter):
         with torch.device(context.device):
             self.head = EagleHead(hf_config, context.attn_backend, dtype=context.dtype)
         self.head.load_checkpoint(iterate_safetensors(path), path)
+        if self.head.lm_head is not None:
+            self.head.set_draft_lm_head(target_lm_head_weight(config, hf_config, self.target))
         self.head.eval()
         self.kv_caches = self._allocate_kv_caches(self.head)
         self.draft_feature_size = hf_config.hidden_size
@@ -188,4 +253,6 @@ class EagleDrafter(ModelDrafter):
         return features, features
 
     def _compute_logits(self, outputs: torch.Tensor) -> torch.Tensor:
+        if self.head.lm_head is not None:
+            return self.head.compute_draft_logits(outputs)
         return self.target.compute_logits(outputs)

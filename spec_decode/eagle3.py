@@ -41,6 +41,7 @@ from pagedllm.model_registry.layers.norm import RMSNorm
 from pagedllm.model_registry.layers.rotary import RotaryEmbedding, get_rope_parameters
 from pagedllm.model_registry.loader import ModelLoadError, default_weight_loader, iterate_safetensors
 from pagedllm.model_registry.models.llama import LlamaDecoderLayer, LlamaFlags, LlamaForCausalLM
+from pagedllm.spec_decode.draft_vocab import check_d2t, draft_vocab_size, to_target_logits
 from pagedllm.spec_decode.eagle import EagleDrafter, target_embedding
 from pagedllm.spec_decode.model_drafter import ModelDrafter, load_draft_hf_config
 
@@ -83,7 +84,7 @@ class Eagle3Head(nn.Module):
         hidden_size = hf_config.hidden_size
         eps = hf_config.rms_norm_eps
         self.vocab_size = hf_config.vocab_size
-        self.draft_vocab_size = getattr(hf_config, "draft_vocab_size", None) or hf_config.vocab_size
+        self.draft_vocab_size = draft_vocab_size(hf_config)
         # vLLM's option: the attention's residual is the normed feature.
         self.norm_before_residual = bool(getattr(hf_config, "norm_before_residual", False))
         self.fc = ReplicatedLinear(num_aux_layers * hidden_size, hidden_size, bias=False)
@@ -136,10 +137,8 @@ class Eagle3Head(nn.Module):
         """[N, draft_vocab] -> [N, vocab]: -inf where no draft token maps."""
         if self.draft_vocab_size == self.vocab_size and not bool(self.d2t.any()):
             return draft_logits
-        out = draft_logits.new_full((draft_logits.shape[0], self.vocab_size), float("-inf"))
         targets = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
-        out[:, targets] = draft_logits
-        return out
+        return to_target_logits(draft_logits, targets, self.vocab_size)
 
     def get_attention_layers(self) -> list[Attention]:
         return [self.midlayer.self_attn.attn]
@@ -176,27 +175,16 @@ class Eagle3Head(nn.Module):
             missing.add("d2t")
         if missing or unexpected:
             raise ModelLoadError(model_path, missing=missing, unexpected=unexpected)
-        self._check_d2t(model_path)
+        check_d2t(self.d2t, self.draft_vocab_size, self.vocab_size, model_path)
 
     def _load_extra(self, name: str, tensor: torch.Tensor, model_path: str) -> None:
         if name == "d2t":
-            if tuple(tensor.shape) != (self.draft_vocab_size,):
-                raise ConfigError("speculative.model (d2t)", model_path,
-                                  f"a d2t of shape ({self.draft_vocab_size},) (draft_vocab_size), "
-                                  f"not {tuple(tensor.shape)}")
+            check_d2t(tensor, self.draft_vocab_size, self.vocab_size, model_path)
             self.d2t.copy_(tensor.to(torch.long))
             return
         embed = nn.Embedding(tensor.shape[0], tensor.shape[1], device=self.d2t.device, dtype=self.fc.weight.dtype)
         embed.weight.data.copy_(tensor)
         self.embed_tokens = embed.requires_grad_(False)
-
-    def _check_d2t(self, model_path: str) -> None:
-        targets = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
-        if int(targets.min()) < 0 or int(targets.max()) >= self.vocab_size or len(targets.unique()) != len(targets):
-            raise ConfigError(
-                "speculative.model (d2t)", model_path,
-                f"draft id + d2t[draft id]: distinct target ids in [0, {self.vocab_size})",
-            )
 
 
 class Eagle3Drafter(EagleDrafter):
