@@ -135,24 +135,35 @@ class EagleHead(nn.Module):
                 self.d2t.copy_(tensor.to(torch.long))
                 loaded.add(name)
                 continue
-            param_name, shard_id = LlamaForCausalLM.checkpoint_to_param_name(name)
-            param = params.get(param_name)
-            if param is None:
+            param_name = load_head_weight(params, name, tensor, model_path)
+            if param_name is None:
                 unexpected.append(name)
-                continue
-            try:
-                if shard_id is None:  # a tensor-parallel layer narrows the tensor to its rank's slice
-                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                else:
-                    param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
-            except ValueError as err:
-                raise ModelLoadError(model_path, detail=f"{name}: {err}") from err
-            loaded.add(param_name)
+            else:
+                loaded.add(param_name)
         missing = set(params) - loaded
         if self.lm_head is not None and D2T not in loaded:
             missing.add(D2T)
         if missing or unexpected:
             raise ModelLoadError(model_path, missing=missing, unexpected=unexpected)
+
+
+def load_head_weight(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, model_path: str) -> str | None:
+    """One checkpoint tensor of an EAGLE head (Llama names) into its
+    parameter, through the parameter's weight loader (a tensor-parallel
+    layer narrows the tensor to its rank's slice): the parameter's name, or
+    None when the head has none such."""
+    param_name, shard_id = LlamaForCausalLM.checkpoint_to_param_name(name)
+    param = params.get(param_name)
+    if param is None:
+        return None
+    try:
+        if shard_id is None:
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+        else:
+            param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+    except ValueError as err:
+        raise ModelLoadError(model_path, detail=f"{name}: {err}") from err
+    return param_name
 
 
 def target_embedding(config: SpeculativeConfig, hf_config: Any, target: nn.Module, head: str) -> nn.Embedding:

@@ -39,10 +39,10 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.model_registry.layers.linear import QKVParallelLinear, ReplicatedLinear
 from pagedllm.model_registry.layers.norm import RMSNorm
 from pagedllm.model_registry.layers.rotary import RotaryEmbedding, get_rope_parameters
-from pagedllm.model_registry.loader import ModelLoadError, default_weight_loader, iterate_safetensors
-from pagedllm.model_registry.models.llama import LlamaDecoderLayer, LlamaFlags, LlamaForCausalLM
+from pagedllm.model_registry.loader import ModelLoadError, iterate_safetensors
+from pagedllm.model_registry.models.llama import LlamaDecoderLayer, LlamaFlags
 from pagedllm.spec_decode.draft_vocab import check_d2t, draft_vocab_size, to_target_logits
-from pagedllm.spec_decode.eagle import EagleDrafter, target_embedding
+from pagedllm.spec_decode.eagle import EagleDrafter, load_head_weight, target_embedding
 from pagedllm.spec_decode.model_drafter import ModelDrafter, load_draft_hf_config
 
 if TYPE_CHECKING:
@@ -157,19 +157,11 @@ class Eagle3Head(nn.Module):
                 self._load_extra(name, tensor, model_path)
                 loaded.add(name)
                 continue
-            param_name, shard_id = LlamaForCausalLM.checkpoint_to_param_name(name)
-            param = params.get(param_name)
-            if param is None:
+            param_name = load_head_weight(params, name, tensor, model_path)
+            if param_name is None:
                 unexpected.append(name)
-                continue
-            try:
-                if shard_id is None:
-                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                else:
-                    param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
-            except ValueError as err:
-                raise ModelLoadError(model_path, detail=f"{name}: {err}") from err
-            loaded.add(param_name)
+            else:
+                loaded.add(param_name)
         missing = set(params) - loaded
         if self.draft_vocab_size != self.vocab_size and "d2t" not in loaded:
             missing.add("d2t")
