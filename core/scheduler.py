@@ -25,6 +25,7 @@ from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_output import (
+    DRAFT_PLACEHOLDER,
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
@@ -120,9 +121,13 @@ class Scheduler:
         self.num_spec_tokens = num_spec_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decoding_stats = SpecDecodingStats.new(num_spec_tokens) if num_spec_tokens else None
-        # A request may be scheduled before its last step's output is seen; not
-        # with drafts or a KV connector (they need each step's results first).
-        self.async_scheduling = scheduler_config.async_scheduling and not num_spec_tokens and kv_connector is None
+        # A request may be scheduled before its last step's output is seen
+        # (with a drafter, its drafts are placeholders the runner fills); not
+        # with a KV connector (it needs each step's results first).
+        self.async_scheduling = scheduler_config.async_scheduling and kv_connector is None
+        # Async scheduling: requests preempted while a step of theirs ran; that
+        # step's rejected drafts no longer count against num_computed_tokens.
+        self._preempted_in_flight: set[str] = set()
         # Since start (the interval stats above are taken by make_stats).
         self.total_spec_decoding_stats = SpecDecodingStats.new(num_spec_tokens) if num_spec_tokens else None
         self.structured_output_manager = structured_output_manager
@@ -218,7 +223,7 @@ class Scheduler:
             if fair is not None and self._yield_seat(batch, fair):
                 self._schedule_waiting(batch, fair)
         scheduler_output = self._make_scheduler_output(batch)
-        self._update_after_schedule(batch.num_scheduled_tokens)
+        self._update_after_schedule(batch.num_scheduled_tokens, batch.spec_tokens)
         return scheduler_output
 
     def _schedule_running(self, batch: _ScheduledBatch) -> None:
@@ -238,8 +243,10 @@ class Scheduler:
             num_placeholders = request.num_output_placeholders
             if num_placeholders and not self._may_run_ahead(request, num_placeholders):
                 continue
+            num_drafts = self._num_draft_placeholders(request, num_placeholders) if num_placeholders else len(
+                request.spec_token_ids)
             num_new_tokens = self._cap_new_tokens(
-                request.num_tokens_with_spec + num_placeholders - num_computed_tokens,
+                request.num_tokens + num_drafts + num_placeholders - num_computed_tokens,
                 batch.token_budget,
                 num_computed_tokens,
             )
@@ -258,12 +265,15 @@ class Scheduler:
             batch.num_scheduled_tokens[request_id] = num_new_tokens
             batch.token_budget -= num_new_tokens
             batch.cached_reqs[request_id] = CachedRequestData(
-                request_id, [block.block_id for block in new_blocks] if new_blocks else [], num_computed_tokens
+                request_id, [block.block_id for block in new_blocks] if new_blocks else [], num_computed_tokens,
+                num_output_placeholders=num_placeholders,
             )
-            if request.spec_token_ids:
-                num_spec = num_new_tokens + num_computed_tokens - request.num_tokens
+            if num_drafts:
+                num_spec = num_new_tokens + num_computed_tokens - request.num_tokens - num_placeholders
                 if num_spec > 0:
-                    batch.spec_tokens[request_id] = request.spec_token_ids[:num_spec]
+                    batch.spec_tokens[request_id] = (
+                        [DRAFT_PLACEHOLDER] * num_spec if num_placeholders else request.spec_token_ids[:num_spec]
+                    )
 
     def _may_run_ahead(self, request: Request, num_placeholders: int) -> bool:
         """Async scheduling: may `request` compute another token before the
@@ -275,6 +285,17 @@ class Scheduler:
             and request.num_tokens + num_placeholders < self.max_model_len
             and (max_tokens is None or request.num_output_tokens + num_placeholders < max_tokens)
         )
+
+    def _num_draft_placeholders(self, request: Request, num_placeholders: int) -> int:
+        """Async scheduling: the drafts to reserve for a request whose last
+        step's output (and so its drafts) is not seen yet: k, or fewer where
+        its max_tokens could be reached (counting every token in flight as
+        accepted). The runner verifies the drafts it has, up to this many."""
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None or not self.num_spec_tokens:
+            return self.num_spec_tokens
+        # The last allowed token is the step's bonus/recovered one.
+        return max(0, min(self.num_spec_tokens, max_tokens - request.num_output_tokens - num_placeholders - 1))
 
     def _preempt_for_blocks(self, batch: _ScheduledBatch) -> Request:
         """Preempt the policy's victim so others get its blocks; returns it."""
@@ -472,7 +493,7 @@ class Scheduler:
             for request_id, num_new_tokens in num_scheduled_tokens.items()
         )
 
-    def _update_after_schedule(self, num_scheduled_tokens: dict[str, int]) -> None:
+    def _update_after_schedule(self, num_scheduled_tokens: dict[str, int], spec_tokens: dict[str, list[int]]) -> None:
         # The tokens are as good as computed: the runner executes the steps
         # in order, this one before the next (NOTE: rejected drafts are
         # subtracted in update_from_output).
@@ -484,8 +505,12 @@ class Scheduler:
                     num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens
                 )
             request.num_computed_tokens += num_new_tokens
-            if async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1  # it samples this step
+            if async_scheduling:
+                # It samples this step: its token and its drafts (all of them
+                # accepted, until the output says how many were).
+                num_drafts = len(spec_tokens.get(request_id, ()))
+                if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders + num_drafts:
+                    request.num_output_placeholders += 1 + num_drafts
 
     def _finish_failed_request(self, request: Request, error: str) -> None:
         """A request that cannot run (a grammar that failed to compile, a KV
@@ -527,6 +552,8 @@ class Scheduler:
         # NOTE: generated tokens are kept; recompute covers prompt + outputs.
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        if request.num_output_placeholders:
+            self._preempted_in_flight.add(request.request_id)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -550,10 +577,8 @@ class Scheduler:
             if request is None:
                 continue  # finished (aborted) while the step ran
             sampled = sampled_token_ids.get(request_id, ())
-            if spec_tokens and sampled and request_id in spec_tokens:
-                self._account_drafts(request, len(spec_tokens[request_id]), len(sampled))
-            if sampled and self.async_scheduling:
-                request.num_output_placeholders -= 1
+            if sampled:
+                self._account_drafts(request, spec_tokens.get(request_id), len(sampled), runner_output)
             # Async scheduling: a request preempted while its step ran still
             # gets that step's token (it was computed from its own KV).
             preempted = request.status == RequestStatus.PREEMPTED
@@ -588,9 +613,26 @@ class Scheduler:
             return None
         return request.spec_num_drafts, request.spec_num_draft_tokens, request.spec_num_accepted_tokens
 
-    def _account_drafts(self, request: Request, num_draft_tokens: int, num_sampled: int) -> None:
-        # Drafts past the accepted prefix were not computed for real.
-        request.num_computed_tokens -= num_draft_tokens + 1 - num_sampled
+    def _account_drafts(
+        self, request: Request, drafts: list[int] | None, num_sampled: int, runner_output: ModelRunnerOutput
+    ) -> None:
+        """A sampling step's output is seen: its drafts past the accepted
+        prefix were not computed for real, its placeholders are resolved."""
+        num_scheduled_drafts = len(drafts) if drafts else 0
+        # Preempted while this step ran (async scheduling): its count started over.
+        preempted_in_flight = request.request_id in self._preempted_in_flight
+        if self.async_scheduling:
+            request.num_output_placeholders -= 1 + num_scheduled_drafts
+            self._preempted_in_flight.discard(request.request_id)
+        if not drafts:
+            return
+        if not preempted_in_flight:
+            request.num_computed_tokens -= num_scheduled_drafts + 1 - num_sampled
+        num_draft_tokens = len(drafts)
+        if drafts[0] == DRAFT_PLACEHOLDER:
+            num_draft_tokens = runner_output.num_placeholder_drafts.get(request.request_id, 0)
+            if not num_draft_tokens:
+                return  # the runner had no drafts for them: nothing was verified
         request.spec_num_drafts += 1
         request.spec_num_draft_tokens += num_draft_tokens
         request.spec_num_accepted_tokens += num_sampled - 1
@@ -670,6 +712,7 @@ class Scheduler:
         if self.kv_transfer is None or not self.kv_transfer.request_finished(request):
             self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
+        self._preempted_in_flight.discard(request.request_id)
         del self.requests[request.request_id]
         self._count_in_group(request, -1)
 

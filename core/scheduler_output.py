@@ -29,6 +29,10 @@ else:
     Tensor = Any
 
 
+# A draft the scheduler reserves a slot for without knowing it (async scheduling).
+DRAFT_PLACEHOLDER = -1
+
+
 class NewRequestData(msgspec.Struct, array_like=True):
     """A request the runner has not seen yet."""
 
@@ -49,6 +53,11 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: int
     # Back after recompute preemption: its block table starts over.
     resumed_from_preemption: bool = False
+    # Async scheduling: tokens of this request's step in flight, which the
+    # scheduler had not seen when it scheduled this one. num_computed_tokens
+    # counts every draft of that step as accepted; the runner, which knows
+    # how many were, subtracts the rest (worker/draft_placeholders.py).
+    num_output_placeholders: int = 0
 
 
 class KVConnectorMetadata:
@@ -130,7 +139,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # or 1 + len(draft tokens)); insertion order is the batch order.
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # req_id -> draft tokens to verify this step (speculative decoding).
+    # req_id -> draft tokens to verify this step (speculative decoding). With
+    # async scheduling a request scheduled before its last step's output was
+    # seen gets DRAFT_PLACEHOLDER entries: the runner verifies in their place
+    # the drafts it proposed at the end of that step (fewer, or none, is fine).
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # Requests that sample this step under a grammar (structured output), in
     # batch order; each owns 1 + len(its drafts) consecutive grammar_bitmask rows.
@@ -185,6 +197,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: dict[str, list[LogprobEntry | None]] = msgspec.field(default_factory=dict)
     # req_id -> draft tokens the drafter proposed for the next step.
     spec_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # req_id -> drafts verified in place of the step's DRAFT_PLACEHOLDERs
+    # (async scheduling; fewer than scheduled when the policy or the drafter
+    # gave fewer): what the acceptance counts count.
+    num_placeholder_drafts: dict[str, int] = msgspec.field(default_factory=dict)
     # The KV connector's worker side's report (None without a connector).
     kv_connector_output: KVConnectorOutput | None = None
     # Custom figures the ranks' components (connector worker sides, the

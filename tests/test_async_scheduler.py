@@ -14,6 +14,7 @@ from typing import Any
 from pagedllm.core.config import SchedulerConfig
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import ModelRunnerOutput
 from tests.helpers.scheduler_utils import EOS, FakeRunner, make_request, make_scheduler, prompt
 
 
@@ -128,11 +129,48 @@ def test_a_grammar_request_waits_for_its_token_in_flight() -> None:
     assert scheduler.schedule().num_scheduled_tokens == {}
 
 
-def test_drafts_or_a_kv_connector_turn_async_scheduling_off() -> None:
+def test_a_kv_connector_turns_async_scheduling_off_drafts_do_not() -> None:
     config = SchedulerConfig(async_scheduling=True)
     manager = KVCacheManager(16, 4)
     assert Scheduler(config, manager, 64).async_scheduling
-    assert not Scheduler(config, manager, 64, num_spec_tokens=2).async_scheduling
+    assert Scheduler(config, manager, 64, num_spec_tokens=2).async_scheduling
     connector = SimpleNamespace(wants_eviction_events=False)
     assert not Scheduler(config, manager, 64, kv_connector=connector).async_scheduling  # type: ignore[arg-type]
     assert not Scheduler(SchedulerConfig(), manager, 64).async_scheduling
+
+
+def test_a_request_scheduled_ahead_gets_draft_placeholders_and_its_rejections_are_undone() -> None:
+    scheduler = Scheduler(
+        SchedulerConfig(async_scheduling=True), KVCacheManager(64, 4, debug_checks=True), 256, num_spec_tokens=3
+    )
+    request = make_request("r", prompt(10, 4), max_tokens=20)
+    scheduler.add_request(request)
+    first = scheduler.schedule()
+    first_output = ModelRunnerOutput({"r": [1000]}, spec_token_ids={"r": [1001, 1002, 1003]})
+    # Step 1's token and drafts are not known here: 1 + k slots, k placeholders.
+    second = scheduler.schedule()
+    assert (second.num_scheduled_tokens, second.scheduled_spec_decode_tokens) == ({"r": 4}, {"r": [-1, -1, -1]})
+    cached = second.scheduled_cached_reqs[0]
+    assert (cached.num_computed_tokens, cached.num_output_placeholders) == (4, 1)  # the runner corrects 4
+    assert (request.num_computed_tokens, request.num_output_placeholders) == (8, 5)
+    scheduler.update_from_output(first, first_output)
+    # The runner verified 2 drafts in the 3 placeholders' place and accepted 1.
+    second_output = ModelRunnerOutput({"r": [1001, 1005]}, num_placeholder_drafts={"r": 2})
+    third = scheduler.schedule()
+    assert third.num_scheduled_tokens == {"r": 4} and third.scheduled_cached_reqs[0].num_computed_tokens == 8
+    scheduler.update_from_output(second, second_output)
+    # 7 tokens known, 6 computed for real, and step 3's 1 + 3 in flight.
+    assert (request.num_tokens, request.num_computed_tokens, request.num_output_placeholders) == (7, 10, 4)
+    stats = scheduler.total_spec_decoding_stats
+    assert stats is not None and (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 2, 1)
+    assert (request.spec_num_drafts, request.spec_num_draft_tokens, request.spec_num_accepted_tokens) == (1, 2, 1)
+
+
+def test_placeholders_stop_short_of_max_tokens_counting_every_draft_in_flight_as_accepted() -> None:
+    scheduler = Scheduler(SchedulerConfig(async_scheduling=True), KVCacheManager(64, 4), 256, num_spec_tokens=3)
+    scheduler.add_request(make_request("r", prompt(10, 4), max_tokens=4))
+    scheduler.schedule()
+    # 1 token in flight: at most 4 - 1 - 1 = 2 drafts before the last token.
+    assert scheduler.schedule().scheduled_spec_decode_tokens == {"r": [-1, -1]}
+    # 1 + 1 + 2 in flight: the 4 tokens it may have; it waits.
+    assert scheduler.schedule().num_scheduled_tokens == {}

@@ -29,6 +29,7 @@ from pagedllm.core.scheduler_output import (
 from pagedllm.model_registry.input_batch import InputBatch
 from pagedllm.spec_decode.interface import DraftInputs, TargetStep
 from pagedllm.spec_decode.measurements import SpecMeasurements
+from pagedllm.worker.draft_placeholders import DraftPlaceholders
 from pagedllm.worker.draft_verification import verify_drafts
 from pagedllm.worker.logits_processor_rows import LogitsProcessorRows
 from pagedllm.worker.persistent_batch import CachedRequestState, PersistentBatch
@@ -85,6 +86,8 @@ class ModelRunner:
         # from what the runner measures (spec_decode/measurements.py).
         self.spec_policy = spec_policy
         self.spec_measurements = SpecMeasurements()
+        # Async scheduling: the drafts that fill the scheduler's placeholders.
+        self.draft_placeholders = DraftPlaceholders()
         self._last_step_end: float | None = None
         self._captures_at_start = 0
         # With kv_transfer configured: loads before the forward, saves after it.
@@ -115,6 +118,7 @@ class ModelRunner:
             self.spec_measurements.forget(req_id)
         if self.drafter is not None and scheduler_output.finished_req_ids:
             self.drafter.finish_requests(set(scheduler_output.finished_req_ids))
+            self.draft_placeholders.forget(scheduler_output.finished_req_ids)
         for req_id in scheduler_output.preempted_req_ids:
             # Keep tokens and RNG state: the request resumes where it was.
             if req_id in self.requests:
@@ -141,7 +145,7 @@ class ModelRunner:
                 input_batch.set_block_ids(cached.req_id, cached.new_block_ids)
             else:
                 input_batch.append_block_ids(cached.req_id, cached.new_block_ids)
-            input_batch.set_num_computed_tokens(cached.req_id, cached.num_computed_tokens)
+            input_batch.set_num_computed_tokens(cached.req_id, self.draft_placeholders.num_computed_tokens(cached))
 
     # --------------------------------------------------------------- execute
 
@@ -155,10 +159,11 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={}, kv_connector_output=self._kv_connector_output(
                 scheduler_output))
         states = [self.requests[req_id] for req_id in scheduler_output.num_scheduled_tokens]
-        drafts = [scheduler_output.scheduled_spec_decode_tokens.get(state.req_id, []) for state in states]
-        batch, input_ids = self._prepare_inputs(scheduler_output, states, drafts)
-        hidden_states = self._forward_with_kv_transfer(input_ids, batch, scheduler_output.kv_connector_metadata)
         output = ModelRunnerOutput(sampled_token_ids={state.req_id: [] for state in states})
+        num_scheduled, spec_tokens = self.draft_placeholders.fill(scheduler_output, output)
+        drafts = [spec_tokens.get(state.req_id, []) for state in states]
+        batch, input_ids = self._prepare_inputs(num_scheduled, states, drafts)
+        hidden_states = self._forward_with_kv_transfer(input_ids, batch, scheduler_output.kv_connector_metadata)
         self._compute_prompt_logprobs(states, batch, hidden_states, output)
         sampling = self._sampling_batch(scheduler_output, states, drafts, batch)
         if sampling.requests:
@@ -178,17 +183,17 @@ class ModelRunner:
             self._observe_acceptance(sampling, output)
             draft_s, num_drafted = self._propose_drafts(self.drafter, sampling, target_step, output)
             output.spec_step = SpecStepTimes(verify_s, draft_s, len(sampling.requests), num_drafted)
-            self._observe_step_cost(scheduler_output, drafts, sampling, output.spec_step, start)
+            self._observe_step_cost(sum(num_scheduled.values()), drafts, sampling, output.spec_step, start)
+            self.draft_placeholders.record(scheduler_output, output)
         output.kv_connector_output = self._kv_connector_output(scheduler_output)
         self._last_step_end = time.perf_counter()
         return output
 
     def _prepare_inputs(
-        self, scheduler_output: SchedulerOutput, states: list[CachedRequestState], drafts: list[list[int]]
+        self, num_scheduled: dict[str, int], states: list[CachedRequestState], drafts: list[list[int]]
     ) -> tuple[InputBatch, torch.Tensor]:
         """The step's batch and its input ids (each request's next known
         tokens, then the drafts to verify), from the persistent rows."""
-        num_scheduled = scheduler_output.num_scheduled_tokens
         batch, input_ids = self.input_batch.prepare(
             list(num_scheduled), np.fromiter(num_scheduled.values(), dtype=np.int64, count=len(states)), drafts
         )
@@ -265,7 +270,7 @@ class ModelRunner:
             batch_rows=rows,
             drafts=sampling_drafts,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
-            grammar_bitmask=_grammar_rows(scheduler_output, requests, all_positions=sampling_drafts is not None),
+            grammar_bitmask=_grammar_rows(scheduler_output, requests, sampling_drafts),
             # NOTE: told only when a row samples; a step without sampling keeps their rows.
             logits_processors=self._logits_processors_for(requests, sampling_drafts) if requests else (),
             default_generator=self.generator,
@@ -427,7 +432,7 @@ class ModelRunner:
 
     def _observe_step_cost(
         self,
-        scheduler_output: SchedulerOutput,
+        num_scheduled_tokens: int,
         drafts: list[list[int]],
         sampling: SamplingBatch,
         times: SpecStepTimes,
@@ -438,7 +443,7 @@ class ModelRunner:
         (propose included), and the time outside the runner before it."""
         num_drafts = sum(len(d) for d in drafts)
         if len(sampling.requests) != len(drafts) or (
-            scheduler_output.total_num_scheduled_tokens != len(drafts) + num_drafts
+            num_scheduled_tokens != len(drafts) + num_drafts
         ):
             return
         if self._num_graph_captures() != self._captures_at_start:
@@ -476,21 +481,25 @@ class ModelRunner:
 
 
 def _grammar_rows(
-    scheduler_output: SchedulerOutput, sampling_states: list[CachedRequestState], all_positions: bool = False
+    scheduler_output: SchedulerOutput, sampling_states: list[CachedRequestState], drafts: list[list[int]] | None
 ) -> tuple[torch.Tensor, list[int]] | None:
     """The bitmask rows of this step's sampled positions and the logits rows
     they mask. A request owns 1 + len(drafts) bitmask rows; without
-    `all_positions` the logits hold one row per request (its first
-    position), with it 1 + len(drafts) rows per request, in batch order."""
+    `drafts` (each sampling request's, None without a drafter) the logits
+    hold one row per request (its first position), with them 1 + len(drafts)
+    rows per request, in batch order."""
     bitmask = scheduler_output.grammar_bitmask
     if bitmask is None:
         return None
+    # NOTE: a grammar request's drafts are never placeholders (it is not
+    # scheduled ahead of its output), so the scheduler's are the verified ones.
     spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+    all_positions = drafts is not None
     logits_row: dict[str, int] = {}
     next_logits_row = 0
-    for state in sampling_states:
+    for i, state in enumerate(sampling_states):
         logits_row[state.req_id] = next_logits_row
-        next_logits_row += 1 + len(spec_tokens.get(state.req_id, ())) if all_positions else 1
+        next_logits_row += 1 + len(drafts[i]) if drafts is not None else 1
     bitmask_rows: list[int] = []
     logits_rows: list[int] = []
     next_row = 0
