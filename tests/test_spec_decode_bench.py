@@ -12,25 +12,29 @@ from helpers.tiny_models import cached_tiny_model
 from pagedllm.entrypoints.cli import main
 
 
-def test_bench_spec_writes_a_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_bench_spec_writes_a_table_and_json(
+    async_scheduling: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model = cached_tiny_model("llama", with_tokenizer=True, seed=21)
     result_file = tmp_path / "spec.json"
     rc = main([
         "bench", "spec", "--model", str(model), "--methods", "ngram,draft_model", "--draft-model", str(model),
         "--dataset", "repeat", "--num-prompts", "2", "--output-len", "8", "--batch-sizes", "1,2",
         "-k", "3", "--num-kv-blocks", "64", "--disable-tqdm", "--result-file", str(result_file),
-        "--policy", "always",
+        "--policy", "always", *(["--async-scheduling"] if async_scheduling else []),
     ])
     assert rc == 0
     table = capsys.readouterr().out
     assert "speedup" in table and "ngram" in table and "draft_model" in table
+    assert ("async scheduling" in table) == async_scheduling
     assert all(column in table for column in ("draft ms", "verify ms", "rest ms", "drafted"))
     rows = json.loads(result_file.read_text())["results"]
     assert [(r["method"], r["batch_size"]) for r in rows] == [
         ("none", 1), ("none", 2), ("ngram", 1), ("ngram", 2), ("draft_model", 1), ("draft_model", 2),
     ]
     for row in rows:
-        assert row["output_tokens"] == 2 * 8
+        assert row["output_tokens"] == 2 * 8 and row["async_scheduling"] == async_scheduling
         if row["method"] == "none":
             assert row["acceptance_rate"] is None
             assert (row["draft_ms"], row["verify_ms"], row["rest_ms"], row["drafted_fraction"]) == (None,) * 4

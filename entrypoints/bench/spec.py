@@ -12,7 +12,9 @@ verification, as the model runner times them) and rest (everything else:
 scheduling, output processing), and the fraction of the requests' steps the
 speculation policy (`--policy`, default the engine's: adaptive) let draft.
 Greedy decoding with ignore_eos, so every run produces the same number of
-tokens.
+tokens. `--async-scheduling` runs every engine, no speculation included,
+with async scheduling (drafts as placeholders the runner fills); `rest` is
+then what the overlap leaves of the step.
 
     pagedllm bench spec --model tiny --methods ngram,draft_model,eagle --dataset repeat
 """
@@ -65,6 +67,7 @@ class SpecRunResult:
     rest_ms: float | None = None
     # Of the requests' steps, the fraction the policy let draft.
     drafted_fraction: float | None = None
+    async_scheduling: bool = False
 
 
 def build_prompts(
@@ -192,6 +195,8 @@ def run_bench(args: argparse.Namespace) -> list[SpecRunResult]:
         engine_args["tokenizer"] = args.tokenizer
     if args.dtype:
         engine_args["dtype"] = args.dtype
+    if args.async_scheduling:
+        engine_args["async_scheduling"] = True
 
     results: list[SpecRunResult] = []
     total = len(datasets) * (len(methods) + 1) * len(batch_sizes)
@@ -215,6 +220,7 @@ def run_bench(args: argparse.Namespace) -> list[SpecRunResult]:
                 result = SpecRunResult(
                     method=method, dataset=dataset, batch_size=batch_size, num_prompts=len(prompts),
                     output_tokens=num_tokens, elapsed_s=elapsed, output_tok_s=num_tokens / elapsed,
+                    async_scheduling=args.async_scheduling,
                 )
                 if method == "none":
                     baseline[batch_size] = result.output_tok_s
@@ -239,6 +245,8 @@ def format_table(results: list[SpecRunResult], k: int) -> str:
         f"{'draft ms':>8} {'verify ms':>9} {'rest ms':>7} {'drafted':>7}  per-position acceptance (k={k})"
     )
     lines = [header, "-" * len(header)]
+    if any(r.async_scheduling for r in results):
+        lines.insert(0, "async scheduling (every engine, no speculation included)")
     for r in results:
         speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
         accept = f"{r.acceptance_rate:.3f}" if r.acceptance_rate is not None else "-"
@@ -290,6 +298,8 @@ def add_spec_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     spec.add_argument("--disable-by-batch-size", type=_positive_int, default=None,
                       help="speculative.disable_by_batch_size (vLLM's)")
     spec.add_argument("--num-kv-blocks", type=_positive_int, default=None)
+    spec.add_argument("--async-scheduling", action="store_true",
+                      help="run every engine (no speculation too) with scheduler.async_scheduling")
     spec.add_argument("--seed", type=int, default=0)
     spec.add_argument("--result-file", default=None, help="write every row as JSON here")
     spec.add_argument("--disable-tqdm", action="store_true")
