@@ -362,46 +362,62 @@ class OutputProcessor:
         if engine_output.spec_counts is not None:
             (metrics.spec_num_drafts, metrics.spec_num_draft_tokens,
              metrics.spec_num_accepted_tokens) = engine_output.spec_counts
+        finish_reason = engine_output.finish_reason
+        stop_reason = engine_output.stop_reason
         new_token_ids = engine_output.new_token_ids
+        match = None if state.detokenizer is None else self._update_text(state, new_token_ids, finish_reason)
+        stopped_by_string = False
+        if match is not None:
+            # A stop string ends the output at the token that completed it,
+            # also when more tokens came in the same step (accepted drafts).
+            new_token_ids = new_token_ids[: match[0]]
+            stopped_by_string = finish_reason is None
+            finish_reason, stop_reason = "stop", match[1]
         if new_token_ids:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             state.output_token_ids.extend(new_token_ids)
         if state.logprobs is not None and engine_output.new_logprobs:
-            for entry in engine_output.new_logprobs:
+            for entry in engine_output.new_logprobs[: len(new_token_ids)]:
                 state.logprobs.append(self._to_logprob_pairs(entry, ranked=not state.explicit_logprob_ids))
                 state.cumulative_logprob = (state.cumulative_logprob or 0.0) + entry.logprobs[0]
         if state.prompt_logprobs is not None and engine_output.new_prompt_logprobs:
             state.prompt_logprobs.extend(
                 None if entry is None else self._to_logprob_pairs(entry) for entry in engine_output.new_prompt_logprobs
             )
-
-        finish_reason = engine_output.finish_reason
-        stop_reason = engine_output.stop_reason
-        stopped_by_string = False
-        detokenizer = state.detokenizer
-        if detokenizer is not None:
-            text_token_ids = new_token_ids
-            if finish_reason == "stop" and new_token_ids and not state.include_stop_str_in_output:
-                # The EOS / stop token ended it: its text is not part of the output (vLLM).
-                text_token_ids = new_token_ids[:-1]
-            delta = detokenizer.update(text_token_ids)
-            if finish_reason is not None:
-                delta += detokenizer.flush()
-            state.output_text += delta
-            if state.stop and delta and len(state.output_token_ids) > state.min_tokens:
-                match = check_stop_strings(
-                    state.output_text, len(delta), state.stop, state.include_stop_str_in_output
-                )
-                if match is not None:
-                    state.output_text = state.output_text[: match.truncate_to]
-                    stopped_by_string = finish_reason is None
-                    finish_reason, stop_reason = "stop", match.stop_str
         if finish_reason is not None:
             state.finish_reason = finish_reason
             state.stop_reason = stop_reason
         return stopped_by_string
+
+    @staticmethod
+    def _update_text(state: RequestState, new_token_ids: list[int], finish_reason: str | None
+                     ) -> tuple[int, str] | None:
+        """Detokenize a step's new tokens into `state.output_text`; with stop
+        strings, token by token, so that a match returns (the new tokens up
+        to the one that completed it, the stop string), the text truncated."""
+        detokenizer = state.detokenizer
+        assert detokenizer is not None
+        text_token_ids = new_token_ids
+        if finish_reason == "stop" and new_token_ids and not state.include_stop_str_in_output:
+            # The EOS / stop token ended it: its text is not part of the output (vLLM).
+            text_token_ids = new_token_ids[:-1]
+        steps = [[token] for token in text_token_ids] if state.stop and len(text_token_ids) > 1 else [text_token_ids]
+        if finish_reason is not None:
+            steps.append([])  # the detokenizer's held-back text
+        num_tokens = len(state.output_token_ids)
+        for step in steps:
+            delta = detokenizer.update(step) if step else detokenizer.flush()
+            # (the flush's text came with the last token, or the excluded EOS / stop token)
+            num_tokens = num_tokens + len(step) if step else len(state.output_token_ids) + len(new_token_ids)
+            state.output_text += delta
+            if state.stop and delta and num_tokens > state.min_tokens:
+                match = check_stop_strings(state.output_text, len(delta), state.stop, state.include_stop_str_in_output)
+                if match is not None:
+                    state.output_text = state.output_text[: match.truncate_to]
+                    return num_tokens - len(state.output_token_ids), match.stop_str
+        return None
 
     def _make_request_output(self, state: RequestState) -> RequestOutput | None:
         completion = state.make_completion()

@@ -90,6 +90,36 @@ def test_stop_string_across_tokens_truncates_and_aborts(tokenizer, include, expe
     assert not processor.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_inside_a_multi_token_step_ends_the_tokens_where_it_completed(tokenizer, include):
+    """A step that brings several tokens (accepted drafts) and completes a
+    stop string in their middle keeps the tokens, and their logprobs, up to
+    the one that completed it: what one token per step gives."""
+    ids = [tokenizer.convert_tokens_to_ids(ch) for ch in "abc STOP def"]
+    ids[3] = tokenizer.encode(" ")[0]
+    params = SamplingParams(max_tokens=50, stop=["STOP"], include_stop_str_in_output=include, logprobs=0)
+    one_by_one = OutputProcessor(tokenizer)
+    add(one_by_one, "r", None, PROMPT_IDS, SamplingParams(max_tokens=50, stop=["STOP"],
+                                                         include_stop_str_in_output=include))
+    expected = run_tokens(one_by_one, "r", ids)[0][-1].outputs[0]
+    processor = OutputProcessor(tokenizer)
+    add(processor, "r", None, PROMPT_IDS, params)
+    steps = [ids[:2], ids[2:7], ids[7:]]  # "STOP" completes at the 8th token, inside no step's end
+    outputs, aborted = [], []
+    for step, token_ids in enumerate(steps):
+        logprobs = [LogprobEntry([t], [-0.5 - i], 1) for i, t in enumerate(token_ids)]
+        processed = processor.process_outputs([EngineCoreOutput(
+            request_id="r", new_token_ids=token_ids, new_logprobs=logprobs, num_cached_tokens=0,
+            first_scheduled_time=100.0)], now=101.0 + step)
+        outputs += processed.request_outputs
+        aborted += processed.reqs_to_abort
+    assert aborted == ["r"]
+    (completion,) = outputs[-1].outputs
+    assert completion.token_ids == expected.token_ids == ids[: len("abc STOP")]
+    assert completion.text == expected.text and completion.finish_reason == "stop"
+    assert [next(iter(entry)) for entry in completion.logprobs] == completion.token_ids
+
+
 def test_earliest_stop_string_wins():
     assert check_stop_strings("xx ab cd", 8, ["cd", "ab"], False) == ("ab", 3)
     assert check_stop_strings("xx ab cd", 8, ["cd", "ab"], True) == ("ab", 5)
