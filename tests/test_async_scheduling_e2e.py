@@ -113,12 +113,15 @@ def test_async_scheduling_over_mp_ranks(sync_tokens: list[list[int]]) -> None:
         llm.engine_core.shutdown()
 
 
+# Policy "always": the default policy's choices follow step timings, and with
+# them how many KV slots drafts take (the preemptions asserted below).
 DRAFTERS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     "suffix": {"method": "suffix", "num_speculative_tokens": 3},
     "eagle": {"method": "eagle", "num_speculative_tokens": 2, "model": "tiny-eagle"},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": "tiny-draft"},
 }
+DRAFTERS = {method: {**config, "policy": "always"} for method, config in DRAFTERS.items()}
 
 
 @pytest.mark.parametrize("method", list(DRAFTERS))
