@@ -88,7 +88,9 @@ from packaging.version import Version
 #      The speculation-policy kind (`register_spec_policies`,
 #      `SpeculationPolicy`, `SpecPolicyInfo`, `pm.spec_policies`,
 #      `speculative.policy`, `speculative.disable_by_batch_size`) and the
-#      measurements it reads (`spec_decode.measurements.SpecMeasurements`).
+#      measurements it reads (`spec_decode.measurements.SpecMeasurements`);
+#      `SpeculationPolicy.keep_drafts` (default: keep) sees the drafts the
+#      drafter found and may drop them all for a plain step.
 API_VERSION = "1.10.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"

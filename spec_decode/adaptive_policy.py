@@ -14,6 +14,14 @@ only if its mean expected tokens per request beat `r` by `MIN_GAIN` too.
 So speculation is chosen only where it is measured to be faster, per
 request and per batch size.
 
+Once the drafter has proposed, the batch check runs again on the drafts it
+found (`keep_drafts`): a request for which it found none yields one token
+but, beside requests that draft, pays for a verify row (as many as the
+longest draft needs: the step is charged `1 + (r - 1) * longest / k_max`);
+if the step's expected tokens per request do not beat that by `MIN_GAIN`,
+no request drafts this step, unless one is a probe (never verified, or held
+without drafts for `PROBE_INTERVAL` steps: it drafts to be measured).
+
 Exploring: a bucket without a measured verify step drafts k_max everywhere,
 then one without a measured plain step drafts nothing for a step; a request
 never verified drafts k_max; and a request held at 0 for `PROBE_INTERVAL`
@@ -89,3 +97,17 @@ class AdaptivePolicy(SpeculationPolicy):
         if not probing and tokens / len(req_ids) <= MIN_GAIN * ratio:
             return [0] * len(req_ids)  # the whole step pays the verify cost: not worth it
         return counts
+
+    def keep_drafts(self, req_ids: Sequence[str], num_drafts: Sequence[int], measurements: SpecMeasurements) -> bool:
+        ratio = cost_ratio(measurements.step_cost(len(req_ids)))
+        if ratio is None or not any(num_drafts):
+            return True  # still measuring this batch size, or nothing to verify
+        tokens = 0.0
+        for req_id, count in zip(req_ids, num_drafts, strict=True):
+            acceptance = measurements.acceptance(req_id)
+            if count and (acceptance is None or measurements.steps_without_drafts(req_id) >= PROBE_INTERVAL):
+                return True  # a probe
+            tokens += expected_tokens(acceptance, count) if count and acceptance is not None else 1.0
+        # The step verifies as many rows per request as the longest draft needs.
+        charged = 1.0 + (ratio - 1.0) * max(num_drafts) / self.num_speculative_tokens
+        return tokens / len(req_ids) > MIN_GAIN * charged

@@ -88,7 +88,8 @@ class SpecMeasurements:
         return (kept[0].value or 0.0) / kept[1].value
 
     def observe_drafted(self, req_id: str, num_drafts: int) -> None:
-        """The policy let `req_id` draft `num_drafts` tokens for its next step."""
+        """`req_id`'s next step verifies `num_drafts` drafts (0: the policy
+        gave none, the drafter found none, or the policy dropped them)."""
         if num_drafts > 0:
             self._steps_without_drafts[req_id] = 0
         else:

@@ -8,8 +8,12 @@ just sampled, how many drafts each may have (at most `num_speculative_tokens`;
 acceptance and the measured cost of verify, draft and plain steps at this
 batch size. The drafter is then asked only for the requests given drafts (a
 model drafter, which mirrors every request, is asked for all and its drafts
-cut). Whatever the policy decides, output is the same as without
-speculation: it changes only how fast tokens come.
+cut), and the policy sees what it found (`keep_drafts`): a drafter may find
+fewer drafts than allowed (n-gram and suffix find none where nothing
+matches), and a step in which any request drafts is a verify step for the
+whole batch, so the policy may still choose a plain step. Whatever the
+policy decides, output is the same as without speculation: it changes only
+how fast tokens come.
 
 A policy registers through the `register_spec_policies` hook under the name
 `speculative.policy` selects, and is built as `PolicyCls(config)`.
@@ -40,6 +44,12 @@ class SpeculationPolicy(ABC):
         """For each of `req_ids` (the requests of the next step, which
         sampled this one, in batch order; the batch size is their number)
         a draft count in 0..num_speculative_tokens."""
+
+    def keep_drafts(self, req_ids: Sequence[str], num_drafts: Sequence[int], measurements: SpecMeasurements) -> bool:
+        """After the drafter proposed `num_drafts[i]` drafts for each of
+        `req_ids` (at most what `num_drafts()` allowed): whether the step
+        verifies them (False: every request takes a plain decode row)."""
+        return True
 
 
 class AlwaysPolicy(SpeculationPolicy):

@@ -87,6 +87,29 @@ def test_a_batch_drafts_only_if_its_mean_gain_pays_for_the_verify_step() -> None
     assert AdaptivePolicy(_config()).num_drafts(list("abcn"), measurements) == [3, 0, 0, 3]
 
 
+def test_drafts_found_for_few_requests_do_not_pay_for_a_verify_step() -> None:
+    # r = 2 at batch 4, a = 0.9 everywhere: 3 drafts give 3.439 tokens.
+    measurements = _measured(4, plain_s=0.010, verify_s=0.020)
+    for req_id in "abcd":
+        measurements.observe_acceptance(req_id, 10, 9)
+    policy = AdaptivePolicy(_config())
+    assert policy.num_drafts(list("abcd"), measurements) == [3] * 4
+    # The drafter found drafts for two of them: (2 x 3.439 + 2) / 4 = 2.22 > 1.05 x 2: verified
+    assert policy.keep_drafts(list("abcd"), [3, 3, 0, 0], measurements)
+    # For one: (3.439 + 3) / 4 = 1.61 < 2.1: a plain step
+    assert not policy.keep_drafts(list("abcd"), [3, 0, 0, 0], measurements)
+    # The step verifies as many rows as the longest draft: one draft is charged 1 + (2 - 1) / 3 = 1.33
+    assert not policy.keep_drafts(list("abcd"), [1, 0, 0, 0], measurements)  # (1.9 + 3) / 4 = 1.23 < 1.4
+    assert policy.keep_drafts(list("abcd"), [1, 1, 1, 0], measurements)  # (3 x 1.9 + 1) / 4 = 1.68
+    # A never-verified request that found drafts is a probe: kept; so is one held back PROBE_INTERVAL steps
+    assert policy.keep_drafts(list("abcn"), [0, 0, 0, 2], measurements)
+    for _ in range(PROBE_INTERVAL):
+        measurements.observe_drafted("d", 0)
+    assert policy.keep_drafts(list("abcd"), [0, 0, 0, 3], measurements)
+    assert policy.keep_drafts(list("abcd"), [0, 0, 0, 0], measurements)  # nothing to verify either way
+    assert AlwaysPolicy(_config()).keep_drafts(list("abcd"), [3, 0, 0, 0], measurements)
+
+
 def test_each_batch_size_bucket_has_its_own_cost() -> None:
     measurements = _measured(1, plain_s=0.010, verify_s=0.012)  # cheap at batch 1
     measurements.observe_step(8, verified=False, step_s=0.010, rest_s=None)
@@ -173,11 +196,19 @@ class NeverPolicy(SpeculationPolicy):
         return [0] * len(req_ids)
 
 
+class DropPolicy(AlwaysPolicy):
+    """Lets every request draft k, then drops whatever the drafter found."""
+
+    def keep_drafts(self, req_ids: Sequence[str], num_drafts: Sequence[int], measurements: SpecMeasurements) -> bool:
+        return False
+
+
 class PolicyPlugin:
     @hookimpl
     def register_spec_policies(self, register: RegisterFn) -> None:
         register("fixture_staggered", f"{__name__}:StaggeredPolicy")
         register("fixture_never", f"{__name__}:NeverPolicy")
+        register("fixture_drop", f"{__name__}:DropPolicy")
 
 
 @pytest.fixture
@@ -204,7 +235,7 @@ def _generate(policy: str | None, prompts: list[list[int]]) -> tuple[list[list[i
 def test_greedy_output_is_the_same_whatever_the_policy_decides(policy_plugin: None) -> None:
     prompts = repeated_span_prompts(6, seed=7)
     reference, _ = _generate(None, prompts)
-    for policy in ("fixture_staggered", "fixture_never", "adaptive", "batch_size"):
+    for policy in ("fixture_staggered", "fixture_never", "fixture_drop", "adaptive", "batch_size"):
         tokens, scheduler = _generate(policy, prompts)
         assert tokens == reference, policy
         stats = scheduler.total_spec_decoding_stats
@@ -212,6 +243,8 @@ def test_greedy_output_is_the_same_whatever_the_policy_decides(policy_plugin: No
         assert stats.num_steps > 0 and stats.verify_time_s > 0 and stats.num_sampled_reqs >= 6
         if policy == "fixture_never":
             assert (stats.num_drafts, stats.num_drafted_reqs, stats.draft_time_s) == (0, 0, 0.0)
+        if policy == "fixture_drop":  # the drafter ran, nothing it found was verified
+            assert (stats.num_drafts, stats.num_drafted_reqs) == (0, 0) and stats.draft_time_s > 0
         if policy == "fixture_staggered":
             # 6 requests: 5 of 6 draft while all run; never more than k per draft
             assert 0 < stats.num_drafted_reqs < stats.num_sampled_reqs

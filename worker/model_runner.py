@@ -252,15 +252,20 @@ class ModelRunner:
     ) -> SamplingBatch:
         """The requests that sample this step (those that reach the end of
         their known tokens) and the rows they score. With a drafter every
-        request scores all 1 + n positions, also in steps without drafts, so
-        that a seeded request draws its random numbers the same way whatever
-        the batch around it drafted (it would not with the plain sampler).
+        request scores all 1 + n positions through draft verification, also
+        in steps without drafts where a seeded request samples, so that it
+        draws its random numbers the same way whatever the batch around it
+        drafted (it would not with the plain sampler); a step with neither
+        samples plainly (verification of nothing cost ~1 ms a step).
         `drafts`: every scheduled request's, in batch order."""
         rows = [
             row for row, state in enumerate(states) if batch.seq_lens[row] - len(drafts[row]) >= len(state.token_ids)
         ]
         requests = [states[row] for row in rows]
         sampling_drafts = None if self.drafter is None else [drafts[row] for row in rows]
+        if sampling_drafts is not None and not any(sampling_drafts) and not any(
+                state.sampling_params.sampling_type == SamplingType.RANDOM_SEED for state in requests):
+            sampling_drafts = None
         logits_indices: list[int] = []
         for i, row in enumerate(rows):
             end = int(batch.query_start_loc[row + 1])
@@ -377,6 +382,7 @@ class ModelRunner:
         for state in requests:
             state.draft_probs = None
         if not chosen and not drafter.needs_lookahead_slots:
+            self._observe_drafted(requests, counts)
             return 0.0, 0  # NOTE: a model drafter mirrors prefill chunks even when nothing sampled
         start = time.perf_counter()
         draft_output = drafter.propose(
@@ -390,13 +396,23 @@ class ModelRunner:
             )
         )
         draft_s = time.perf_counter() - start
+        found = [0] * len(requests)
+        for i, draft_token_ids in zip(chosen, draft_output.draft_token_ids, strict=False):
+            found[i] = min(len(draft_token_ids), counts[i])
+        # NOTE: a seeded random request keeps its drafts (see _policy_counts).
+        if self.spec_policy is not None and not any(
+            state.sampling_params.sampling_type == SamplingType.RANDOM_SEED for state in requests
+        ) and not self.spec_policy.keep_drafts([state.req_id for state in requests], found, self.spec_measurements):
+            self._observe_drafted(requests, [0] * len(requests))
+            return draft_s, 0  # a plain step after all
+        self._observe_drafted(requests, found)
         all_probs = draft_output.draft_probs
         for j, (i, draft_token_ids) in enumerate(zip(chosen, draft_output.draft_token_ids, strict=False)):
-            state, num_kept = requests[i], counts[i]
+            state = requests[i]
             probs = all_probs[j] if all_probs is not None else None
-            state.draft_probs = None if probs is None else probs[:num_kept]
-            if draft_token_ids and num_kept:
-                output.spec_token_ids[state.req_id] = list(draft_token_ids[:num_kept])
+            state.draft_probs = None if probs is None else probs[: found[i]]
+            if found[i]:
+                output.spec_token_ids[state.req_id] = list(draft_token_ids[: found[i]])
         return draft_s, sum(1 for n in counts if n > 0)
 
     def _policy_counts(self, requests: list[CachedRequestState]) -> list[int]:
@@ -413,8 +429,14 @@ class ModelRunner:
         for i, state in enumerate(requests):
             if state.sampling_params.sampling_type == SamplingType.RANDOM_SEED:
                 counts[i] = k
-            self.spec_measurements.observe_drafted(state.req_id, counts[i])
         return counts
+
+    def _observe_drafted(self, requests: list[CachedRequestState], num_drafts: list[int]) -> None:
+        """The drafts each request's next step verifies (0: the policy gave
+        none, the drafter found none, or the policy dropped them)."""
+        if self.spec_policy is not None:
+            for state, count in zip(requests, num_drafts, strict=True):
+                self.spec_measurements.observe_drafted(state.req_id, count)
 
     def _observe_acceptance(self, sampling: SamplingBatch, output: ModelRunnerOutput) -> None:
         """Each verified request's drafts proposed and accepted, for the policy."""
