@@ -25,16 +25,24 @@ without drafts for `PROBE_INTERVAL` steps: it drafts to be measured).
 Exploring: a bucket without a measured verify step drafts k_max everywhere,
 then one without a measured plain step drafts nothing for a step; a request
 never verified drafts k_max; and a request held at 0 for `PROBE_INTERVAL`
-steps drafts k_max once, so that its acceptance is measured again.
+steps drafts k_max once, so that its acceptance is measured again. Such
+probes make the whole step a verify step, so a batch probes at most once
+every `PROBE_INTERVAL` steps unless all its requests are waiting to probe
+(in a large batch, new requests arriving would otherwise make nearly every
+step a verify step); a request waiting to probe drafts nothing.
 vLLM's `disable_by_batch_size`, when set, applies first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pagedllm.spec_decode.measurements import SpecMeasurements, StepCost
 from pagedllm.spec_decode.policy import SpeculationPolicy
+
+if TYPE_CHECKING:
+    from pagedllm.core.config import SpeculativeConfig
 
 # Tokens per charged step a draft must reach to be chosen over a plain step
 # (a margin against timing noise: speculation must not lose).
@@ -74,6 +82,27 @@ def best_num_drafts(acceptance: float, ratio: float, max_drafts: int) -> int:
 class AdaptivePolicy(SpeculationPolicy):
     """Drafts k per request where measured acceptance pays for measured cost."""
 
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
+        self._steps_since_probe = PROBE_INTERVAL  # the first probe may come at once
+        self._probes: set[str] = set()  # the requests probing in the current step
+
+    def _grant_probes(self, req_ids: Sequence[str], measurements: SpecMeasurements) -> set[str]:
+        """The requests that probe this step: those never verified or held
+        back PROBE_INTERVAL steps, if the whole batch is such or no step
+        probed in the last PROBE_INTERVAL (a probe makes the whole batch a
+        verify step: in a large batch, new requests would otherwise make
+        nearly every step one)."""
+        candidates = {
+            req_id for req_id in req_ids
+            if measurements.acceptance(req_id) is None or measurements.steps_without_drafts(req_id) >= PROBE_INTERVAL
+        }
+        self._steps_since_probe += 1
+        if candidates and (len(candidates) == len(req_ids) or self._steps_since_probe > PROBE_INTERVAL):
+            self._steps_since_probe = 0
+            return candidates
+        return set()
+
     def num_drafts(self, req_ids: Sequence[str], measurements: SpecMeasurements) -> list[int]:
         k_max = self.num_speculative_tokens
         limit = self.config.disable_by_batch_size
@@ -85,16 +114,19 @@ class AdaptivePolicy(SpeculationPolicy):
         ratio = cost_ratio(cost)
         if ratio is None:
             return [0] * len(req_ids)  # measure a plain step at this size
-        counts, tokens, probing = [], 0.0, False
+        self._probes = self._grant_probes(req_ids, measurements)
+        counts, tokens = [], 0.0
         for req_id in req_ids:
             acceptance = measurements.acceptance(req_id)
-            if acceptance is None or measurements.steps_without_drafts(req_id) >= PROBE_INTERVAL:
+            if req_id in self._probes:
                 counts.append(k_max)
-                probing = True
+            elif acceptance is None:
+                counts.append(0)  # its probe waits
+                tokens += 1.0
             else:
                 counts.append(best_num_drafts(acceptance, ratio, k_max))
                 tokens += expected_tokens(acceptance, counts[-1])
-        if not probing and tokens / len(req_ids) <= MIN_GAIN * ratio:
+        if not self._probes and tokens / len(req_ids) <= MIN_GAIN * ratio:
             return [0] * len(req_ids)  # the whole step pays the verify cost: not worth it
         return counts
 
@@ -105,7 +137,7 @@ class AdaptivePolicy(SpeculationPolicy):
         tokens = 0.0
         for req_id, count in zip(req_ids, num_drafts, strict=True):
             acceptance = measurements.acceptance(req_id)
-            if count and (acceptance is None or measurements.steps_without_drafts(req_id) >= PROBE_INTERVAL):
+            if count and (req_id in self._probes or acceptance is None):
                 return True  # a probe
             tokens += expected_tokens(acceptance, count) if count and acceptance is not None else 1.0
         # The step verifies as many rows per request as the longest draft needs.

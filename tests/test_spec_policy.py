@@ -84,7 +84,14 @@ def test_a_batch_drafts_only_if_its_mean_gain_pays_for_the_verify_step() -> None
         measurements.observe_acceptance(req_id, 10, 1)
     assert AdaptivePolicy(_config()).num_drafts(list("abcd"), measurements) == [0] * 4
     # a request never verified probes: the step verifies anyway, so "a" drafts too
-    assert AdaptivePolicy(_config()).num_drafts(list("abcn"), measurements) == [3, 0, 0, 3]
+    policy = AdaptivePolicy(_config())
+    assert policy.num_drafts(list("abcn"), measurements) == [3, 0, 0, 3]
+    # but a batch probes at most once per PROBE_INTERVAL steps: "n" waits, drafting nothing
+    for _ in range(PROBE_INTERVAL):
+        assert policy.num_drafts(list("abcn"), measurements) == [0] * 4
+    assert policy.num_drafts(list("abcn"), measurements) == [3, 0, 0, 3]
+    # unless every request of the batch waits to probe (a new request alone)
+    assert policy.num_drafts(["n"], measurements) == [3]
 
 
 def test_drafts_found_for_few_requests_do_not_pay_for_a_verify_step() -> None:
@@ -101,10 +108,12 @@ def test_drafts_found_for_few_requests_do_not_pay_for_a_verify_step() -> None:
     # The step verifies as many rows as the longest draft: one draft is charged 1 + (2 - 1) / 3 = 1.33
     assert not policy.keep_drafts(list("abcd"), [1, 0, 0, 0], measurements)  # (1.9 + 3) / 4 = 1.23 < 1.4
     assert policy.keep_drafts(list("abcd"), [1, 1, 1, 0], measurements)  # (3 x 1.9 + 1) / 4 = 1.68
-    # A never-verified request that found drafts is a probe: kept; so is one held back PROBE_INTERVAL steps
+    # A never-verified request that found drafts is a probe: kept; so is one
+    # held back PROBE_INTERVAL steps, once the step has granted it its probe
     assert policy.keep_drafts(list("abcn"), [0, 0, 0, 2], measurements)
     for _ in range(PROBE_INTERVAL):
         measurements.observe_drafted("d", 0)
+    assert policy.num_drafts(list("abcd"), measurements) == [3] * 4  # "d" probes
     assert policy.keep_drafts(list("abcd"), [0, 0, 0, 3], measurements)
     assert policy.keep_drafts(list("abcd"), [0, 0, 0, 0], measurements)  # nothing to verify either way
     assert AlwaysPolicy(_config()).keep_drafts(list("abcd"), [3, 0, 0, 0], measurements)
