@@ -261,13 +261,11 @@ class BatchGraphs:
     def _copy_inputs(self, input_ids: torch.Tensor, batch: InputBatch,
                      extras: dict[str, torch.Tensor] | None) -> None:
         """The step's host arrays, straight into the persistent buffers."""
-        n, num_tokens, width = batch.num_reqs, batch.num_tokens, batch.block_table.shape[1]
+        num_tokens = batch.num_tokens
         self.input_ids[:num_tokens].copy_(input_ids)
         self.positions[:num_tokens].copy_(torch.from_numpy(batch.positions))
         self.slot_mapping[:num_tokens].copy_(torch.from_numpy(batch.slot_mapping))
-        self.seq_lens[:n].copy_(torch.from_numpy(batch.seq_lens))
-        self.block_table[:n, :width].copy_(torch.from_numpy(batch.block_table))
-        self.block_table[:n, width:].zero_()
+        self._copy_requests(batch, batch.seq_lens)
         for name, values in (extras or {}).items():
             self.extras[name][:num_tokens].copy_(values)
 
@@ -276,7 +274,7 @@ class BatchGraphs:
         """Request r's rows into graph rows r * q + 0.. (the rest of its q
         idle), its context length raised by its padding; returns the graph
         row of each of the step's rows."""
-        n, width = batch.num_reqs, batch.block_table.shape[1]
+        n = batch.num_reqs
         query_lens = batch.query_lens
         starts = np.repeat(batch.query_start_loc[:-1], query_lens)
         rows = torch.from_numpy(np.repeat(np.arange(n) * query_len, query_lens) + np.arange(batch.num_tokens) - starts)
@@ -285,9 +283,14 @@ class BatchGraphs:
         self.input_ids.index_copy_(0, rows, input_ids)
         self.positions.index_copy_(0, rows, torch.from_numpy(batch.positions).to(self.positions.device))
         self.slot_mapping.index_copy_(0, rows, torch.from_numpy(batch.slot_mapping).to(self.slot_mapping.device))
-        self.seq_lens[:n].copy_(torch.from_numpy(batch.seq_lens + (query_len - query_lens)))
-        self.block_table[:n, :width].copy_(torch.from_numpy(batch.block_table))
-        self.block_table[:n, width:].zero_()
+        self._copy_requests(batch, batch.seq_lens + (query_len - query_lens))
         for name, values in (extras or {}).items():
             self.extras[name].index_copy_(0, rows, values)
         return rows
+
+    def _copy_requests(self, batch: InputBatch, seq_lens: np.ndarray) -> None:
+        """The step's requests' context lengths and block tables."""
+        n, width = batch.num_reqs, batch.block_table.shape[1]
+        self.seq_lens[:n].copy_(torch.from_numpy(seq_lens))
+        self.block_table[:n, :width].copy_(torch.from_numpy(batch.block_table))
+        self.block_table[:n, width:].zero_()
