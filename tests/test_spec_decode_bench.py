@@ -9,13 +9,22 @@ from pathlib import Path
 import pytest
 from helpers.tiny_models import cached_tiny_model
 
+from pagedllm.entrypoints.bench import spec
 from pagedllm.entrypoints.cli import main
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_bench_spec_writes_a_table_and_json(
-    async_scheduling: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    async_scheduling: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    runs: list[tuple[int, int, int]] = []
+    timed_run = spec._run
+
+    def recording_run(llm: object, prompts: list[list[int]], batch_size: int, output_len: int) -> object:
+        runs.append((len(prompts), batch_size, output_len))
+        return timed_run(llm, prompts, batch_size, output_len)
+
+    monkeypatch.setattr(spec, "_run", recording_run)
     model = cached_tiny_model("llama", with_tokenizer=True, seed=21)
     result_file = tmp_path / "spec.json"
     rc = main([
@@ -48,5 +57,8 @@ def test_bench_spec_writes_a_table_and_json(
             per_step_ms = 1000 * row["elapsed_s"] / row["num_steps"]
             assert row["draft_ms"] + row["verify_ms"] <= per_step_ms and row["rest_ms"] >= 0
             assert row["drafted_fraction"] == 1.0
+    # Each batch size is timed right after a warm-up of its first batch
+    # (graphs of its shapes are captured on first use, outside the timed run).
+    assert runs == [(1, 1, 8), (2, 1, 8), (2, 2, 8), (2, 2, 8)] * 3
     # The draft model is the target: every draft is accepted.
     assert all(r["acceptance_rate"] == 1.0 for r in rows if r["method"] == "draft_model")

@@ -12,7 +12,8 @@ verification, as the model runner times them) and rest (everything else:
 scheduling, output processing), and the fraction of the requests' steps the
 speculation policy (`--policy`, default the engine's: adaptive) let draft.
 Greedy decoding with ignore_eos, so every run produces the same number of
-tokens. `--async-scheduling` runs every engine, no speculation included,
+tokens. Each batch size is timed after a warm-up run of its first batch
+(graphs are captured on first use). `--async-scheduling` runs every engine, no speculation included,
 with async scheduling (drafts as placeholders the runner fills); `rest` is
 then what the overlap leaves of the step.
 
@@ -213,9 +214,13 @@ def run_bench(args: argparse.Namespace) -> list[SpecRunResult]:
                 if args.disable_by_batch_size:
                     extra["speculative_config"]["disable_by_batch_size"] = args.disable_by_batch_size
             llm = LLM(**engine_args, **extra)
-            _run(llm, prompts[:2], 2, 32)  # warm-up
             for batch_size in batch_sizes:
                 progress.set_postfix_str(f"{dataset} {method} bs={batch_size}")
+                # Warm-up with the timed run's first batch: the graphs of
+                # this batch size's shapes (decode, and verify per query
+                # length) are captured on first use, which must not land in
+                # the timed run, and the policy starts from its measurements.
+                _run(llm, prompts[:batch_size], batch_size, args.output_len)
                 num_tokens, elapsed, stats = _run(llm, prompts, batch_size, args.output_len)
                 result = SpecRunResult(
                     method=method, dataset=dataset, batch_size=batch_size, num_prompts=len(prompts),
