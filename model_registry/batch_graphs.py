@@ -11,9 +11,9 @@ A speculative verify step, in which every request scores the same q = 1 + k
 tokens (its newest token and k drafts), is as regular (vLLM captures such
 uniform query-length batches too): graphs are captured per batch size and
 query length, for the query lengths asked for (`query_lens`), at the sizes
-whose q-token batches hold at most `max_verify_tokens` tokens (the largest
-decode graph's batch, and at least MIN_VERIFY_GRAPH_TOKENS), each when a
-step first needs it (`capture` takes the decode graphs only). A step whose
+whose q-token batches hold at most `max_verify_tokens` tokens (every decode
+graph's batch size at the longest q, up to MAX_VERIFY_GRAPH_TOKENS), each
+when a step first needs it (`capture` takes the decode graphs only). A step whose
 requests score 1..q tokens (drafts of different lengths, some none) replays
 the q graph too: each request's rows are padded to q at its end, padding
 rows write no KV and their outputs are dropped, and the request's context
@@ -61,10 +61,10 @@ BatchForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, dict[str
 
 logger = logging.getLogger(__name__)
 
-# Verify graphs may hold up to this many tokens even where the largest decode
-# graph is smaller (a benchmark with max_num_seqs 8 still replays batch-8
-# verify steps of 1 + 4 tokens). vLLM bounds its graphs by tokens too.
-MIN_VERIFY_GRAPH_TOKENS = 64
+# Verify graphs hold at most this many tokens (vLLM bounds its graphs by
+# tokens too, 512 by default): batch 32 with 1 + 4 tokens each (160) replays;
+# larger verify batches run eagerly, where Python's share of the step is small.
+MAX_VERIFY_GRAPH_TOKENS = 512
 
 
 def default_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -102,7 +102,7 @@ class BatchGraphs:
         self.block_size = block_size
         max_size = self.sizes[-1]
         self.max_blocks_per_req = -(-max_model_len // block_size)
-        self.max_verify_tokens = max(max_size, MIN_VERIFY_GRAPH_TOKENS)
+        self.max_verify_tokens = max(max_size, min(MAX_VERIFY_GRAPH_TOKENS, max_size * self.query_lens[-1]))
         max_tokens = max(max_size, max(size * q for q in self.query_lens for size in self.sizes
                                        if size * q <= self.max_verify_tokens))
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)

@@ -278,7 +278,7 @@ def test_decode_graphs_with_async_scheduling_and_with_drafts(eager_tokens: list[
                    "policy": "always"}
     llm = LLM(**ENGINE_KWARGS, speculative_config=speculative)
     runner = _graph_runner(llm)
-    # q x size tokens fit MIN_VERIFY_GRAPH_TOKENS (64); each captured when first needed.
+    # Every decode graph size at every q (q x size tokens fit MAX_VERIFY_GRAPH_TOKENS); each captured when first needed.
     assert [runner.allowed_sizes[q] for q in (2, 3, 4)] == [[1, 2, 4, 8]] * 3
     assert [runner.sizes_for(q) for q in (2, 3, 4)] == [[], [], []]
     # Requests with drafts of different lengths (some none) replay padded graphs.
@@ -344,3 +344,22 @@ def test_recording_does_not_import_dynamo() -> None:
             "CpuGraph.capture(lambda: x * 2)\nprint('torch._dynamo' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_verify_graphs_cover_every_decode_size_up_to_a_token_bound() -> None:
+    """Verify steps of 1 + k tokens replay at every decode graph's batch
+    size while q x size fits MAX_VERIFY_GRAPH_TOKENS (batch 32 at q = 5:
+    160 tokens); larger ones run eagerly."""
+    from pagedllm.attention_backends.torch_native import TorchNativeBackend
+    from pagedllm.model_registry.batch_graphs import MAX_VERIFY_GRAPH_TOKENS, BatchGraphs
+    from pagedllm.platforms.cpu.platform import CpuPlatform
+
+    def graphs(sizes: list[int]) -> BatchGraphs:
+        return BatchGraphs(lambda *args: (torch.zeros(1),), TorchNativeBackend, CpuPlatform(), sizes=sizes,
+                           max_model_len=64, block_size=16, device=torch.device("cpu"), query_lens=[1, 3, 5])
+
+    assert MAX_VERIFY_GRAPH_TOKENS == 512
+    assert graphs([1, 2, 4, 8, 16, 32]).allowed_sizes == {q: [1, 2, 4, 8, 16, 32] for q in (1, 3, 5)}
+    big = graphs([1, 64, 128, 256])
+    assert big.allowed_sizes == {1: [1, 64, 128, 256], 3: [1, 64, 128], 5: [1, 64]}
+    assert big.input_ids.numel() == 3 * 128  # the largest graph's tokens
