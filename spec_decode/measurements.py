@@ -10,6 +10,11 @@ next step; a step that scored drafts is a *verify* step, one without a
 previous step (scheduling, output processing: the *rest*, paid by both kinds
 of step). Times are exponential moving averages per batch-size bucket (the
 next power of two), so a policy compares steps of similar size.
+
+A request's acceptance starts from what the drafter achieved on the requests
+before it: its first verification updates a prior of one verification's
+worth at the drafter-wide average, so that one unlucky draft (all rejected
+at once) does not read as an acceptance of 0 and hold the request back.
 """
 
 from __future__ import annotations
@@ -55,11 +60,19 @@ class _BucketCost:
 class SpecMeasurements:
     """Per-request acceptance and per-bucket step costs (see the module docstring)."""
 
-    def __init__(self, acceptance_decay: float = 0.7, cost_decay: float = 0.9) -> None:
+    def __init__(
+        self, acceptance_decay: float = 0.7, cost_decay: float = 0.9, prior_decay: float = 0.9, *,
+        drafter_prior: bool = True,
+    ) -> None:
+        """`drafter_prior` False: a request's acceptance comes from its own
+        verifications only."""
         self.acceptance_decay = acceptance_decay
+        self.drafter_prior = drafter_prior
         self.cost_decay = cost_decay
         # req_id -> (accepted positions, positions tried), moving averages per verification.
         self._acceptance: dict[str, tuple[_Ema, _Ema]] = {}
+        # The same over every request's verifications: a new request's prior.
+        self._prior = (_Ema(prior_decay), _Ema(prior_decay))
         self._costs: dict[int, _BucketCost] = {}
         # Steps each request went without drafts since it last drafted.
         self._steps_without_drafts: dict[str, int] = {}
@@ -71,10 +84,16 @@ class SpecMeasurements:
         `num_accepted` positions accepted, then one rejected unless all were."""
         if num_proposed <= 0:
             return
-        accepted, tried = self._acceptance.setdefault(
-            req_id, (_Ema(self.acceptance_decay), _Ema(self.acceptance_decay)))
-        accepted.observe(num_accepted)
-        tried.observe(num_accepted + (num_accepted < num_proposed))
+        kept = self._acceptance.get(req_id)
+        if kept is None:
+            kept = self._acceptance[req_id] = (_Ema(self.acceptance_decay), _Ema(self.acceptance_decay))
+            if self.drafter_prior:
+                for ema, prior in zip(kept, self._prior, strict=True):
+                    ema.value = prior.value
+        num_tried = num_accepted + (num_accepted < num_proposed)
+        for (accepted, tried) in (kept, self._prior):
+            accepted.observe(num_accepted)
+            tried.observe(num_tried)
 
     def acceptance(self, req_id: str) -> float | None:
         """The request's per-position acceptance probability a (None: never

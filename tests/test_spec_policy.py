@@ -31,7 +31,8 @@ K = 3
 
 
 def _measured(batch_size: int, plain_s: float, verify_s: float, rest_s: float = 0.0) -> SpecMeasurements:
-    measurements = SpecMeasurements()
+    # Each request's acceptance from its own verifications (no drafter-wide prior).
+    measurements = SpecMeasurements(drafter_prior=False)
     measurements.observe_step(batch_size, verified=False, step_s=plain_s, rest_s=rest_s)
     measurements.observe_step(batch_size, verified=True, step_s=verify_s, rest_s=rest_s)
     return measurements
@@ -156,9 +157,23 @@ def test_acceptance_is_a_moving_average_per_request() -> None:
     measurements.observe_acceptance("a", 4, 0)
     measurements.observe_acceptance("a", 0, 0)  # nothing proposed: nothing learned
     assert measurements.acceptance("a") == pytest.approx(0.8)
-    measurements.observe_acceptance("b", 4, 2)  # 2 accepted, the third rejected: a = 2/3
-    assert measurements.acceptance("b") == pytest.approx(2 / 3)
     assert measurements.acceptance("c") is None
+    first = SpecMeasurements()
+    first.observe_acceptance("b", 4, 2)  # 2 accepted, the third rejected: a = 2/3
+    assert first.acceptance("b") == pytest.approx(2 / 3)
+
+
+def test_a_new_requests_acceptance_starts_from_the_drafters_average() -> None:
+    # The drafter-wide averages (decay 0.5): accepted 0.5 x 4 + 0.5 x 2 = 3,
+    # tried 0.5 x 4 + 0.5 x 3 = 3.5. "b"'s first draft is rejected at once
+    # (0 of 1 tried): from that prior, 0.7 x 3 + 0.3 x 0 = 2.1 over
+    # 0.7 x 3.5 + 0.3 x 1 = 2.75, a = 0.764, not 0.
+    measurements = SpecMeasurements(acceptance_decay=0.7, prior_decay=0.5)
+    measurements.observe_acceptance("a", 4, 4)
+    measurements.observe_acceptance("a", 4, 2)
+    measurements.observe_acceptance("b", 4, 0)
+    assert measurements.acceptance("b") == pytest.approx(2.1 / 2.75)
+    assert measurements.acceptance("a") == pytest.approx((0.7 * 4 + 0.3 * 2) / (0.7 * 4 + 0.3 * 3))
 
 
 def test_disable_by_batch_size_is_a_policy() -> None:
