@@ -12,7 +12,11 @@ so HF is also shown with that same tuning.
 
 `--model 100m` runs the ~100M Llama instead (hidden 768, 12 layers, GQA
 12/4; 32 prompts of 64-256 tokens), `--dtype bfloat16` both models in
-bfloat16. Every row also shows the FLOP/s it achieved (benchmarks/roofline.py:
+bfloat16. `--architecture NAME` (with --model 100m) runs a random checkpoint
+of that transformers architecture at the same sizes instead of the Llama
+(Gemma2ForCausalLM, Phi3ForCausalLM, ...; built once under the cache dir),
+so each native architecture is measured against HF's `generate` of the
+same checkpoint. Every row also shows the FLOP/s it achieved (benchmarks/roofline.py:
 from the model's shape and the tokens it processed) and that as a fraction
 of this machine's peak, a large GEMM in the same dtype timed in the same run.
 
@@ -138,6 +142,28 @@ ENGINES = {
 }
 
 
+# The 100m Llama's sizes, for --architecture.
+ARCHITECTURE_SIZES = dict(
+    hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+    num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
+)
+
+
+def architecture_checkpoint(architecture: str) -> str:
+    """A random checkpoint of `architecture` at ARCHITECTURE_SIZES with the
+    shipped tokenizer (built once, then reused from the cache dir)."""
+    from pagedllm.core.cache_dir import get_cache_root
+    from pagedllm.testing.checkpoints import config_json, save_random_checkpoint
+
+    path = get_cache_root() / f"benchmark-{architecture}-100m-v1"
+    if not (path / "config.json").exists():
+        config = config_json(architecture, sizes=ARCHITECTURE_SIZES)
+        if config is None:
+            raise SystemExit(f"--architecture {architecture!r}: transformers has no such causal-LM class")
+        save_random_checkpoint(config, path)
+    return str(path)
+
+
 def workload(args: argparse.Namespace) -> list[list[int]]:
     _, default_num_prompts, (min_len, max_len) = MODELS[args.model]
     return make_prompts(args.num_prompts or default_num_prompts, min_len, max_len, 8192, seed=0)
@@ -172,6 +198,7 @@ def main() -> None:
     parser.add_argument("--save-tokens", help="write pagedllm's greedy token ids to this JSON file")
     parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES),
                         help="which rows to run (default: all; the vs-HF column needs hf)")
+    parser.add_argument("--architecture", help="a transformers architecture at the 100m sizes (see above)")
     parser.add_argument("--engine", choices=[*ENGINES, "peak"], help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--model-path", help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
@@ -182,7 +209,8 @@ def main() -> None:
 
     from pagedllm.model_registry import tiny
 
-    model_path = str(getattr(tiny, MODELS[args.model][0])())
+    model_path = (architecture_checkpoint(args.architecture) if args.architecture
+                  else str(getattr(tiny, MODELS[args.model][0])()))
     results = {}
     for engine in [*args.engines, "peak"]:
         python = sys.executable
@@ -204,8 +232,8 @@ def main() -> None:
     flops = generation_flops(ModelShape.from_folder(model_path), [len(p) for p in prompts], args.num_new_tokens)
     peak = results["peak"]["flops"]
     base = statistics.median(results["hf"]["times"]) if "hf" in results else float("nan")
-    print(f"\n{args.model} model, {len(prompts)} prompts x {args.num_new_tokens} greedy tokens, {args.dtype}, "
-          f"{args.threads} threads, median of {args.reps}; {flops / 1e9:.1f} GFLOP of work, "
+    print(f"\n{args.architecture or args.model} model, {len(prompts)} prompts x {args.num_new_tokens} greedy tokens, "
+          f"{args.dtype}, {args.threads} threads, median of {args.reps}; {flops / 1e9:.1f} GFLOP of work, "
           f"peak {peak / 1e9:.1f} GFLOP/s (a 2048^3 {args.dtype} GEMM)")
     print(f"{'engine':<26}{'seconds':>10}{'tokens/s':>12}{'vs HF':>8}{'GFLOP/s':>10}{'of peak':>9}")
     for engine, label in ENGINES.items():

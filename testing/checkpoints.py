@@ -36,10 +36,12 @@ def model_type_of(architecture: str) -> str | None:
     return next(iter(own or candidates), None)
 
 
-def config_json(architecture: str) -> dict[str, Any] | None:
-    """The config.json of a small random model of ``architecture``; None when
-    neither MODEL_CONFIGS nor transformers knows the architecture."""
-    if architecture in MODEL_CONFIGS:
+def config_json(architecture: str, sizes: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The config.json of a small random model of ``architecture`` (of
+    ``sizes`` instead of TINY_SIZES where given, and then from transformers'
+    config class even if MODEL_CONFIGS lists it); None when neither
+    MODEL_CONFIGS nor transformers knows the architecture."""
+    if architecture in MODEL_CONFIGS and sizes is None:
         return dict(MODEL_CONFIGS[architecture])
     model_type = model_type_of(architecture)
     if model_type is None:
@@ -52,7 +54,7 @@ def config_json(architecture: str) -> dict[str, Any] | None:
     defaults = AutoConfig.for_model(model_type)
     # Only the sizes the architecture has: a stray num_key_value_heads would
     # be read by pagedllm and ignored by transformers.
-    sizes = {key: value for key, value in TINY_SIZES.items() if hasattr(defaults, key)}
+    sizes = {key: value for key, value in (sizes or TINY_SIZES).items() if hasattr(defaults, key)}
     config = AutoConfig.for_model(
         model_type, **sizes, vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
