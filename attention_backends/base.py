@@ -74,6 +74,11 @@ class AttentionCapabilities:
     block_size_multiple: int | None = parsed(count)
     requires: tuple[str, ...] = parsed(names, ())  # import names that must be installed
     supports_sliding_window: bool = parsed(flag, False)
+    # Attention-logit soft cap (Gemma 2: cap * tanh(scores / cap)).
+    supports_logits_soft_cap: bool = parsed(flag, False)
+    # Per-head attention sinks (GPT-OSS): one learned logit per query head
+    # joins each row's softmax and its probability mass is dropped.
+    supports_sinks: bool = parsed(flag, False)
     # KV cache storage dtypes besides the compute dtype ("float8_e4m3fn",
     # "float8_e5m2"; attention_backends/kv_cache_dtype.py): the impl converts
     # on write and read. () = its cache must be in the compute dtype.
@@ -81,6 +86,18 @@ class AttentionCapabilities:
     # A storage dtype that needs a newer device than the backend itself:
     # {dtype name: minimum compute capability}, kept as (name, capability) pairs.
     kv_cache_dtype_min_capability: tuple[tuple[str, tuple[int, int]], ...] = parsed(dtype_capabilities, ())
+
+
+@dataclass(frozen=True)
+class AttentionRequirements:
+    """What a model's attention layers ask of a backend, read from its config
+    before the model is built (`ModelForCausalLM.attention_requirements`):
+    the selector rejects a backend whose capabilities lack any of it."""
+
+    head_sizes: tuple[int, ...]  # every layer's head size (a model may mix them)
+    sliding_window: int | None = None  # the smallest window of any layer; None = none
+    logits_soft_cap: float | None = None  # the attention-logit soft cap of any layer
+    sinks: bool = False  # per-head attention sinks in some layer
 
 
 class AttentionImpl(ABC):
@@ -94,6 +111,7 @@ class AttentionImpl(ABC):
         num_kv_heads: int,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
@@ -101,6 +119,11 @@ class AttentionImpl(ABC):
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # [num_heads] of this rank: the model's parameter (loaded later, read
+        # at each forward). Each row's softmax gets one more logit, sinks[h],
+        # whose probability is dropped (GPT-OSS). Passed only to backends
+        # that declare `supports_sinks`.
+        self.sinks = sinks
         from pagedllm.attention_backends.kv_cache_dtype import DEFAULT_KV_SCALE
 
         # An fp8 KV cache holds K / k_scale and V / v_scale (kv_cache_dtype.py);

@@ -44,7 +44,7 @@ ENV_SWITCH = "PAGEDLLM_CPU_DECODE_KERNEL"
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ARGTYPES: list[Any] = [_INT, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64,
-                        _I64, _INT, _INT, _INT, _INT, _F32, _I64, _F32, _I64]
+                        _I64, _INT, _INT, _INT, _INT, _F32, _I64, _F32, _I64, _PTR]
 
 
 @functools.cache
@@ -91,6 +91,7 @@ def paged_decode(
     soft_cap: float | None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     query_len: int = 1,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B * q, H, D]
     """Attention of each request's `query_len` (q) newest tokens over its
     cached keys: row i of request r (its row r * q + i) attends to positions
@@ -101,7 +102,10 @@ def paged_decode(
     `new_kv` (key [B * q, Hkv, D], value [B * q, Hkv, D], int64 slots
     [B * q]): each row's new key and value, all written to their slots in
     the caches before any row attends (what write_kv would do before the
-    call). Their heads and head dims must be contiguous (`takes_new_kv`)."""
+    call). Their heads and head dims must be contiguous (`takes_new_kv`).
+
+    `sinks` ([H], any float dtype): each query head's sink logit, in every
+    row's softmax after the soft cap, its probability mass dropped."""
     library = load()
     if library is None:
         raise RuntimeError("the CPU paged-decode kernel is not built; check supports() first")
@@ -122,7 +126,12 @@ def paged_decode(
         KERNEL_DTYPES[key_cache.dtype], query, query.stride(0), key_cache, value_cache, key_cache.stride(0),
         block_table, block_table.stride(0), seq_lens, out, *new_rows,
     )
-    trailing = (num_heads, num_kv_heads, head_size, block_size, scale, sliding_window or 0, soft_cap or 0.0, query_len)
+    # NOTE: float32 [H] kept by the call (a captured graph holds it): its pointer is read at replay.
+    sink_logits = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+    if sink_logits is not None and sink_logits.numel() != num_heads:
+        raise ValueError(f"paged_decode: {sink_logits.numel()} sinks for {num_heads} heads")
+    trailing = (num_heads, num_kv_heads, head_size, block_size, scale, sliding_window or 0, soft_cap or 0.0, query_len,
+                sink_logits)
 
     if kernel_call(library.paged_decode, *leading, 0, num_rows, *trailing) != 0:
         raise RuntimeError(f"paged_decode kernel: unsupported shape (heads {num_heads}/{num_kv_heads}, "

@@ -41,7 +41,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "
 ENV_SWITCH = "PAGEDLLM_CPU_PREFILL_KERNEL"
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_ARGTYPES: list[Any] = [_INT, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _INT, _INT, _INT, _F32, _INT]
+_ARGTYPES: list[Any] = [_INT, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _INT, _INT, _INT, _F32, _INT,
+                        _PTR]
 
 
 @functools.cache
@@ -103,6 +104,7 @@ def prefill_attention(
     rows: torch.Tensor,  # int64 [R, 2], contiguous: request r owns rows [rows[r, 0], rows[r, 1])
     scale: float,
     allow_amx: bool = True,
+    sinks: torch.Tensor | None = None,  # [H]: each query head's sink logit (its probability dropped)
 ) -> None:
     """Causal attention of each request's rows over its own rows, into `out`."""
     library = load()
@@ -113,10 +115,13 @@ def prefill_attention(
         raise ValueError("prefill kernel: q, k, v and out must share a dtype; rows must be contiguous int64")
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key.shape[1]
+    sink_logits = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+    if sink_logits is not None and sink_logits.numel() != num_heads:
+        raise ValueError(f"prefill kernel: {sink_logits.numel()} sinks for {num_heads} heads")
     status = kernel_call(
         library.prefill_attention, KERNEL_DTYPES[query.dtype], query, _row_view(query), key, _row_view(key), value,
         _row_view(value), out, _row_view(out), rows, rows.shape[0], num_heads, num_kv_heads, head_size, scale,
-        int(allow_amx),
+        int(allow_amx), sink_logits,
     )
     if status != 0:
         raise RuntimeError(f"prefill_attention kernel: unsupported shape (heads {num_heads}/{num_kv_heads}, "

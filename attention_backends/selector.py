@@ -18,7 +18,7 @@ from pagedllm.platforms.interface import dtype_name
 if TYPE_CHECKING:
     import torch
 
-    from pagedllm.attention_backends.base import AttentionBackend, AttentionCapabilities
+    from pagedllm.attention_backends.base import AttentionBackend, AttentionCapabilities, AttentionRequirements
     from pagedllm.platforms.interface import Platform
     from pagedllm.plugins.manager import PluginManager
     from pagedllm.plugins.registry import Registration, Registry
@@ -61,9 +61,12 @@ def check_backend(
     block_size: int,
     sliding_window: int | None = None,
     kv_cache_dtype: torch.dtype | None = None,
+    requirements: AttentionRequirements | None = None,
 ) -> list[str]:
     """Every reason the backend cannot run this configuration here ([] = it
-    can). `kv_cache_dtype`: what the KV cache stores (None = `dtype`)."""
+    can). `kv_cache_dtype`: what the KV cache stores (None = `dtype`).
+    `requirements`: what the model's layers ask (every layer's head size,
+    a window, a soft cap, sinks), checked against the capabilities."""
     caps = registration.info
     reasons = _device_reasons(caps, platform)
     name_of_dtype = dtype_name(dtype)
@@ -74,19 +77,44 @@ def check_backend(
     if kv_cache_dtype is not None and kv_cache_dtype != dtype:
         reasons += _kv_cache_dtype_reasons(caps, platform, dtype_name(kv_cache_dtype))
 
+    head_sizes = dict.fromkeys((head_size, *(requirements.head_sizes if requirements else ())))
+    for size in head_sizes:  # every layer's, each named once
+        reasons += _head_size_reasons(caps, size)
+    if caps.block_size_multiple is not None and block_size % caps.block_size_multiple != 0:
+        reasons.append(f"block size {block_size} is not a multiple of {caps.block_size_multiple}")
+    if requirements is not None:
+        reasons += _requirement_reasons(caps, requirements, sliding_window)
+    elif sliding_window is not None and not caps.supports_sliding_window:
+        reasons.append(f"sliding window ({sliding_window}) is not supported")
+    for package in caps.requires:
+        if not _is_importable(package):
+            reasons.append(f"package {package!r} is not installed")
+    return reasons
+
+
+def _head_size_reasons(caps: AttentionCapabilities, head_size: int) -> list[str]:
+    reasons = []
     if caps.head_sizes is not None and head_size not in caps.head_sizes:
         reasons.append(f"head size {head_size} is not supported (supports {', '.join(map(str, caps.head_sizes))})")
     if caps.head_size_multiple is not None and head_size % caps.head_size_multiple != 0:
         reasons.append(f"head size {head_size} is not a multiple of {caps.head_size_multiple}")
     if caps.max_head_size is not None and head_size > caps.max_head_size:
         reasons.append(f"head size {head_size} > {caps.max_head_size} maximum")
-    if caps.block_size_multiple is not None and block_size % caps.block_size_multiple != 0:
-        reasons.append(f"block size {block_size} is not a multiple of {caps.block_size_multiple}")
-    if sliding_window is not None and not caps.supports_sliding_window:
-        reasons.append(f"sliding window ({sliding_window}) is not supported")
-    for package in caps.requires:
-        if not _is_importable(package):
-            reasons.append(f"package {package!r} is not installed")
+    return reasons
+
+
+def _requirement_reasons(
+    caps: AttentionCapabilities, requirements: AttentionRequirements, sliding_window: int | None
+) -> list[str]:
+    """The model's features the backend does not declare."""
+    reasons = []
+    window = requirements.sliding_window if requirements.sliding_window is not None else sliding_window
+    if window is not None and not caps.supports_sliding_window:
+        reasons.append(f"sliding window ({window}) is not supported")
+    if requirements.logits_soft_cap is not None and not caps.supports_logits_soft_cap:
+        reasons.append(f"attention logit soft cap ({requirements.logits_soft_cap:g}) is not supported")
+    if requirements.sinks and not caps.supports_sinks:
+        reasons.append("attention sinks are not supported")
     return reasons
 
 
@@ -126,19 +154,22 @@ def select_attention_backend(
     block_size: int,
     sliding_window: int | None = None,
     kv_cache_dtype: torch.dtype | None = None,
+    requirements: AttentionRequirements | None = None,
     load: bool = True,
     plugin_manager: PluginManager | None = None,
 ) -> BackendSelection:
     """Pick the attention backend; ``load=False`` leaves the import for later
     (``pagedllm env`` reports without importing any backend). `kv_cache_dtype`
     is what the KV cache stores (None = `dtype`): a backend that does not
-    declare it in ``kv_cache_dtypes`` is rejected."""
+    declare it in ``kv_cache_dtypes`` is rejected. `requirements`: what the
+    model's attention layers ask (`AttentionRequirements`); a backend that
+    lacks a capability they need is rejected with that reason."""
     from pagedllm.plugins import get_plugin_manager
 
     registry = (plugin_manager or get_plugin_manager()).attention_backends
     checks: dict[str, Any] = dict(
         head_size=head_size, dtype=dtype, block_size=block_size, sliding_window=sliding_window,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, requirements=requirements,
     )
 
     if requested != "auto":

@@ -393,7 +393,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
         block_table, seq_lens = _decode_kernel_rows(attn_metadata, torch.empty(0), whole_batch=True)
         return cpu_decode_kernel.paged_decode(
             query, key_cache, value_cache, plan.block_size, block_table, seq_lens, self.scale, self.sliding_window,
-            self.logits_soft_cap, (key, value, plan.slot_mapping), query_len=query_len,
+            self.logits_soft_cap, (key, value, plan.slot_mapping), query_len=query_len, sinks=self.sinks,
         )
 
     def _decode_kernel_runs(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -426,7 +426,8 @@ class TorchNativeAttentionImpl(AttentionImpl):
             value = dequantize_kv(quantize_kv(value, cache_dtype, self.v_scale), query.dtype, self.v_scale)
         elif self._prefill_kernel_runs(query, key, value, plan):
             # Every fresh prefill in one call, straight into its output rows.
-            cpu_prefill_kernel.prefill_attention(query, key, value, output, plan.fresh_prefill_bounds, self.scale)
+            cpu_prefill_kernel.prefill_attention(query, key, value, output, plan.fresh_prefill_bounds, self.scale,
+                                                 sinks=self.sinks)
             return
         for start, end in plan.fresh_prefill_rows:
             output[start:end] = self._attend_fresh_prefill(query[start:end], key[start:end], value[start:end])
@@ -445,7 +446,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:  # [L, H, D]
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, L, D]
         query_len = query.shape[0]
-        if self.logits_soft_cap is None and (self.sliding_window is None or self.sliding_window >= query_len):
+        if self._plain_softmax and (self.sliding_window is None or self.sliding_window >= query_len):
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
             )
@@ -472,7 +473,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
         if decode_kernel_runs and group.block_table is not None and group.seq_lens is not None:
             return cpu_decode_kernel.paged_decode(
                 query, key_cache, value_cache, block_size, group.block_table, group.seq_lens, self.scale,
-                self.sliding_window, self.logits_soft_cap, new_kv,
+                self.sliding_window, self.logits_soft_cap, new_kv, sinks=self.sinks,
             )
 
         if group.padded_rows is None:
@@ -499,7 +500,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
         v: torch.Tensor,
         mask: torch.Tensor,  # bool, broadcast to [B, H, Lq, Lk]; True = attend
     ) -> torch.Tensor:  # [B, H, Lq, D]
-        if self.logits_soft_cap is None:
+        if self._plain_softmax:
             # enable_gqa: each KV head serves its query heads without repeating K/V.
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
@@ -507,9 +508,20 @@ class TorchNativeAttentionImpl(AttentionImpl):
         group_size = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
-        scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+        if self.logits_soft_cap is not None:
+            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
         scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+        if self.sinks is None:
+            return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+        # The sink: one more logit per head in the softmax, its probability dropped.
+        sinks = self.sinks.detach().float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+        return torch.matmul(probs, v.float()).to(q.dtype)
+
+    @property
+    def _plain_softmax(self) -> bool:
+        """Whether SDPA computes this layer's attention (no soft cap, no sinks)."""
+        return self.logits_soft_cap is None and self.sinks is None
 
 
 class TorchNativeBackend(AttentionBackend):

@@ -38,6 +38,7 @@ class AttentionCase:
     metadata: AttentionMetadata
     sliding_window: int | None = None
     soft_cap: float | None = None
+    sinks: torch.Tensor | None = None  # float32 [H] on the device: each query head's sink logit
     # Per request, on the CPU: (query [q_len, H, D], every key and value
     # [seq_len, Hkv, D]): what a reference implementation attends over.
     requests: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
@@ -78,6 +79,7 @@ def build_case(
     soft_cap: float | None = None,
     seed: int = 0,
     kv_cache_dtype: torch.dtype | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> AttentionCase:
     """`kv_cache_dtype` (an fp8 dtype): the cache is stored in it (the
     cached context converted by plain torch, unwritten slots NaN), and the
@@ -126,7 +128,8 @@ def build_case(
     return AttentionCase(
         num_heads, num_kv_heads, head_size, block_size, num_blocks,
         torch.cat(queries).to(DEVICE), torch.cat(new_keys).to(DEVICE), torch.cat(new_values).to(DEVICE),
-        kv_cache.to(DEVICE), dataclasses.replace(metadata, **on_device), sliding_window, soft_cap, requests,
+        kv_cache.to(DEVICE), dataclasses.replace(metadata, **on_device), sliding_window, soft_cap,
+        None if sinks is None else sinks.to(DEVICE), requests,
     )
 
 
@@ -134,6 +137,7 @@ def run_backend(backend: type[AttentionBackend], case: AttentionCase) -> tuple[t
     """(output [T, H, D], KV cache after the step) of `backend` on a copy of the case's cache."""
     kv_cache = case.kv_cache.clone()
     metadata = backend.build_metadata(case.metadata, case.block_size)
+    extra = {} if case.sinks is None else {"sinks": case.sinks}  # a backend written before sinks takes none
     impl = backend.get_impl_cls()(
         case.num_heads,
         case.head_size,
@@ -141,6 +145,7 @@ def run_backend(backend: type[AttentionBackend], case: AttentionCase) -> tuple[t
         case.num_kv_heads,
         sliding_window=case.sliding_window,
         logits_soft_cap=case.soft_cap,
+        **extra,
     )
     out = impl.forward(case.query.clone(), case.key.clone(), case.value.clone(), kv_cache, metadata)
     return out, kv_cache

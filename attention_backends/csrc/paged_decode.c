@@ -28,16 +28,18 @@
 #define MAX_QUERY_LEN 64 /* rows per request (a verify step: 1 + drafts) */
 
 #if !HAVE_AVX512 /* the portable kernel */
-/* Each query head's scores [n] -> softmax probabilities, in place. */
-static void softmax_rows(float *scores, int num_heads, int64_t n) {
+/* Each query head's scores [n] -> softmax probabilities, in place. sinks
+ * (NULL: none): head h's extra logit, in the softmax, its probability dropped. */
+static void softmax_rows(float *scores, int num_heads, int64_t n, const float *sinks) {
     for (int h = 0; h < num_heads; h++) {
-        float *sh = scores + h * n, m = -INFINITY, sum = 0.0f;
+        float *sh = scores + h * n, m = sinks ? sinks[h] : -INFINITY, sum = 0.0f;
         for (int64_t i = 0; i < n; i++) m = sh[i] > m ? sh[i] : m;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; i++) {
             sh[i] = exp_clamped(sh[i] - m);
             sum += sh[i];
         }
+        if (sinks) sum += exp_clamped(sinks[h] - m);
         float inv = 1.0f / sum;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) sh[i] *= inv;
@@ -55,6 +57,7 @@ static void softmax_rows(float *scores, int num_heads, int64_t n) {
                      const T *k_cache, const T *v_cache, int64_t stride_slot, const int32_t *blocks,       \
                      int block_size, int64_t start, int64_t len, int num_heads, int num_kv_heads,          \
                      int head_size, float soft_cap, const int *kv_head, /* of each query head */        \
+                     const float *sinks, /* [num_heads] or NULL */                                       \
                      float *scores, /* [num_heads][len - start] */                                        \
                      float *out /* [num_heads][head_size] */) {                                           \
         const int hs = HS;                                                                                 \
@@ -76,7 +79,7 @@ static void softmax_rows(float *scores, int num_heads, int64_t n) {
                 }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
-        softmax_rows(scores, num_heads, n);                                                                \
+        softmax_rows(scores, num_heads, n, sinks);                                                         \
         memset(out, 0, sizeof(float) * (size_t)num_heads * (size_t)hs);                                    \
         for (int64_t b = start / block_size; b * block_size < len; b++) {                                  \
             int64_t t0 = b * block_size > start ? b * block_size : start;                                  \
@@ -172,19 +175,21 @@ static inline void prefetch_chunk(const char *cache, int64_t slot_bytes, const i
 
 /* softmax_rows in AVX-512: the compiler left the max and the exps scalar,
  * and they took as long as the scores and the weighted sum together. */
-static void softmax_rows16(float *scores, int num_heads, int64_t n) {
+static void softmax_rows16(float *scores, int num_heads, int64_t n, const float *sinks) {
     for (int h = 0; h < num_heads; h++) {
         float *sh = scores + h * n;
-        __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        __m512 m = _mm512_set1_ps(sinks ? sinks[h] : -INFINITY), sum = _mm512_setzero_ps();
         for (int64_t i = 0; i < n; i += 16) m = _mm512_mask_max_ps(m, mask16(n - i), m, _mm512_maskz_loadu_ps(mask16(n - i), sh + i));
-        __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        const float max_score = _mm512_reduce_max_ps(m);
+        __m512 mx = _mm512_set1_ps(max_score);
         for (int64_t i = 0; i < n; i += 16) {
             __mmask16 k = mask16(n - i);
             __m512 e = exp16_clamped(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + i), mx));
             sum = _mm512_mask_add_ps(sum, k, sum, e);
             _mm512_mask_storeu_ps(sh + i, k, e);
         }
-        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+        float total = _mm512_reduce_add_ps(sum) + (sinks ? exp_clamped(sinks[h] - max_score) : 0.0f);
+        __m512 inv = _mm512_set1_ps(1.0f / total);
         for (int64_t i = 0; i < n; i += 16)
             _mm512_mask_storeu_ps(sh + i, mask16(n - i), _mm512_mul_ps(_mm512_maskz_loadu_ps(mask16(n - i), sh + i), inv));
     }
@@ -344,7 +349,8 @@ static inline __attribute__((always_inline)) void attend_vec(int bf16, const voi
                                                              int64_t stride_slot, const int32_t *blocks,
                                                              int block_size, int64_t start, int64_t len,
                                                              int num_heads, int group, int hs, float soft_cap,
-                                                             int rows, int64_t window, float *scores, float *out) {
+                                                             int rows, int64_t window, const float *sinks,
+                                                             float *scores, float *out) {
     const int64_t n = len - start, slot_bytes = stride_slot * (bf16 ? 2 : 4);
     const int64_t row_bytes = (int64_t)(num_heads / group) * hs * (bf16 ? 2 : 4);
     qk_pass(bf16, q, qf, scale, k_cache, slot_bytes, blocks, block_size, start, len, num_heads, group, hs, scores);
@@ -354,23 +360,23 @@ static inline __attribute__((always_inline)) void attend_vec(int bf16, const voi
     if (soft_cap > 0.0f)
         for (int64_t i = 0; i < (int64_t)num_heads * n; i++) scores[i] = soft_cap * tanhf(scores[i] / soft_cap);
     if (rows > 1) mask_folded_rows(scores, num_heads, group, rows, start, len, window, -INFINITY);
-    softmax_rows16(scores, num_heads, n);
+    softmax_rows16(scores, num_heads, n, sinks);
     if (rows > 1) mask_folded_rows(scores, num_heads, group, rows, start, len, window, 0.0f);
     pv_pass(bf16, v_cache, slot_bytes, blocks, block_size, start, len, num_heads, group, hs, scores, out);
 }
 
 typedef void (*attend_vec_fn)(const void *, const float *, float, const void *, const void *, int64_t,
-                              const int32_t *, int, int64_t, int64_t, int, int, int, float, int, int64_t, float *,
-                              float *);
+                              const int32_t *, int, int64_t, int64_t, int, int, int, float, int, int64_t,
+                              const float *, float *, float *);
 
 #define DEFINE_ATTEND_VEC(NAME, BF16, HS)                                                                  \
     static void NAME(const void *q, const float *qf, float scale, const void *k_cache, const void *v_cache, \
                      int64_t stride_slot, const int32_t *blocks, int block_size, int64_t start, int64_t len, \
                      int num_heads, int group, int head_size, float soft_cap, int rows, int64_t window,     \
-                     float *scores, float *out) {                                                          \
+                     const float *sinks, float *scores, float *out) {                                      \
         (void)head_size;                                                                                   \
         attend_vec(BF16, q, qf, scale, k_cache, v_cache, stride_slot, blocks, block_size, start, len,       \
-                   num_heads, group, HS, soft_cap, rows, window, scores, out);                             \
+                   num_heads, group, HS, soft_cap, rows, window, sinks, scores, out);                      \
     }
 DEFINE_ATTEND_VEC(attend_vec_f32, 0, head_size)
 DEFINE_ATTEND_VEC(attend_vec_bf16, 1, head_size)
@@ -397,7 +403,7 @@ DEFINE_ATTEND(attend_f32_128, float, LOAD_F32, 128)
 DEFINE_ATTEND(attend_bf16_128, uint16_t, LOAD_BF16, 128)
 
 typedef void (*attend_fn)(const float *, const void *, const void *, int64_t, const int32_t *, int, int64_t,
-                          int64_t, int, int, int, float, const int *, float *, float *);
+                          int64_t, int, int, int, float, const int *, const float *, float *, float *);
 
 static attend_fn pick_attend(int dtype, int head_size) {
     if (head_size == 64) return dtype ? (attend_fn)attend_bf16_64 : (attend_fn)attend_f32_64;
@@ -424,6 +430,8 @@ static attend_fn pick_attend(int dtype, int head_size) {
  * seq_lens[r / query_len] - (query_len - 1 - r % query_len), i.e. causally
  * over the request's rows before it, whose keys and values are all written first.
  * sliding_window <= 0 and soft_cap <= 0 mean none.
+ * sinks (NULL: none): float32 [num_heads], query head h's sink logit: it
+ * joins each row's softmax (after the soft cap) and its probability is dropped.
  * Returns 0, or -1 when a scratch buffer cannot be allocated or a size is out of range.
  */
 #if HAVE_AVX512
@@ -436,8 +444,8 @@ static void attend_folded_request(attend_vec_fn attend, int dtype, const void *q
                                   const void *k_cache, const void *v_cache, int64_t cache_stride_slot,
                                   const int32_t *blocks, int64_t b, int64_t len, int64_t query_len, int num_heads,
                                   int num_kv_heads, int head_size, int block_size, float scale,
-                                  int64_t sliding_window, float soft_cap, void *qraw, float *qf, float *scores,
-                                  float *acc, void *out) {
+                                  int64_t sliding_window, float soft_cap, const float *sinks, float *folded_sinks,
+                                  void *qraw, float *qf, float *scores, float *acc, void *out) {
     const int group = num_heads / num_kv_heads, folded_group = group * (int)query_len;
     const size_t elem = dtype ? 2 : 4, head_bytes = (size_t)head_size * elem;
     for (int64_t i = 0; i < query_len; i++)
@@ -449,10 +457,14 @@ static void attend_folded_request(attend_vec_fn attend, int dtype, const void *q
     const int64_t num_values = (int64_t)num_heads * query_len * head_size;
     for (int64_t i = 0; i < num_values; i++)
         qf[i] = (dtype ? bf16_to_f32(((const uint16_t *)qraw)[i]) : ((const float *)qraw)[i]) * scale;
+    if (sinks) /* each folded head's sink is its query head's */
+        for (int64_t i = 0; i < query_len; i++)
+            for (int h = 0; h < num_heads; h++) folded_sinks[(h / group * query_len + i) * group + h % group] = sinks[h];
     int64_t first_len = len - (query_len - 1);
     int64_t start = sliding_window > 0 && first_len > sliding_window ? first_len - sliding_window : 0;
     attend(qraw, qf, scale, k_cache, v_cache, cache_stride_slot, blocks, block_size, start, len,
-           num_heads * (int)query_len, folded_group, head_size, soft_cap, (int)query_len, sliding_window, scores, acc);
+           num_heads * (int)query_len, folded_group, head_size, soft_cap, (int)query_len, sliding_window,
+           sinks ? folded_sinks : NULL, scores, acc);
     for (int64_t i = 0; i < query_len; i++)
         for (int h = 0; h < num_heads; h++) {
             const float *src = acc + ((h / group * query_len + i) * group + h % group) * head_size;
@@ -484,7 +496,7 @@ int paged_decode(int dtype, const void *q, int64_t q_stride_row, void *k_cache, 
                  const int32_t *seq_lens, void *out, const void *k_new, int64_t k_new_stride, const void *v_new,
                  int64_t v_new_stride, const int64_t *new_slots, int64_t req_begin, int64_t req_end, int num_heads,
                  int num_kv_heads, int head_size, int block_size, float scale, int64_t sliding_window,
-                 float soft_cap, int64_t query_len) {
+                 float soft_cap, int64_t query_len, const float *sinks) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_size > MAX_HEAD_SIZE || query_len < 1 ||
         query_len > MAX_QUERY_LEN || req_begin % query_len || req_end % query_len)
         return -1;
@@ -505,7 +517,8 @@ int paged_decode(int dtype, const void *q, int64_t q_stride_row, void *k_cache, 
     float *qf = malloc(sizeof(float) * rows);
     void *qraw = malloc(sizeof(float) * rows);
     int *kv_head = malloc(sizeof(int) * (size_t)num_heads);
-    failed = !scores || !acc || !qf || !qraw || !kv_head;
+    float *folded_sinks = malloc(sizeof(float) * (size_t)num_heads * (size_t)query_len);
+    failed = !scores || !acc || !qf || !qraw || !kv_head || !folded_sinks;
     /* An integer division per head and token was a third of the kernel's time. */
     for (int h = 0; !failed && h < num_heads; h++) kv_head[h] = h / (num_heads / num_kv_heads);
 #if HAVE_AVX512
@@ -528,8 +541,8 @@ int paged_decode(int dtype, const void *q, int64_t q_stride_row, void *k_cache, 
             if (failed) continue;
             attend_folded_request(attend, dtype, q, q_stride_row, k_cache, v_cache, cache_stride_slot,
                                   block_table + b * block_table_stride, b, seq_lens[b], query_len, num_heads,
-                                  num_kv_heads, head_size, block_size, scale, sliding_window, soft_cap, qraw, qf,
-                                  scores, acc, out);
+                                  num_kv_heads, head_size, block_size, scale, sliding_window, soft_cap, sinks,
+                                  folded_sinks, qraw, qf, scores, acc, out);
         }
     } else
 #endif
@@ -549,10 +562,10 @@ int paged_decode(int dtype, const void *q, int64_t q_stride_row, void *k_cache, 
 #if HAVE_AVX512
         attend((const char *)q + r * q_stride_row * (dtype ? 2 : 4), qf, scale, k_cache, v_cache, cache_stride_slot,
                blocks, block_size, start, len, num_heads, num_heads / num_kv_heads, head_size, soft_cap, 1, 0,
-               scores, acc);
+               sinks, scores, acc);
 #else
         attend(qf, k_cache, v_cache, cache_stride_slot, blocks, block_size, start, len, num_heads, num_kv_heads,
-               head_size, soft_cap, kv_head, scores, acc);
+               head_size, soft_cap, kv_head, sinks, scores, acc);
 #endif
         for (size_t i = 0; i < row; i++) {
             size_t dst_i = (size_t)r * row + i;
@@ -563,7 +576,7 @@ int paged_decode(int dtype, const void *q, int64_t q_stride_row, void *k_cache, 
         }
     }
     }
-    free(scores), free(acc), free(qf), free(qraw), free(kv_head);
+    free(scores), free(acc), free(qf), free(qraw), free(kv_head), free(folded_sinks);
     }
     return failed ? -1 : 0;
 }

@@ -65,6 +65,7 @@ typedef struct {
     int64_t q_stride, k_stride, v_stride, out_stride; /* elements between rows */
     int num_heads, num_kv_heads, head_size, group;
     float scale;
+    const float *sinks;           /* [num_heads] sink logits, or NULL */
     const int64_t *rows;          /* [num_reqs][2]: request r's rows [rows[2r], rows[2r + 1]) */
     const int64_t *kblock_starts; /* [num_reqs + 1]: request r's first 16-key block */
     const int64_t *vrow_starts;   /* [num_reqs + 1]: request r's first row in vpack (AMX: padded to 32) */
@@ -444,7 +445,9 @@ static void attend_item(const plan_t *p, const item_t *it, float *S, float *O, f
         int g = s / it->nq, i = s % it->nq;
         int64_t row = p->rows[2 * it->r] + it->i0 + i;
         char *dst = p->out + (row * p->out_stride + (int64_t)(it->j * p->group + g) * D) * elt;
-        const __m512 inv = _mm512_set1_ps(1.0f / l[s]);
+        /* A sink adds its exp to the denominator only: its probability is dropped. */
+        float sink = p->sinks ? expf(p->sinks[it->j * p->group + g] - m[s]) : 0.0f;
+        const __m512 inv = _mm512_set1_ps(1.0f / (l[s] + sink));
         const float *o = O + o_row(p, it, s) * D;
         for (int d = 0; d < D; d += 16) { /* head sizes are multiples of 16 */
             __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o + d), inv);
@@ -466,17 +469,21 @@ int prefill_attention_available(void) { return 1; }
  * q: row t, head h at q + t * q_stride + h * head_size (elements); k and v
  * likewise with their strides and num_kv_heads heads; out likewise.
  * allow_amx: 0 keeps bfloat16 scores on AVX512-BF16 even where AMX is there.
+ * sinks (NULL: none): float32 [num_heads], query head h's sink logit: one
+ * more logit in each row's softmax whose probability is dropped.
  * Returns 0, or -1 for an unsupported shape or a failed allocation.
  */
 int prefill_attention(int dtype, const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
                       int64_t v_stride, void *out, int64_t out_stride, const int64_t *rows, int64_t num_reqs,
-                      int num_heads, int num_kv_heads, int head_size, float scale, int allow_amx) {
+                      int num_heads, int num_kv_heads, int head_size, float scale, int allow_amx,
+                      const float *sinks) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_size <= 0 || head_size % 16 ||
         head_size > MAX_HEAD_SIZE || num_reqs <= 0 || (dtype != 0 && dtype != 1))
         return -1;
     int amx = dtype == 1 && HAVE_AMX && allow_amx && amx_permitted();
     plan_t p = {dtype, dtype == 1 && HAVE_BF16_DOT, amx, q, k, v, out, q_stride, k_stride, v_stride, out_stride,
-                num_heads, num_kv_heads, head_size, num_heads / num_kv_heads, scale, rows, NULL, NULL, 0, 0, NULL, NULL};
+                num_heads, num_kv_heads, head_size, num_heads / num_kv_heads, scale, sinks, rows, NULL, NULL, 0, 0,
+                NULL, NULL};
     int64_t *kblock_starts = malloc(sizeof(int64_t) * 2 * (size_t)(num_reqs + 1));
     if (!kblock_starts) return -1;
     int64_t *vrow_starts = kblock_starts + num_reqs + 1;
@@ -561,8 +568,9 @@ int prefill_attention_available(void) { return 0; }
 
 int prefill_attention(int dtype, const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
                       int64_t v_stride, void *out, int64_t out_stride, const int64_t *rows, int64_t num_reqs,
-                      int num_heads, int num_kv_heads, int head_size, float scale, int allow_amx) {
-    (void)allow_amx, (void)dtype, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out;
+                      int num_heads, int num_kv_heads, int head_size, float scale, int allow_amx,
+                      const float *sinks) {
+    (void)sinks, (void)allow_amx, (void)dtype, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out;
     (void)out_stride, (void)rows, (void)num_reqs, (void)num_heads, (void)num_kv_heads, (void)head_size, (void)scale;
     return -1;
 }

@@ -73,6 +73,7 @@ class TritonAttentionImpl(AttentionImpl):
             scale=self.scale,
             sliding_window=self.sliding_window,
             soft_cap=self.logits_soft_cap,
+            sinks=self.sinks,
             num_segments=num_segments,
             k_scale=self.k_scale,
             v_scale=self.v_scale,

@@ -12,7 +12,10 @@ Scores are masked causally on absolute positions (query i of a request with
 `seq_len` keys after this step and `q_len` new tokens sits at
 `seq_len - q_len + i`), optionally by a sliding window (a key is visible when
 `query_pos - window < key_pos <= query_pos`) and soft-capped
-(`cap * tanh(s / cap)`), with an online softmax in float32.
+(`cap * tanh(s / cap)`), with an online softmax in float32. Attention sinks
+(GPT-OSS: one learned logit per query head that joins the softmax and whose
+probability is dropped) start each row's running max at its sink and its
+sum of exponentials at 1 (exp(sink - sink)); split-KV adds them at the merge.
 
 Split-KV ("segments"): for long decodes at small batch, one program per
 (request, KV head) leaves most of the GPU idle. `num_segments > 1` splits
@@ -63,6 +66,7 @@ def _unified_attention_kernel(
     block_table_ptr,  # int32 [B, max_blocks]
     seq_lens_ptr,  # int32 [B]
     query_start_loc_ptr,  # int32 [B + 1]
+    sinks_ptr,  # float32 [H] (read only with USE_SINKS)
     num_reqs,
     scale,
     soft_cap,
@@ -91,6 +95,7 @@ def _unified_attention_kernel(
     IEEE_DOT: tl.constexpr,  # float32 inputs: exact products, not TF32
     NUM_SEGMENTS: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache is fp8: dequantize each tile to the query's dtype
+    USE_SINKS: tl.constexpr,  # only with NUM_SEGMENTS == 1 (the merge adds them otherwise)
 ):
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -136,8 +141,13 @@ def _unified_attention_kernel(
         first_tile = first_tile + segment * tiles_per_segment
         last_tile = tl.minimum(first_tile + tiles_per_segment, last_tile)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS:
+        # The sink as the first "key": running max = sink, sum = exp(0), no value.
+        m_i = tl.load(sinks_ptr + head).to(tl.float32)
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
 
     for tile in range(first_tile, last_tile):
@@ -221,6 +231,7 @@ def _merge_segments_kernel(
     partial_ptr,  # [T, H, S, D_PAD] float32
     seg_max_ptr,  # [T, H, S] float32
     seg_sum_ptr,
+    sinks_ptr,  # float32 [H] (read only with USE_SINKS)
     num_heads,
     stride_o_t,
     stride_o_h,
@@ -228,6 +239,7 @@ def _merge_segments_kernel(
     HEAD_SIZE_PADDED: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     SEGMENTS_PADDED: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -238,8 +250,13 @@ def _merge_segments_kernel(
     seg_max = tl.load(seg_max_ptr + base + offs_s, mask=seg_ok, other=float("-inf"))
     seg_sum = tl.load(seg_sum_ptr + base + offs_s, mask=seg_ok, other=0.0)
     overall_max = tl.max(seg_max, axis=0)  # finite: some segment holds the query's own key
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        overall_max = tl.maximum(overall_max, sink)
     weight = tl.where(seg_max > float("-inf"), tl.exp(seg_max - overall_max), 0.0)
     total = tl.sum(seg_sum * weight, axis=0)
+    if USE_SINKS:
+        total += tl.exp(sink - overall_max)  # in the denominator only: its probability is dropped
     partial = tl.load(
         partial_ptr + (base + offs_s[:, None]) * HEAD_SIZE_PADDED + offs_d[None, :],
         mask=seg_ok[:, None],
@@ -287,11 +304,15 @@ def unified_attention(
     num_segments: int = 1,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for every query row of a flattened batch; writes `out`.
 
     A cache of another dtype than the query (fp8) is read as
     ``cache.to(query dtype) * scale`` (`k_scale`, `v_scale`).
+
+    `sinks` ([H], on the device): each query head's sink logit, one more
+    logit in every row's softmax whose probability is dropped.
 
     `num_segments > 1` takes the split-KV path (meant for decode batches).
     Only `num_reqs` and `max_query_len` (host integers) shape the launch.
@@ -304,6 +325,7 @@ def unified_attention(
         if tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
     num_queries_per_kv = num_heads // num_kv_heads
+    sink_logits = query if sinks is None else sinks.detach().to(torch.float32).contiguous()  # query: never read
     block_q, block_m = launch_shape(num_heads, num_kv_heads, max_query_len)
     head_size_padded = max(MIN_DOT_SIZE, _next_power_of_2(head_size))
     tile = max(MIN_DOT_SIZE, min(block_size, 64))
@@ -329,6 +351,7 @@ def unified_attention(
         block_table,
         seq_lens,
         query_start_loc,
+        sink_logits,
         num_reqs,
         scale,
         soft_cap or 1.0,
@@ -349,7 +372,7 @@ def unified_attention(
     if num_segments == 1:
         _unified_attention_kernel[(num_q_blocks, num_kv_heads, 1)](
             out, out, out, *args, out.stride(0), out.stride(1), *cache_strides,
-            NUM_SEGMENTS=1, **common,
+            NUM_SEGMENTS=1, USE_SINKS=sinks is not None, **common,
         )
         return out
 
@@ -360,13 +383,14 @@ def unified_attention(
     seg_sum = torch.empty_like(seg_max)
     _unified_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
         partial, seg_max, seg_sum, *args, num_heads, 1, *cache_strides,
-        NUM_SEGMENTS=num_segments, **common,
+        NUM_SEGMENTS=num_segments, USE_SINKS=False, **common,
     )
     _merge_segments_kernel[(num_tokens, num_heads)](
-        out, partial, seg_max, seg_sum, num_heads, out.stride(0), out.stride(1),
+        out, partial, seg_max, seg_sum, sink_logits, num_heads, out.stride(0), out.stride(1),
         HEAD_SIZE=head_size,
         HEAD_SIZE_PADDED=head_size_padded,
         NUM_SEGMENTS=num_segments,
         SEGMENTS_PADDED=_next_power_of_2(num_segments),
+        USE_SINKS=sinks is not None,
     )
     return out
