@@ -140,9 +140,18 @@ def _env_dtype(platform: Platform, requested: str) -> tuple[torch.dtype, str]:
     return platform.resolve_dtype(requested, torch.bfloat16), platform.explain_dtype(requested, torch.bfloat16)
 
 
+def _env_features(args: argparse.Namespace) -> str:
+    """The model features env was asked to check, as they are printed."""
+    features = [f"sliding_window={args.sliding_window}"] if args.sliding_window is not None else []
+    features += [f"logits_soft_cap={args.logits_soft_cap:g}"] if args.logits_soft_cap is not None else []
+    features += ["sinks"] if args.sinks else []
+    return "".join(f" {feature}" for feature in features)
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     import torch
 
+    from pagedllm.attention_backends.base import AttentionRequirements
     from pagedllm.attention_backends.selector import check_backend, select_attention_backend
     from pagedllm.platforms import resolve_platform
     from pagedllm.platforms.interface import dtype_name
@@ -151,8 +160,11 @@ def cmd_env(args: argparse.Namespace) -> int:
     platform = resolve_platform(args.platform)
     dtype, dtype_reason = _env_dtype(platform, args.dtype)
     kv_cache_dtype = platform.resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    # What a model's attention layers would ask (GPT-OSS: --sinks --sliding-window 128).
+    requirements = AttentionRequirements((args.head_size,), args.sliding_window, args.logits_soft_cap, args.sinks)
     checks: dict[str, Any] = dict(
-        head_size=args.head_size, dtype=dtype, block_size=args.block_size, kv_cache_dtype=kv_cache_dtype
+        head_size=args.head_size, dtype=dtype, block_size=args.block_size, kv_cache_dtype=kv_cache_dtype,
+        requirements=requirements,
     )
     selection = select_attention_backend(platform, args.attention_backend, load=False, **checks)
     registry = get_plugin_manager().attention_backends
@@ -171,6 +183,9 @@ def cmd_env(args: argparse.Namespace) -> int:
         "kv_cache_dtype": dtype_name(kv_cache_dtype),
         "head_size": args.head_size,
         "block_size": args.block_size,
+        "sliding_window": args.sliding_window,
+        "logits_soft_cap": args.logits_soft_cap,
+        "sinks": args.sinks,
         "torch": torch.__version__,
         **_env_executor(args, platform),
     }
@@ -186,7 +201,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         ("dtype", f"{payload['dtype']} ({dtype_reason})"),
         ("kv cache dtype", f"{payload['kv_cache_dtype']} (cache_dtype {args.kv_cache_dtype})"),
         ("checked for", f"dtype={payload['dtype']} kv_cache_dtype={payload['kv_cache_dtype']} "
-                        f"head_size={args.head_size} block_size={args.block_size}"),
+                        f"head_size={args.head_size} block_size={args.block_size}{_env_features(args)}"),
         ("attention backend", selection.name),
         ("executor", payload["executor"]),
         ("world size", payload["world_size"]),
@@ -376,6 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the KV cache's storage dtype to check the backends for")
     env.add_argument("--head-size", type=int, default=128)
     env.add_argument("--block-size", type=int, default=16)
+    env.add_argument("--sliding-window", type=int, default=None, metavar="N",
+                     help="check the backends for a model with a sliding window of N tokens")
+    env.add_argument("--logits-soft-cap", type=float, default=None, metavar="CAP",
+                     help="check the backends for a model that soft-caps attention logits (Gemma 2)")
+    env.add_argument("--sinks", action="store_true",
+                     help="check the backends for a model with attention sinks (GPT-OSS)")
     env.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
     env.add_argument("--distributed-executor-backend", default="auto", metavar="NAME")
     env.set_defaults(func=cmd_env)

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from torch import nn
 
+from pagedllm.attention_backends.base import AttentionRequirements
 from pagedllm.model_registry.source import ModelSource
 
 if TYPE_CHECKING:
@@ -31,6 +32,19 @@ if TYPE_CHECKING:
     from pagedllm.model_registry.layers.attention import Attention
 
 _REQUIRED = ("forward", "compute_logits", "load_weights", "get_attention_layers")
+
+
+def config_attention_requirements(hf_config: Any) -> AttentionRequirements:
+    """What a Hugging Face config's usual keys ask of the attention backend:
+    `head_dim` (else hidden / heads), `sliding_window` (unless
+    `use_sliding_window` is false or no `layer_types` entry is a sliding
+    layer) and `attn_logit_softcapping`. No sinks: a model with them says so."""
+    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window = None
+    return AttentionRequirements((head_size,), window, getattr(hf_config, "attn_logit_softcapping", None))
 
 
 class ModelForCausalLM(nn.Module, metaclass=ABCMeta):
@@ -46,6 +60,15 @@ class ModelForCausalLM(nn.Module, metaclass=ABCMeta):
     # so it may run with parallel.tensor_parallel_size > 1. A model that
     # does not say so (1.0 duck-typed models included) runs at size 1 only.
     supports_tensor_parallel: ClassVar[bool] = False
+
+    @classmethod
+    def attention_requirements(cls, hf_config: Any) -> AttentionRequirements:
+        """What this model's attention layers will ask of the backend (head
+        sizes, windows, soft cap, sinks), from its config alone: the backend
+        is chosen before the model is built. The default reads the usual
+        config keys (`config_attention_requirements`); a model with more
+        (sinks, per-layer head sizes) overrides it."""
+        return config_attention_requirements(hf_config)
 
     @abstractmethod
     def forward(
@@ -88,4 +111,5 @@ class ModelForCausalLM(nn.Module, metaclass=ABCMeta):
         return cast(bool, NotImplemented)  # ABCMeta's usual check decides
 
 
-__all__ = ["ModelForCausalLM", "ModelSource"]  # ModelSource: re-exported, as in plugin API 1.2
+# ModelSource: re-exported, as in plugin API 1.2
+__all__ = ["ModelForCausalLM", "ModelSource", "config_attention_requirements"]

@@ -40,6 +40,8 @@ def register_attention_backends(register: RegisterFn) -> None:
         device_types=["cpu", "cuda"],
         dtypes=ALL_FLOAT_DTYPES,
         supports_sliding_window=True,
+        supports_logits_soft_cap=True,
+        supports_sinks=True,
         kv_cache_dtypes=FP8_KV_CACHE_DTYPES,
     )
     register(
@@ -54,6 +56,8 @@ def register_attention_backends(register: RegisterFn) -> None:
         block_size_multiple=16,
         requires=["triton"],
         supports_sliding_window=True,
+        supports_logits_soft_cap=True,
+        supports_sinks=True,
         kv_cache_dtypes=FP8_KV_CACHE_DTYPES,
         # Triton compiles float8e4nv for Ada/Hopper (8.9) and newer only.
         kv_cache_dtype_min_capability={"float8_e4m3fn": (8, 9)},
@@ -69,6 +73,8 @@ def register_attention_backends(register: RegisterFn) -> None:
         block_size_multiple=16,
         requires=["flash_attn"],
         supports_sliding_window=True,
+        supports_logits_soft_cap=True,
+        # flash_attn_varlen_func has no sinks (the triton backend serves GPT-OSS).
     )
 
 

@@ -91,7 +91,14 @@ from packaging.version import Version
 #      measurements it reads (`spec_decode.measurements.SpecMeasurements`);
 #      `SpeculationPolicy.keep_drafts` (default: keep) sees the drafts the
 #      drafter found and may drop them all for a plain step.
-API_VERSION = "1.10.0"
+# 1.11: attention capabilities a model may need: `AttentionCapabilities.
+#      supports_logits_soft_cap` / `supports_sinks` (default False: a backend
+#      that does not declare them is not chosen for such a model);
+#      `AttentionRequirements` (every layer's head size, window, soft cap,
+#      sinks), which `ModelForCausalLM.attention_requirements(hf_config)`
+#      returns and the selector checks (`requirements=`); `AttentionImpl`
+#      takes `sinks` (a [num_heads] tensor, passed only when the model has them).
+API_VERSION = "1.11.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

@@ -13,6 +13,7 @@ def reference_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H]: each head's sink logit, in the softmax, its probability dropped
 ) -> torch.Tensor:  # [q_len, H, D] float32
     q_len, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = keys.shape
@@ -29,4 +30,8 @@ def reference_attention(
     if sliding_window is not None:
         allowed &= keys_at > positions - sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqs,shd->qhd", torch.softmax(scores, dim=-1), v)
+    if sinks is None:
+        return torch.einsum("hqs,shd->qhd", torch.softmax(scores, dim=-1), v)
+    sink_column = sinks.float().cpu().view(num_heads, 1, 1).expand(num_heads, q_len, 1)
+    probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("hqs,shd->qhd", probs, v)

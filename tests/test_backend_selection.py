@@ -244,3 +244,55 @@ def test_auto_with_nothing_usable_reports_each_backend(monkeypatch: pytest.Monke
         "cpu: dtype float64 is not supported (supports float32, float16, bfloat16); "
         "dtype float64 is not supported by cpu"
     ]
+
+
+# ---- what the model asks (AttentionRequirements) ---------------------------
+
+
+def test_a_model_with_sinks_skips_a_backend_without_them_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-OSS on Hopper with flash_attn installed: flash_attn has no sinks, so triton serves it."""
+    from pagedllm.attention_backends.base import AttentionRequirements
+
+    simulate_device(monkeypatch, (9, 0), installed=("triton", "flash_attn"))
+    gpt_oss = AttentionRequirements((64,), sliding_window=128, sinks=True)
+    checks: dict[str, Any] = dict(head_size=64, dtype=torch.bfloat16, block_size=16, load=False)
+    selection = select_attention_backend(CudaPlatform(), requirements=gpt_oss, **checks)
+    assert selection.name == "triton"
+    assert selection.rejected == {"flash_attn": ["attention sinks are not supported"]}
+    # Without sinks, the same model gets flash_attn.
+    assert select_attention_backend(CudaPlatform(), requirements=AttentionRequirements((64,), 128), **checks).name == (
+        "flash_attn"
+    )
+    with pytest.raises(AttentionBackendError) as info:
+        select_attention_backend(CudaPlatform(), "flash_attn", requirements=gpt_oss, **checks)
+    assert info.value.reasons == ["attention sinks are not supported"]
+
+
+def test_every_layers_head_size_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose layers mix head sizes needs a backend that serves each."""
+    from pagedllm.attention_backends.base import AttentionRequirements
+
+    simulate_device(monkeypatch, (8, 0), installed=("triton", "flash_attn"))
+    registry = get_plugin_manager().attention_backends
+    mixed = AttentionRequirements((64, 36, 320))
+    checks: dict[str, Any] = dict(head_size=64, dtype=torch.float16, block_size=32, requirements=mixed)
+    assert check_backend(registry.get("flash_attn"), CudaPlatform(), **checks) == [
+        "head size 36 is not a multiple of 8", "head size 320 > 256 maximum"
+    ]
+    assert check_backend(registry.get("triton"), CudaPlatform(), **checks) == ["head size 320 > 256 maximum"]
+
+
+def test_soft_cap_and_sinks_need_declared_support(monkeypatch: pytest.MonkeyPatch, no_window_plugin: None) -> None:
+    """A plugin backend that declares neither is refused both, each with its reason."""
+    from pagedllm.attention_backends.base import AttentionRequirements
+
+    simulate_device(monkeypatch, None)
+    registration = get_plugin_manager().attention_backends.get("no_window")
+    asks = AttentionRequirements((16,), logits_soft_cap=50.0, sinks=True)
+    assert check_backend(registration, resolve_platform(), head_size=16, dtype=torch.float32, block_size=16,
+                         requirements=asks) == [
+        "attention logit soft cap (50) is not supported", "attention sinks are not supported"
+    ]
+    assert (registration.info.supports_logits_soft_cap, registration.info.supports_sinks) == (False, False)
+    cpu = get_plugin_manager().attention_backends.get("cpu")
+    assert (cpu.info.supports_logits_soft_cap, cpu.info.supports_sinks) == (True, True)

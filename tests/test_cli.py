@@ -154,6 +154,19 @@ def test_env_json_on_simulated_hopper_with_flash_attn(
     assert (payload["attention_backend"], payload["rejected"], payload["dtype"]) == ("flash_attn", {}, "bfloat16")
 
 
+def test_env_names_the_backends_a_model_with_sinks_cannot_use(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    simulate_device(monkeypatch, (9, 0), installed=("triton", "flash_attn"))
+    payload = run_json(capsys, ["env", "--json", "--head-size", "64", "--sinks", "--sliding-window", "128"])
+    assert (payload["attention_backend"], payload["sinks"], payload["sliding_window"]) == ("triton", True, 128)
+    assert payload["rejected"] == {"flash_attn": ["attention sinks are not supported"]}
+    assert main(["env", "--head-size", "64", "--sinks"]) == 0
+    text = capsys.readouterr().out
+    assert "head_size=64 block_size=16 sinks" in text
+    assert "  flash_attn: attention sinks are not supported" in text
+
+
 def test_env_text_prints_decision_and_reasons(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

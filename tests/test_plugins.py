@@ -509,6 +509,8 @@ def test_builtin_metadata_becomes_typed_values(monkeypatch: pytest.MonkeyPatch) 
         block_size_multiple=16,
         requires=("triton",),
         supports_sliding_window=True,
+        supports_logits_soft_cap=True,
+        supports_sinks=True,
         kv_cache_dtypes=("float8_e4m3fn", "float8_e5m2"),
         kv_cache_dtype_min_capability=(("float8_e4m3fn", (8, 9)),),
     )
@@ -542,7 +544,7 @@ class MisspeltCapabilityPlugin:
 ACCEPTED_CAPABILITIES = (
     "device_types, min_capability, max_capability, dtypes, head_sizes, head_size_multiple, "
     "max_head_size, block_size_multiple, requires, supports_sliding_window, "
-    "kv_cache_dtypes, kv_cache_dtype_min_capability"
+    "supports_logits_soft_cap, supports_sinks, kv_cache_dtypes, kv_cache_dtype_min_capability"
 )
 
 

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
+    from pagedllm.attention_backends.base import AttentionRequirements
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -28,6 +30,9 @@ class ModelFacts:
     head_size: int
     num_kv_heads: int  # the whole model's; a rank holds heads_per_rank(tp).num_kv_heads
     sliding_window: int | None
+    # What the model's attention layers ask of the backend (the model
+    # class's `attention_requirements`); None: only head_size and sliding_window.
+    attention_requirements: AttentionRequirements | None = None
 
     @property
     def position_limit(self) -> int | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from pagedllm.attention_backends.selector import select_attention_backend
 from pagedllm.core.custom_stats import CustomStatsCollector
@@ -29,6 +29,7 @@ from pagedllm.distributed.parallel_state import (
 from pagedllm.kv_connectors.base import KVConnectorContext, KVConnectorRole, KVConnectorShard, model_fingerprint
 from pagedllm.kv_connectors.factory import build_kv_connector, check_kv_connector_supports
 from pagedllm.logits_processors.factory import build_logits_processors
+from pagedllm.model_registry.interface import config_attention_requirements
 from pagedllm.model_registry.kv_cache import allocate_kv_caches
 from pagedllm.model_registry.layers.ops import OpRegistry, bind_layer_ops
 from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from pagedllm.attention_backends.base import AttentionBackend
+    from pagedllm.attention_backends.base import AttentionBackend, AttentionRequirements
     from pagedllm.attention_backends.selector import BackendSelection
     from pagedllm.core.config import EngineConfig, ParallelConfig, SpeculativeConfig
     from pagedllm.core.custom_stats import CustomStatsSource
@@ -70,16 +71,26 @@ def read_model_facts(config: EngineConfig, platform: Platform, plugin_manager: P
     hf = load_hf_config(path)
     sliding_window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
     dtype = platform.resolve_dtype(config.model.dtype, _config_dtype(hf))
+    architecture = get_architecture(hf, config.model.architecture)
     return ModelFacts(
         path=path,
         hf_config=hf,
-        architecture=get_architecture(hf, config.model.architecture),
+        architecture=architecture,
         dtype=dtype,
         kv_cache_dtype=platform.resolve_kv_cache_dtype(config.cache.cache_dtype, dtype),
         head_size=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
         sliding_window=sliding_window,
+        attention_requirements=model_attention_requirements(plugin_manager, architecture, hf),
     )
+
+
+def model_attention_requirements(plugin_manager: PluginManager, architecture: str, hf: Any) -> AttentionRequirements:
+    """The model class's `attention_requirements(hf_config)`; a duck-typed
+    (plugin API 1.0) model without it gets what its config's usual keys say."""
+    model_cls = plugin_manager.models.load(architecture)
+    read = getattr(model_cls, "attention_requirements", None)
+    return read(hf) if callable(read) else config_attention_requirements(hf)
 
 
 def plan_ranks(
@@ -99,6 +110,7 @@ def plan_ranks(
         block_size=config.cache.block_size,
         sliding_window=facts.sliding_window,
         kv_cache_dtype=facts.kv_cache_dtype,
+        requirements=facts.attention_requirements,
         plugin_manager=plugin_manager,
     )
     check_tensor_parallel(config, facts, plugin_manager)

@@ -22,14 +22,20 @@ class Attention(nn.Module):
         attn_backend: type[AttentionBackend],
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.sliding_window = sliding_window
+        # `sinks` ([num_heads] of this rank, the model's parameter) only when
+        # set: a backend written before sinks takes no such argument (the
+        # selector gives a model with sinks only backends that declare them).
+        extra = {} if sinks is None else {"sinks": sinks}
         self.impl = attn_backend.get_impl_cls()(
-            num_heads, head_size, scale, num_kv_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+            num_heads, head_size, scale, num_kv_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            **extra,
         )
         # NOTE: bound by the model runner after it allocates the cache
         # (backend.get_kv_cache_shape(...)); not a buffer, so never saved.

@@ -130,7 +130,8 @@ def _compare(rule: str, what: str, target: Target, case: AttentionCase, dtype: s
         raise ConformanceError(rule, f"{what}: output shape {tuple(out.shape)}, expected {expected_shape}")
     scale = case.head_size**-0.5
     reference = torch.cat(
-        [reference_attention(q, k, v, scale, case.sliding_window, case.soft_cap) for q, k, v in case.requests]
+        [reference_attention(q, k, v, scale, case.sliding_window, case.soft_cap, case.sinks)
+         for q, k, v in case.requests]
     )
     tolerance = TOLERANCE.get(dtype, 3e-2)
     error = (out.float().cpu() - reference).abs()
@@ -166,10 +167,12 @@ def check_loads(name: str) -> None:
 
 @SUITE.rule("declared-limits-rejected-with-reasons")
 def check_declared_limits(name: str) -> None:
-    """Each declared limit (dtype, head size, block size, sliding window, KV
-    cache dtype) turns a configuration past it into a rejection with a reason."""
+    """Each declared limit (dtype, head size, block size, sliding window, soft
+    cap, sinks, KV cache dtype) turns a configuration past it into a rejection
+    with a reason."""
     import torch
 
+    from pagedllm.attention_backends.base import AttentionRequirements
     from pagedllm.attention_backends.selector import check_backend
 
     rule = "declared-limits-rejected-with-reasons"
@@ -190,6 +193,10 @@ def check_declared_limits(name: str) -> None:
         past_limits[f"head size {caps.head_size_multiple + 1}"] = dict(head_size=caps.head_size_multiple + 1)
     if not caps.supports_sliding_window:
         past_limits["a sliding window"] = dict(sliding_window=8)
+    if not caps.supports_logits_soft_cap:
+        past_limits["a logit soft cap"] = dict(requirements=AttentionRequirements((fine["head_size"],), None, 30.0))
+    if not caps.supports_sinks:
+        past_limits["attention sinks"] = dict(requirements=AttentionRequirements((fine["head_size"],), sinks=True))
     if "float8_e5m2" not in caps.kv_cache_dtypes:
         past_limits["KV cache dtype float8_e5m2"] = dict(kv_cache_dtype=torch.float8_e5m2)
     # NOTE: compared with the reasons against an ordinary configuration, which
@@ -274,6 +281,27 @@ def check_sliding_window(name: str) -> None:
     dtype = target.dtypes[0]
     case = _case(target, dtype=getattr(torch, dtype), sliding_window=7, seed=40)
     _compare(rule, "sliding window 7", target, case, dtype)
+
+
+@SUITE.rule("soft-cap-and-sinks-match-reference")
+def check_soft_cap_and_sinks(name: str) -> None:
+    """A backend declaring a logit soft cap or attention sinks applies them
+    as plain torch does (others: nothing to run)."""
+    import torch
+
+    rule = "soft-cap-and-sinks-match-reference"
+    target = _target(rule, name)
+    dtype = target.dtypes[0]
+    sinks = torch.linspace(-1.0, 4.0, 4)  # MIXED's 4 query heads; 5-60 % of a row's mass
+    if target.caps.supports_logits_soft_cap:
+        _compare(rule, "logit soft cap 2", target, _case(target, dtype=getattr(torch, dtype), soft_cap=2.0, seed=45),
+                 dtype)
+    if target.caps.supports_sinks:
+        case = _case(target, dtype=getattr(torch, dtype), sinks=sinks, seed=46)
+        _compare(rule, "attention sinks", target, case, dtype)
+        if target.caps.supports_sliding_window:
+            case = _case(target, dtype=getattr(torch, dtype), sinks=sinks, sliding_window=7, seed=47)
+            _compare(rule, "attention sinks in a sliding window of 7", target, case, dtype)
 
 
 @SUITE.rule("kv-cache-dtypes-match-reference")
