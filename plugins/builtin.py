@@ -85,6 +85,7 @@ def register_models(register: RegisterFn) -> None:
     register("MistralForCausalLM", llama)  # same graph; sliding window via config
     register("Qwen2ForCausalLM", "pagedllm.model_registry.models.qwen2:Qwen2ForCausalLM")
     register("Qwen3ForCausalLM", "pagedllm.model_registry.models.qwen3:Qwen3ForCausalLM")
+    register("GptOssForCausalLM", "pagedllm.model_registry.models.gpt_oss:GptOssForCausalLM")
 
 
 @hookimpl

@@ -185,7 +185,8 @@ def test_torch_native_decodes_go_through_the_kernel_and_match_the_gather_path(
     the kernel off gives the same output up to float32 rounding."""
     calls = []
     kernel = cpu_decode_kernel.paged_decode
-    monkeypatch.setattr(cpu_decode_kernel, "paged_decode", lambda *args: calls.append(1) or kernel(*args))
+    monkeypatch.setattr(cpu_decode_kernel, "paged_decode",
+                        lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
     case = build_case([37, 20, 50, 9, 33], [12, 20, 1, 1, 1], num_heads=12, num_kv_heads=4, head_size=64)
     with_kernel, _ = run_backend(TorchNativeBackend, case)
     # one call for all decodes: the gather path's length split (contexts 9 vs 33

@@ -140,7 +140,7 @@ def test_torch_native_runs_every_fresh_prefill_in_one_call_and_matches_sdpa(
     calls = []
     kernel = cpu_prefill_kernel.prefill_attention
     monkeypatch.setattr(cpu_prefill_kernel, "prefill_attention",
-                        lambda *args: calls.append(args[4].tolist()) or kernel(*args))
+                        lambda *args, **kwargs: calls.append(args[4].tolist()) or kernel(*args, **kwargs))
     case = build_case([37, 20, 50, 9, 33, 70], [12, 20, 1, 9, 1, 70], num_heads=12, num_kv_heads=4, head_size=64,
                       dtype=dtype)
     with_kernel, cache_with = run_backend(TorchNativeBackend, case)

@@ -1,0 +1,250 @@
+"""GPT-OSS (OpenAI, 2025): a pre-norm mixture-of-experts decoder.
+
+Attention: grouped-query with biases on q/k/v/o, rotary positions (YaRN in
+the released checkpoints, through the shared rotary layer), layers that
+alternate a 128-token sliding window and full attention (`layer_types`),
+and per-head attention sinks: one learned logit per query head joins each
+row's softmax and its probability is dropped (the backend applies them;
+the selector only picks a backend that declares `supports_sinks`).
+
+MLP: a router (linear with bias) picks the top-k experts of each token and
+softmaxes their logits; each expert is a clamped SwiGLU (alpha 1.702,
+`swiglu_limit`) whose gate and up columns are interleaved in one
+`gate_up_proj` [E, hidden, 2 * inter], as transformers stores them.
+
+NOTE: the experts here are the plain-torch reference (one matmul pair per
+selected expert, as transformers' GptOssExperts); the fused MoE layer and
+its kernels replace them in the next issue. Their routing depends on the
+data, so a step that runs them is never captured as a graph.
+
+Tensor parallel: attention heads and their sinks are split per rank like
+Llama's; the router and experts are replicated (each rank computes the
+whole MoE output, so no collective is needed after it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+import torch
+from torch import nn
+
+from pagedllm.attention_backends.base import AttentionRequirements
+from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.model_registry.interface import ModelForCausalLM
+from pagedllm.model_registry.layers.attention import Attention
+from pagedllm.model_registry.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear, copy_shard
+from pagedllm.model_registry.layers.logits_head import LogitsHead
+from pagedllm.model_registry.layers.norm import RMSNorm
+from pagedllm.model_registry.layers.rotary import ApplyRotaryEmb, RotaryEmbedding, get_rope_parameters
+from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.model_registry.loader import default_weight_loader
+from pagedllm.platforms.cpu.graph import refuse_capture
+
+if TYPE_CHECKING:
+    from pagedllm.attention_backends.base import AttentionBackend, AttentionMetadata
+
+
+def _layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    is_sliding = layer_idx < len(layer_types) and layer_types[layer_idx] == "sliding_attention"
+    return hf_config.sliding_window if is_sliding else None
+
+
+class GptOssAttention(nn.Module):
+    def __init__(self, hf_config: Any, layer_idx: int, attn_backend: type[AttentionBackend]):
+        super().__init__()
+        hidden_size = hf_config.hidden_size
+        total_num_heads = hf_config.num_attention_heads
+        self.head_dim = hf_config.head_dim
+        bias = hf_config.attention_bias
+        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, total_num_heads,
+                                          hf_config.num_key_value_heads, bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, hidden_size, bias=bias)
+        # This rank's query heads' sink logits [num_heads]; the checkpoint holds every head's.
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+        self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
+        self.rotary = ApplyRotaryEmb()
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, attn_backend,
+            sliding_window=_layer_sliding_window(hf_config, layer_idx), sinks=self.sinks,
+        )
+
+    def _load_sinks(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        tp = get_tp_group()
+        copy_shard(param, loaded_weight, 0, tp.rank_in_group * self.num_heads, self.num_heads * tp.world_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :]
+        # q and k side by side in qkv: one rotary pass over both heads' rows.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
+        q, k = self.rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, attn_metadata)
+        return self.o_proj(out)
+
+
+class GptOssExperts(nn.Module):
+    """The experts as transformers stores them (x @ W, not nn.Linear's W x):
+    gate_up_proj [E, hidden, 2 * inter] with gate and up columns interleaved
+    (gate_j at column 2j, up_j at 2j + 1), down_proj [E, inter, hidden]."""
+
+    def __init__(self, hf_config: Any):
+        super().__init__()
+        num_experts, hidden, inter = hf_config.num_local_experts, hf_config.hidden_size, hf_config.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, hidden, 2 * inter))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * inter))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, inter, hidden))
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.alpha = hf_config.swiglu_alpha
+        self.limit = hf_config.swiglu_limit
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:  # [N, 2 * inter] -> [N, inter]
+        """GPT-OSS's SwiGLU: gate clamped from above, up both ways, and (up + 1)."""
+        gate = gate_up[:, ::2].clamp(max=self.limit)
+        up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        topk_ids: torch.Tensor,  # int64 [T, k]
+        topk_weights: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, hidden]
+        refuse_capture("GPT-OSS's reference experts route tokens with host-side indices")
+        out = torch.zeros_like(x)
+        for expert in topk_ids.unique().tolist():
+            token_rows, slot = (topk_ids == expert).nonzero(as_tuple=True)
+            h = x[token_rows] @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+            h = self.swiglu(h) @ self.down_proj[expert] + self.down_proj_bias[expert]
+            out.index_add_(0, token_rows, h * topk_weights[token_rows, slot, None])
+        return out
+
+
+class GptOssMLP(nn.Module):
+    def __init__(self, hf_config: Any):
+        super().__init__()
+        self.top_k = hf_config.num_experts_per_tok
+        self.router = ReplicatedLinear(hf_config.hidden_size, hf_config.num_local_experts, bias=True)
+        self.experts = GptOssExperts(hf_config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        router_logits = self.router(x)  # [T, E]
+        top_logits, topk_ids = torch.topk(router_logits, self.top_k, dim=-1)
+        return self.experts(x, topk_ids, torch.softmax(top_logits, dim=-1))
+
+
+class GptOssDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, layer_idx: int, attn_backend: type[AttentionBackend]):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.self_attn = GptOssAttention(hf_config, layer_idx, attn_backend)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.mlp = GptOssMLP(hf_config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual), the layer's output being h + residual (as Llama's layer)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, attn_metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class GptOssModel(nn.Module):
+    def __init__(self, hf_config: Any, attn_backend: type[AttentionBackend]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            GptOssDecoderLayer(hf_config, i, attn_backend) for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            hf_config.head_dim, hf_config.max_position_embeddings, get_rope_parameters(hf_config)
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)  # shared by every layer
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, cos, sin, attn_metadata, residual)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+
+class GptOssForCausalLM(ModelForCausalLM):
+    supports_tensor_parallel: ClassVar[bool] = True
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+    }
+
+    def __init__(self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = hf_config
+        self.model = GptOssModel(hf_config, attn_backend)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.logits_head = LogitsHead(hf_config.vocab_size)
+        self.to(dtype)
+
+    @classmethod
+    def attention_requirements(cls, hf_config: Any) -> AttentionRequirements:
+        windows = [w for i in range(hf_config.num_hidden_layers) if (w := _layer_sliding_window(hf_config, i))]
+        return AttentionRequirements((hf_config.head_dim,), min(windows, default=None), None, sinks=True)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_head(self.lm_head, hidden_states).float()
+
+    def get_attention_layers(self) -> list[Attention]:
+        return [cast(GptOssDecoderLayer, layer).self_attn.attn for layer in self.model.layers]
+
+    def is_ignored_weight(self, name: str) -> bool:
+        return name.endswith("rotary_emb.inv_freq")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if self.is_ignored_weight(name):
+                continue
+            param_name, shard_id = self._param_name(name)
+            param = params[param_name]
+            if shard_id is None:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+            loaded.add(param_name)
+        return loaded
+
+    @classmethod
+    def _param_name(cls, name: str) -> tuple[str, int | None]:
+        """'model.layers.0.self_attn.k_proj.bias' -> ('model.layers.0.self_attn.qkv_proj.bias', 1)."""
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in cls.packed_modules_mapping:
+                packed_name, shard_id = cls.packed_modules_mapping[part]
+                return ".".join(parts[:i] + [packed_name] + parts[i + 1 :]), shard_id
+        return name, None
