@@ -25,6 +25,15 @@ TINY_SIZES: dict[str, Any] = dict(
 # defaults the shrinking above does not fit (plugin authors add theirs).
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {}
 
+# architecture -> values over transformers' defaults besides TINY_SIZES: a
+# few experts instead of 128, a window shorter than the suite's prompts.
+CONFIG_OVERRIDES: dict[str, dict[str, Any]] = {
+    "GptOssForCausalLM": dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+}
+
 
 def model_type_of(architecture: str) -> str | None:
     """The transformers model_type whose causal-LM class is ``architecture``."""
@@ -58,6 +67,7 @@ def config_json(architecture: str, sizes: dict[str, Any] | None = None) -> dict[
     config = AutoConfig.for_model(
         model_type, **sizes, vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        **CONFIG_OVERRIDES.get(architecture, {}),
     )
     config.architectures = [architecture]
     return config.to_dict()
