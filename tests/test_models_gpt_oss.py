@@ -30,7 +30,8 @@ SWIGLU_LIMIT = 3.0
 
 
 def build_gpt_oss(path: Path, seed: int = 0) -> Path:
-    from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM as HfGptOss
+    from transformers import AutoTokenizer, GptOssConfig
+    from transformers import GptOssForCausalLM as HfGptOss
 
     from pagedllm.model_registry.tiny import get_tokenizer_dir
 

@@ -118,6 +118,7 @@ def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
             "MistralForCausalLM": "pagedllm.model_registry.models.llama:LlamaForCausalLM",
             "Qwen2ForCausalLM": "pagedllm.model_registry.models.qwen2:Qwen2ForCausalLM",
             "Qwen3ForCausalLM": "pagedllm.model_registry.models.qwen3:Qwen3ForCausalLM",
+            "GptOssForCausalLM": "pagedllm.model_registry.models.gpt_oss:GptOssForCausalLM",
         },
         "attention_backend": {
             "cpu": "pagedllm.attention_backends.torch_native:TorchNativeBackend",
@@ -652,7 +653,7 @@ def test_builtin_models_implement_the_model_interface_and_duck_typed_models_pass
     from pagedllm.model_registry.models.llama import LlamaForCausalLM
 
     pm = get_plugin_manager()
-    for name in ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]:
+    for name in ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GptOssForCausalLM"]:
         model_cls = pm.models.load(name)
         assert ModelForCausalLM in model_cls.__mro__, name  # explicitly, not by duck typing
     required = {"forward", "compute_logits", "load_weights", "get_attention_layers"}
