@@ -19,6 +19,7 @@ from pagedllm.entrypoints.config_flags import add_plugin_config_flags
 if TYPE_CHECKING:
     import torch
 
+    from pagedllm.attention_backends.base import AttentionRequirements
     from pagedllm.attention_backends.selector import BackendSelection
     from pagedllm.core.config import EngineConfig
     from pagedllm.platforms.interface import Platform
@@ -140,18 +141,35 @@ def _env_dtype(platform: Platform, requested: str) -> tuple[torch.dtype, str]:
     return platform.resolve_dtype(requested, torch.bfloat16), platform.explain_dtype(requested, torch.bfloat16)
 
 
-def _env_features(args: argparse.Namespace) -> str:
-    """The model features env was asked to check, as they are printed."""
-    features = [f"sliding_window={args.sliding_window}"] if args.sliding_window is not None else []
-    features += [f"logits_soft_cap={args.logits_soft_cap:g}"] if args.logits_soft_cap is not None else []
-    features += ["sinks"] if args.sinks else []
+def _env_requirements(args: argparse.Namespace) -> AttentionRequirements:
+    """What the attention backend is checked for: `--model`'s layers (its
+    model class reads its config.json), else the flags."""
+    from pagedllm.attention_backends.base import AttentionRequirements
+
+    if args.model is None:
+        return AttentionRequirements((args.head_size,), args.sliding_window, args.logits_soft_cap, args.sinks)
+    from pagedllm.model_registry.interface import attention_requirements_of
+    from pagedllm.model_registry.loader import get_architecture, load_hf_config
+    from pagedllm.model_registry.model_source import resolve_model_path
+    from pagedllm.plugins import get_plugin_manager
+
+    manager = get_plugin_manager()
+    hf_config = load_hf_config(resolve_model_path(args.model, manager))
+    return attention_requirements_of(manager.models.load(get_architecture(hf_config)), hf_config)
+
+
+def _env_features(requirements: AttentionRequirements) -> str:
+    """What the model's layers ask besides the head size, as `checked for` prints it."""
+    features = [f"sliding_window={requirements.sliding_window}"] if requirements.sliding_window is not None else []
+    if requirements.logits_soft_cap is not None:
+        features.append(f"logits_soft_cap={requirements.logits_soft_cap:g}")
+    features += ["sinks"] if requirements.sinks else []
     return "".join(f" {feature}" for feature in features)
 
 
 def cmd_env(args: argparse.Namespace) -> int:
     import torch
 
-    from pagedllm.attention_backends.base import AttentionRequirements
     from pagedllm.attention_backends.selector import check_backend, select_attention_backend
     from pagedllm.platforms import resolve_platform
     from pagedllm.platforms.interface import dtype_name
@@ -160,10 +178,10 @@ def cmd_env(args: argparse.Namespace) -> int:
     platform = resolve_platform(args.platform)
     dtype, dtype_reason = _env_dtype(platform, args.dtype)
     kv_cache_dtype = platform.resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
-    # What a model's attention layers would ask (GPT-OSS: --sinks --sliding-window 128).
-    requirements = AttentionRequirements((args.head_size,), args.sliding_window, args.logits_soft_cap, args.sinks)
+    # What a model's attention layers ask (GPT-OSS: --sinks --sliding-window 128, or --model PATH).
+    requirements = _env_requirements(args)
     checks: dict[str, Any] = dict(
-        head_size=args.head_size, dtype=dtype, block_size=args.block_size, kv_cache_dtype=kv_cache_dtype,
+        head_size=requirements.head_sizes[0], dtype=dtype, block_size=args.block_size, kv_cache_dtype=kv_cache_dtype,
         requirements=requirements,
     )
     selection = select_attention_backend(platform, args.attention_backend, load=False, **checks)
@@ -181,11 +199,13 @@ def cmd_env(args: argparse.Namespace) -> int:
         "dtype": dtype_name(dtype),
         "dtype_reason": dtype_reason,
         "kv_cache_dtype": dtype_name(kv_cache_dtype),
-        "head_size": args.head_size,
+        "model": args.model,
+        "head_size": requirements.head_sizes[0],
+        "head_sizes": list(requirements.head_sizes),
         "block_size": args.block_size,
-        "sliding_window": args.sliding_window,
-        "logits_soft_cap": args.logits_soft_cap,
-        "sinks": args.sinks,
+        "sliding_window": requirements.sliding_window,
+        "logits_soft_cap": requirements.logits_soft_cap,
+        "sinks": requirements.sinks,
         "torch": torch.__version__,
         **_env_executor(args, platform),
     }
@@ -201,7 +221,8 @@ def cmd_env(args: argparse.Namespace) -> int:
         ("dtype", f"{payload['dtype']} ({dtype_reason})"),
         ("kv cache dtype", f"{payload['kv_cache_dtype']} (cache_dtype {args.kv_cache_dtype})"),
         ("checked for", f"dtype={payload['dtype']} kv_cache_dtype={payload['kv_cache_dtype']} "
-                        f"head_size={args.head_size} block_size={args.block_size}{_env_features(args)}"),
+                        f"head_size={','.join(map(str, requirements.head_sizes))} block_size={args.block_size}"
+                        f"{_env_features(requirements)}"),
         ("attention backend", selection.name),
         ("executor", payload["executor"]),
         ("world size", payload["world_size"]),
@@ -397,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="check the backends for a model that soft-caps attention logits (Gemma 2)")
     env.add_argument("--sinks", action="store_true",
                      help="check the backends for a model with attention sinks (GPT-OSS)")
+    env.add_argument("--model", default=None, metavar="PATH",
+                     help="check the backends for this model's attention layers (its config.json; "
+                          "overrides --head-size and the three flags above)")
     env.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
     env.add_argument("--distributed-executor-backend", default="auto", metavar="NAME")
     env.set_defaults(func=cmd_env)

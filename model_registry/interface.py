@@ -47,6 +47,13 @@ def config_attention_requirements(hf_config: Any) -> AttentionRequirements:
     return AttentionRequirements((head_size,), window, getattr(hf_config, "attn_logit_softcapping", None))
 
 
+def attention_requirements_of(model_cls: type, hf_config: Any) -> AttentionRequirements:
+    """The model class's `attention_requirements(hf_config)`; a duck-typed
+    (plugin API 1.0) model without it gets what its config's usual keys say."""
+    read = getattr(model_cls, "attention_requirements", None)
+    return cast(AttentionRequirements, read(hf_config)) if callable(read) else config_attention_requirements(hf_config)
+
+
 class ModelForCausalLM(nn.Module, metaclass=ABCMeta):
     """A decoder-only language model over the paged KV cache (vLLM's
     ``VllmModelForTextGeneration``)."""
@@ -112,4 +119,4 @@ class ModelForCausalLM(nn.Module, metaclass=ABCMeta):
 
 
 # ModelSource: re-exported, as in plugin API 1.2
-__all__ = ["ModelForCausalLM", "ModelSource", "config_attention_requirements"]
+__all__ = ["ModelForCausalLM", "ModelSource", "attention_requirements_of", "config_attention_requirements"]

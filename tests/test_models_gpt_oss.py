@@ -163,6 +163,36 @@ def test_attention_requirements_ask_for_sinks_and_the_window(checkpoint: Path) -
     assert [layer.sliding_window for layer in layers] == [WINDOW, None]
 
 
+def test_env_checks_the_backends_for_the_models_layers(checkpoint: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pagedllm env --model PATH` reads what GPT-OSS's layers ask; a plugin
+    backend without sinks is named with the reason (auto still picks cpu)."""
+    import json
+
+    from pagedllm.entrypoints.cli import main
+    from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
+
+    class NoSinksPlugin:
+        @hookimpl
+        def register_attention_backends(self, register: RegisterFn) -> None:
+            register("no_sinks", "pagedllm_test_plugin.backend:TestEchoBackend", device_types=["cpu"],
+                     supports_sliding_window=True)
+
+    manager = get_plugin_manager()
+    manager.register(NoSinksPlugin(), name="no-sinks")
+    try:
+        assert main(["env", "--json", "--platform", "cpu", "--model", str(checkpoint)]) == 0
+        payload = json.loads(capsys.readouterr().out)
+        assert main(["env", "--platform", "cpu", "--model", str(checkpoint)]) == 0
+        text = capsys.readouterr().out
+    finally:
+        manager.unregister(name="no-sinks")
+    assert (payload["head_sizes"], payload["sliding_window"], payload["sinks"]) == ([16], WINDOW, True)
+    assert payload["attention_backend"] == "cpu"
+    assert payload["backends"]["no_sinks"] == ["attention sinks are not supported"]
+    assert f"head_size=16 block_size=16 sliding_window={WINDOW} sinks" in text
+
+
 # ---- the engine ---------------------------------------------------------------
 
 

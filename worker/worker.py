@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from pagedllm.attention_backends.selector import select_attention_backend
 from pagedllm.core.custom_stats import CustomStatsCollector
@@ -29,7 +29,7 @@ from pagedllm.distributed.parallel_state import (
 from pagedllm.kv_connectors.base import KVConnectorContext, KVConnectorRole, KVConnectorShard, model_fingerprint
 from pagedllm.kv_connectors.factory import build_kv_connector, check_kv_connector_supports
 from pagedllm.logits_processors.factory import build_logits_processors
-from pagedllm.model_registry.interface import config_attention_requirements
+from pagedllm.model_registry.interface import attention_requirements_of
 from pagedllm.model_registry.kv_cache import allocate_kv_caches
 from pagedllm.model_registry.layers.ops import OpRegistry, bind_layer_ops
 from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from pagedllm.attention_backends.base import AttentionBackend, AttentionRequirements
+    from pagedllm.attention_backends.base import AttentionBackend
     from pagedllm.attention_backends.selector import BackendSelection
     from pagedllm.core.config import EngineConfig, ParallelConfig, SpeculativeConfig
     from pagedllm.core.custom_stats import CustomStatsSource
@@ -81,16 +81,8 @@ def read_model_facts(config: EngineConfig, platform: Platform, plugin_manager: P
         head_size=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
         sliding_window=sliding_window,
-        attention_requirements=model_attention_requirements(plugin_manager, architecture, hf),
+        attention_requirements=attention_requirements_of(plugin_manager.models.load(architecture), hf),
     )
-
-
-def model_attention_requirements(plugin_manager: PluginManager, architecture: str, hf: Any) -> AttentionRequirements:
-    """The model class's `attention_requirements(hf_config)`; a duck-typed
-    (plugin API 1.0) model without it gets what its config's usual keys say."""
-    model_cls = plugin_manager.models.load(architecture)
-    read = getattr(model_cls, "attention_requirements", None)
-    return read(hf) if callable(read) else config_attention_requirements(hf)
 
 
 def plan_ranks(
