@@ -86,6 +86,7 @@ def register_models(register: RegisterFn) -> None:
     register("Qwen2ForCausalLM", "pagedllm.model_registry.models.qwen2:Qwen2ForCausalLM")
     register("Qwen3ForCausalLM", "pagedllm.model_registry.models.qwen3:Qwen3ForCausalLM")
     register("GptOssForCausalLM", "pagedllm.model_registry.models.gpt_oss:GptOssForCausalLM")
+    register("Phi3ForCausalLM", "pagedllm.model_registry.models.phi3:Phi3ForCausalLM")
 
 
 @hookimpl

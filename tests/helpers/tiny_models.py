@@ -18,13 +18,14 @@ TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": 512, **{key: value for key, value in TINY_SIZES.items() if key != "head_dim"}
 }
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def _config_class(arch: str) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+               "phi3": Phi3Config}
     if arch not in classes:
         raise ValueError(f"arch={arch!r}; expected one of {ARCHITECTURES}")
     return classes[arch]
