@@ -35,11 +35,15 @@ LLAMA3_ROPE = dict(
     rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
     original_max_position_embeddings=16,
 )
+# original 8 < every prompt: transformers' YaRN has no length switch, but a
+# short original length puts many dims in the interpolated band.
+YARN_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8)
 SCENARIOS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "llama-rope-llama3": ("llama", {"rope_scaling": LLAMA3_ROPE}),
+    "llama-rope-yarn": ("llama", {"rope_parameters": YARN_ROPE}),
     "llama-tied-embeddings": ("llama", {"tie_word_embeddings": True}),
     "qwen3-attention-bias": ("qwen3", {"attention_bias": True}),
     "qwen2-sliding-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),

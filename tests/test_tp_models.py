@@ -25,6 +25,7 @@ from pagedllm.attention_backends.base import AttentionMetadata
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
 from pagedllm.model_registry.loader import load_hf_config, load_model
 from pagedllm.model_registry.models.llama import LlamaForCausalLM
+from pagedllm.model_registry.models.phi3 import Phi3ForCausalLM
 from pagedllm.model_registry.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.model_registry.models.qwen3 import Qwen3ForCausalLM
 
@@ -33,7 +34,15 @@ MODEL_CLASSES = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
+# Phi-3: fused qkv_proj / gate_up_proj tensors that each rank splits for its
+# own heads and rows; LongRoPE's long factors (prompts past the original 4)
+# and partial rotary (12 of 16 dims).
+PHI3_ROPE = dict(rope_type="longrope", short_factor=[1.0, 1.2, 1.5, 2.0, 2.6, 3.3],
+                 long_factor=[1.0, 2.0, 4.0, 7.0, 11.0, 16.0])
+PHI3 = dict(pad_token_id=0, eos_token_id=2, original_max_position_embeddings=4, partial_rotary_factor=0.75,
+            rope_parameters=PHI3_ROPE)
 # name -> (architecture, config overrides) of a tests/helpers tiny model
 TEST_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),  # 4 query heads, 2 KV heads: one KV head per rank
@@ -41,6 +50,7 @@ TEST_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),  # q/k/v biases
     "qwen3-odd-vocab-tied": ("qwen3", {"vocab_size": 509, "tie_word_embeddings": True}),  # q/k norms
+    "phi3": ("phi3", PHI3),
 }
 PROMPTS = [[1, 17, 300, 42, 5, 99, 260], [7, 400, 3, 250, 12]]
 DECODE_TOKENS = [11, 23]
