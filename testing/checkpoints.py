@@ -68,6 +68,8 @@ def config_json(architecture: str, sizes: dict[str, Any] | None = None) -> dict[
         model_type, **sizes, vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         **CONFIG_OVERRIDES.get(architecture, {}),
+        # The tokenizer's, not a default past the small vocabulary (Phi-3's 32000).
+        pad_token_id=tokenizer.pad_token_id,
     )
     config.architectures = [architecture]
     return config.to_dict()
