@@ -164,3 +164,35 @@ def test_unsupported_rope_parameters_name_the_field(params: dict[str, Any], fiel
     with pytest.raises(ConfigError) as err:
         RotaryEmbedding(HEAD_DIM, 64, params)
     assert err.value.key == field
+
+
+@pytest.mark.slow
+def test_dynamic_ntk_engine_decodes_past_max_position_embeddings_like_transformers_generate() -> None:
+    """The engine serves max_position_embeddings * factor positions; a prompt
+    within max_position_embeddings decodes past it with transformers'
+    per-length bases (a prefill of 8 + decode to 48 with 16 * 3 positions)."""
+    from helpers.tiny_models import cached_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm import LLM, SamplingParams
+
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 3.0}
+    path = cached_tiny_model("llama", with_tokenizer=True, seed=3, max_position_embeddings=16, rope_parameters=rope)
+    prompts = [[101, 2045, 77, 3000, 12, 9, 4400, 18], [55, 66, 77, 88, 99]]
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=16)
+    assert llm.engine_core.engine_core.scheduler.max_model_len == 48
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        # A fresh model per prompt: transformers keeps a grown base between calls.
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        expected = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               max_new_tokens=40, min_new_tokens=40, do_sample=False, eos_token_id=None,
+                               pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        tokens = list(output.outputs[0].token_ids)
+        assert tokens == expected.sequences[0, len(prompt):].tolist()
+        # The sampled tokens' logprobs too: greedy tokens alone barely move with the base.
+        hf_logprobs = [torch.log_softmax(logits[0], -1)[t].item() for logits, t in zip(expected.logits, tokens,
+                                                                                       strict=True)]
+        ours = [entry[t].logprob for entry, t in zip(output.outputs[0].logprobs, tokens, strict=True)]
+        assert ours == pytest.approx(hf_logprobs, abs=1e-4)

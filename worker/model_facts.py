@@ -1,13 +1,15 @@
 """ModelFacts: what a model's config says, read before anything is built from
 it (worker/worker.py reads them; the builder, READY and executors report
-them). Imports only the head split (model_registry/layers/tp_heads.py, no
-torch), so interfaces may name it."""
+them). Imports only the head split (model_registry/layers/tp_heads.py) and
+the RoPE parameters (layers/rope_parameters.py), no torch, so interfaces may
+name it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedllm.model_registry.layers.rope_parameters import rope_position_limit
 from pagedllm.model_registry.layers.tp_heads import HeadPartition, partition_heads
 
 if TYPE_CHECKING:
@@ -36,7 +38,8 @@ class ModelFacts:
 
     @property
     def position_limit(self) -> int | None:
-        return getattr(self.hf_config, "max_position_embeddings", None)
+        """max_position_embeddings (times the factor for dynamic NTK RoPE)."""
+        return rope_position_limit(self.hf_config)
 
     def heads_per_rank(self, tp_size: int) -> HeadPartition:
         """Each rank's query and KV heads at `tp_size`: exactly the split of
