@@ -119,6 +119,7 @@ def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
             "Qwen2ForCausalLM": "pagedllm.model_registry.models.qwen2:Qwen2ForCausalLM",
             "Qwen3ForCausalLM": "pagedllm.model_registry.models.qwen3:Qwen3ForCausalLM",
             "GptOssForCausalLM": "pagedllm.model_registry.models.gpt_oss:GptOssForCausalLM",
+            "Phi3ForCausalLM": "pagedllm.model_registry.models.phi3:Phi3ForCausalLM",
         },
         "attention_backend": {
             "cpu": "pagedllm.attention_backends.torch_native:TorchNativeBackend",
