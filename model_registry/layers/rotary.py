@@ -176,20 +176,24 @@ def compute_attention_factor(rope_parameters: dict[str, Any], max_position: int 
     if rope_parameters.get("attention_factor") is not None:
         return float(rope_parameters["attention_factor"])
     if rope_type == "yarn":
-        factor = _yarn_factor(rope_parameters, max_position)
-
-        def mscale_of(scale: float, mscale: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-        mscale, mscale_all_dim = rope_parameters.get("mscale"), rope_parameters.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            return float(mscale_of(factor, mscale) / mscale_of(factor, mscale_all_dim))
-        return mscale_of(factor)
+        return _yarn_attention_factor(rope_parameters, _yarn_factor(rope_parameters, max_position))
     original = _required(rope_parameters, "original_max_position_embeddings")
-    factor = rope_parameters.get("factor")
-    if factor is None:  # Phi-3: the ratio of the two lengths
-        factor = (max_position or original) / original
+    given_factor = rope_parameters.get("factor")
+    # Phi-3 gives no factor: the ratio of the two lengths.
+    factor = float(given_factor) if given_factor is not None else (max_position or original) / original
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _yarn_attention_factor(rope_parameters: dict[str, Any], factor: float) -> float:
+    """0.1 * ln(factor) + 1 (YaRN's mscale), or DeepSeek's ratio of two mscales."""
+
+    def mscale_of(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    mscale, mscale_all_dim = rope_parameters.get("mscale"), rope_parameters.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(mscale_of(factor, mscale) / mscale_of(factor, mscale_all_dim))
+    return mscale_of(factor)
 
 
 def rope_table(
