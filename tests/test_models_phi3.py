@@ -47,7 +47,8 @@ SHORT_CONTEXT = phi3_overrides(ORIGINAL_LENGTH)
 # regime -> (config overrides, prompt lengths, late prompt's two chunks)
 SCENARIOS: dict[str, tuple[dict[str, Any], tuple[int, ...], tuple[int, int]]] = {
     "long-factors": (LONG_CONTEXT, (17, 20, 25), (8, 16)),
-    "short-factors": (SHORT_CONTEXT, (3, 6, 9), (4, 5)),
+    # Phi-4-mini ties its LM head to the embeddings.
+    "short-factors-tied": ({**SHORT_CONTEXT, "tie_word_embeddings": True}, (3, 6, 9), (4, 5)),
     # Phi-3-mini-4k's config sets a window (2047) on every layer; here 6 < every prompt.
     "long-factors-sliding-window": ({**LONG_CONTEXT, "sliding_window": 6}, (17, 20, 25), (8, 16)),
 }
