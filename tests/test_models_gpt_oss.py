@@ -42,7 +42,9 @@ def build_gpt_oss(path: Path, seed: int = 0) -> Path:
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
         sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
         num_local_experts=4, num_experts_per_tok=2, swiglu_limit=SWIGLU_LIMIT,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        # GPT-OSS's YaRN, its original length shorter than the prompts so that the scaling shows.
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 16, "truncate": False},
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)
