@@ -1,4 +1,5 @@
-"""SwiGLU's gate (Shazeer, 2020) over a stacked [gate | up] projection."""
+"""Gated MLP activations over a stacked [gate | up] projection: SwiGLU and
+GeGLU (Shazeer, 2020)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,17 @@ class SiluAndMul(nn.Module, OpLayer):
             return fused
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """GeGLU's gate (Shazeer, 2020): gelu(gate) * up over a stacked
+    [gate | up] projection. `approximate` is torch's: "tanh" (transformers'
+    gelu_pytorch_tanh, Gemma's) or "none" (the erf GELU)."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up

@@ -20,14 +20,18 @@ from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHe
 
 
 class LogitsHead(nn.Module):
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, soft_cap: float | None = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        # Final-logit soft-capping (Gemma 2): soft_cap * tanh(logits / soft_cap).
+        self.soft_cap = soft_cap
 
     def forward(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden states [N, hidden] -> logits [N, vocab] in the model's dtype."""
         logits = lm_head.apply_linear(hidden_states, lm_head.bias)  # [N, vocab / tp]
-        if lm_head.tp_size == 1:
-            return logits
-        logits = lm_head.tp_group.all_gather(logits, dim=-1)  # [N, per_rank * tp]
-        return logits[..., : self.vocab_size]  # drop the last rank's padding rows
+        if lm_head.tp_size > 1:
+            logits = lm_head.tp_group.all_gather(logits, dim=-1)  # [N, per_rank * tp]
+            logits = logits[..., : self.vocab_size]  # drop the last rank's padding rows
+        if self.soft_cap is not None:
+            logits = self.soft_cap * torch.tanh(logits / self.soft_cap)
+        return logits
