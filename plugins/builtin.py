@@ -87,6 +87,8 @@ def register_models(register: RegisterFn) -> None:
     register("Qwen3ForCausalLM", "pagedllm.model_registry.models.qwen3:Qwen3ForCausalLM")
     register("GptOssForCausalLM", "pagedllm.model_registry.models.gpt_oss:GptOssForCausalLM")
     register("Phi3ForCausalLM", "pagedllm.model_registry.models.phi3:Phi3ForCausalLM")
+    register("Gemma2ForCausalLM", "pagedllm.model_registry.models.gemma2:Gemma2ForCausalLM")
+    register("Gemma3ForCausalLM", "pagedllm.model_registry.models.gemma3:Gemma3ForCausalLM")
 
 
 @hookimpl
