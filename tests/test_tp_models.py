@@ -24,6 +24,8 @@ from helpers.tp_weights import expected_param_bytes
 from pagedllm.attention_backends.base import AttentionMetadata
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
 from pagedllm.model_registry.loader import load_hf_config, load_model
+from pagedllm.model_registry.models.gemma2 import Gemma2ForCausalLM
+from pagedllm.model_registry.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.model_registry.models.llama import LlamaForCausalLM
 from pagedllm.model_registry.models.phi3 import Phi3ForCausalLM
 from pagedllm.model_registry.models.qwen2 import Qwen2ForCausalLM
@@ -43,6 +45,12 @@ PHI3_ROPE = dict(rope_type="longrope", short_factor=[1.0, 1.2, 1.5, 2.0, 2.6, 3.
                  long_factor=[1.0, 2.0, 4.0, 7.0, 11.0, 16.0])
 PHI3 = dict(pad_token_id=0, eos_token_id=2, original_max_position_embeddings=4, partial_rotary_factor=0.75,
             rope_parameters=PHI3_ROPE)
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+}
+# Gemma with its mechanisms active on these short prompts: a 4-token window,
+# caps that clip (weights at 5x the default scale), norm weights away from 0.
+GEMMA_ACTIVE = dict(sliding_window=4, initializer_range=0.1, final_logit_softcapping=3.0, norm_noise=0.5)
 # name -> (architecture, config overrides) of a tests/helpers tiny model
 TEST_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),  # 4 query heads, 2 KV heads: one KV head per rank
@@ -51,6 +59,12 @@ TEST_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {}),  # q/k/v biases
     "qwen3-odd-vocab-tied": ("qwen3", {"vocab_size": 509, "tie_word_embeddings": True}),  # q/k norms
     "phi3": ("phi3", PHI3),
+    "gemma2": ("gemma2", {**GEMMA_ACTIVE, "attn_logit_softcapping": 1.0}),  # sandwich norms, soft-caps, GeGLU
+    "gemma3": ("gemma3", {  # q/k norms, one sliding and one global layer with their own RoPE bases
+        **GEMMA_ACTIVE, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+    }),
 }
 PROMPTS = [[1, 17, 300, 42, 5, 99, 260], [7, 400, 3, 250, 12]]
 DECODE_TOKENS = [11, 23]

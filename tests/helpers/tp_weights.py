@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+GEMMA = ("gemma2", "gemma3_text")  # four norms per layer: around attention and around the MLP
+
 
 def expected_param_bytes(hf_config: Any, tp_size: int, element_size: int = 4) -> int:
     """Bytes of one rank's parameters (`element_size` bytes each)."""
@@ -21,8 +23,8 @@ def expected_param_bytes(hf_config: Any, tp_size: int, element_size: int = 4) ->
         (q_rows + 2 * kv_rows) * (hidden + qkv_bias)  # qkv_proj (+ bias)
         + hidden * q_rows  # o_proj: its input columns split
         + 2 * intermediate * hidden + hidden * intermediate  # gate_up_proj, down_proj
-        + 2 * hidden  # the two RMSNorms, replicated
-        + (2 * head_dim if hf_config.model_type == "qwen3" else 0)  # q_norm, k_norm
+        + (4 if hf_config.model_type in GEMMA else 2) * hidden  # the RMSNorms, replicated
+        + (2 * head_dim if hf_config.model_type in ("qwen3", "gemma3_text") else 0)  # q_norm, k_norm
     )
     vocab_rows = math.ceil(hf_config.vocab_size / tp_size)
     embeddings = vocab_rows * hidden * (1 if hf_config.tie_word_embeddings else 2)
