@@ -12,8 +12,10 @@ matters: switched off in our model alone, the logits leave HF's.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -197,6 +199,34 @@ def test_gemma_norm_matches_transformers_in_bfloat16_bit_for_bit() -> None:
     assert torch.equal(ours(x), reference(x))
     out, summed = ours(x, residual)
     assert torch.equal(summed, x + residual) and torch.equal(out, reference(x + residual))
+
+
+def test_gemma3_released_config_layout_gives_transformers_rope_tables(tmp_path: Path) -> None:
+    """A config.json as Gemma 3 ships it (rope_theta, rope_local_base_freq,
+    rope_scaling linear 8, sliding_window_pattern 6): each layer type's
+    cos/sin equal transformers' to the bit, and the pattern places the
+    global layers."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from pagedllm.model_registry.loader import load_hf_config
+    from pagedllm.testing.checkpoints import TINY_SIZES
+
+    config = {
+        **TINY_SIZES, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 64,
+        "num_hidden_layers": 7, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 512, "sliding_window_pattern": 6,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf_config = load_hf_config(tmp_path)
+    model = Gemma3ForCausalLM(hf_config, TorchNativeBackend)
+    assert [attn.sliding_window for attn in model.get_attention_layers()] == [512] * 5 + [None, 512]
+    reference, positions = Gemma3RotaryEmbedding(hf_config), torch.arange(300)
+    for layer_type in ("sliding_attention", "full_attention"):
+        expected = reference(torch.zeros(1), positions[None], layer_type)
+        ours = model.model.rotary_emb[layer_type](positions)
+        assert all(torch.equal(a, b[0]) for a, b in zip(ours, expected, strict=True)), layer_type
+    local, global_ = (model.model.rotary_emb[t].cos_cache for t in ("sliding_attention", "full_attention"))
+    assert not torch.allclose(local, global_)
 
 
 @pytest.mark.parametrize(("key", "value"), [("use_bidirectional_attention", True), ("hidden_activation", "silu")])
