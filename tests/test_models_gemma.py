@@ -7,7 +7,9 @@ scale, so scores and logits reach them), query_pre_attn_scalar != head_dim,
 norm weights away from 0 (so (1 + w) is not 1), and for Gemma 3 five sliding
 layers per global one with a local RoPE base (10) far from the global one
 (1e6, linear scaling 8). `test_each_mechanism_is_exercised` shows each one
-matters: switched off in our model alone, the logits leave HF's.
+matters: switched off in our model alone, the logits leave HF's. Through
+the engine, greedy tokens equal transformers' `generate` with chunked
+prefill, prefix-cache hits and preemption.
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ SCENARIOS: dict[str, tuple[str, dict[str, Any]]] = {
         **ACTIVE, "attn_logit_softcapping": 1.0, "final_logit_softcapping": None, "tie_word_embeddings": False,
         "hidden_activation": "gelu",
     }),
-    # six layers: transformers' default 5:1 pattern, the last one global
+    # six layers: transformers' default 5:1 pattern, the last one global. An
+    # attention cap in the config is ignored, as transformers' Gemma 3 does.
     "gemma3": ("gemma3", {
         **ACTIVE, "num_hidden_layers": 6, "final_logit_softcapping": 3.0, "rope_parameters": GEMMA3_ROPE,
+        "attn_logit_softcapping": 1.0,
     }),
 }
 NORM_NOISE = 0.5
@@ -254,13 +258,29 @@ BUDGET = 32  # max_num_batched_tokens: every prompt below is longer, so it is pr
 NUM_NEW_TOKENS = 12
 
 
-def _hf_generate(model: Any, prompt: list[int]) -> list[int]:
-    output = model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=NUM_NEW_TOKENS, min_new_tokens=NUM_NEW_TOKENS, do_sample=False, eos_token_id=None,
-        pad_token_id=0,
-    )
-    return output[0, len(prompt):].tolist()
+def _engine_checkpoint(scenario: str) -> Path:
+    arch, overrides = ENGINE_SCENARIOS[scenario]
+    return cached_tiny_model(arch, with_tokenizer=True, seed=7, norm_noise=NORM_NOISE, **overrides)
+
+
+def _assert_greedy_matches_hf(path: Path, prompts: list[list[int]], outputs: list[Any]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = reference.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=NUM_NEW_TOKENS, min_new_tokens=NUM_NEW_TOKENS, do_sample=False, eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt):].tolist()
+        assert list(output.outputs[0].token_ids) == expected
+
+
+def _generate(llm: Any, prompts: list[list[int]]) -> list[Any]:
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
 @pytest.mark.slow
@@ -268,24 +288,31 @@ def _hf_generate(model: Any, prompt: list[int]) -> list[int]:
 def test_engine_greedy_matches_hf_generate_with_chunks_and_prefix_hits(
     scenario: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM
 
     monkeypatch.setenv("PAGEDLLM_DEBUG_KV", "1")  # the block invariant after every step
-    arch, overrides = ENGINE_SCENARIOS[scenario]
-    path = cached_tiny_model(arch, with_tokenizer=True, seed=7, norm_noise=NORM_NOISE, **overrides)
+    path = _engine_checkpoint(scenario)
     rng = random.Random(3)
     prefix = [rng.randrange(8, 8192) for _ in range(48)]  # three 16-token blocks
-    batches = [[prefix + [rng.randrange(8, 8192) for _ in range(n)] for n in lengths]
-               for lengths in ((3, 11), (6, 9, 14))]
-    assert all(len(prompt) > BUDGET for batch in batches for prompt in batch)
+    first, second = ([prefix + [rng.randrange(8, 8192) for _ in range(n)] for n in lengths]
+                     for lengths in ((3, 11), (6, 9, 14)))
+    assert all(len(prompt) > BUDGET for prompt in first + second)
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=BUDGET)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    for batch_index, batch in enumerate(batches):
-        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        for prompt, output in zip(batch, outputs, strict=True):
-            assert list(output.outputs[0].token_ids) == _hf_generate(reference, prompt)
-            if batch_index == 1:  # the first batch cached the shared prefix
-                assert output.num_cached_tokens >= len(prefix)
+    _assert_greedy_matches_hf(path, first, _generate(llm, first))
+    outputs = _generate(llm, second)
+    _assert_greedy_matches_hf(path, second, outputs)
+    assert all(output.num_cached_tokens >= len(prefix) for output in outputs)  # the first batch cached it
+
+
+@pytest.mark.slow
+def test_engine_preempts_and_recomputes_gemma3_to_hf_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm import LLM
+
+    monkeypatch.setenv("PAGEDLLM_DEBUG_KV", "1")
+    path = _engine_checkpoint("gemma3")
+    rng = random.Random(4)
+    prompts = [[rng.randrange(8, 8192) for _ in range(40)] for _ in range(4)]
+    # Each request ends at 52 tokens (4 blocks): 4 of them cannot share 10 blocks.
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=10, max_model_len=128)
+    _assert_greedy_matches_hf(path, prompts, _generate(llm, prompts))
+    assert llm.engine_core.engine_core.scheduler.num_preemptions > 0
