@@ -9,7 +9,7 @@ layers per global one with a local RoPE base (10) far from the global one
 (1e6, linear scaling 8). `test_each_mechanism_is_exercised` shows each one
 matters: switched off in our model alone, the logits leave HF's. Through
 the engine, greedy tokens equal transformers' `generate` with chunked
-prefill, prefix-cache hits and preemption.
+prefill, prefix-cache hits, preemption and ngram drafts.
 """
 
 from __future__ import annotations
@@ -316,3 +316,22 @@ def test_engine_preempts_and_recomputes_gemma3_to_hf_tokens(monkeypatch: pytest.
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=10, max_model_len=128)
     _assert_greedy_matches_hf(path, prompts, _generate(llm, prompts))
     assert llm.engine_core.engine_core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.slow
+def test_engine_ngram_drafts_verified_by_gemma2_keep_hf_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verification steps score 1 + k tokens per request: the decode path
+    with several queries per request, soft-capped and windowed."""
+    from pagedllm import LLM
+
+    monkeypatch.setenv("PAGEDLLM_DEBUG_KV", "1")
+    path = _engine_checkpoint("gemma2")
+    rng = random.Random(5)
+    motif = [rng.randrange(8, 8192) for _ in range(6)]
+    prompts = [motif * 5, [rng.randrange(8, 8192) for _ in range(10)] + motif * 3]  # repeats the drafter finds
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                   "policy": "always"}
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=32, speculative_config=speculative)
+    _assert_greedy_matches_hf(path, prompts, _generate(llm, prompts))
+    stats = llm.engine_core.engine_core.scheduler.total_spec_decoding_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
