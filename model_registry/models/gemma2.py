@@ -60,13 +60,6 @@ class GemmaFlags:
     rope_per_layer_type: bool = False
 
 
-def _layer_types(hf_config: Any) -> list[str]:
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is None:  # transformers fills them in; a plain config may not
-        return [SLIDING if i % 2 == 0 else "full_attention" for i in range(hf_config.num_hidden_layers)]
-    return list(layer_types)
-
-
 def _rope_parameters(hf_config: Any, layer_type: str) -> dict[str, Any]:
     """The rope parameters of one layer type, from transformers' per-type
     layout ({"sliding_attention": {...}, "full_attention": {...}})."""
@@ -186,7 +179,8 @@ class Gemma2Model(nn.Module):
         # sqrt(hidden) in the model's dtype once the model is cast (transformers
         # rounds it the same way: the checkpoints were trained with it).
         self.register_buffer("normalizer", torch.tensor(hf_config.hidden_size**0.5), persistent=False)
-        self.layer_types = _layer_types(hf_config)
+        # transformers' config classes fill layer_types in (from sliding_window_pattern, or alternating)
+        self.layer_types: list[str] = list(hf_config.layer_types)
         self.layers = nn.ModuleList(
             Gemma2DecoderLayer(hf_config, flags, layer_type, attn_backend) for layer_type in self.layer_types
         )
