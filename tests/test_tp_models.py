@@ -37,6 +37,8 @@ MODEL_CLASSES = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 # Phi-3: fused qkv_proj / gate_up_proj tensors that each rank splits for its
 # own heads and rows; LongRoPE's long factors (prompts past the original 4)
@@ -45,9 +47,6 @@ PHI3_ROPE = dict(rope_type="longrope", short_factor=[1.0, 1.2, 1.5, 2.0, 2.6, 3.
                  long_factor=[1.0, 2.0, 4.0, 7.0, 11.0, 16.0])
 PHI3 = dict(pad_token_id=0, eos_token_id=2, original_max_position_embeddings=4, partial_rotary_factor=0.75,
             rope_parameters=PHI3_ROPE)
-    "Gemma2ForCausalLM": Gemma2ForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-}
 # Gemma with its mechanisms active on these short prompts: a 4-token window,
 # caps that clip (weights at 5x the default scale), norm weights away from 0.
 GEMMA_ACTIVE = dict(sliding_window=4, initializer_range=0.1, final_logit_softcapping=3.0, norm_noise=0.5)

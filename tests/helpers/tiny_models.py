@@ -18,24 +18,24 @@ TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": 512, **{key: value for key, value in TINY_SIZES.items() if key != "head_dim"}
 }
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-
-
-def _config_class(arch: str) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
-
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-               "phi3": Phi3Config}
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # Their configs default head_dim to 128 or 256.
 OWN_HEAD_DIM = ("qwen3", "mistral", "gemma2", "gemma3")
 
 
 def _config_class(arch: str) -> Any:
-    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-               "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
+               "phi3": Phi3Config, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
     if arch not in classes:
         raise ValueError(f"arch={arch!r}; expected one of {ARCHITECTURES}")
     return classes[arch]
