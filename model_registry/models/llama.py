@@ -51,7 +51,14 @@ def _layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf_config: Any, flags: LlamaFlags, layer_idx: int, attn_backend: type[AttentionBackend]):
+    def __init__(
+        self,
+        hf_config: Any,
+        flags: LlamaFlags,
+        layer_idx: int,
+        attn_backend: type[AttentionBackend],
+        scale: float | None = None,  # None: head_dim ** -0.5
+    ):
         super().__init__()
         hidden_size = hf_config.hidden_size
         total_num_heads = hf_config.num_attention_heads
@@ -74,7 +81,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            self.head_dim**-0.5 if scale is None else scale,
             self.num_kv_heads,
             attn_backend,
             sliding_window=_layer_sliding_window(hf_config, layer_idx),
@@ -143,11 +150,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # A family whose block differs (Granite's scaled residuals, OLMo 2's
+    # post-norms) names its own; it returns (h, residual) like Llama's, or
+    # (x, None) when it adds its own residual.
+    decoder_layer_cls: ClassVar[type[nn.Module]] = LlamaDecoderLayer
+
     def __init__(self, hf_config: Any, flags: LlamaFlags, attn_backend: type[AttentionBackend]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, flags, i, attn_backend) for i in range(hf_config.num_hidden_layers)
+            self.decoder_layer_cls(hf_config, flags, i, attn_backend) for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
         head_dim = cast(LlamaDecoderLayer, self.layers[0]).self_attn.head_dim if self.layers else 1
@@ -162,7 +174,7 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x = self.embed_input_ids(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions)  # [T, head_dim] each, shared by every layer
         residual = None
         aux_layers = self.aux_hidden_state_layers
@@ -175,9 +187,13 @@ class LlamaModel(nn.Module):
             self.aux_hidden_states = torch.cat([aux[idx] for idx in aux_layers], dim=-1)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.embed_tokens(input_ids)
+
 
 class LlamaForCausalLM(ModelForCausalLM):
     flags: ClassVar[LlamaFlags] = LlamaFlags()
+    model_cls: ClassVar[type[LlamaModel]] = LlamaModel
     supports_tensor_parallel: ClassVar[bool] = True
     # checkpoint module name -> (our stacked module, shard index)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
@@ -191,7 +207,7 @@ class LlamaForCausalLM(ModelForCausalLM):
     def __init__(self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, self.flags, attn_backend)
+        self.model = self.model_cls(hf_config, self.flags, attn_backend)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         if self.tie_word_embeddings:
