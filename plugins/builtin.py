@@ -89,6 +89,7 @@ def register_models(register: RegisterFn) -> None:
     register("Phi3ForCausalLM", "pagedllm.model_registry.models.phi3:Phi3ForCausalLM")
     register("Gemma2ForCausalLM", "pagedllm.model_registry.models.gemma2:Gemma2ForCausalLM")
     register("Gemma3ForCausalLM", "pagedllm.model_registry.models.gemma3:Gemma3ForCausalLM")
+    register("GraniteForCausalLM", "pagedllm.model_registry.models.granite:GraniteForCausalLM")
 
 
 @hookimpl
