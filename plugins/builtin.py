@@ -90,6 +90,7 @@ def register_models(register: RegisterFn) -> None:
     register("Gemma2ForCausalLM", "pagedllm.model_registry.models.gemma2:Gemma2ForCausalLM")
     register("Gemma3ForCausalLM", "pagedllm.model_registry.models.gemma3:Gemma3ForCausalLM")
     register("GraniteForCausalLM", "pagedllm.model_registry.models.granite:GraniteForCausalLM")
+    register("Olmo2ForCausalLM", "pagedllm.model_registry.models.olmo2:Olmo2ForCausalLM")
 
 
 @hookimpl
