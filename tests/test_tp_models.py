@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.attention_case import paged_metadata
+from helpers.perturbed_models import cached_perturbed_model
 from helpers.tiny_models import cached_tiny_model
 from helpers.tp_weights import expected_param_bytes
 
@@ -28,6 +29,9 @@ from pagedllm.model_registry.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.model_registry.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.model_registry.models.llama import LlamaForCausalLM
 from pagedllm.model_registry.models.phi3 import Phi3ForCausalLM
+from pagedllm.model_registry.models.granite import GraniteForCausalLM
+from pagedllm.model_registry.models.llama import LlamaForCausalLM
+from pagedllm.model_registry.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.model_registry.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.model_registry.models.qwen3 import Qwen3ForCausalLM
 
@@ -39,6 +43,8 @@ MODEL_CLASSES = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
 }
 # Phi-3: fused qkv_proj / gate_up_proj tensors that each rank splits for its
 # own heads and rows; LongRoPE's long factors (prompts past the original 4)
@@ -65,6 +71,15 @@ TEST_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
     }),
 }
+# Every weight perturbed (norms away from 1), so a rank's slice of OLMo 2's
+# full-width q/k norms shows when it is the wrong one.
+PERTURBED_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "granite": ("granite", {"embedding_multiplier": 8.0, "residual_multiplier": 0.3, "attention_multiplier": 1.5,
+                            "logits_scaling": 5.0, "initializer_range": 0.1}),
+    # q/k norms across ranks: the sum of squares all-reduced
+    "olmo2": ("olmo2", {"eos_token_id": 1}),
+    "olmo2-1-kv-head": ("olmo2", {"eos_token_id": 1, "num_key_value_heads": 1}),  # k_norm over a replicated head
+}
 PROMPTS = [[1, 17, 300, 42, 5, 99, 260], [7, 400, 3, 250, 12]]
 DECODE_TOKENS = [11, 23]
 BLOCK_SIZE, BLOCKS_PER_REQUEST = 4, 4
@@ -74,6 +89,7 @@ def model_paths() -> dict[str, Path]:
     from pagedllm.model_registry.tiny import get_default_model_dir
 
     paths = {name: cached_tiny_model(arch, **overrides) for name, (arch, overrides) in TEST_MODELS.items()}
+    paths |= {name: cached_perturbed_model(arch, **overrides) for name, (arch, overrides) in PERTURBED_MODELS.items()}
     return paths | {"tiny": get_default_model_dir()}  # the shipped model (Llama, tied, float16 on disk)
 
 
@@ -132,7 +148,7 @@ def tp2_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
     return run_ranks(__file__, 2, tmp_path_factory.mktemp("tp2"), *args, timeout=120)
 
 
-@pytest.mark.parametrize("name", [*TEST_MODELS, "tiny"])
+@pytest.mark.parametrize("name", [*TEST_MODELS, *PERTURBED_MODELS, "tiny"])
 def test_tp2_logits_equal_tp1(tp2_results: list[dict[str, Any]], name: str) -> None:
     path = model_paths()[name]
     expected = run_two_steps(load(path))
@@ -198,7 +214,7 @@ def test_models_declare_tensor_parallel_support() -> None:
     assert all(cls.supports_tensor_parallel for cls in MODEL_CLASSES.values())
 
 
-@pytest.mark.parametrize("name", [*TEST_MODELS, "tiny"])
+@pytest.mark.parametrize("name", [*TEST_MODELS, *PERTURBED_MODELS, "tiny"])
 def test_tp2_rank_holds_half_the_weights_and_its_heads(tp2_results: list[dict[str, Any]], name: str) -> None:
     config = load_hf_config(model_paths()[name])
     for results in tp2_results:

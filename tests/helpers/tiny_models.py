@@ -36,6 +36,14 @@ def _config_class(arch: str) -> Any:
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
                "phi3": Phi3Config, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2")
+
+
+def _config_class(arch: str) -> Any:
+    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config, Qwen2Config, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    classes |= {"granite": GraniteConfig, "olmo2": Olmo2Config}
     if arch not in classes:
         raise ValueError(f"arch={arch!r}; expected one of {ARCHITECTURES}")
     return classes[arch]
