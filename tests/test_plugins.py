@@ -122,6 +122,8 @@ def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
             "Phi3ForCausalLM": "pagedllm.model_registry.models.phi3:Phi3ForCausalLM",
             "Gemma2ForCausalLM": "pagedllm.model_registry.models.gemma2:Gemma2ForCausalLM",
             "Gemma3ForCausalLM": "pagedllm.model_registry.models.gemma3:Gemma3ForCausalLM",
+            "GraniteForCausalLM": "pagedllm.model_registry.models.granite:GraniteForCausalLM",
+            "Olmo2ForCausalLM": "pagedllm.model_registry.models.olmo2:Olmo2ForCausalLM",
         },
         "attention_backend": {
             "cpu": "pagedllm.attention_backends.torch_native:TorchNativeBackend",
@@ -658,6 +660,8 @@ def test_builtin_models_implement_the_model_interface_and_duck_typed_models_pass
     pm = get_plugin_manager()
     for name in ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GptOssForCausalLM",
                  "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]:
+    for name in ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "GraniteForCausalLM", "Olmo2ForCausalLM"]:
         model_cls = pm.models.load(name)
         assert ModelForCausalLM in model_cls.__mro__, name  # explicitly, not by duck typing
     required = {"forward", "compute_logits", "load_weights", "get_attention_layers"}
