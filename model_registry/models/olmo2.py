@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 
 
 class Olmo2Attention(LlamaAttention):
+    # Llama's q_norm / k_norm (Qwen3's, per head) under the checkpoint's names, full width here.
+    q_norm: ShardedRMSNorm  # type: ignore[assignment]
+    k_norm: ShardedRMSNorm  # type: ignore[assignment]
+
     def __init__(self, hf_config: Any, flags: LlamaFlags, layer_idx: int, attn_backend: type[AttentionBackend]):
         super().__init__(hf_config, flags, layer_idx, attn_backend)
         qkv_proj, eps = self.qkv_proj, hf_config.rms_norm_eps
