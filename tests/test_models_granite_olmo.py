@@ -10,9 +10,9 @@ setting: any other placement or grouping gives other logits.
   chunks beside decodes) give transformers' logits for every position.
 - Through the engine (LLM, float32): greedy tokens equal transformers'
   `generate` (and their logprobs its log-softmax) with a prefix-cache hit, chunked prefill mixed with decodes and
-  preemption under a small KV pool, all in one run; an n-gram drafter leaves
-  Granite's greedy tokens unchanged.
-The -tp 2 runs are in test_tp_models.py.
+  preemption under a small KV pool, all in one run; OLMo 2 the same at -tp 2
+  (mp executor); an n-gram drafter leaves Granite's greedy tokens unchanged.
+Both models' -tp 2 logits against -tp 1 are in test_tp_models.py.
 """
 
 from __future__ import annotations
@@ -154,12 +154,9 @@ def _check_block_invariant_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDLLM_DEBUG_KV", "1")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", list(MODELS))
-def test_engine_greedy_matches_hf_with_prefix_hits_chunks_and_preemption(arch: str) -> None:
-    # 16 blocks of 16 tokens: the second batch needs about 26, so requests are preempted and recomputed.
-    llm = LLM(model=str(model_path(arch)), dtype="float32", num_kv_blocks=16, max_num_batched_tokens=BUDGET,
-              max_model_len=256)
+def _assert_engine_matches_hf(arch: str, llm: LLM) -> None:
+    """Greedy tokens and their logprobs equal transformers', with a prefix
+    hit, prefill chunks beside decodes and preemptions on the way."""
     mixed_steps = _count_mixed_steps(llm)
     prefix = _prompts([48], seed=7)[0]  # exactly 3 blocks
     first = [prefix + _prompts([4], seed=8)[0]]
@@ -176,6 +173,30 @@ def test_engine_greedy_matches_hf_with_prefix_hits_chunks_and_preemption(arch: s
     assert all(output.num_cached_tokens >= 48 for output in outputs[:2])
     assert llm.engine_core.engine_core.scheduler.num_preemptions > 0  # type: ignore[attr-defined]
     assert mixed_steps[0] > 0
+
+
+def _llm(arch: str, **kwargs: Any) -> LLM:
+    # 16 blocks of 16 tokens: the second batch needs about 26, so requests are preempted and recomputed.
+    return LLM(model=str(model_path(arch)), dtype="float32", num_kv_blocks=16, max_num_batched_tokens=BUDGET,
+               max_model_len=256, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_engine_greedy_matches_hf_with_prefix_hits_chunks_and_preemption(arch: str) -> None:
+    _assert_engine_matches_hf(arch, _llm(arch))
+
+
+@pytest.mark.slow
+def test_olmo2_at_tp2_mp_matches_hf_with_prefix_hits_chunks_and_preemption() -> None:
+    """Two ranks (mp executor), one KV head each: q/k norms across ranks."""
+    llm = _llm("olmo2", tensor_parallel_size=2)
+    try:
+        ready = llm.engine_core.ready  # type: ignore[attr-defined]
+        assert (ready.executor, ready.world_size) == ("mp", 2)
+        _assert_engine_matches_hf("olmo2", llm)
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.slow
