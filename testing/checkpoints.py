@@ -25,15 +25,14 @@ TINY_SIZES: dict[str, Any] = dict(
 # defaults the shrinking above does not fit (plugin authors add theirs).
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {}
 
-# architecture -> values over transformers' defaults besides TINY_SIZES: a
-# few experts instead of 128, a window shorter than the suite's prompts.
+# architecture -> values over transformers' defaults besides TINY_SIZES:
+# a few experts instead of 128, a window shorter than the suite's prompts,
+# mechanisms that the defaults switch off (Granite's multipliers default to 1).
 CONFIG_OVERRIDES: dict[str, dict[str, Any]] = {
     "GptOssForCausalLM": dict(
         num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-# architecture -> config values over the shrunk defaults, where transformers'
-# defaults switch a mechanism off (Granite's multipliers default to 1).
-CONFIG_OVERRIDES: dict[str, dict[str, Any]] = {
+    ),
     "GraniteForCausalLM": dict(
         embedding_multiplier=8.0, residual_multiplier=0.3, attention_multiplier=1.5, logits_scaling=5.0
     ),
@@ -72,7 +71,6 @@ def config_json(architecture: str, sizes: dict[str, Any] | None = None) -> dict[
     config = AutoConfig.for_model(
         model_type, **sizes, **CONFIG_OVERRIDES.get(architecture, {}), vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        **CONFIG_OVERRIDES.get(architecture, {}),
         # The tokenizer's, not a default past the small vocabulary (Phi-3's 32000).
         pad_token_id=tokenizer.pad_token_id,
     )

@@ -659,9 +659,8 @@ def test_builtin_models_implement_the_model_interface_and_duck_typed_models_pass
 
     pm = get_plugin_manager()
     for name in ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GptOssForCausalLM",
-                 "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]:
-    for name in ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                 "GraniteForCausalLM", "Olmo2ForCausalLM"]:
+                 "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
+                 "Olmo2ForCausalLM"]:
         model_cls = pm.models.load(name)
         assert ModelForCausalLM in model_cls.__mro__, name  # explicitly, not by duck typing
     required = {"forward", "compute_logits", "load_weights", "get_attention_layers"}

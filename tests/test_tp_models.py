@@ -27,11 +27,10 @@ from pagedllm.attention_backends.torch_native import TorchNativeBackend
 from pagedllm.model_registry.loader import load_hf_config, load_model
 from pagedllm.model_registry.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.model_registry.models.gemma3 import Gemma3ForCausalLM
-from pagedllm.model_registry.models.llama import LlamaForCausalLM
-from pagedllm.model_registry.models.phi3 import Phi3ForCausalLM
 from pagedllm.model_registry.models.granite import GraniteForCausalLM
 from pagedllm.model_registry.models.llama import LlamaForCausalLM
 from pagedllm.model_registry.models.olmo2 import Olmo2ForCausalLM
+from pagedllm.model_registry.models.phi3 import Phi3ForCausalLM
 from pagedllm.model_registry.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.model_registry.models.qwen3 import Qwen3ForCausalLM
 

@@ -18,7 +18,7 @@ TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": 512, **{key: value for key, value in TINY_SIZES.items() if key != "head_dim"}
 }
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "granite", "olmo2")
 # Their configs default head_dim to 128 or 256.
 OWN_HEAD_DIM = ("qwen3", "mistral", "gemma2", "gemma3")
 
@@ -27,23 +27,18 @@ def _config_class(arch: str) -> Any:
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        GraniteConfig,
         LlamaConfig,
         MistralConfig,
+        Olmo2Config,
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
     )
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-               "phi3": Phi3Config, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2")
-
-
-def _config_class(arch: str) -> Any:
-    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config, Qwen2Config, Qwen3Config
-
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
-    classes |= {"granite": GraniteConfig, "olmo2": Olmo2Config}
+               "phi3": Phi3Config, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig,
+               "granite": GraniteConfig, "olmo2": Olmo2Config}
     if arch not in classes:
         raise ValueError(f"arch={arch!r}; expected one of {ARCHITECTURES}")
     return classes[arch]

@@ -25,8 +25,6 @@ def expected_param_bytes(hf_config: Any, tp_size: int, element_size: int = 4) ->
         + 2 * intermediate * hidden + hidden * intermediate  # gate_up_proj, down_proj
         + (4 if hf_config.model_type in GEMMA else 2) * hidden  # the RMSNorms, replicated
         + (2 * head_dim if hf_config.model_type in ("qwen3", "gemma3_text") else 0)  # q_norm, k_norm
-        + 2 * hidden  # the two RMSNorms, replicated
-        + (2 * head_dim if hf_config.model_type == "qwen3" else 0)  # q_norm, k_norm
         + (q_rows + kv_rows if hf_config.model_type == "olmo2" else 0)  # q_norm, k_norm over this rank's heads
     )
     vocab_rows = math.ceil(hf_config.vocab_size / tp_size)
