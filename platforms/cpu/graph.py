@@ -174,6 +174,8 @@ class CpuGraph:
         outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
         if len(outputs) != len(tree_flatten(out)[0]):
             raise GraphCaptureError(f"{func} returns a host value: the forward reads data on the host")
+        if func is torch.ops.aten.dropout.default and not _dropout_trains(args, kwargs):
+            return  # eval-mode dropout (transformers' modeling code calls it): the input itself, nothing to replay
         if torch.Tag.nondeterministic_seeded in func.tags:
             raise GraphCaptureError(f"{func} draws random numbers")
         self._held += inputs + outputs
@@ -205,3 +207,10 @@ class CpuGraph:
             raise GraphCaptureError("a replay did not reproduce the captured forward: some computation was "
                                     "neither an ATen operation nor a C kernel called through kernel_call")
 
+
+def _dropout_trains(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """aten.dropout(input, p, train): whether it draws (train and p > 0);
+    otherwise ATen returns the input tensor itself."""
+    p = args[1] if len(args) > 1 else kwargs["p"]
+    train = args[2] if len(args) > 2 else kwargs["train"]
+    return bool(train) and p > 0
