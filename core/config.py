@@ -55,6 +55,13 @@ class ModelConfig(_Section):
     seed: int = 0
     # Overrides config.json's architectures[0].
     architecture: str | None = None
+    # Which implementation serves the architecture (vLLM's --model-impl):
+    # native = the class a plugin registers for it (the built-ins included);
+    # transformers = transformers' own modeling code with paged attention
+    # (the Transformers fallback), even where a native class exists; auto =
+    # native when registered, else the fallback for a decoder-only
+    # architecture transformers knows.
+    model_impl: Literal["auto", "native", "transformers"] = "auto"
     # A registered quantization method (plugin kind `quantization_method`):
     # how the linear layers' weights are stored and multiplied. None = as loaded.
     quantization: str | None = None
@@ -409,6 +416,7 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "max_model_len": ("model", "max_model_len"),
     "seed": ("model", "seed"),
     "architecture": ("model", "architecture"),
+    "model_impl": ("model", "model_impl"),
     "quantization": ("model", "quantization"),
     "load_format": ("model", "load_format"),
     "logits_processors": ("model", "logits_processors"),

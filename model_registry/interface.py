@@ -100,6 +100,12 @@ class ModelForCausalLM(nn.Module, metaclass=ABCMeta):
         saved rotary table, or the copy of a tied lm_head)."""
         return False
 
+    def map_checkpoint_name(self, name: str) -> str:
+        """The parameter name a checkpoint entry fills (the strict loader asks
+        before matching it): itself, unless the model's checkpoints use older
+        names (the Transformers fallback applies transformers' renamings)."""
+        return name
+
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
         """Keep the hidden states entering these layers at every forward
         (EAGLE-3's features); a model that cannot says so."""

@@ -251,16 +251,18 @@ def load_weights_strict(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
     naming every missing and unexpected one."""
     expected = expected_checkpoint_names(model)
     is_ignored = getattr(model, "is_ignored_weight", lambda name: False)
+    map_name = getattr(model, "map_checkpoint_name", None)  # absent on duck-typed (1.0) models
     seen: set[str] = set()
     unexpected: set[str] = set()
 
     def accepted() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
+        for checkpoint_name, tensor in weights:
+            name = checkpoint_name if map_name is None else map_name(checkpoint_name)
             if name in expected:
                 seen.add(name)
                 yield name, tensor
             elif not is_ignored(name):
-                unexpected.add(name)
+                unexpected.add(checkpoint_name)
 
     try:
         loaded_params = model.load_weights(accepted())  # type: ignore[operator]

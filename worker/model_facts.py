@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from pagedllm.attention_backends.base import AttentionRequirements
+    from pagedllm.model_registry.model_impl import ModelImplChoice
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class ModelFacts:
     # What the model's attention layers ask of the backend (the model
     # class's `attention_requirements`); None: only head_size and sliding_window.
     attention_requirements: AttentionRequirements | None = None
+    # Which implementation serves the architecture (model.model_impl resolved), and why.
+    model_impl: ModelImplChoice | None = None
 
     @property
     def position_limit(self) -> int | None:
@@ -45,3 +48,9 @@ class ModelFacts:
         """Each rank's query and KV heads at `tp_size`: exactly the split of
         the model's QKVParallelLinear (ConfigError when they cannot be split)."""
         return partition_heads(self.hf_config.num_attention_heads, self.num_kv_heads, tp_size)
+
+    def impl(self) -> ModelImplChoice:
+        """`model_impl`, which `read_model_facts` always sets."""
+        if self.model_impl is None:
+            raise RuntimeError("ModelFacts.model_impl was not resolved (build facts with read_model_facts)")
+        return self.model_impl

@@ -33,6 +33,7 @@ from pagedllm.model_registry.interface import attention_requirements_of
 from pagedllm.model_registry.kv_cache import allocate_kv_caches
 from pagedllm.model_registry.layers.ops import OpRegistry, bind_layer_ops
 from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
+from pagedllm.model_registry.model_impl import load_model_class, resolve_model_impl
 from pagedllm.model_registry.model_source import resolve_model_path
 from pagedllm.platforms import resolve_platform
 from pagedllm.platforms.cpu.host_memory import resident_bytes
@@ -72,6 +73,7 @@ def read_model_facts(config: EngineConfig, platform: Platform, plugin_manager: P
     sliding_window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
     dtype = platform.resolve_dtype(config.model.dtype, _config_dtype(hf))
     architecture = get_architecture(hf, config.model.architecture)
+    model_impl = resolve_model_impl(architecture, config.model.model_impl, plugin_manager.models)
     return ModelFacts(
         path=path,
         hf_config=hf,
@@ -81,7 +83,8 @@ def read_model_facts(config: EngineConfig, platform: Platform, plugin_manager: P
         head_size=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
         sliding_window=sliding_window,
-        attention_requirements=attention_requirements_of(plugin_manager.models.load(architecture), hf),
+        attention_requirements=attention_requirements_of(load_model_class(model_impl, plugin_manager.models), hf),
+        model_impl=model_impl,
     )
 
 
@@ -106,6 +109,12 @@ def plan_ranks(
         plugin_manager=plugin_manager,
     )
     check_tensor_parallel(config, facts, plugin_manager)
+    if config.model.quantization is not None and facts.impl().impl == "transformers":
+        raise ConfigError(
+            "model.quantization",
+            config.model.quantization,
+            f"None for {facts.architecture} on the Transformers fallback (its linear layers are transformers')",
+        )
     return platform, facts, attn_selection
 
 
@@ -117,7 +126,15 @@ def check_tensor_parallel(config: EngineConfig, facts: ModelFacts, plugin_manage
     tp_size = config.parallel.tensor_parallel_size
     if tp_size == 1:
         return
-    model_cls = plugin_manager.models.load(facts.architecture)
+    model_impl = facts.impl()
+    if model_impl.impl == "transformers":
+        raise ConfigError(
+            "parallel.tensor_parallel_size",
+            tp_size,
+            f"1: architecture {facts.architecture} runs on the Transformers fallback ({model_impl.reason}), "
+            "which has no tensor parallelism yet; use -tp 1, or a native model (model.model_impl='native')",
+        )
+    model_cls = load_model_class(model_impl, plugin_manager.models)
     if not getattr(model_cls, "supports_tensor_parallel", False):  # duck-typed models do not say so
         raise ConfigError(
             "parallel.tensor_parallel_size",
@@ -172,6 +189,7 @@ class Worker:
         logger.info("dtype %s (%s); KV cache %s (cache_dtype %s)", self.model_facts.dtype, self.platform.explain_dtype(
             config.model.dtype, _config_dtype(self.model_facts.hf_config)), self.model_facts.kv_cache_dtype,
             config.cache.cache_dtype)
+        logger.info("model %s: implementation %s", self.model_facts.architecture, self.model_facts.impl().describe())
         logger.info(
             "attention backend: %s (rejected: %s; rank %d)",
             self.attn_selection.name, self.attn_selection.rejected, rank,
@@ -247,7 +265,7 @@ class Worker:
         of every layer at tensor_parallel_size > 1)."""
         self.init_distributed()
         facts = self.model_facts
-        model_cls = self.plugin_manager.models.load(facts.architecture)
+        model_cls = load_model_class(facts.impl(), self.plugin_manager.models)
         # load_model builds model_cls (a ModelForCausalLM, checked by the registry).
         model = cast("ModelForCausalLM", load_model(
             facts.path,
