@@ -150,12 +150,14 @@ def _env_requirements(args: argparse.Namespace) -> AttentionRequirements:
         return AttentionRequirements((args.head_size,), args.sliding_window, args.logits_soft_cap, args.sinks)
     from pagedllm.model_registry.interface import attention_requirements_of
     from pagedllm.model_registry.loader import get_architecture, load_hf_config
+    from pagedllm.model_registry.model_impl import load_model_class, resolve_model_impl
     from pagedllm.model_registry.model_source import resolve_model_path
     from pagedllm.plugins import get_plugin_manager
 
     manager = get_plugin_manager()
     hf_config = load_hf_config(resolve_model_path(args.model, manager))
-    return attention_requirements_of(manager.models.load(get_architecture(hf_config)), hf_config)
+    choice = resolve_model_impl(get_architecture(hf_config), args.model_impl, manager.models)
+    return attention_requirements_of(load_model_class(choice, manager.models), hf_config)
 
 
 def _env_features(requirements: AttentionRequirements) -> str:
@@ -208,6 +210,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         "sinks": requirements.sinks,
         "torch": torch.__version__,
         **_env_executor(args, platform),
+        **_env_model_impl(args),
     }
     if args.json:
         _print_json(payload)
@@ -228,6 +231,8 @@ def cmd_env(args: argparse.Namespace) -> int:
         ("world size", payload["world_size"]),
         ("communicator", payload["communicator"]),
     ]
+    if "model_impl" in payload:
+        rows.append(("model", f"{payload['architecture']}: {payload['model_impl']} ({payload['model_impl_reason']})"))
     for label, value in rows:
         print(f"{label + ':':<20}{value}")
     print("rejected:" if selection.rejected else f"{'rejected:':<20}none")
@@ -256,6 +261,22 @@ def _env_executor(args: argparse.Namespace, platform: Platform) -> dict[str, Any
     world_size = config.parallel.tensor_parallel_size
     communicator = platform.describe_communicator() if world_size > 1 else "none (one rank)"
     return {"executor": name, "world_size": world_size, "communicator": communicator}
+
+
+def _env_model_impl(args: argparse.Namespace) -> dict[str, Any]:
+    """Which implementation would serve `--model` under `--model-impl`, and
+    why (nothing without `--model`)."""
+    if args.model is None:
+        return {}
+    from pagedllm.model_registry.loader import get_architecture, load_hf_config
+    from pagedllm.model_registry.model_impl import resolve_model_impl
+    from pagedllm.model_registry.model_source import resolve_model_path
+    from pagedllm.plugins import get_plugin_manager
+
+    plugin_manager = get_plugin_manager()
+    architecture = get_architecture(load_hf_config(resolve_model_path(args.model, plugin_manager)))
+    choice = resolve_model_impl(architecture, args.model_impl, plugin_manager.models)
+    return {"architecture": architecture, "model_impl": choice.impl, "model_impl_reason": choice.reason}
 
 
 def _print_other_backends(platform: Platform, selection: BackendSelection, backends: dict[str, list[str]]) -> None:
@@ -423,6 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "overrides --head-size and the three flags above)")
     env.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
     env.add_argument("--distributed-executor-backend", default="auto", metavar="NAME")
+    env.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],
+                     help="which implementation serves --model (as serve's --model-impl): env says which and why")
     env.set_defaults(func=cmd_env)
 
     proxy = sub.add_parser(
