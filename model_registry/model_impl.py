@@ -34,15 +34,16 @@ class UnsupportedArchitectureError(UnknownComponentError, ConfigError):
     the unknown-model error an unregistered architecture always raised."""
 
     def __init__(self, architecture: str, registered: list[str], model_impl: str) -> None:
-        UnknownComponentError.__init__(self, "model", architecture, registered)
-        self.key = "model.architecture"
-        self.value = architecture
+        self.kind, self.name, self.known = "model", architecture, registered  # UnknownComponentError's
+        self.key, self.value = "model.architecture", architecture  # ConfigError's
         self.allowed = (
             f"a registered architecture ({', '.join(sorted(registered)) or 'none'})"
             + ("" if model_impl == "native" else ", or a decoder-only causal LM that transformers knows")
         )
-        self.args = (f"{self.key}={architecture!r} is invalid; allowed: {self.allowed} "
-                     f"(model.model_impl={model_impl!r})",)
+        # NOTE: neither base's __init__ (each builds its own message).
+        Exception.__init__(
+            self, f"{self.key}={architecture!r} is invalid; allowed: {self.allowed} (model.model_impl={model_impl!r})"
+        )
 
 
 @dataclass(frozen=True)

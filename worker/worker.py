@@ -189,11 +189,9 @@ class Worker:
         logger.info("dtype %s (%s); KV cache %s (cache_dtype %s)", self.model_facts.dtype, self.platform.explain_dtype(
             config.model.dtype, _config_dtype(self.model_facts.hf_config)), self.model_facts.kv_cache_dtype,
             config.cache.cache_dtype)
-        logger.info("model %s: implementation %s", self.model_facts.architecture, self.model_facts.impl().describe())
-        logger.info(
-            "attention backend: %s (rejected: %s; rank %d)",
-            self.attn_selection.name, self.attn_selection.rejected, rank,
-        )
+        logger.info("model %s: implementation %s; attention backend: %s (rejected: %s; rank %d)",
+                    self.model_facts.architecture, self.model_facts.impl().describe(), self.attn_selection.name,
+                    self.attn_selection.rejected, rank)
         method = config.speculative.method
         self.drafter_cls: type[Drafter] | None = None if method is None else self.plugin_manager.drafters.load(method)
         # How many tokens each request drafts per step (an unknown name fails here).
