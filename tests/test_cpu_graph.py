@@ -71,6 +71,18 @@ def test_a_forward_that_draws_random_numbers_is_refused() -> None:
         CpuGraph.capture(lambda: x + torch.rand(4))
 
 
+@torch.inference_mode()
+def test_eval_mode_dropout_is_replayed_as_the_identity_and_training_dropout_refused() -> None:
+    # transformers' modeling code calls dropout in every layer, in eval mode too.
+    x = torch.ones(4)
+    graph = CpuGraph.capture(lambda: torch.nn.functional.dropout(x * 2, p=0.1, training=False) + 1)
+    x.fill_(5.0)
+    graph.replay()
+    assert graph.output is not None and graph.output.tolist() == [11.0] * 4
+    with pytest.raises(GraphCaptureError, match="random"):
+        CpuGraph.capture(lambda: torch.nn.functional.dropout(x * 2, p=0.1, training=True))
+
+
 def test_a_computation_outside_both_recorders_fails_the_capture_check() -> None:
     """A write through numpy is neither an ATen op nor a kernel_call: its
     result is missing from the replay, and the poisoned check sees it."""
