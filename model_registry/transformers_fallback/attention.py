@@ -26,7 +26,7 @@ model builds itself) is refused there, before any weight is loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -92,7 +92,7 @@ def paged_attention_forward(
             f"{type(module).__name__} was called without pagedllm's attention arguments: "
             "only TransformersForCausalLM.forward may run this attention implementation"
         )
-    layer = layers[module.layer_idx]
+    layer = layers[cast(int, module.layer_idx)]
     num_tokens = query.shape[2]
     # [1, H, T, D] -> [T, H * D]: the flattened batch the paged layer takes.
     out = layer(
