@@ -150,14 +150,15 @@ def _env_requirements(args: argparse.Namespace) -> AttentionRequirements:
         return AttentionRequirements((args.head_size,), args.sliding_window, args.logits_soft_cap, args.sinks)
     from pagedllm.model_registry.interface import attention_requirements_of
     from pagedllm.model_registry.loader import get_architecture, load_hf_config
-    from pagedllm.model_registry.model_impl import load_model_class, resolve_model_impl
+    from pagedllm.model_registry.model_impl import resolve_model_impl
     from pagedllm.model_registry.model_source import resolve_model_path
     from pagedllm.plugins import get_plugin_manager
+    from pagedllm.worker.worker import load_model_class
 
     manager = get_plugin_manager()
     hf_config = load_hf_config(resolve_model_path(args.model, manager))
     choice = resolve_model_impl(get_architecture(hf_config), args.model_impl, manager.models)
-    return attention_requirements_of(load_model_class(choice, manager.models), hf_config)
+    return attention_requirements_of(load_model_class(choice, manager), hf_config)
 
 
 def _env_features(requirements: AttentionRequirements) -> str:

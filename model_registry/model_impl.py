@@ -77,7 +77,7 @@ def resolve_model_impl(
         return ModelImplChoice(architecture, "native", reason)
     if model_impl not in ("auto", "transformers"):
         raise ConfigError("model.model_impl", model_impl, "'auto', 'native' or 'transformers'")
-    from pagedllm.model_registry.transformers_fallback.model import causal_lm_class
+    from pagedllm.model_registry.transformers_fallback.config import causal_lm_class
 
     if causal_lm_class(architecture) is None:
         raise UnsupportedArchitectureError(architecture, registered, model_impl)
@@ -86,14 +86,3 @@ def resolve_model_impl(
     else:
         reason = "fallback: no plugin registers the architecture"
     return ModelImplChoice(architecture, "transformers", reason)
-
-
-def load_model_class(
-    choice: ModelImplChoice, models: Registry[ModelForCausalLM, ModelInfo]
-) -> type[ModelForCausalLM]:
-    """The class to build for `choice` (its module imported now)."""
-    if choice.impl == "native":
-        return models.load(choice.architecture)
-    from pagedllm.model_registry.transformers_fallback.model import TransformersForCausalLM
-
-    return TransformersForCausalLM

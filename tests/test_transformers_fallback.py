@@ -8,7 +8,8 @@ GPT-NeoX (parallel residual, partial rotary, fused interleaved qkv, an
 each, with prefill chunks of at most 16 tokens mixed with decodes and a
 second batch that hits the prefix cache. The same Llama checkpoint gives the
 same tokens natively and through the fallback; an n-gram drafter on the
-fallback changes no token. Each refusal is a typed error naming its field.
+fallback changes no token; -tp 2 follows transformers' TP plan. Each
+refusal is a typed error naming its field.
 """
 
 from __future__ import annotations
@@ -166,6 +167,18 @@ def test_ngram_drafts_on_the_fallback_change_no_token(checkpoints: dict[str, Pat
     assert llm.engine_core.engine_core.scheduler.total_spec_decoding_stats.num_draft_tokens > 0
 
 
+@pytest.mark.slow
+def test_fallback_follows_transformers_tp_plan_at_tp_2(checkpoints: dict[str, Path]) -> None:
+    """Starcoder2's plan: q/k/v and c_fc column-, o_proj and c_proj row-parallel,
+    the embedding and LM head by vocabulary; each rank holds 2 query heads and
+    1 KV head of the paged cache."""
+    path = checkpoints["starcoder2"]
+    llm = LLM(model=str(path), dtype="float32", tensor_parallel_size=2, block_size=BLOCK_SIZE, num_kv_blocks=96,
+              max_num_batched_tokens=TOKEN_BUDGET, enforce_eager=True)
+    prompts = _prompts(1, PROMPT_LENS)
+    assert _tokens(_generate(llm, prompts)) == hf_greedy(path, prompts)
+
+
 # ---- refusals: typed errors with the field and the value ----------------------------------------
 
 
@@ -188,10 +201,20 @@ def test_native_impl_for_an_unregistered_architecture_is_a_config_error(checkpoi
     assert (excinfo.value.key, excinfo.value.value) == ("model.model_impl", "native")
 
 
-def test_tensor_parallel_on_the_fallback_is_a_config_error(checkpoints: dict[str, Path]) -> None:
-    with pytest.raises(ConfigError, match="GPTNeoXForCausalLM runs on the Transformers fallback") as excinfo:
-        _plan(checkpoints["gpt_neox"], tensor_parallel_size=2)
+def test_tensor_parallel_without_a_transformers_tp_plan_is_a_config_error(tmp_path: Path) -> None:
+    from transformers import StableLmConfig
+
+    path = _config_only(tmp_path / "m", "StableLmForCausalLM", StableLmConfig(**SIZES))
+    with pytest.raises(ConfigError, match="StableLmForCausalLM runs on the Transformers fallback, and transformers "
+                       "declares no tensor-parallel plan") as excinfo:
+        _plan(path, tensor_parallel_size=2)
     assert (excinfo.value.key, excinfo.value.value) == ("parallel.tensor_parallel_size", 2)
+
+
+def test_tensor_parallel_with_heads_that_do_not_split_is_a_config_error(checkpoints: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError, match="GPTNeoXForCausalLM's attention heads") as excinfo:
+        _plan(checkpoints["gpt_neox"], tensor_parallel_size=3)
+    assert (excinfo.value.key, excinfo.value.value) == ("parallel.tensor_parallel_size", 3)
 
 
 def test_quantization_on_the_fallback_is_a_config_error(checkpoints: dict[str, Path]) -> None:

@@ -33,8 +33,10 @@ from pagedllm.model_registry.interface import attention_requirements_of
 from pagedllm.model_registry.kv_cache import allocate_kv_caches
 from pagedllm.model_registry.layers.ops import OpRegistry, bind_layer_ops
 from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
-from pagedllm.model_registry.model_impl import load_model_class, resolve_model_impl
+from pagedllm.model_registry.model_impl import ModelImplChoice, resolve_model_impl
 from pagedllm.model_registry.model_source import resolve_model_path
+from pagedllm.model_registry.transformers_fallback.model import TransformersForCausalLM
+from pagedllm.model_registry.transformers_fallback.tensor_parallel import check_fallback_tensor_parallel
 from pagedllm.platforms import resolve_platform
 from pagedllm.platforms.cpu.host_memory import resident_bytes
 from pagedllm.plugins import get_plugin_manager
@@ -83,7 +85,7 @@ def read_model_facts(config: EngineConfig, platform: Platform, plugin_manager: P
         head_size=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
         sliding_window=sliding_window,
-        attention_requirements=attention_requirements_of(load_model_class(model_impl, plugin_manager.models), hf),
+        attention_requirements=attention_requirements_of(load_model_class(model_impl, plugin_manager), hf),
         model_impl=model_impl,
     )
 
@@ -127,14 +129,9 @@ def check_tensor_parallel(config: EngineConfig, facts: ModelFacts, plugin_manage
     if tp_size == 1:
         return
     model_impl = facts.impl()
-    if model_impl.impl == "transformers":
-        raise ConfigError(
-            "parallel.tensor_parallel_size",
-            tp_size,
-            f"1: architecture {facts.architecture} runs on the Transformers fallback ({model_impl.reason}), "
-            "which has no tensor parallelism yet; use -tp 1, or a native model (model.model_impl='native')",
-        )
-    model_cls = load_model_class(model_impl, plugin_manager.models)
+    if model_impl.impl == "transformers":  # transformers' TP plan decides
+        check_fallback_tensor_parallel(facts.hf_config, facts.architecture, tp_size)
+    model_cls = load_model_class(model_impl, plugin_manager)
     if not getattr(model_cls, "supports_tensor_parallel", False):  # duck-typed models do not say so
         raise ConfigError(
             "parallel.tensor_parallel_size",
@@ -144,6 +141,13 @@ def check_tensor_parallel(config: EngineConfig, facts: ModelFacts, plugin_manage
         )
     facts.heads_per_rank(tp_size)  # the ConfigError QKVParallelLinear would raise in every rank
     check_kv_connector_supports(config, plugin_manager)
+
+
+def load_model_class(choice: ModelImplChoice, plugin_manager: PluginManager) -> type[ModelForCausalLM]:
+    """The class to build for `choice`: the registered one, or the Transformers fallback."""
+    if choice.impl == "native":
+        return plugin_manager.models.load(choice.architecture)
+    return TransformersForCausalLM
 
 
 def rank_on_host(parallel: ParallelConfig, local_rank: int) -> tuple[int, int]:
@@ -263,7 +267,7 @@ class Worker:
         of every layer at tensor_parallel_size > 1)."""
         self.init_distributed()
         facts = self.model_facts
-        model_cls = load_model_class(facts.impl(), self.plugin_manager.models)
+        model_cls = load_model_class(facts.impl(), self.plugin_manager)
         # load_model builds model_cls (a ModelForCausalLM, checked by the registry).
         model = cast("ModelForCausalLM", load_model(
             facts.path,

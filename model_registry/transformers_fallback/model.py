@@ -14,15 +14,15 @@ paged attention needs neither). The final norm's output [T, hidden] is the
 hidden state; `compute_logits` applies the output embeddings and the
 final-logit transforms transformers' CausalLM forward applies.
 
-Limits: tensor parallelism, quantization and EAGLE's auxiliary hidden states
-are native-model features; architectures whose attention modules do not
+Tensor parallelism follows transformers' TP plan for the architecture
+(tensor_parallel.py). Limits: quantization and EAGLE's auxiliary hidden
+states are native-model features; architectures whose attention modules do not
 take transformers' attention interface (``_supports_attention_backend``) or
 that pass arguments the paged backends cannot honour are refused.
 """
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -31,8 +31,11 @@ import torch
 from torch import nn
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.model_registry.interface import ModelForCausalLM
 from pagedllm.model_registry.layers.attention import Attention
+from pagedllm.model_registry.layers.logits_head import LogitsHead
+from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead
 from pagedllm.model_registry.loader import default_weight_loader
 from pagedllm.model_registry.transformers_fallback.attention import (
     ATTN_IMPLEMENTATION,
@@ -40,6 +43,8 @@ from pagedllm.model_registry.transformers_fallback.attention import (
     UnsupportedAttentionError,
     register_paged_attention,
 )
+from pagedllm.model_registry.transformers_fallback.config import causal_lm_class, transformers_config
+from pagedllm.model_registry.transformers_fallback.tensor_parallel import apply_tp_plan, check_tp_plan
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -47,33 +52,11 @@ if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend, AttentionMetadata
 
 
-def transformers_config(hf_config: Any) -> PretrainedConfig:
-    """A private transformers config for building the model (transformers
-    writes dtype and attention implementation into it): a copy of
-    `hf_config`, or AutoConfig's for a plain config read without transformers."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(hf_config, PretrainedConfig):
-        return copy.deepcopy(hf_config)
-    return AutoConfig.from_pretrained(hf_config.name_or_path, local_files_only=True, trust_remote_code=False)
-
-
-def causal_lm_class(architecture: str) -> type[PreTrainedModel] | None:
-    """transformers' class for `architecture` when it is a causal LM
-    transformers knows (a decoder with an LM head), else None."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if architecture not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
-        return None
-    import transformers
-
-    return cast("type[PreTrainedModel] | None", getattr(transformers, architecture, None))
-
-
 class TransformersForCausalLM(ModelForCausalLM):
     """Any decoder transformers knows, run by transformers with paged attention."""
 
-    supports_tensor_parallel: ClassVar[bool] = False
+    # Where transformers declares a TP plan for the architecture (tensor_parallel.py).
+    supports_tensor_parallel: ClassVar[bool] = True
     # Kept in __dict__, outside the module tree (their parameters are our children's).
     hf_model: PreTrainedModel
     base_model: nn.Module  # hf_model.base_model: embeddings, decoder layers, final norm
@@ -84,6 +67,10 @@ class TransformersForCausalLM(ModelForCausalLM):
         config = transformers_config(hf_config)
         architecture = str((getattr(config, "architectures", None) or ["?"])[0])
         hf_model = _build_transformers_model(config, architecture, dtype)
+        tp_size = get_tp_group().world_size
+        if tp_size > 1:
+            check_tp_plan(type(hf_model), config, architecture, tp_size)
+            apply_tp_plan(hf_model, config)
         # NOTE: the transformers model's children are ours, so parameter names
         # are the checkpoint's; the model itself is kept outside the module tree.
         for name, child in hf_model.named_children():
@@ -102,6 +89,7 @@ class TransformersForCausalLM(ModelForCausalLM):
             raise ConfigError("model.architecture", architecture, "a causal LM with output embeddings (an LM head)")
         self.__dict__["output_embeddings"] = output_embeddings  # one of those children
         self.tied_lm_head = output_embeddings.weight is hf_model.get_input_embeddings().weight
+        self.logits_head = LogitsHead(config.get_text_config().vocab_size)  # gathers a ParallelLMHead's logits
         text_config = config.get_text_config()
         self.final_logit_softcapping: float | None = getattr(text_config, "final_logit_softcapping", None)
         self.logits_scaling: float | None = getattr(text_config, "logits_scaling", None)  # Granite: divides
@@ -124,7 +112,10 @@ class TransformersForCausalLM(ModelForCausalLM):
         return cast(torch.Tensor, out.last_hidden_state[0])
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.output_embeddings(hidden_states)
+        if isinstance(self.output_embeddings, ParallelLMHead):  # tensor parallel: this rank's vocabulary
+            logits = self.logits_head(self.output_embeddings, hidden_states)
+        else:
+            logits = self.output_embeddings(hidden_states)
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
         if self.logits_scaling is not None:
@@ -170,7 +161,9 @@ class TransformersForCausalLM(ModelForCausalLM):
         for name, tensor in weights:
             if self.is_ignored_weight(name):
                 continue
-            default_weight_loader(params[name], tensor)
+            param = params[name]
+            # A tensor-parallel layer's loader narrows the full tensor to this rank's slice.
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
         return loaded
 
