@@ -125,6 +125,9 @@ def test_fallback_greedy_tokens_equal_transformers_generate(arch: str, checkpoin
     worker = _driver_worker(llm)
     assert type(worker.model) is TransformersForCausalLM
     assert worker.model_facts.model_impl.reason == "fallback: no plugin registers the architecture"
+    # The TP plan applies at one rank too: the linear layers are pagedllm's (the platform's GEMMs).
+    assert {type(m).__name__ for m in worker.model.modules()} >= {
+        "FallbackColumnParallelLinear", "FallbackRowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead"}
 
     first = _prompts(1, PROMPT_LENS)
     assert _tokens(_generate(llm, first)) == hf_greedy(path, first)

@@ -70,7 +70,9 @@ class TransformersForCausalLM(ModelForCausalLM):
         tp_size = get_tp_group().world_size
         if tp_size > 1:
             check_tp_plan(type(hf_model), config, architecture, tp_size)
-            apply_tp_plan(hf_model, config)
+        # NOTE: at one rank too: pagedllm's linear layers take the platform's
+        # GEMMs (the CPU's prepacked ones), which transformers' nn.Linear do not.
+        apply_tp_plan(hf_model, config, strict=tp_size > 1)
         # NOTE: the transformers model's children are ours, so parameter names
         # are the checkpoint's; the model itself is kept outside the module tree.
         for name, child in hf_model.named_children():

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.model_registry.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.model_registry.layers.tp_heads import TP_SIZE_FIELD
 from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -52,8 +53,9 @@ class FallbackRowParallelLinear(RowParallelLinear):
 
 
 def tp_plan_of(model_cls: type[PreTrainedModel], config: Any) -> dict[str, str]:
-    """The model class's whole plan (its own entries and its base model's,
-    prefixed), as transformers assembles it, without building the model."""
+    """The model class's plan (its own entries and its base model's,
+    prefixed) without building the model: what the engine checks. (A built
+    model's `tp_plan` may add the input embeddings, `embedding_rowwise`.)"""
     plan = dict(getattr(model_cls, "_tp_plan", None) or {})
     prefix = model_cls.base_model_prefix
     for pattern, style in (getattr(config, "base_model_tp_plan", None) or {}).items():
@@ -78,40 +80,47 @@ def check_tp_plan(model_cls: type[PreTrainedModel], config: Any, architecture: s
                           f"and key/value heads ({num_kv_heads}) on the Transformers fallback")
 
 
-def apply_tp_plan(hf_model: PreTrainedModel, config: Any) -> None:
-    """Replace every module the plan names by this rank's parallel layer."""
-    plan = tp_plan_of(type(hf_model), config)
+def apply_tp_plan(hf_model: PreTrainedModel, config: Any, *, strict: bool = True) -> None:
+    """Replace every module the plan names by this rank's parallel layer.
+    `strict` False (one rank): replace what can be, leave the rest as it is
+    (the layers still gain the platform's GEMMs); True: the rest is a ConfigError."""
+    plan = getattr(hf_model, "tp_plan", None) or tp_plan_of(type(hf_model), config)  # as the instance assembled it
     patterns = [(re.compile("^" + re.escape(name).replace(r"\*", r"\d+") + "$"), style) for name, style in plan.items()]
     tied = hf_model.get_output_embeddings() is not None and (
         hf_model.get_output_embeddings().weight is hf_model.get_input_embeddings().weight
     )
     for name, module in list(hf_model.named_modules()):
         style = next((style for pattern, style in patterns if pattern.match(name)), None)
-        if style is not None:
+        if style is None:
+            continue
+        layer = _parallel_layer(module, style)
+        if layer is None and strict:
+            raise ConfigError(TP_SIZE_FIELD, get_tp_group().world_size, f"1: the TP plan's {style!r} for {name} "
+                              f"({type(module).__name__}) is not applied by the Transformers fallback")
+        if layer is not None:
             parent_name, _, child_name = name.rpartition(".")
-            parent = hf_model.get_submodule(parent_name)
-            setattr(parent, child_name, _parallel_layer(module, style, name))
+            setattr(hf_model.get_submodule(parent_name), child_name, layer)
     if tied:
         output_embeddings = hf_model.get_output_embeddings()
         output_embeddings.weight = hf_model.get_input_embeddings().weight
 
 
-def _parallel_layer(module: nn.Module, style: str, name: str) -> nn.Module:
+def _parallel_layer(module: nn.Module, style: str) -> nn.Module | None:
+    """This rank's layer for `module` under `style` (None: not one the fallback builds)."""
     weight = cast(torch.Tensor, module.weight)
-    device, dtype = weight.device, weight.dtype
-    with torch.device(device):
-        if style == "embedding_rowwise" and isinstance(module, nn.Embedding):
-            layer: nn.Module = VocabParallelEmbedding(module.num_embeddings, module.embedding_dim)
-        elif style == "colwise_gather_output" and isinstance(module, nn.Linear) and module.bias is None:
+    layer: nn.Module
+    with torch.device(weight.device):
+        if style == "embedding_rowwise" and type(module) is nn.Embedding:
+            layer = VocabParallelEmbedding(module.num_embeddings, module.embedding_dim)
+        elif style == "colwise_gather_output" and type(module) is nn.Linear and module.bias is None:
             layer = ParallelLMHead(module.out_features, module.in_features)
-        elif style == "colwise" and isinstance(module, nn.Linear):
+        elif style == "colwise" and type(module) is nn.Linear:
             layer = FallbackColumnParallelLinear(module.in_features, module.out_features, bias=module.bias is not None)
-        elif style == "rowwise" and isinstance(module, nn.Linear):
+        elif style == "rowwise" and type(module) is nn.Linear:
             layer = FallbackRowParallelLinear(module.in_features, module.out_features, bias=module.bias is not None)
         else:
-            raise ConfigError(TP_SIZE_FIELD, "> 1", f"1: the TP plan's {style!r} for {name} "
-                              f"({type(module).__name__}) is not applied by the Transformers fallback")
-    return layer.to(dtype)
+            return None
+    return layer.to(weight.dtype)
 
 
 def check_fallback_tensor_parallel(hf_config: Any, architecture: str, tp_size: int) -> None:
