@@ -14,8 +14,9 @@ paged attention needs neither). The final norm's output [T, hidden] is the
 hidden state; `compute_logits` applies the output embeddings and the
 final-logit transforms transformers' CausalLM forward applies.
 
-Tensor parallelism follows transformers' TP plan for the architecture
-(tensor_parallel.py). Limits: quantization and EAGLE's auxiliary hidden
+The linear layers, embeddings and LM head that transformers' TP plan for
+the architecture names are pagedllm's parallel layers (tensor_parallel.py):
+each rank's slice at -tp > 1, and at one rank the platform's GEMMs. Limits: quantization and EAGLE's auxiliary hidden
 states are native-model features; architectures whose attention modules do not
 take transformers' attention interface (``_supports_attention_backend``) or
 that pass arguments the paged backends cannot honour are refused.
