@@ -276,3 +276,21 @@ def test_env_says_which_implementation_serves_the_model(
         assert main(["env", "--json", "--model", str(path), "--model-impl", model_impl]) == 0
         payload = json.loads(capsys.readouterr().out)
         assert (payload["model_impl"], payload["model_impl_reason"]) == (impl, reason)
+
+
+def test_fallback_layers_that_disagree_with_the_kv_cache_are_a_load_error() -> None:
+    from types import SimpleNamespace
+
+    from pagedllm.model_registry.loader import ModelLoadError
+    from pagedllm.worker.worker import check_fallback_attention_layers
+
+    layers = [SimpleNamespace(num_kv_heads=2, head_size=16)]
+    model: Any = SimpleNamespace(get_attention_layers=lambda: layers)
+    facts: Any = SimpleNamespace(path="/m", architecture="XForCausalLM", head_size=16)
+    check_fallback_attention_layers(model, facts, 2)
+    layers.append(SimpleNamespace(num_kv_heads=2, head_size=32))
+    with pytest.raises(ModelLoadError, match="layer 1 attends with 2 KV heads of size 32"):
+        check_fallback_attention_layers(model, facts, 2)
+    with pytest.raises(ModelLoadError, match="layer 0 attends with 2 KV heads of size 16 on this rank, the KV "
+                       "cache is sized for 1"):
+        check_fallback_attention_layers(model, facts, 1)

@@ -32,7 +32,7 @@ from pagedllm.logits_processors.factory import build_logits_processors
 from pagedllm.model_registry.interface import attention_requirements_of
 from pagedllm.model_registry.kv_cache import allocate_kv_caches
 from pagedllm.model_registry.layers.ops import OpRegistry, bind_layer_ops
-from pagedllm.model_registry.loader import get_architecture, load_hf_config, load_model
+from pagedllm.model_registry.loader import ModelLoadError, get_architecture, load_hf_config, load_model
 from pagedllm.model_registry.model_impl import ModelImplChoice, resolve_model_impl
 from pagedllm.model_registry.model_source import resolve_model_path
 from pagedllm.model_registry.transformers_fallback.model import TransformersForCausalLM
@@ -148,6 +148,18 @@ def load_model_class(choice: ModelImplChoice, plugin_manager: PluginManager) -> 
     if choice.impl == "native":
         return plugin_manager.models.load(choice.architecture)
     return TransformersForCausalLM
+
+
+def check_fallback_attention_layers(model: ModelForCausalLM, facts: ModelFacts, num_kv_heads: int) -> None:
+    """The Transformers fallback's layers took their heads from transformers'
+    modules, this rank's KV cache takes them from the config: a ModelLoadError
+    where they disagree (an architecture whose config names its heads otherwise)."""
+    for idx, layer in enumerate(model.get_attention_layers()):
+        if (layer.num_kv_heads, layer.head_size) != (num_kv_heads, facts.head_size):
+            raise ModelLoadError(facts.path, detail=(
+                f"{facts.architecture} layer {idx} attends with {layer.num_kv_heads} KV heads of size "
+                f"{layer.head_size} on this rank, the KV cache is sized for {num_kv_heads} of size {facts.head_size}"
+            ))
 
 
 def rank_on_host(parallel: ParallelConfig, local_rank: int) -> tuple[int, int]:
@@ -279,6 +291,8 @@ class Worker:
             load_format=self.config.model.load_format,
             seed=self.config.model.seed,
         ))
+        if facts.impl().impl == "transformers":
+            check_fallback_attention_layers(model, facts, self.num_kv_heads)
         quantization = None if self.quantization_cls is None else self.quantization_cls()
         if quantization is not None:
             converted = quantize_model(model, quantization)
