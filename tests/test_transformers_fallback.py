@@ -159,6 +159,38 @@ def test_llama_gives_the_same_tokens_natively_and_through_the_fallback() -> None
 
 
 @pytest.mark.slow
+def test_fallback_takes_each_layers_soft_cap_window_and_scale_from_transformers(tmp_path: Path) -> None:
+    """Gemma 2 forced through the fallback: its modules pass an attention
+    soft-cap (1.0: clips), a 4-token window on every other layer and a
+    query_pre_attn_scalar scale; the LM head's final soft-cap (2.0) is applied
+    by compute_logits. All must reach the paged layers for the tokens to match."""
+    from transformers import Gemma2Config
+
+    path = _save_checkpoint(Gemma2Config(
+        **SIZES, num_key_value_heads=2, head_dim=16, sliding_window=4, attn_logit_softcapping=1.0,
+        final_logit_softcapping=2.0, query_pre_attn_scalar=24, initializer_range=0.2,
+    ), tmp_path / "gemma2")
+    llm = LLM(model=str(path), dtype="float32", model_impl="transformers", block_size=BLOCK_SIZE, num_kv_blocks=96,
+              max_num_batched_tokens=TOKEN_BUDGET, enforce_eager=True)
+    model = _driver_worker(llm).model
+    assert type(model) is TransformersForCausalLM
+    prompts = _prompts(5, PROMPT_LENS)
+    assert _tokens(_generate(llm, prompts)) == hf_greedy(path, prompts)
+    # The soft-caps may leave greedy tokens alone (tanh is monotonic): the logprobs show them.
+    from transformers import AutoModelForCausalLM
+
+    hf_logits = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)(torch.tensor([prompts[0]])).logits
+    expected = torch.log_softmax(hf_logits[0, -1], dim=-1)
+    output = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=1, logprobs=3),
+                          use_tqdm=False)[0].outputs[0]
+    for token_id, entry in output.logprobs[0].items():
+        assert entry.logprob == pytest.approx(expected[token_id].item(), abs=1e-4)
+    layers = model.get_attention_layers()
+    assert [(layer.sliding_window, layer.impl.logits_soft_cap, layer.impl.scale) for layer in layers] == [
+        (4, 1.0, 24**-0.5), (None, 1.0, 24**-0.5)]
+
+
+@pytest.mark.slow
 def test_ngram_drafts_on_the_fallback_change_no_token(checkpoints: dict[str, Path]) -> None:
     path = checkpoints["gpt_neox"]
     # A repeated span in every prompt: the n-gram drafter proposes from it.
