@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from pagedllm.core.errors import AttentionBackendError
@@ -53,6 +53,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T]; block_id * block_size + offset; -1 = skip
     query_start_loc_cpu: torch.Tensor  # int32 [B + 1]
     seq_lens_cpu: torch.Tensor  # int32 [B]
+    # KV cache groups 1.. (a model whose layers keep different KV, e.g.
+    # sliding-window and full layers): the same batch over each group's block
+    # table, built by the same backend. The metadata itself is group 0's; a
+    # layer of group g reads kv_cache_groups[g - 1]. Empty with one group.
+    kv_cache_groups: tuple[AttentionMetadata, ...] = field(default=(), kw_only=True)
 
 
 @dataclass(frozen=True)

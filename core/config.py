@@ -107,6 +107,12 @@ class CacheConfig(_Section):
     # Report the hashes the prefix cache gains and loses (core/kv_cache/
     # events.py) with every step: what a cache-aware router mirrors.
     enable_kv_events: bool = False
+    # vLLM's --disable-hybrid-kv-cache-manager: every layer keeps a
+    # full-length cache in one KV cache group. By default layers with
+    # different KV specs (sliding-window and full attention) form groups
+    # with their own block tables, and a sliding-window group returns the
+    # blocks that leave its window (core/kv_cache/kv_cache_interface.py).
+    disable_hybrid_kv_cache_manager: bool = False
 
 
 class SchedulerConfig(_Section):
@@ -466,6 +472,7 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "data_parallel_rank": ("parallel", "data_parallel_rank"),
     "routing_policy": ("parallel", "routing_policy"),
     "enable_kv_events": ("cache", "enable_kv_events"),
+    "disable_hybrid_kv_cache_manager": ("cache", "disable_hybrid_kv_cache_manager"),
     "stat_loggers": ("server", "stat_loggers"),
     "log_stats_interval_s": ("server", "log_stats_interval_s"),
 }

@@ -264,10 +264,12 @@ class Scheduler:
             # batch.add(), inlined: one call less per running request.
             batch.num_scheduled_tokens[request_id] = num_new_tokens
             batch.token_budget -= num_new_tokens
-            batch.cached_reqs[request_id] = CachedRequestData(
+            cached = batch.cached_reqs[request_id] = CachedRequestData(
                 request_id, [block.block_id for block in new_blocks] if new_blocks else [], num_computed_tokens,
                 num_output_placeholders=num_placeholders,
             )
+            if kv_cache_manager.num_kv_cache_groups > 1:
+                cached.other_group_block_ids = kv_cache_manager.new_block_ids_of_other_groups
             if num_drafts:
                 num_spec = num_new_tokens + num_computed_tokens - request.num_tokens - num_placeholders
                 if num_spec > 0:
@@ -415,12 +417,14 @@ class Scheduler:
             request.first_scheduled_time = batch.now
         self.running.append(request)
         block_ids = self.kv_cache_manager.get_block_ids(request_id)
+        other_group_block_ids = self.kv_cache_manager.get_other_group_block_ids(request_id)
         if resumed:
             batch.cached_reqs[request_id] = CachedRequestData(
                 req_id=request_id,
                 new_block_ids=block_ids,
                 num_computed_tokens=num_computed_tokens,
                 resumed_from_preemption=True,
+                other_group_block_ids=other_group_block_ids,
             )
         else:
             batch.new_reqs.append(
@@ -431,6 +435,7 @@ class Scheduler:
                     block_ids=block_ids,
                     num_computed_tokens=num_computed_tokens,
                     eos_token_id=request.eos_token_id,
+                    other_group_block_ids=other_group_block_ids,
                 )
             )
         batch.add(request_id, admission.num_new_tokens)

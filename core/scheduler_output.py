@@ -42,6 +42,9 @@ class NewRequestData(msgspec.Struct, array_like=True):
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    # KV cache groups 1.. (core/kv_cache/kv_cache_interface.py): their block
+    # tables, as `block_ids` is group 0's; empty with one group.
+    other_group_block_ids: list[list[int]] = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -58,6 +61,8 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     # counts every draft of that step as accepted; the runner, which knows
     # how many were, subtracts the rest (worker/draft_placeholders.py).
     num_output_placeholders: int = 0
+    # KV cache groups 1..: their new block ids, as `new_block_ids` group 0's.
+    other_group_block_ids: list[list[int]] = []
 
 
 class KVConnectorMetadata:

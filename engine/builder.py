@@ -27,7 +27,7 @@ import msgspec
 
 from pagedllm.core.engine import EngineCore
 from pagedllm.core.errors import ConfigError
-from pagedllm.core.kv_cache.manager import KVCacheManager
+from pagedllm.core.kv_cache.hybrid_manager import make_kv_cache_manager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.custom_stats_sources import build_custom_stats
 from pagedllm.kv_connectors.base import KVConnectorContext, KVConnectorRole, KVConnectorShard
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagedllm.core.config import EngineConfig
+    from pagedllm.core.kv_cache.kv_cache_interface import KVCacheConfig
     from pagedllm.executors.base import AttentionSelection, Executor
     from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.platforms.interface import Platform
@@ -86,9 +87,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
     try:
         facts = executor.model_facts
         num_blocks = executor.determine_num_kv_blocks()
-        max_model_len = determine_max_model_len(config, facts.position_limit, num_blocks * config.cache.block_size)
+        kv_cache_config = executor.kv_cache_config()
+        max_model_len = determine_max_model_len(
+            config, facts.position_limit, kv_capacity_tokens(config, kv_cache_config, num_blocks)
+        )
         executor.initialize_cache(num_blocks, max_model_len)
-        engine_core = _build_engine_core(config, executor, plugin_manager, num_blocks, max_model_len)
+        engine_core = _build_engine_core(config, executor, plugin_manager, num_blocks, max_model_len, kv_cache_config)
         plugin_manager.hook.on_engine_start(config=config)
     except BaseException:
         executor.shutdown()  # NOTE: a failed start must not leave workers behind
@@ -143,6 +147,15 @@ def executor_name(config: EngineConfig) -> str:
     return name
 
 
+def kv_capacity_tokens(config: EngineConfig, kv_cache_config: KVCacheConfig, num_blocks: int) -> int:
+    """The longest sequence `num_blocks` KV blocks hold (with KV cache groups:
+    every group's blocks of it, a sliding window's only the window's)."""
+    if kv_cache_config.is_plain:
+        return num_blocks * config.cache.block_size
+    usable_blocks = num_blocks - kv_cache_config.needs_null_block
+    return kv_cache_config.max_num_tokens(usable_blocks, config.scheduler.max_num_batched_tokens)
+
+
 def determine_max_model_len(config: EngineConfig, position_limit: int | None, kv_capacity_tokens: int) -> int:
     """`model.max_model_len`, checked against the model and the KV cache; by
     default the model's limit, lowered to what the KV cache holds."""
@@ -173,11 +186,17 @@ def determine_max_model_len(config: EngineConfig, position_limit: int | None, kv
 
 
 def _build_engine_core(
-    config: EngineConfig, executor: Executor, plugin_manager: PluginManager, num_blocks: int, max_model_len: int
+    config: EngineConfig,
+    executor: Executor,
+    plugin_manager: PluginManager,
+    num_blocks: int,
+    max_model_len: int,
+    kv_cache_config: KVCacheConfig | None = None,
 ) -> EngineCore:
     facts = executor.model_facts
     vocab_size = facts.hf_config.vocab_size
-    kv_cache_manager = KVCacheManager(
+    kv_cache_manager = make_kv_cache_manager(
+        kv_cache_config,
         num_blocks,
         config.cache.block_size,
         enable_caching=config.cache.enable_prefix_caching,

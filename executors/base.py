@@ -19,6 +19,10 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+import msgspec
+
+from pagedllm.core.kv_cache.kv_cache_interface import KVCacheConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -66,7 +70,7 @@ class Executor(ABC):
     # utility call names a method, never code to run.
     RPC_METHODS: ClassVar[frozenset[str]] = frozenset(
         {"load_model", "determine_num_kv_blocks", "initialize_cache", "execute_model", "check_health", "shutdown",
-         "memory_usage", "collective_stats", "kv_connector_shard"}
+         "memory_usage", "collective_stats", "kv_connector_shard", "kv_cache_config"}
     )
 
     def __init__(self, config: EngineConfig) -> None:
@@ -147,6 +151,11 @@ class Executor(ABC):
         """KV blocks every rank can hold: the minimum over ranks."""
         num_blocks: list[int] = self.collective_rpc("determine_num_kv_blocks")
         return min(num_blocks)
+
+    def kv_cache_config(self) -> KVCacheConfig:
+        """The model's KV cache groups (every rank groups its layers alike: rank 0's)."""
+        # NOTE: a rank in another process answers with the struct's fields.
+        return msgspec.convert(self.collective_rpc("kv_cache_config")[0], KVCacheConfig)
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate `num_blocks` KV blocks on every rank and build what reads them."""

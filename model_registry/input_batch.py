@@ -13,6 +13,7 @@ it, the drafters' own (spec_decode/) included.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,10 +33,19 @@ class InputBatch:
     positions: np.ndarray  # [T] int64
     block_table: np.ndarray  # [B, max_num_blocks] int32
     slot_mapping: np.ndarray  # [T] int64: block_id * block_size + offset
+    # KV cache groups 1.. (core/kv_cache/kv_cache_interface.py): each
+    # group's block table and slot mapping, as the two above are group 0's.
+    other_block_tables: tuple[np.ndarray, ...] = ()
+    other_slot_mappings: tuple[np.ndarray, ...] = ()
 
     @classmethod
     def from_positions(
-        cls, positions: np.ndarray, query_lens: np.ndarray, block_table: np.ndarray, block_size: int
+        cls,
+        positions: np.ndarray,
+        query_lens: np.ndarray,
+        block_table: np.ndarray,
+        block_size: int,
+        other_block_tables: tuple[np.ndarray, ...] = (),
     ) -> InputBatch:
         """Request r has query_lens[r] >= 1 rows, in order, at consecutive
         positions ending at its context length."""
@@ -43,15 +53,18 @@ class InputBatch:
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         req_index = np.repeat(np.arange(num_reqs), query_lens)
-        slot_mapping = (
-            block_table[req_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        )
+        block_cols, offsets = positions // block_size, positions % block_size
+        slot_mapping = block_table[req_index, block_cols].astype(np.int64) * block_size + offsets
         return cls(
             query_start_loc=query_start_loc,
             seq_lens=positions[query_start_loc[1:] - 1] + 1,
             positions=positions,
             block_table=np.ascontiguousarray(block_table),
             slot_mapping=slot_mapping,
+            other_block_tables=tuple(np.ascontiguousarray(table) for table in other_block_tables),
+            other_slot_mappings=tuple(
+                table[req_index, block_cols].astype(np.int64) * block_size + offsets for table in other_block_tables
+            ),
         )
 
     @classmethod
@@ -61,6 +74,7 @@ class InputBatch:
         num_scheduled_tokens: np.ndarray,
         block_table: np.ndarray,
         block_size: int,
+        other_block_tables: tuple[np.ndarray, ...] = (),
     ) -> InputBatch:
         """Request r computes num_scheduled_tokens[r] tokens after its first
         num_computed_tokens[r] (the scheduler's view of a step)."""
@@ -69,7 +83,9 @@ class InputBatch:
         first_row = np.cumsum(num_scheduled_tokens) - num_scheduled_tokens
         # positions[t] = num_computed[r] + (t - first row of r) for token t of request r
         positions = num_computed_tokens[req_index] + np.arange(len(req_index)) - first_row[req_index]
-        return cls.from_positions(positions.astype(np.int64), num_scheduled_tokens, block_table, block_size)
+        return cls.from_positions(
+            positions.astype(np.int64), num_scheduled_tokens, block_table, block_size, other_block_tables
+        )
 
     @property
     def num_reqs(self) -> int:
@@ -88,7 +104,7 @@ class InputBatch:
         return self.seq_lens - self.query_lens
 
     def attn_metadata(self, device: torch.device) -> AttentionMetadata:
-        """The backend-independent metadata, device tensors on `device`."""
+        """The backend-independent metadata of KV cache group 0, device tensors on `device`."""
         query_start_loc_cpu = torch.from_numpy(self.query_start_loc.astype(np.int32))
         seq_lens_cpu = torch.from_numpy(self.seq_lens.astype(np.int32))
         return AttentionMetadata(
@@ -110,6 +126,26 @@ class InputBatch:
         """(positions [T] long, the backend's metadata): what a model's forward
         takes besides its input ids."""
         positions = torch.from_numpy(self.positions).to(device)
-        # Backend-specific per-batch work, once for all layers.
-        return positions, attn_backend.build_metadata(self.attn_metadata(device), block_size)
+        # Backend-specific per-batch work, once for all layers (of a group).
+        common = self.attn_metadata(device)
+        metadata = attn_backend.build_metadata(common, block_size)
+        if self.other_block_tables:
+            metadata.kv_cache_groups = self._other_group_metadata(common, attn_backend, block_size, device)
+        return positions, metadata
+
+    def _other_group_metadata(
+        self, common: AttentionMetadata, attn_backend: type[AttentionBackend], block_size: int, device: torch.device
+    ) -> tuple[AttentionMetadata, ...]:
+        """Groups 1..: group 0's batch over each group's block table."""
+        return tuple(
+            attn_backend.build_metadata(
+                dataclasses.replace(
+                    common,
+                    block_table=torch.from_numpy(block_table).to(device),
+                    slot_mapping=torch.from_numpy(slot_mapping).to(device),
+                ),
+                block_size,
+            )
+            for block_table, slot_mapping in zip(self.other_block_tables, self.other_slot_mappings, strict=True)
+        )
 

@@ -14,6 +14,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from pagedllm.core.kv_cache.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    get_kv_cache_config,
+    plain_kv_cache_config,
+)
 from pagedllm.platforms.cpu.host_memory import anonymous_zeros
 
 if TYPE_CHECKING:
@@ -27,6 +33,17 @@ class PagedModule(Protocol):
     def get_attention_layers(self) -> Sequence[Attention]: ...
 
 
+def get_model_kv_cache_config(model: PagedModule, block_size: int, enable_hybrid: bool = True) -> KVCacheConfig:
+    """The KV cache groups of `model`'s attention layers (each declares its
+    spec); `enable_hybrid` False: one full-attention group of all of them."""
+    specs = [
+        # A plugin API 1.0 layer that declares no spec keeps full attention.
+        layer.get_kv_cache_spec(block_size) if hasattr(layer, "get_kv_cache_spec") else FullAttentionSpec(block_size)
+        for layer in model.get_attention_layers()
+    ]
+    return get_kv_cache_config(specs, enable_hybrid)
+
+
 def allocate_kv_caches(
     model: PagedModule,
     attn_backend: type[AttentionBackend],
@@ -37,19 +54,26 @@ def allocate_kv_caches(
     head_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv_cache_config: KVCacheConfig | None = None,
 ) -> list[torch.Tensor]:
-    """One zeroed KV tensor per attention layer of `model`, in layer order,
-    each bound to its layer (`layer.kv_cache`), shaped by the backend.
+    """The zeroed KV tensors of `model`, shaped by the backend, each layer
+    bound to its own (`layer.kv_cache`, and `layer.kv_cache_group`).
+    Without `kv_cache_config` (or with the plain one) one tensor per
+    attention layer, in layer order; with groups `num_kv_tensors` tensors,
+    the i-th layer of every group sharing tensor i.
     `num_kv_heads` is this rank's: the layers' own count (a backend views the
     cache with the layer's count, so a larger cache would go unnoticed)."""
+    layers = model.get_attention_layers()
+    if kv_cache_config is None:
+        kv_cache_config = plain_kv_cache_config(len(layers), block_size)
     shape = attn_backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-    kv_caches: list[torch.Tensor] = []
-    for layer in model.get_attention_layers():
+    kv_caches = [zeroed_tensor(shape, dtype, device) for _ in range(kv_cache_config.num_kv_tensors)]
+    group_of_layer = kv_cache_config.group_of_layer
+    for layer_index, layer in enumerate(layers):
         if layer.num_kv_heads != num_kv_heads:
             raise RuntimeError(f"a KV cache of {num_kv_heads} KV heads for a layer of {layer.num_kv_heads}")
-        kv_cache = zeroed_tensor(shape, dtype, device)
-        layer.kv_cache = kv_cache
-        kv_caches.append(kv_cache)
+        layer.kv_cache = kv_caches[kv_cache_config.tensor_of_layer[layer_index]]
+        layer.kv_cache_group = group_of_layer[layer_index]
     return kv_caches
 
 
@@ -68,3 +92,4 @@ def unbind_kv_caches(model: PagedModule) -> None:
     """Detach every attention layer of `model` from its KV tensor."""
     for layer in model.get_attention_layers():
         layer.kv_cache = None
+        layer.kv_cache_group = 0

@@ -70,6 +70,7 @@ class ModelRunner:
         kv_connector: KVConnectorBase | None = None,
         graph_runner: DecodeGraphRunner | None = None,
         logits_processors: Sequence[LogitsProcessor] = (),
+        num_kv_cache_groups: int = 1,
     ) -> None:
         """`kv_caches`: the per-layer KV tensors, already bound to the model's
         attention layers (model_registry/kv_cache.py: allocate_kv_caches)."""
@@ -104,7 +105,7 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
         # Their token ids, block tables and computed counts, row per request.
-        self.input_batch = PersistentBatch(max_num_reqs, max_model_len, block_size)
+        self.input_batch = PersistentBatch(max_num_reqs, max_model_len, block_size, num_kv_cache_groups)
         # The last step's sampling requests and their tensors, while reusable.
         self._cached_sampling: tuple[list[CachedRequestState], SamplingMetadata] | None = None
 
@@ -138,13 +139,14 @@ class ModelRunner:
                 eos_token_id=new_req.eos_token_id,
             )
             input_batch.add_request(
-                new_req.req_id, new_req.prompt_token_ids, new_req.block_ids, new_req.num_computed_tokens
+                new_req.req_id, new_req.prompt_token_ids, new_req.block_ids, new_req.num_computed_tokens,
+                new_req.other_group_block_ids,
             )
         for cached in scheduler_output.scheduled_cached_reqs:
             if cached.resumed_from_preemption:
-                input_batch.set_block_ids(cached.req_id, cached.new_block_ids)
+                input_batch.set_block_ids(cached.req_id, cached.new_block_ids, cached.other_group_block_ids)
             else:
-                input_batch.append_block_ids(cached.req_id, cached.new_block_ids)
+                input_batch.append_block_ids(cached.req_id, cached.new_block_ids, cached.other_group_block_ids)
             input_batch.set_num_computed_tokens(cached.req_id, self.draft_placeholders.num_computed_tokens(cached))
 
     # --------------------------------------------------------------- execute

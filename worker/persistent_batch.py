@@ -48,7 +48,7 @@ class CachedRequestState:
 
 
 class PersistentBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, num_kv_cache_groups: int = 1) -> None:
         num_rows = max(_MIN_ROWS, max_num_reqs)
         self.block_size = block_size
         # NOTE: positions stay below max_model_len (the scheduler caps them),
@@ -60,19 +60,29 @@ class PersistentBatch:
         self.num_computed_tokens = np.zeros(num_rows, dtype=np.int64)
         self.block_table = np.zeros((num_rows, -(-max_model_len // block_size)), dtype=np.int32)
         self.num_blocks = np.zeros(num_rows, dtype=np.int64)
+        # KV cache groups 1..: their block tables and lengths, as the two above are group 0's.
+        self.other_block_tables = [np.zeros_like(self.block_table) for _ in range(num_kv_cache_groups - 1)]
+        self.other_num_blocks = [np.zeros_like(self.num_blocks) for _ in range(num_kv_cache_groups - 1)]
         self.row_of: dict[str, int] = {}
         self._free_rows = list(reversed(range(num_rows)))
 
     # ------------------------------------------------------------- rows
 
-    def add_request(self, req_id: str, token_ids: Sequence[int], block_ids: Sequence[int], num_computed: int) -> None:
+    def add_request(
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        num_computed: int,
+        other_group_block_ids: Sequence[Sequence[int]] = (),
+    ) -> None:
         if not self._free_rows:
             self._grow_rows()
         row = self._free_rows.pop()
         self.row_of[req_id] = row
         self.num_tokens[row] = 0
         self.append_token_ids(req_id, token_ids)
-        self.set_block_ids(req_id, block_ids)
+        self.set_block_ids(req_id, block_ids, other_group_block_ids)
         self.num_computed_tokens[row] = num_computed
 
     def remove_request(self, req_id: str) -> None:
@@ -95,27 +105,35 @@ class PersistentBatch:
             self.token_ids = np.pad(self.token_ids, ((0, 0), (0, end - self.token_ids.shape[1])))
         self.token_ids[row, start:end] = token_ids
 
-    def set_block_ids(self, req_id: str, block_ids: Sequence[int]) -> None:
-        """The whole block table (a new or resumed request; [] when preempted)."""
-        self.num_blocks[self.row_of[req_id]] = 0
-        self.append_block_ids(req_id, block_ids)
-
-    def append_block_ids(self, req_id: str, block_ids: Sequence[int]) -> None:
-        if not block_ids:
-            return
+    def set_block_ids(
+        self, req_id: str, block_ids: Sequence[int], other_group_block_ids: Sequence[Sequence[int]] = ()
+    ) -> None:
+        """The whole block table of every group (a new or resumed request; [] when preempted)."""
         row = self.row_of[req_id]
-        start = int(self.num_blocks[row])
-        end = start + len(block_ids)
-        if end > self.block_table.shape[1]:
-            self.block_table = np.pad(self.block_table, ((0, 0), (0, end - self.block_table.shape[1])))
-        self.block_table[row, start:end] = block_ids
-        self.num_blocks[row] = end
+        self.num_blocks[row] = 0
+        for num_blocks in self.other_num_blocks:
+            num_blocks[row] = 0
+        self.append_block_ids(req_id, block_ids, other_group_block_ids)
+
+    def append_block_ids(
+        self, req_id: str, block_ids: Sequence[int], other_group_block_ids: Sequence[Sequence[int]] = ()
+    ) -> None:
+        row = self.row_of[req_id]
+        if block_ids:
+            self.block_table = _append_row(self.block_table, self.num_blocks, row, block_ids)
+        for group, group_block_ids in enumerate(other_group_block_ids):
+            if group_block_ids:
+                self.other_block_tables[group] = _append_row(
+                    self.other_block_tables[group], self.other_num_blocks[group], row, group_block_ids
+                )
 
     def _grow_rows(self) -> None:
         num_rows = len(self.num_tokens)
         for name in ("token_ids", "num_tokens", "num_computed_tokens", "block_table", "num_blocks"):
             array = getattr(self, name)
             setattr(self, name, np.concatenate([array, np.zeros_like(array)]))
+        for arrays in (self.other_block_tables, self.other_num_blocks):
+            arrays[:] = [np.concatenate([array, np.zeros_like(array)]) for array in arrays]
         self._free_rows.extend(reversed(range(num_rows, 2 * num_rows)))
 
     # ------------------------------------------------------------- a step
@@ -130,8 +148,23 @@ class PersistentBatch:
             if request_drafts:  # written past the known tokens; the sampled ones overwrite them
                 self._write_tokens(row, int(self.num_tokens[row]), request_drafts)
         block_table = self.block_table[rows, : max(1, int(self.num_blocks[rows].max()))]
+        other_block_tables = tuple(
+            table[rows, : max(1, int(num_blocks[rows].max()))]
+            for table, num_blocks in zip(self.other_block_tables, self.other_num_blocks, strict=True)
+        )
         batch = InputBatch.from_computed(
-            self.num_computed_tokens[rows], num_scheduled_tokens, block_table, self.block_size
+            self.num_computed_tokens[rows], num_scheduled_tokens, block_table, self.block_size, other_block_tables
         )
         input_ids = self.token_ids[np.repeat(rows, num_scheduled_tokens), batch.positions]
         return batch, input_ids
+
+
+def _append_row(table: np.ndarray, num_blocks: np.ndarray, row: int, block_ids: Sequence[int]) -> np.ndarray:
+    """Append `block_ids` to `row` of a block table (widened when needed); the table."""
+    start = int(num_blocks[row])
+    end = start + len(block_ids)
+    if end > table.shape[1]:
+        table = np.pad(table, ((0, 0), (0, end - table.shape[1])))
+    table[row, start:end] = block_ids
+    num_blocks[row] = end
+    return table

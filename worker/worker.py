@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, cast
 from pagedllm.attention_backends.selector import select_attention_backend
 from pagedllm.core.custom_stats import CustomStatsCollector
 from pagedllm.core.errors import ConfigError, GraphCaptureError
+from pagedllm.core.kv_cache.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from pagedllm.distributed.parallel_state import (
     get_tp_group,
     init_distributed_environment,
@@ -30,7 +31,7 @@ from pagedllm.kv_connectors.base import KVConnectorContext, KVConnectorRole, KVC
 from pagedllm.kv_connectors.factory import build_kv_connector, check_kv_connector_supports
 from pagedllm.logits_processors.factory import build_logits_processors
 from pagedllm.model_registry.interface import attention_requirements_of
-from pagedllm.model_registry.kv_cache import allocate_kv_caches
+from pagedllm.model_registry.kv_cache import allocate_kv_caches, get_model_kv_cache_config
 from pagedllm.model_registry.layers.ops import OpRegistry, bind_layer_ops
 from pagedllm.model_registry.loader import ModelLoadError, get_architecture, load_hf_config, load_model
 from pagedllm.model_registry.model_impl import ModelImplChoice, resolve_model_impl
@@ -175,6 +176,9 @@ class Worker:
     index on this host; `distributed_init_method` (``tcp://addr:port``) is
     where the ranks of a multi-rank executor meet (None for one rank)."""
 
+    # The model's KV cache groups, once `kv_cache_config()` has grouped its layers.
+    _kv_cache_config: KVCacheConfig | None = None
+
     def __init__(
         self,
         config: EngineConfig,
@@ -304,6 +308,31 @@ class Worker:
             compile_outside_attention(model)
         self._model = model
 
+    def kv_cache_config(self) -> KVCacheConfig:
+        """This model's KV cache groups (core/kv_cache/kv_cache_interface.py);
+        the builder asks rank 0 for them to build the KV cache manager."""
+        if self._kv_cache_config is None:
+            block_size = self.config.cache.block_size
+            config = get_model_kv_cache_config(self.model, block_size, enable_hybrid=True)
+            reason = self._hybrid_kv_cache_off_reason()
+            if reason and not config.is_plain:
+                logger.info("KV cache groups: off, every layer keeps a full-length cache (%s)", reason)
+                config = get_model_kv_cache_config(self.model, block_size, enable_hybrid=False)
+            elif not config.is_plain:
+                logger.info("KV cache groups: %s", _describe_groups(config))
+            self._kv_cache_config = config
+        return self._kv_cache_config
+
+    def _hybrid_kv_cache_off_reason(self) -> str:
+        """Why layers with different KV specs keep one full-length cache ('' if they need not)."""
+        if self.config.cache.disable_hybrid_kv_cache_manager:
+            return "cache.disable_hybrid_kv_cache_manager"
+        if self.config.kv_transfer.connector is not None:
+            return "a KV connector moves whole-model blocks"
+        if self.drafter_cls is not None and self.drafter_cls.needs_lookahead_slots:
+            return "a model drafter's KV cache shares the target's one block table"
+        return ""
+
     def determine_num_kv_blocks(self) -> int:
         """`cache.num_kv_blocks`, else this rank's memory budget (given, or
         the platform's after a profile run) over the bytes of one block of
@@ -313,7 +342,9 @@ class Worker:
             return cache.num_kv_blocks
         layout = self.attn_backend.get_kv_cache_layout()
         # NOTE: in the cache's dtype: an fp8 cache fits twice the bfloat16 blocks.
-        bytes_per_block = self.num_layers * layout.bytes_per_block(
+        # A block id names one page in each KV tensor (one per layer, unless
+        # KV cache groups share them).
+        bytes_per_block = self.kv_cache_config().num_kv_tensors * layout.bytes_per_block(
             cache.block_size, self.num_kv_heads, facts.head_size, facts.kv_cache_dtype
         )
         if self.drafter_cls is not None:
@@ -366,6 +397,7 @@ class Worker:
             head_size=facts.head_size,
             dtype=facts.kv_cache_dtype,
             device=self.device,
+            kv_cache_config=self.kv_cache_config(),
         )
         if self.config.kv_transfer.connector is not None:
             # NOTE: the worker side only, with every executor: the builder
@@ -389,6 +421,7 @@ class Worker:
             kv_connector=self.kv_connector,
             graph_runner=self._capture_decode_graphs(max_model_len),
             logits_processors=build_logits_processors(self.config, self.plugin_manager, self.device),
+            num_kv_cache_groups=self.kv_cache_config().num_groups,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -545,6 +578,11 @@ class Worker:
         if not self.attn_backend.supports_graph_capture(self.config.cache.block_size):
             logger.info("graphs: off (attention backend %s cannot be captured)", self.attn_backend.__name__)
             return False
+        num_groups = self.kv_cache_config().num_groups
+        if num_groups > 1:
+            # NOTE: a graph copies one block table; groups would need one each.
+            logger.info("graphs: off (%d KV cache groups; graphs copy one block table)", num_groups)
+            return False
         return True
 
     def _graph_sizes(self) -> list[int]:
@@ -558,6 +596,19 @@ class Worker:
         if not num_drafts or not self.attn_backend.supports_uniform_query_capture(block_size):
             return []
         return list(range(2, num_drafts + 2))
+
+
+def _describe_groups(config: KVCacheConfig) -> str:
+    """'2 groups over 1 KV tensor per block: full_attention [1], sliding_window(4) [0]'."""
+    groups = ", ".join(
+        f"{_describe_spec(group.kv_cache_spec)} {list(group.layer_indices)}" for group in config.kv_cache_groups
+    )
+    return f"{config.num_groups} groups over {config.num_kv_tensors} KV tensors: {groups}"
+
+
+def _describe_spec(spec: KVCacheSpec) -> str:
+    window = getattr(spec, "sliding_window", None)
+    return "full_attention" if window is None else f"sliding_window({window})"
 
 
 def _host_resident_bytes(tensors: list[torch.Tensor]) -> int:

@@ -13,10 +13,12 @@ if TYPE_CHECKING:
 class KVCacheBlock:
     """One physical block: `block_size` token slots in every layer's KV tensor."""
 
-    __slots__ = ("block_hash", "block_id", "next_free_block", "prev_free_block", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "kv_cache_group", "next_free_block", "prev_free_block", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
+        # The KV cache group whose prefix cache holds it (with `block_hash`).
+        self.kv_cache_group = 0
         # Number of live block tables holding this block.
         self.ref_cnt = 0
         # Set while the block is registered in the prefix cache; kept after the
@@ -96,27 +98,40 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    """All KV blocks, the free queue and the hash -> block map of the prefix cache.
+    """All KV blocks, the free queue and the hash -> block map of the prefix
+    cache (one map per KV cache group: each group has its own blocks for the
+    same tokens).
 
-    Every block starts free, in id order 0..N-1 (no reserved null block).
+    Every block starts free, in id order 0..N-1, except that with
+    `use_null_block` block 0 is the null block: it stands in a block table
+    for blocks a sliding window has freed, and is never allocated, written
+    or freed.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, num_groups: int = 1, use_null_block: bool = False
+    ) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.null_block: KVCacheBlock | None = self.blocks[0] if use_null_block else None
+        self.num_usable_blocks = num_blocks - use_null_block
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:] if use_null_block else self.blocks)
         # NOTE: one block per hash. A second block with the same content (two
         # requests computed it concurrently) stays unregistered.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Group g's map; group 0's is `cached_block_hash_to_block`.
+        self.group_cached_blocks: list[dict[BlockHash, KVCacheBlock]] = [self.cached_block_hash_to_block] + [
+            {} for _ in range(num_groups - 1)
+        ]
         # (block id, hash) of cached blocks reallocated to new contents, kept
         # only while someone (a KV connector's offload tier) reads them.
         self.evicted_for_reuse: list[tuple[int, BlockHash]] | None = None
         # Hashes gained and lost, for a router that mirrors this cache (None: not recorded).
         self.kv_events: KVEventRecorder | None = None
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group_id: int = 0) -> KVCacheBlock | None:
+        return self.group_cached_blocks[group_id].get(block_hash)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop `num_blocks` from the head of the free queue, ref_cnt 1 each. A
@@ -161,16 +176,21 @@ class BlockPool:
         blocks: Sequence[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group_id: int = 0,
     ) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] of `request` under
-        their hashes in `request.block_hashes` (which must cover them)."""
+        their hashes in `request.block_hashes` (which must cover them), in
+        group `group_id`'s map (KV events report group 0's only)."""
         if num_full_blocks > len(request.block_hashes):
             raise ValueError(
                 f"request {request.request_id!r} has {len(request.block_hashes)} block hashes, "
                 f"cannot cache {num_full_blocks} blocks"
             )
+        cached_blocks = self.group_cached_blocks[group_id]
         for block_index in range(num_cached_blocks, num_full_blocks):
             block = blocks[block_index]
+            if block is self.null_block:
+                continue  # freed by a sliding window: nothing to register
             block_hash = request.block_hashes[block_index]
             if block.block_hash is not None:
                 if block.block_hash != block_hash:
@@ -179,11 +199,12 @@ class BlockPool:
                         "under another hash"
                     )
                 continue  # a prefix hit: already registered
-            if block_hash in self.cached_block_hash_to_block:
+            if block_hash in cached_blocks:
                 continue  # duplicate content; keep the existing block
             block.block_hash = block_hash
-            self.cached_block_hash_to_block[block_hash] = block
-            if self.kv_events is not None:
+            block.kv_cache_group = group_id
+            cached_blocks[block_hash] = block
+            if self.kv_events is not None and group_id == 0:
                 self.kv_events.stored(block_hash)
 
     def evict(self, block_ids: Iterable[int]) -> int:
@@ -196,18 +217,20 @@ class BlockPool:
         if block_hash is None:
             return False
         block.block_hash = None
-        if self.cached_block_hash_to_block.get(block_hash) is block:
-            del self.cached_block_hash_to_block[block_hash]
-            if self.kv_events is not None:
+        cached_blocks = self.group_cached_blocks[block.kv_cache_group]
+        if cached_blocks.get(block_hash) is block:
+            del cached_blocks[block_hash]
+            if self.kv_events is not None and block.kv_cache_group == 0:
                 self.kv_events.removed(block_hash)
         return True
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False, nothing changed) while any
         block is in use: a running request would otherwise lose its own cache."""
-        if self.get_num_free_blocks() != self.num_blocks:
+        if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
-        self.cached_block_hash_to_block.clear()
+        for cached_blocks in self.group_cached_blocks:
+            cached_blocks.clear()
         for block in self.blocks:
             block.block_hash = None
         if self.kv_events is not None:
@@ -219,4 +242,4 @@ class BlockPool:
 
     def get_usage(self) -> float:
         """Fraction of blocks in use, 0..1 (freed cached blocks count as free)."""
-        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+        return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks

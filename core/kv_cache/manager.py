@@ -49,7 +49,15 @@ class KVCacheManager:
     The scheduler calls, per request: get_computed_blocks() once when it first
     schedules it (or resumes it after preemption), allocate_slots() every step
     it runs, free() when it finishes or is preempted.
+
+    This is the manager of one full-attention group (every layer alike);
+    core/kv_cache/hybrid_manager.py serves several groups or sliding windows.
     """
+
+    # Block tables per request; the hybrid manager's other groups send
+    # their new block ids beside group 0's.
+    num_kv_cache_groups = 1
+    new_block_ids_of_other_groups: list[list[int]] = []  # noqa: RUF012 - never mutated here
 
     def __init__(
         self,
@@ -254,6 +262,10 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
+    def get_other_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The block tables of groups after the first (none here)."""
+        return []
+
     # ------------------------------------------------------- prefix cache
 
     def ensure_block_hashes(self, request: Request) -> None:
@@ -323,11 +335,15 @@ class KVCacheManager:
         if live_requests is not None:
             self._check_live_requests(live_requests)
 
+    def _table_blocks(self) -> Iterable[tuple[str, list[KVCacheBlock]]]:
+        """(request id, the real blocks of one of its tables), every table."""
+        return self.req_to_blocks.items()
+
     def _check_ref_counts(self) -> None:
         """Each block's ref_cnt counts the tables holding it; free means ref_cnt 0."""
         pool = self.block_pool
         expected_refs = [0] * self.num_blocks
-        for request_id, req_blocks in self.req_to_blocks.items():
+        for request_id, req_blocks in self._table_blocks():
             seen: set[int] = set()
             for block in req_blocks:
                 if block.block_id in seen:
@@ -347,6 +363,10 @@ class KVCacheManager:
         num_used = 0
         for block in pool.blocks:
             block_id = block.block_id
+            if block is pool.null_block:
+                if block.ref_cnt or in_free_queue[block_id] or expected_refs[block_id] or block.block_hash:
+                    raise KVCacheInvariantError(f"the null block {block_id} is referenced, free or cached")
+                continue
             if block.ref_cnt != expected_refs[block_id]:
                 raise KVCacheInvariantError(
                     f"block {block_id} has ref_cnt {block.ref_cnt} but {expected_refs[block_id]} "
@@ -360,22 +380,25 @@ class KVCacheManager:
                 raise KVCacheInvariantError(
                     f"block {block_id} has ref_cnt 0 but is in the free queue {in_free_queue[block_id]} times"
                 )
-        if num_used + len(free_blocks) != self.num_blocks:
+        if num_used + len(free_blocks) != pool.num_usable_blocks:
             raise KVCacheInvariantError(
-                f"free ({len(free_blocks)}) + used ({num_used}) != total ({self.num_blocks})"
+                f"free ({len(free_blocks)}) + used ({num_used}) != total ({pool.num_usable_blocks})"
             )
 
     def _check_cache_map(self) -> None:
-        """The hash -> block map and the blocks' own hashes agree."""
+        """The hash -> block maps and the blocks' own hashes and groups agree."""
         pool = self.block_pool
-        for block_hash, block in pool.cached_block_hash_to_block.items():
-            if block.block_hash != block_hash:
-                raise KVCacheInvariantError(
-                    f"cache map entry {block_hash.hex()[:16]} points to block {block.block_id} "
-                    f"whose hash is {block.block_hash.hex()[:16] if block.block_hash else None}"
-                )
+        for group_id, cached_blocks in enumerate(pool.group_cached_blocks):
+            for block_hash, block in cached_blocks.items():
+                if block.block_hash != block_hash or block.kv_cache_group != group_id:
+                    raise KVCacheInvariantError(
+                        f"group {group_id}'s cache map entry {block_hash.hex()[:16]} points to block "
+                        f"{block.block_id} whose hash is {block.block_hash.hex()[:16] if block.block_hash else None}"
+                    )
         for block in pool.blocks:
-            if block.block_hash is not None and pool.cached_block_hash_to_block.get(block.block_hash) is not block:
+            if block.block_hash is not None and (
+                pool.group_cached_blocks[block.kv_cache_group].get(block.block_hash) is not block
+            ):
                 raise KVCacheInvariantError(f"block {block.block_id} has a hash but is not registered under it")
 
     def _check_live_requests(self, live_requests: Iterable[Request]) -> None:
@@ -387,18 +410,23 @@ class KVCacheManager:
                 raise KVCacheInvariantError(f"request {request_id!r} is not live but still holds a block table")
         for request_id, request in live.items():
             req_blocks = self.req_to_blocks.get(request_id)
-            if req_blocks is None:
+            if req_blocks is not None:
+                self._check_table(request, req_blocks, 0)
+
+    def _check_table(self, request: Request, req_blocks: list[KVCacheBlock], group_id: int) -> None:
+        """One table of a live request covers its computed tokens; each
+        cached block in it holds the request's tokens at that index."""
+        request_id = request.request_id
+        if len(req_blocks) * self.block_size < request.num_computed_tokens:
+            raise KVCacheInvariantError(
+                f"request {request_id!r} has {request.num_computed_tokens} computed tokens but only "
+                f"{len(req_blocks)} blocks of {self.block_size} in group {group_id}"
+            )
+        for index, block in enumerate(req_blocks):
+            if block.block_hash is None or block is self.block_pool.null_block:
                 continue
-            if len(req_blocks) * self.block_size < request.num_computed_tokens:
+            if index >= len(request.block_hashes) or request.block_hashes[index] != block.block_hash:
                 raise KVCacheInvariantError(
-                    f"request {request_id!r} has {request.num_computed_tokens} computed tokens but only "
-                    f"{len(req_blocks)} blocks of {self.block_size}"
+                    f"block {block.block_id} at index {index} of {request_id!r} is cached under a hash "
+                    "that is not the request's own block hash there"
                 )
-            for index, block in enumerate(req_blocks):
-                if block.block_hash is None:
-                    continue
-                if index >= len(request.block_hashes) or request.block_hashes[index] != block.block_hash:
-                    raise KVCacheInvariantError(
-                        f"block {block.block_id} at index {index} of {request_id!r} is cached under a hash "
-                        "that is not the request's own block hash there"
-                    )

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pagedllm.core.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend, AttentionMetadata
 
@@ -40,6 +42,15 @@ class Attention(nn.Module):
         # NOTE: bound by the model runner after it allocates the cache
         # (backend.get_kv_cache_shape(...)); not a buffer, so never saved.
         self.kv_cache: torch.Tensor | None = None
+        # The KV cache group whose block table this layer reads (bound with
+        # the cache; model_registry/kv_cache.py). 0: the metadata passed in.
+        self.kv_cache_group = 0
+
+    def get_kv_cache_spec(self, block_size: int) -> KVCacheSpec:
+        """What this layer keeps in the KV cache (core/kv_cache/kv_cache_interface.py)."""
+        if self.sliding_window is not None:
+            return SlidingWindowSpec(block_size, sliding_window=self.sliding_window)
+        return FullAttentionSpec(block_size)
 
     def forward(
         self,
@@ -50,6 +61,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, num_heads * head_size]
         if self.kv_cache is None:
             raise RuntimeError("Attention.kv_cache is not bound; the model runner sets it before the first forward")
+        if self.kv_cache_group:
+            attn_metadata = attn_metadata.kv_cache_groups[self.kv_cache_group - 1]
         num_tokens = q.shape[0]
         out = self.impl.forward(
             q.reshape(num_tokens, self.num_heads, self.head_size),
