@@ -17,6 +17,7 @@ from pagedllm.core.config import SchedulerConfig
 from pagedllm.core.kv_cache.hybrid_manager import HybridKVCacheManager, make_kv_cache_manager
 from pagedllm.core.kv_cache.kv_cache_interface import (
     FullAttentionSpec,
+    KVCacheConfig,
     KVCacheGroupSpec,
     SlidingWindowSpec,
     get_kv_cache_config,
@@ -200,3 +201,40 @@ def test_preemption_frees_every_group_of_the_victim() -> None:
     (cached,) = output.scheduled_cached_reqs
     assert (cached.new_block_ids, cached.other_group_block_ids) == ([3], [[6]])
     assert scheduler.kv_cache_manager.num_free_blocks == 3
+
+
+# ----------------------------------------------------------------- capacity
+
+
+def gemma3_shaped_config(enable_hybrid: bool) -> KVCacheConfig:
+    """36 layers, every sixth global, a 1,024-token window, blocks of 16."""
+    window = SlidingWindowSpec(16, sliding_window=1024)
+    return get_kv_cache_config([FullAttentionSpec(16) if i % 6 == 5 else window for i in range(36)], enable_hybrid)
+
+
+def num_resident_sequences(config: KVCacheConfig, num_blocks: int) -> int:
+    """8,191-token prompts prefilled in chunks of 2,048, then one decode
+    token each (8k of context): how many the pool holds at once."""
+    manager = make_kv_cache_manager(config, num_blocks, 16, enable_caching=False)
+    for count in range(num_blocks):
+        request = make_request(str(count), [7] * 8191)
+        for num_new_tokens in (2048, 2048, 2048, 2047, 1):
+            if manager.allocate_slots(request, num_new_tokens) is None:
+                return count
+            request.num_computed_tokens += num_new_tokens
+            if request.num_computed_tokens == 8191:
+                request.append_output_token_ids(7)
+    raise AssertionError("the pool never filled")
+
+
+def test_gemma3_shaped_groups_hold_over_three_times_the_8k_sequences() -> None:
+    plain, grouped = gemma3_shaped_config(False), gemma3_shaped_config(True)
+    assert (plain.num_kv_tensors, grouped.num_kv_tensors, grouped.num_groups) == (36, 6, 6)
+    # The same memory: 2,048 blocks of 36 layer pages, or 12,288 of 6.
+    # Full-length caches: 512 blocks a sequence, 4 sequences.
+    assert num_resident_sequences(plain, 2048) == 4
+    # Groups: a resident sequence holds 512 + 5 x 64 = 832 blocks; admitting
+    # one more peaks at 512 + 5 x 192 = 1,472 (a 2,048-token chunk's window
+    # span): 12 x 832 + 1,472 = 11,456 <= 12,287 usable (one is the null block).
+    assert grouped.max_num_blocks(8192, 1) == 512 + 5 * 65  # the bound the builder sizes by
+    assert num_resident_sequences(grouped, 12288) == 13
