@@ -34,11 +34,16 @@ steps run eagerly.
 tokens (`extra_inputs`, EAGLE's features) and give several outputs (the
 first is what the platform's capture returns; the others are tensors the
 forward made, which a replay writes again).
+
+A model with several KV cache groups (core/kv_cache/kv_cache_interface.py)
+has a block table and a slot mapping per group: each is a persistent buffer
+too, copied in with the step's, and each group's metadata is captured.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -90,6 +95,7 @@ class BatchGraphs:
         device: torch.device,
         query_lens: list[int] | None = None,
         extra_inputs: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         """`extra_inputs`: name -> (shape of one row, dtype) of the other
         per-row inputs `forward` reads (each a persistent buffer too)."""
@@ -115,6 +121,9 @@ class BatchGraphs:
             for query_len in self.query_lens
         }
         self.block_table = torch.zeros(max_size, self.max_blocks_per_req, dtype=torch.int32, device=device)
+        # KV cache groups 1..: their block tables and slot mappings.
+        self.other_block_tables = [torch.zeros_like(self.block_table) for _ in range(num_kv_cache_groups - 1)]
+        self.other_slot_mappings = [torch.full_like(self.slot_mapping, -1) for _ in range(num_kv_cache_groups - 1)]
         self.extras = {name: torch.zeros(max_tokens, *row, dtype=dtype, device=device)
                        for name, (row, dtype) in (extra_inputs or {}).items()}
         # (batch size, query length) -> (replay, the forward's outputs)
@@ -151,7 +160,18 @@ class BatchGraphs:
             query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32) * query_len,
             seq_lens_cpu=torch.full((size,), self.max_model_len, dtype=torch.int32),
         )
-        return self.attn_backend.build_metadata(common, self.block_size)
+        metadata = self.attn_backend.build_metadata(common, self.block_size)
+        if self.other_block_tables:
+            metadata.kv_cache_groups = tuple(
+                self.attn_backend.build_metadata(
+                    dataclasses.replace(
+                        common, block_table=block_table[:size], slot_mapping=slot_mapping[: size * query_len]
+                    ),
+                    self.block_size,
+                )
+                for block_table, slot_mapping in zip(self.other_block_tables, self.other_slot_mappings, strict=True)
+            )
+        return metadata
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -188,7 +208,9 @@ class BatchGraphs:
         its requests allowed for q, and every padded context length within
         the block table; else None."""
         num_reqs = batch.num_reqs
-        if num_reqs == 0 or batch.block_table.shape[1] > self.max_blocks_per_req:
+        if num_reqs == 0 or max(table.shape[1] for table in (batch.block_table, *batch.other_block_tables)) > (
+            self.max_blocks_per_req
+        ):
             return None
         query_len = int(batch.query_lens.max())
         sizes = self.allowed_sizes.get(query_len, [])
@@ -232,6 +254,9 @@ class BatchGraphs:
         self.slot_mapping[tokens].fill_(-1)
         self.seq_lens[first:end].fill_(query_len)
         self.block_table[first:end].zero_()
+        for block_table, slot_mapping in zip(self.other_block_tables, self.other_slot_mappings, strict=True):
+            block_table[first:end].zero_()
+            slot_mapping[tokens].fill_(-1)
         for buffer in self.extras.values():
             buffer[tokens].zero_()
 
@@ -265,6 +290,8 @@ class BatchGraphs:
         self.input_ids[:num_tokens].copy_(input_ids)
         self.positions[:num_tokens].copy_(torch.from_numpy(batch.positions))
         self.slot_mapping[:num_tokens].copy_(torch.from_numpy(batch.slot_mapping))
+        for slot_mapping, values in zip(self.other_slot_mappings, batch.other_slot_mappings, strict=True):
+            slot_mapping[:num_tokens].copy_(torch.from_numpy(values))
         self._copy_requests(batch, batch.seq_lens)
         for name, values in (extras or {}).items():
             self.extras[name][:num_tokens].copy_(values)
@@ -283,14 +310,20 @@ class BatchGraphs:
         self.input_ids.index_copy_(0, rows, input_ids)
         self.positions.index_copy_(0, rows, torch.from_numpy(batch.positions).to(self.positions.device))
         self.slot_mapping.index_copy_(0, rows, torch.from_numpy(batch.slot_mapping).to(self.slot_mapping.device))
+        for slot_mapping, values in zip(self.other_slot_mappings, batch.other_slot_mappings, strict=True):
+            slot_mapping.index_copy_(0, rows, torch.from_numpy(values).to(slot_mapping.device))
         self._copy_requests(batch, batch.seq_lens + (query_len - query_lens))
         for name, values in (extras or {}).items():
             self.extras[name].index_copy_(0, rows, values)
         return rows
 
     def _copy_requests(self, batch: InputBatch, seq_lens: np.ndarray) -> None:
-        """The step's requests' context lengths and block tables."""
-        n, width = batch.num_reqs, batch.block_table.shape[1]
+        """The step's requests' context lengths and block tables (every group's)."""
+        n = batch.num_reqs
         self.seq_lens[:n].copy_(torch.from_numpy(seq_lens))
-        self.block_table[:n, :width].copy_(torch.from_numpy(batch.block_table))
-        self.block_table[:n, width:].zero_()
+        for buffer, block_table in zip(
+            (self.block_table, *self.other_block_tables), (batch.block_table, *batch.other_block_tables), strict=True
+        ):
+            width = block_table.shape[1]
+            buffer[:n, :width].copy_(torch.from_numpy(block_table))
+            buffer[:n, width:].zero_()

@@ -4,8 +4,8 @@ A Qwen2 checkpoint whose second layer slides a 6-token window (the first
 keeps full attention) runs with two KV cache groups: every layer reads its
 own group's block table, and the window group frees its blocks as requests
 decode far past the window. Greedy tokens must equal transformers' and the
-engine's with groups off; at the same KV memory, groups fit the batch that
-a full-length cache must preempt.
+engine's with groups off, eager and through decode graphs; at the same KV
+memory, groups fit the batch that a full-length cache must preempt.
 """
 
 from __future__ import annotations
@@ -80,6 +80,9 @@ def test_groups_match_hf_and_fit_what_full_length_caches_preempt(model_path: Any
     assert isinstance(manager, HybridKVCacheManager) and manager.num_kv_cache_groups == 2
     assert token_ids(generate(grouped, prompts)) == expected
     assert engine_core(grouped).scheduler.num_preemptions == 0
+    # Decode steps replayed graphs that copy both groups' block tables.
+    graphs = engine_core(grouped).model_executor.driver_worker.model_runner.graph_runner
+    assert graphs is not None and graphs.num_replays > 0 and len(graphs.other_block_tables) == 1
     plain = LLM(
         model=str(model_path), dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=LAYER_BLOCKS // 2,
         disable_hybrid_kv_cache_manager=True,

@@ -28,6 +28,7 @@ class DecodeGraphRunner(BatchGraphs):
         block_size: int,
         device: torch.device,
         query_lens: list[int] | None = None,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         get_aux = getattr(model, "get_aux_hidden_states", None)
 
@@ -40,7 +41,8 @@ class DecodeGraphRunner(BatchGraphs):
             return (hidden_states,) if aux is None else (hidden_states, aux)
 
         super().__init__(forward, attn_backend, platform, sizes=sizes, max_model_len=max_model_len,
-                         block_size=block_size, device=device, query_lens=query_lens)
+                         block_size=block_size, device=device, query_lens=query_lens,
+                         num_kv_cache_groups=num_kv_cache_groups)
         self.model = model
         # The kept layer inputs of the last step that replayed (None: it ran eagerly, or none are kept).
         self.replayed_aux: torch.Tensor | None = None

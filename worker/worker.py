@@ -558,6 +558,7 @@ class Worker:
             block_size=block_size,
             device=self.device,
             query_lens=self._verify_query_lens(block_size),
+            num_kv_cache_groups=self.kv_cache_config().num_groups,
         )
         try:
             runner.capture()
@@ -577,11 +578,6 @@ class Worker:
             return False
         if not self.attn_backend.supports_graph_capture(self.config.cache.block_size):
             logger.info("graphs: off (attention backend %s cannot be captured)", self.attn_backend.__name__)
-            return False
-        num_groups = self.kv_cache_config().num_groups
-        if num_groups > 1:
-            # NOTE: a graph copies one block table; groups would need one each.
-            logger.info("graphs: off (%d KV cache groups; graphs copy one block table)", num_groups)
             return False
         return True
 
