@@ -290,8 +290,8 @@ class BatchGraphs:
         self.input_ids[:num_tokens].copy_(input_ids)
         self.positions[:num_tokens].copy_(torch.from_numpy(batch.positions))
         self.slot_mapping[:num_tokens].copy_(torch.from_numpy(batch.slot_mapping))
-        for slot_mapping, values in zip(self.other_slot_mappings, batch.other_slot_mappings, strict=True):
-            slot_mapping[:num_tokens].copy_(torch.from_numpy(values))
+        for slot_mapping, group_slots in zip(self.other_slot_mappings, batch.other_slot_mappings, strict=True):
+            slot_mapping[:num_tokens].copy_(torch.from_numpy(group_slots))
         self._copy_requests(batch, batch.seq_lens)
         for name, values in (extras or {}).items():
             self.extras[name][:num_tokens].copy_(values)
@@ -310,8 +310,8 @@ class BatchGraphs:
         self.input_ids.index_copy_(0, rows, input_ids)
         self.positions.index_copy_(0, rows, torch.from_numpy(batch.positions).to(self.positions.device))
         self.slot_mapping.index_copy_(0, rows, torch.from_numpy(batch.slot_mapping).to(self.slot_mapping.device))
-        for slot_mapping, values in zip(self.other_slot_mappings, batch.other_slot_mappings, strict=True):
-            slot_mapping.index_copy_(0, rows, torch.from_numpy(values).to(slot_mapping.device))
+        for slot_mapping, group_slots in zip(self.other_slot_mappings, batch.other_slot_mappings, strict=True):
+            slot_mapping.index_copy_(0, rows, torch.from_numpy(group_slots).to(slot_mapping.device))
         self._copy_requests(batch, batch.seq_lens + (query_len - query_lens))
         for name, values in (extras or {}).items():
             self.extras[name].index_copy_(0, rows, values)

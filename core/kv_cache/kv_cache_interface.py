@@ -127,7 +127,7 @@ def plain_kv_cache_config(num_layers: int, block_size: int) -> KVCacheConfig:
     )
 
 
-def get_kv_cache_config(layer_specs: Sequence[KVCacheSpec], enable_hybrid: bool = True) -> KVCacheConfig:
+def get_kv_cache_config(layer_specs: Sequence[AnyKVCacheSpec], enable_hybrid: bool = True) -> KVCacheConfig:
     """Group the layers by spec (`layer_specs[i]`: attention layer i's).
 
     Without `enable_hybrid`, or with one spec, one group holds every layer:
@@ -145,7 +145,7 @@ def get_kv_cache_config(layer_specs: Sequence[KVCacheSpec], enable_hybrid: bool 
         raise ConfigError("cache.block_size", sorted({s.block_size for s in layer_specs}), "one block size")
     if not enable_hybrid:
         layer_specs = [FullAttentionSpec(block_size)] * len(layer_specs)
-    layers_of_spec: dict[KVCacheSpec, list[int]] = {}
+    layers_of_spec: dict[AnyKVCacheSpec, list[int]] = {}
     for layer_index, spec in enumerate(layer_specs):
         layers_of_spec.setdefault(spec, []).append(layer_index)
     if len(layers_of_spec) == 1:

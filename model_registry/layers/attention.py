@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedllm.core.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagedllm.core.kv_cache.kv_cache_interface import AnyKVCacheSpec, FullAttentionSpec, SlidingWindowSpec
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend, AttentionMetadata
@@ -46,7 +46,7 @@ class Attention(nn.Module):
         # the cache; model_registry/kv_cache.py). 0: the metadata passed in.
         self.kv_cache_group = 0
 
-    def get_kv_cache_spec(self, block_size: int) -> KVCacheSpec:
+    def get_kv_cache_spec(self, block_size: int) -> AnyKVCacheSpec:
         """What this layer keeps in the KV cache (core/kv_cache/kv_cache_interface.py)."""
         if self.sliding_window is not None:
             return SlidingWindowSpec(block_size, sliding_window=self.sliding_window)
