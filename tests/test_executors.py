@@ -121,7 +121,7 @@ def test_a_plugin_executor_is_selected_by_name_and_generates_the_same_tokens(
     llm = LLM(model="tiny", num_kv_blocks=NUM_KV_BLOCKS, distributed_executor_backend="recording")
     assert isinstance(llm.engine_core.engine_core.model_executor, RecordingExecutor)  # type: ignore[attr-defined]
     assert _greedy(llm) == expected
-    assert recording_executor[:2] == ["determine_num_kv_blocks", "initialize_cache"]
+    assert recording_executor[:3] == ["determine_num_kv_blocks", "kv_cache_config", "initialize_cache"]
     assert recording_executor.count("execute_model") >= 8  # one step per generated token at least
     llm.shutdown()
     assert recording_executor[-1] == "shutdown"
@@ -197,7 +197,7 @@ def test_a_failed_start_shuts_the_executor_down(recording_executor: list[str]) -
     with pytest.raises(ConfigError) as info:
         build_engine(_config(distributed_executor_backend="recording", max_model_len=NUM_KV_BLOCKS * 16 + 1))
     assert info.value.key == "model.max_model_len"
-    assert recording_executor == ["determine_num_kv_blocks", "shutdown"]
+    assert recording_executor == ["determine_num_kv_blocks", "kv_cache_config", "shutdown"]
 
 
 def test_an_executor_whose_package_is_missing_says_what_to_install(recording_executor: list[str]) -> None:
