@@ -108,8 +108,11 @@ def timed_engine(path: Path, args: argparse.Namespace, disable_hybrid: bool) -> 
     which each request decodes one token (the list it fills)."""
     from pagedllm import LLM
 
+    # Room for the whole batch's prefill in one step: with groups each group
+    # holds a prompt's blocks until its window frees them (at most one group a layer).
+    num_blocks = args.batch * (args.context // BLOCK_SIZE + 4) * (1 if disable_hybrid else args.model_layers)
     llm = LLM(
-        model=str(path), dtype="float32", num_kv_blocks=args.batch * (args.context // BLOCK_SIZE + 4) * 2,
+        model=str(path), dtype="float32", num_kv_blocks=num_blocks,
         max_num_seqs=args.batch, max_num_batched_tokens=args.batch * args.context,
         enable_prefix_caching=False, disable_hybrid_kv_cache_manager=disable_hybrid,
     )
@@ -145,6 +148,8 @@ def decode_table(args: argparse.Namespace) -> None:
         for _ in range(args.reps):  # alternating, so that load on the machine hits both alike
             for llm, _steps in engines.values():
                 llm.generate(prompts, params, use_tqdm=False)
+        if not all(steps for _llm, steps in engines.values()):
+            raise RuntimeError("a run had no step in which every request decoded")
         off, on = (statistics.median(engines[name][1]) * 1000 for name in ("off", "groups"))
         print(f"{'full-length (off)':<22}{off:>10.2f} ms/step")
         print(f"{'groups (hybrid)':<22}{on:>10.2f} ms/step")
