@@ -102,3 +102,13 @@ def test_prefix_hits_with_groups_match_hf(model_path: Any) -> None:
     assert token_ids(outputs) == hf_greedy(model_path, second)
     # The full group hits the whole prefix; the window group its last blocks.
     assert [output.num_cached_tokens for output in outputs] == [16, 16]
+
+
+def test_chunked_prefill_and_async_scheduling_with_groups_match_hf(model_path: Any) -> None:
+    # 5-token chunks: the window group frees blocks between a prompt's chunks.
+    prompts = random_prompts((13, 21), seed=4)
+    llm = LLM(
+        model=str(model_path), dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=64,
+        long_prefill_token_threshold=5, async_scheduling=True,
+    )
+    assert token_ids(generate(llm, prompts)) == hf_greedy(model_path, prompts)
