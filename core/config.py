@@ -97,7 +97,9 @@ class CacheConfig(_Section):
     # byte per value with scale 1.0 (attention_backends/kv_cache_dtype.py),
     # where the platform and the attention backend support it.
     cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    # Overrides the number of KV blocks computed from memory.
+    # Overrides the number of KV blocks computed from memory. With several
+    # KV cache groups (sliding-window layers beside full ones) it is the
+    # blocks of the pool they share, as vLLM's num_gpu_blocks_override.
     num_kv_blocks: int | None = Field(None, ge=1)
     # Overrides gpu_memory_utilization: bytes given to the KV cache.
     kv_cache_memory_bytes: int | None = Field(None, ge=1)

@@ -141,7 +141,9 @@ def test_every_config_field_has_its_type_default_env_and_flag_in_the_reference()
     row = next(line for line in page.splitlines() if line.startswith("| `cache.num_kv_blocks` |"))
     assert row == (
         "| `cache.num_kv_blocks` | `int \\| None` | `None` | `PAGEDLLM_CACHE__NUM_KV_BLOCKS`<br>`--num-kv-blocks`<br>"
-        "`num_kv_blocks, num_gpu_blocks_override` | Overrides the number of KV blocks computed from memory. |"
+        "`num_kv_blocks, num_gpu_blocks_override` | Overrides the number of KV blocks computed from memory. "
+        "With several KV cache groups (sliding-window layers beside full ones) it is the blocks of the pool "
+        "they share, as vLLM's num_gpu_blocks_override. |"
     )
     row = next(line for line in page.splitlines() if line.startswith("| `parallel.tensor_parallel_size` |"))
     assert "`--tensor-parallel-size, -tp`" in row and "`tensor_parallel_size`" in row

@@ -312,8 +312,10 @@ def test_engine_preempts_and_recomputes_gemma3_to_hf_tokens(monkeypatch: pytest.
     path = _engine_checkpoint("gemma3")
     rng = random.Random(4)
     prompts = [[rng.randrange(8, 8192) for _ in range(40)] for _ in range(4)]
-    # Each request ends at 52 tokens (4 blocks): 4 of them cannot share 10 blocks.
-    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=10, max_model_len=128)
+    # Six KV cache groups (five sliding layers, one global) share the pool:
+    # 56 blocks hold one 128-token request's groups but not all four
+    # requests' 40-token prompts and outputs at once.
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=56, max_model_len=128)
     _assert_greedy_matches_hf(path, prompts, _generate(llm, prompts))
     assert llm.engine_core.engine_core.scheduler.num_preemptions > 0
 
