@@ -162,6 +162,23 @@ def test_prefix_hit_is_what_every_group_can_serve() -> None:
     assert tables(manager, "b")[0][:1] == [1] and tables(manager, "b")[1][:1] == [4]
 
 
+def test_a_hit_block_waiting_in_the_free_queue_is_not_handed_out_as_a_new_block() -> None:
+    manager = two_group_manager(num_blocks=10)
+    first, other = make_request("a", [*PREFIX, 1, 2]), make_request("c", [300])
+    schedule_prompt(manager, first)
+    schedule_prompt(manager, other)  # takes the last fresh blocks, 7 and 8
+    decode(manager, first, 3)  # the window group frees blocks 4 and 5, then reuses 4
+    manager.free(other)
+    assert tables(manager, "a") == [[1, 2, 3, 9], [0, 0, 6, 4]]
+    assert free_ids(manager) == [5, 7, 8]  # block 5: PREFIX's second block in the window group
+    second = make_request("b", [*PREFIX, 9, 9, 9, 9])
+    # The window group's hit (block 5) leaves the free queue before the full
+    # group takes its new block from the queue's head.
+    assert schedule_prompt(manager, second) == 8
+    assert tables(manager, "b") == [[1, 2, 7], [0, 5, 8]]
+    manager.check_invariants([first, second])
+
+
 # ------------------------------------------------- admission and preemption
 
 

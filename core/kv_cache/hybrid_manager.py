@@ -145,13 +145,15 @@ class HybridKVCacheManager(KVCacheManager):
         if num_blocks_to_allocate > self.block_pool.free_block_queue.num_free_blocks:
             return None
         # NOTE: nothing but window frees may change above this line.
-        new_blocks: list[list[KVCacheBlock]] = []
+        # Every group's hit leaves the free queue before any group takes new
+        # blocks from it: a new block may evict a cached one, never a hit.
         for manager, hit in zip(self.managers, hits, strict=True):
             if hit:
                 manager.save_new_computed_blocks(request_id, hit)
-            new_blocks.append(manager.allocate_new_blocks(request_id, num_tokens_need_slot))
-            if self.enable_caching:
-                self.ensure_block_hashes(request)
+        new_blocks = [manager.allocate_new_blocks(request_id, num_tokens_need_slot) for manager in self.managers]
+        if self.enable_caching:
+            self.ensure_block_hashes(request)
+            for manager in self.managers:
                 manager.cache_blocks(request, num_computed_tokens + num_new_tokens)
         self.new_block_ids_of_other_groups = [[block.block_id for block in blocks] for blocks in new_blocks[1:]]
         if self.debug_checks:
