@@ -7,6 +7,7 @@ sliding with a window of 8 tokens, shorter than every long prompt, one full;
 of mean 1 take a real share of each softmax, the experts' SwiGLU clamp
 (limit 3) clips, and the router's top-2 is decisive. `test_each_mechanism_matters`
 switches each off in our model alone and checks the logits then differ.
+The engine at -tp 1 and 2 with chunks, preemption and drafts: test_models_engine_matrix.py.
 """
 
 from __future__ import annotations
@@ -225,22 +226,3 @@ def test_engine_greedy_tokens_match_hf_generate_with_a_prefix_hit(checkpoint: Pa
         for prompt, output in zip(batch, outputs, strict=True):
             assert list(output.outputs[0].token_ids) == hf_generate(hf_model, prompt, 12)
             assert (output.num_cached_tokens >= 32) is expect_hit
-
-
-@pytest.mark.slow
-def test_tp2_greedy_tokens_match_hf_generate(checkpoint: Path, hf_model: Any) -> None:
-    """Two mp ranks, each with 2 of the 4 query heads (and their sinks) and
-    one KV head; the experts replicated."""
-    from pagedllm import LLM, SamplingParams
-
-    rng = random.Random(5)
-    prompts = [[rng.randrange(8, hf_model.config.vocab_size) for _ in range(n)] for n in (7, 23)]
-    llm = LLM(model=str(checkpoint), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
-              distributed_executor_backend="mp")
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    for prompt, output in zip(prompts, outputs, strict=True):
-        assert list(output.outputs[0].token_ids) == hf_generate(hf_model, prompt, 10)
