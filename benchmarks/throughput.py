@@ -223,8 +223,12 @@ def main() -> None:
             python, env = args.vllm_python, {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         child = subprocess.run(
             [python, __file__, "--engine", engine, "--model-path", model_path, *sys.argv[1:]],
-            check=True, capture_output=True, text=True, env=env,
+            check=engine != "vllm", capture_output=True, text=True, env=env,
         )
+        if child.returncode:  # vLLM may not serve the architecture: say why, keep the other rows
+            reason = (child.stderr.strip().splitlines() or ["no output"])[-1]
+            print(f"vLLM did not run (exit {child.returncode}): {reason[:300]}")
+            continue
         results[engine] = json.loads(child.stdout.strip().splitlines()[-1])
 
     prompts = workload(args)
