@@ -228,7 +228,12 @@ def _rms_norm_in_kernel_order(x: torch.Tensor, residual: torch.Tensor | None, we
     total = torch.zeros(rows)
     for lane in range(lanes) if lane_order is None else lane_order:
         total = total + acc[:, lane]
-    inv = 1.0 / torch.sqrt(total / float(hidden) + torch.tensor(eps, dtype=torch.float32))
+    # 1 / sqrtf(sum / hidden + eps), each step rounded once to float32: done
+    # in float64 and rounded, which is exact for these operations on float32
+    # inputs. torch's own float32 sqrt is not correctly rounded on every CPU
+    # (one ulp off for some inputs on an AMD EPYC).
+    mean = (total.double() / hidden).float() + torch.tensor(eps, dtype=torch.float32)
+    inv = (1.0 / mean.double().sqrt().float().double()).float()
     return weight * (s * inv[:, None]).to(x.dtype), summed
 
 
