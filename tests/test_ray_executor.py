@@ -108,8 +108,10 @@ def _descendants(pid: int) -> set[int]:
 
 @pytest.fixture(scope="module")
 def reference_tokens() -> list[list[int]]:
-    """TP=1 on the in-process `uni` executor."""
-    llm = LLM("tiny", num_kv_blocks=NUM_KV_BLOCKS)
+    """TP=1 on the in-process `uni` executor. float32 throughout: in bfloat16
+    (the default where the CPU computes it natively) TP=2's partial sums
+    round differently enough to flip a near-tie."""
+    llm = LLM("tiny", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS)
     try:
         return _greedy(llm)
     finally:
@@ -145,7 +147,8 @@ def test_tp2_on_a_local_ray_it_starts_gives_tp1_tokens(
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     before = _descendants(os.getpid())
-    llm = LLM("tiny", tensor_parallel_size=2, distributed_executor_backend="ray", num_kv_blocks=NUM_KV_BLOCKS)
+    llm = LLM("tiny", dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray",
+              num_kv_blocks=NUM_KV_BLOCKS)
     try:
         assert _greedy(llm) == reference_tokens
         placements = _executor(llm).rank_placements
@@ -165,8 +168,8 @@ def test_two_node_cluster_places_one_rank_on_each_node(
 ) -> None:
     import ray
 
-    llm = LLM("tiny", tensor_parallel_size=2, distributed_executor_backend="ray", num_kv_blocks=NUM_KV_BLOCKS,
-              ray_address=two_node_cluster.address, placement_strategy="SPREAD")
+    llm = LLM("tiny", dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray",
+              num_kv_blocks=NUM_KV_BLOCKS, ray_address=two_node_cluster.address, placement_strategy="SPREAD")
     try:
         assert _greedy(llm) == reference_tokens
         rank_nodes = [placement.node_id for placement in _executor(llm).rank_placements]
@@ -230,8 +233,8 @@ def test_a_kv_connector_across_two_nodes_moves_each_ranks_shard_as_tp1_moves_who
 def test_a_killed_rank_fails_the_engine_naming_it_and_leaves_nothing_behind(two_node_cluster: Cluster) -> None:
     import ray
 
-    llm = LLM("tiny", tensor_parallel_size=2, distributed_executor_backend="ray", num_kv_blocks=NUM_KV_BLOCKS,
-              ray_address=two_node_cluster.address)
+    llm = LLM("tiny", dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray",
+              num_kv_blocks=NUM_KV_BLOCKS, ray_address=two_node_cluster.address)
     try:
         executor = _executor(llm)
         placements = executor.rank_placements
@@ -265,8 +268,8 @@ def test_a_killed_rank_fails_the_engine_naming_it_and_leaves_nothing_behind(two_
 @pytest.mark.slow
 def test_a_rank_lost_while_idle_fails_the_health_check(two_node_cluster: Cluster) -> None:
     """What the engine core's idle poll sees (no step in flight to notice it)."""
-    llm = LLM("tiny", tensor_parallel_size=2, distributed_executor_backend="ray", num_kv_blocks=NUM_KV_BLOCKS,
-              ray_address=two_node_cluster.address)
+    llm = LLM("tiny", dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray",
+              num_kv_blocks=NUM_KV_BLOCKS, ray_address=two_node_cluster.address)
     try:
         executor = _executor(llm)
         executor.check_health()
