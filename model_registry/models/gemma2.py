@@ -37,7 +37,7 @@ from pagedllm.model_registry.layers.logits_head import LogitsHead
 from pagedllm.model_registry.layers.norm import GemmaRMSNorm
 from pagedllm.model_registry.layers.rotary import ApplyRotaryEmb, RotaryEmbedding, get_rope_parameters
 from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.model_registry.models.llama import LlamaForCausalLM
+from pagedllm.model_registry.models.llama import LlamaAttention, LlamaForCausalLM
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend, AttentionMetadata
@@ -119,22 +119,9 @@ class Gemma2Attention(nn.Module):
             logits_soft_cap=hf_config.attn_logit_softcapping if flags.attn_soft_cap else None,
         )
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))  # [T, H, D]
-            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-            q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
-        else:
-            # q and k side by side in qkv: one rotary pass over both heads' rows.
-            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
-            q, k = self.rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, attn_metadata)
-        return self.o_proj(out)
+    # The same attributes as LlamaAttention (qkv_proj, q/k norms, rotary,
+    # attn, o_proj), so the same forward; the scale, cap and window live in attn.
+    forward = LlamaAttention.forward
 
 
 class Gemma2DecoderLayer(nn.Module):

@@ -24,7 +24,6 @@ whole MoE output, so no collective is needed after it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
@@ -39,7 +38,7 @@ from pagedllm.model_registry.layers.logits_head import LogitsHead
 from pagedllm.model_registry.layers.norm import RMSNorm
 from pagedllm.model_registry.layers.rotary import ApplyRotaryEmb, RotaryEmbedding, get_rope_parameters
 from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.model_registry.loader import default_weight_loader
+from pagedllm.model_registry.models.llama import LlamaForCausalLM, packed_param_name
 from pagedllm.platforms.cpu.graph import refuse_capture
 
 if TYPE_CHECKING:
@@ -224,27 +223,10 @@ class GptOssForCausalLM(ModelForCausalLM):
     def is_ignored_weight(self, name: str) -> bool:
         return name.endswith("rotary_emb.inv_freq")
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if self.is_ignored_weight(name):
-                continue
-            param_name, shard_id = self._param_name(name)
-            param = params[param_name]
-            if shard_id is None:
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            else:
-                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
-            loaded.add(param_name)
-        return loaded
+    # Llama's loader: q/k/v into the fused qkv_proj, each tensor through its
+    # parameter's weight_loader (this rank's slice).
+    load_weights = LlamaForCausalLM.load_weights
 
     @classmethod
-    def _param_name(cls, name: str) -> tuple[str, int | None]:
-        """'model.layers.0.self_attn.k_proj.bias' -> ('model.layers.0.self_attn.qkv_proj.bias', 1)."""
-        parts = name.split(".")
-        for i, part in enumerate(parts):
-            if part in cls.packed_modules_mapping:
-                packed_name, shard_id = cls.packed_modules_mapping[part]
-                return ".".join(parts[:i] + [packed_name] + parts[i + 1 :]), shard_id
-        return name, None
+    def checkpoint_to_param_name(cls, name: str) -> tuple[str, int | None]:
+        return packed_param_name(name, cls.packed_modules_mapping)

@@ -257,12 +257,16 @@ class LlamaForCausalLM(ModelForCausalLM):
 
     @classmethod
     def checkpoint_to_param_name(cls, name: str) -> tuple[str, int | None]:
-        """'model.layers.0.self_attn.k_proj.weight' -> ('model.layers.0.self_attn.qkv_proj.weight', 1)."""
-        parts = name.split(".")
-        for i, part in enumerate(parts):
-            if part in cls.packed_modules_mapping:
-                packed_name, shard_id = cls.packed_modules_mapping[part]
-                return ".".join(parts[:i] + [packed_name] + parts[i + 1 :]), shard_id
-        return name, None
+        return packed_param_name(name, cls.packed_modules_mapping)
+
+
+def packed_param_name(name: str, packed_modules_mapping: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    """'model.layers.0.self_attn.k_proj.weight' -> ('model.layers.0.self_attn.qkv_proj.weight', 1)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed_modules_mapping:
+            packed_name, shard_id = packed_modules_mapping[part]
+            return ".".join(parts[:i] + [packed_name] + parts[i + 1 :]), shard_id
+    return name, None
 
 
