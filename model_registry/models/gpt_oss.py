@@ -38,7 +38,7 @@ from pagedllm.model_registry.layers.logits_head import LogitsHead
 from pagedllm.model_registry.layers.norm import RMSNorm
 from pagedllm.model_registry.layers.rotary import ApplyRotaryEmb, RotaryEmbedding, get_rope_parameters
 from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.model_registry.models.llama import LlamaForCausalLM, packed_param_name
+from pagedllm.model_registry.models.llama import LlamaDecoderLayer, LlamaForCausalLM, packed_param_name
 from pagedllm.platforms.cpu.graph import refuse_capture
 
 if TYPE_CHECKING:
@@ -147,22 +147,8 @@ class GptOssDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
         self.mlp = GptOssMLP(hf_config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, residual), the layer's output being h + residual (as Llama's layer)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, attn_metadata)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+    # Llama's pre-norm block over the same four modules: (h, residual).
+    forward = LlamaDecoderLayer.forward
 
 
 class GptOssModel(nn.Module):
