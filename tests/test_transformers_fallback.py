@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,7 @@ def _llama_path() -> Path:
 
 
 @pytest.mark.slow
-def test_llama_gives_the_same_tokens_natively_and_through_the_fallback() -> None:
+def test_llama_gives_the_same_tokens_natively_and_through_the_fallback_with_and_without_a_grammar() -> None:
     prompts = _prompts(3, [6, 21, 30])
     kwargs: dict[str, Any] = dict(dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=96,
                                   max_num_batched_tokens=TOKEN_BUDGET, enforce_eager=True)
@@ -156,6 +157,17 @@ def test_llama_gives_the_same_tokens_natively_and_through_the_fallback() -> None
         "forced by model_impl='transformers' over the registered native class"
     )
     assert _tokens(_generate(fallback, prompts)) == _tokens(_generate(native, prompts))
+    # Structured output masks the fallback's logits as it masks the native model's.
+    from pagedllm import SamplingParams
+    from pagedllm.core.sampling_params import StructuredOutputsParams
+
+    constrained = SamplingParams(temperature=0.0, max_tokens=12,
+                                 structured_outputs=StructuredOutputsParams(regex="[a-z]{2,6}( [a-z]{2,6}){1,3}"))
+    texts = {name: [o.outputs[0].text for o in engine.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                constrained, use_tqdm=False)]
+             for name, engine in (("native", native), ("fallback", fallback))}
+    assert texts["fallback"] == texts["native"]
+    assert all(re.fullmatch("[a-z]{2,6}( [a-z]{2,6}){1,3}", text) for text in texts["fallback"])
 
 
 @pytest.mark.slow
