@@ -76,7 +76,8 @@ def time_pagedllm(
 ) -> tuple[list[float], list]:
     from pagedllm import LLM
 
-    llm = LLM(model=model_path, dtype=dtype, max_num_seqs=256, max_num_batched_tokens=4096)
+    # max_model_len: the workload's prompts and outputs fit 4,096 (GPT-OSS's config allows 131,072).
+    llm = LLM(model=model_path, dtype=dtype, max_num_seqs=256, max_num_batched_tokens=4096, max_model_len=4096)
     return timed_generate(llm, prompts, num_new_tokens, reps)
 
 
@@ -121,7 +122,7 @@ def time_vllm(
     """vLLM's offline LLM, run in its own venv (see --vllm-python)."""
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
 
-    llm = LLM(model=model_path, dtype=dtype, gpu_memory_utilization=0.2, seed=0)
+    llm = LLM(model=model_path, dtype=dtype, gpu_memory_utilization=0.2, seed=0, max_model_len=4096)
     params = SamplingParams(temperature=0.0, max_tokens=num_new_tokens, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(inputs, params, use_tqdm=False)  # warm-up (and torch.compile)
@@ -149,18 +150,30 @@ ARCHITECTURE_SIZES = dict(
 )
 
 
+# The released models' attention where the conformance kit's tiny configs
+# shrink it: GPT-OSS's 128-token windows and YaRN (x32 from 4,096 positions),
+# which vLLM's GPT-OSS requires.
+ARCHITECTURE_OVERRIDES: dict[str, dict[str, Any]] = {
+    "GptOssForCausalLM": dict(
+        sliding_window=128, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
+    ),
+}
+
+
 def architecture_checkpoint(architecture: str) -> str:
     """A random checkpoint of `architecture` at ARCHITECTURE_SIZES with the
     shipped tokenizer (built once, then reused from the cache dir)."""
     from pagedllm.core.cache_dir import get_cache_root
     from pagedllm.testing.checkpoints import config_json, save_random_checkpoint
 
-    path = get_cache_root() / f"benchmark-{architecture}-100m-v1"
+    path = get_cache_root() / f"benchmark-{architecture}-100m-v2"
     if not (path / "config.json").exists():
         config = config_json(architecture, sizes=ARCHITECTURE_SIZES)
         if config is None:
             raise SystemExit(f"--architecture {architecture!r}: transformers has no such causal-LM class")
-        save_random_checkpoint(config, path)
+        save_random_checkpoint({**config, **ARCHITECTURE_OVERRIDES.get(architecture, {})}, path)
     return str(path)
 
 
