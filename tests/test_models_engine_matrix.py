@@ -15,7 +15,11 @@ sinks, scaled RoPE past the original length, Granite's multipliers).
 
 from __future__ import annotations
 
+import atexit
+import functools
 import random
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,15 +38,13 @@ from pagedllm import LLM, SamplingParams
 NUM_NEW_TOKENS = 16
 BUDGET = 32  # max_num_batched_tokens: the longer prompts prefill in chunks
 PREFIX_LEN = 48  # three 16-token blocks
-_gpt_oss: list[Path] = []
 
 
+@functools.cache
 def _gpt_oss_checkpoint() -> Path:
-    if not _gpt_oss:
-        import tempfile
-
-        _gpt_oss.append(build_gpt_oss(Path(tempfile.mkdtemp(prefix="pagedllm-gpt-oss-")) / "model"))
-    return _gpt_oss[0]
+    folder = Path(tempfile.mkdtemp(prefix="pagedllm-gpt-oss-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return build_gpt_oss(folder / "model")
 
 
 # architecture -> (its checkpoint, KV blocks that hold one request's groups but not the second batch at once;
@@ -68,7 +70,9 @@ def _prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
     return first, second
 
 
-def _hf_generate(path: Path, prompt: list[int]) -> list[int]:
+@functools.cache
+def _hf_generate(path: Path, prompt: tuple[int, ...]) -> list[int]:
+    """transformers' greedy tokens, once per checkpoint and prompt (tp 1 and 2 share them)."""
     model = hf_model(path)
     output = model.generate(
         torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -105,7 +109,7 @@ def test_engine_greedy_matches_hf_with_prefix_hits_chunks_preemption_and_drafts(
         mixed_steps = _count_mixed_steps(llm)
         for prompts in (first, second):
             outputs = _generate(llm, prompts)
-            assert [list(o.outputs[0].token_ids) for o in outputs] == [_hf_generate(path, p) for p in prompts]
+            assert [list(o.outputs[0].token_ids) for o in outputs] == [_hf_generate(path, tuple(p)) for p in prompts]
         assert [o.num_cached_tokens >= PREFIX_LEN for o in outputs[:2]] == [True, True]  # the first batch's prefix
         scheduler = core.engine_core.scheduler
         assert scheduler.num_preemptions > 0

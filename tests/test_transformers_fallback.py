@@ -161,13 +161,14 @@ def test_llama_gives_the_same_tokens_natively_and_through_the_fallback_with_and_
     from pagedllm import SamplingParams
     from pagedllm.core.sampling_params import StructuredOutputsParams
 
+    words = "[a-z]{2,6}( [a-z]{2,6}){1,3}"
     constrained = SamplingParams(temperature=0.0, max_tokens=12,
-                                 structured_outputs=StructuredOutputsParams(regex="[a-z]{2,6}( [a-z]{2,6}){1,3}"))
+                                 structured_outputs=StructuredOutputsParams(regex=words))
     texts = {name: [o.outputs[0].text for o in engine.generate([{"prompt_token_ids": p} for p in prompts],
                                                                 constrained, use_tqdm=False)]
              for name, engine in (("native", native), ("fallback", fallback))}
     assert texts["fallback"] == texts["native"]
-    assert all(re.fullmatch("[a-z]{2,6}( [a-z]{2,6}){1,3}", text) for text in texts["fallback"])
+    assert all(re.fullmatch(words, text) for text in texts["fallback"])
 
 
 @pytest.mark.slow
