@@ -9,6 +9,7 @@ import torch
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.worker.draft_verification import verify_drafts
 from pagedllm.worker.persistent_batch import CachedRequestState
+from pagedllm.worker.rejection_sampler import DraftLayout, rejection_sample
 from pagedllm.worker.sampler import Sampler
 from pagedllm.worker.sampling_batch import SamplingBatch
 
@@ -78,3 +79,27 @@ def test_logprobs_are_the_targets_raw_distribution_at_each_emitted_token() -> No
     assert [entry.token_ids for entry in entries] == [[3, 3], [6, 6]]
     assert [entry.rank for entry in entries] == [1, 1]
     assert entries[0].logprobs[0] == raw[0, 3].item() and entries[1].logprobs[0] == raw[1, 6].item()
+
+
+def test_an_all_greedy_batch_emits_what_rejection_sampling_emits() -> None:
+    """The greedy shortcut against the batched rejection sampler it skips,
+    over random draft lengths (empty ones included) that agree with the
+    target's argmax for a random prefix."""
+    generator = torch.Generator().manual_seed(0)
+    greedy = SamplingParams(temperature=0.0)
+    for _ in range(50):
+        num_requests = int(torch.randint(1, 6, (1,), generator=generator))
+        lengths = torch.randint(0, 5, (num_requests,), generator=generator).tolist()
+        logits = torch.randn(sum(n + 1 for n in lengths), VOCAB_SIZE, generator=generator)
+        argmax = logits.argmax(dim=-1).tolist()
+        drafts, row = [], 0
+        for n in lengths:
+            agree = int(torch.randint(0, n + 1, (1,), generator=generator))
+            drafts.append([argmax[row + j] if j < agree else (argmax[row + j] + 1) % VOCAB_SIZE for j in range(n)])
+            row += n + 1
+        layout = DraftLayout.build(lengths)
+        padded = torch.tensor([d + [0] * (max(lengths) - len(d)) for d in drafts], dtype=torch.long)
+        expected = rejection_sample(layout, padded, logits, None, torch.ones(num_requests, dtype=torch.bool))
+        requests = [_state(str(i), greedy) for i in range(num_requests)]
+        sampled = verify_drafts(Sampler(), logits, _sampling(requests, drafts))
+        assert sampled.token_ids == [[t for t in r if t >= 0] for r in expected.tolist()]

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pagedllm.worker.rejection_sampler import DraftLayout, rejection_sample
@@ -44,25 +45,60 @@ def verify_drafts(sampler: Sampler, raw_logits: torch.Tensor, sampling: Sampling
     logits = sampler.apply_logits_processors(raw_logits, metadata)
     target_probs = None if metadata.all_greedy else sampler.compute_probs(logits, metadata)
 
-    layout = DraftLayout.build([len(d) for d in drafts], device=device)
+    if target_probs is None:
+        token_ids = _greedy_emitted(logits, drafts)
+    else:
+        token_ids = _sampled_emitted(drafts, logits, target_probs, metadata, requests, sampling)
+    if metadata.max_num_logprobs is None:
+        return SampledTokens(token_ids, None)
+    return SampledTokens(
+        token_ids, _emitted_logprobs(raw_logits, drafts, requests, token_ids, metadata.max_num_logprobs)
+    )
+
+
+def _greedy_emitted(logits: torch.Tensor, drafts: Sequence[list[int]]) -> list[list[int]]:
+    """Every request greedy: its drafts while each equals the target's
+    argmax at its row, then the argmax of the first row that differs (or
+    of the bonus row). The same tokens as rejection_sample's greedy rows,
+    without its [B, K + 1] bookkeeping (a third of a bs-1 verify step)."""
+    argmax = logits.argmax(dim=-1).tolist()
+    emitted: list[list[int]] = []
+    row = 0
+    for request_drafts in drafts:
+        tokens: list[int] = []
+        for position, draft in enumerate(request_drafts):
+            if draft != argmax[row + position]:
+                break
+            tokens.append(draft)
+        tokens.append(argmax[row + len(tokens)])
+        emitted.append(tokens)
+        row += len(request_drafts) + 1
+    return emitted
+
+
+def _sampled_emitted(
+    drafts: Sequence[list[int]],
+    logits: torch.Tensor,
+    target_probs: torch.Tensor,
+    metadata: SamplingMetadata,
+    requests: Sequence[CachedRequestState],
+    sampling: SamplingBatch,
+) -> list[list[int]]:
+    """Some request samples: rejection sampling over the whole batch."""
+    layout = DraftLayout.build([len(d) for d in drafts], device=logits.device)
     max_k = layout.max_num_drafts
-    draft_ids = torch.tensor([d + [0] * (max_k - len(d)) for d in drafts], dtype=torch.long, device=device)
+    draft_ids = torch.tensor([d + [0] * (max_k - len(d)) for d in drafts], dtype=torch.long, device=logits.device)
     emitted = rejection_sample(
         layout,
         draft_ids,
         logits,
         target_probs,
         metadata.is_greedy[layout.row_start],
-        draft_probs=None if target_probs is None else _draft_probs(target_probs, layout, requests, drafts),
+        draft_probs=_draft_probs(target_probs, layout, requests, drafts),
         generators={i: s.generator for i, s in enumerate(requests) if s.generator is not None},
         default_generator=sampling.default_generator,
     ).tolist()
-    token_ids = [[t for t in row if t >= 0] for row in emitted]
-    if metadata.max_num_logprobs is None:
-        return SampledTokens(token_ids, None)
-    return SampledTokens(
-        token_ids, _emitted_logprobs(raw_logits, layout, requests, token_ids, metadata.max_num_logprobs)
-    )
+    return [[t for t in row if t >= 0] for row in emitted]
 
 
 def _row_sampling_metadata(
@@ -132,7 +168,7 @@ def _draft_probs(
 
 def _emitted_logprobs(
     raw_logits: torch.Tensor,
-    layout: DraftLayout,
+    drafts: Sequence[list[int]],
     requests: Sequence[CachedRequestState],
     token_ids: list[list[int]],
     num_logprobs: int,
@@ -141,7 +177,7 @@ def _emitted_logprobs(
 
     NOTE: logprobs are the target's raw distribution at each emitted position."""
     device = raw_logits.device
-    row_start = layout.row_start.tolist()
+    row_start = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]).tolist()
     rows = [row_start[i] + j for i, tokens in enumerate(token_ids) for j in range(len(tokens))]
     flat_token_ids = [t for tokens in token_ids for t in tokens]
     raw_logprobs = raw_logits[torch.tensor(rows, device=device)].log_softmax(dim=-1)
