@@ -4,12 +4,15 @@ Two suffix trees with counts (spec_decode/suffix_tree.py): one per request
 over its prompt + output, and one global tree over the outputs of the running
 requests and of the last `suffix_decoding_max_cached_requests` finished ones
 (oldest evicted first). Every step each request's new tokens are appended to
-both (O(max_tree_depth) per token; nothing is rebuilt). To draft, the longest
-suffix of the request's tokens that occurred with a continuation is found in
-each tree; from it the most frequent continuation is followed greedily for up
-to int(match length * max_spec_factor + max_spec_offset) tokens, while its
-estimated probability stays >= min_token_prob; the tree whose draft scores
-higher (the sum of those probabilities) wins. No model, q is one-hot. A
+both (O(max_tree_depth) per token; nothing is rebuilt). To draft, every
+suffix of the request's tokens that occurred with a continuation is a
+candidate, in each tree; from its node the most frequent continuation is
+followed greedily for up to int(match length * max_spec_factor +
+max_spec_offset) tokens, while its estimated probability stays >=
+min_token_prob; the draft that scores highest (the sum of those
+probabilities) wins. Shorter matches matter: the trees are cut at
+max_tree_depth, so a match of m tokens has max_tree_depth - m levels of
+continuation below it. No model, q is one-hot. A
 seeded request drafts from its own tree only, so that its tokens do not
 depend on the other requests.
 
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedllm.spec_decode.interface import Drafter, DrafterContext, DraftInputs, DraftOutput
-from pagedllm.spec_decode.suffix_tree import Cursor, Node, SuffixTree, cursor_match, greedy_draft
+from pagedllm.spec_decode.suffix_tree import Cursor, SuffixTree
 
 if TYPE_CHECKING:
     from pagedllm.core.config import SpeculativeConfig
@@ -88,20 +91,23 @@ class SuffixDrafter(Drafter):
         return trees
 
     def _draft(self, trees: _RequestTrees, token_ids: Sequence[int], num_drafts: int, own_only: bool) -> list[int]:
+        """The best-scoring draft over every match length in both trees
+        (Arctic's speculate tries every start of the pattern the same way)."""
         config = self.config
         best: list[int] = []
         best_score = 0.0
-        local_node, local_len = cursor_match(trees.local_cursor)
-        candidates: list[tuple[Node | None, int]] = [(local_node, local_len)]
+        sources = [(trees.local, trees.local.cursor_matches(trees.local_cursor))]
         if self.max_cached_requests > 0 and not own_only:
-            candidates.append(self.global_tree.longest_match(token_ids))
-        for node, match_len in candidates:
-            if node is None or match_len == 0:
-                continue
-            limit = int(match_len * config.suffix_decoding_max_spec_factor + config.suffix_decoding_max_spec_offset)
-            draft, score = greedy_draft(node, min(num_drafts, limit), config.suffix_decoding_min_token_prob)
-            if score > best_score:
-                best, best_score = draft, score
+            sources.append((self.global_tree, self.global_tree.matches(token_ids)))
+        for tree, matches in sources:
+            for node, match_len in matches:
+                limit = min(num_drafts, int(match_len * config.suffix_decoding_max_spec_factor
+                                            + config.suffix_decoding_max_spec_offset))
+                if limit <= best_score:
+                    break  # a score is at most the draft's length, and shorter matches allow no more
+                draft, score = tree.greedy_draft(node, limit, config.suffix_decoding_min_token_prob)
+                if score > best_score:
+                    best, best_score = draft, score
         return best
 
     def finish_requests(self, req_ids: set[str]) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 from pagedllm.core.config import SpeculativeConfig
 from pagedllm.spec_decode.interface import DraftInputs
 from pagedllm.spec_decode.suffix import SuffixDrafter
-from pagedllm.spec_decode.suffix_tree import SuffixTree, cursor_match, greedy_draft
+from pagedllm.spec_decode.suffix_tree import ROOT, SuffixTree
 
 
 def _window_counts(sequences: list[list[int]], max_depth: int) -> dict[tuple[int, ...], int]:
@@ -26,11 +26,11 @@ def _window_counts(sequences: list[list[int]], max_depth: int) -> dict[tuple[int
 
 def _tree_counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:
     counts: dict[tuple[int, ...], int] = {}
-    stack = [((), tree.root)]
+    stack = [((), ROOT)]
     while stack:
         path, node = stack.pop()
-        for token, child in node.children.items():
-            counts[path + (token,)] = child.count
+        for token, child in tree.children(node).items():
+            counts[path + (token,)] = tree.count(child)
             stack.append((path + (token,), child))
     return counts
 
@@ -65,25 +65,24 @@ def test_remove_leaves_the_other_sequences_exactly() -> None:
     assert tree.num_nodes == 1 + len(_window_counts(kept, 4))
     tree.remove(sequences[0])
     tree.remove(sequences[2])
-    assert tree.root.children == {} and tree.num_nodes == 1 and tree.root.count == 0
+    assert tree.children(ROOT) == {} and tree.num_nodes == 1 and tree.count(ROOT) == 0
 
 
-def test_longest_match_has_a_continuation() -> None:
+def test_matches_are_the_suffixes_with_a_continuation_longest_first() -> None:
     tree = SuffixTree(max_depth=8)
     tree.extend([], [1, 2, 3, 4, 9, 2, 3, 5])
-    node, length = tree.longest_match([7, 1, 2, 3])  # [1, 2, 3] occurs, followed by 4
-    assert length == 3 and list(node.children) == [4]
-    node, length = tree.longest_match([6, 2, 3])  # [2, 3]: followed by 4 and 5
-    assert length == 2 and sorted(node.children) == [4, 5]
-    assert tree.longest_match([6, 6])[1] == 0
+    # [1, 2, 3] is followed by 4; [2, 3] by 4 and 5; [3] by 4 and 5.
+    found = [(length, sorted(tree.children(node))) for node, length in tree.matches([7, 1, 2, 3])]
+    assert found == [(3, [4]), (2, [4, 5]), (1, [4, 5])]
+    assert list(tree.matches([6, 6])) == []
 
 
-def test_cursor_match_skips_the_context_itself() -> None:
+def test_cursor_matches_skip_the_context_itself() -> None:
     tree = SuffixTree(max_depth=6)
     cursor: list = []
-    tree.extend(cursor, [5, 6, 7, 8, 0, 6, 7])  # [6, 7] occurred before, followed by 8
-    node, length = cursor_match(cursor)
-    assert length == 2 and list(node.children) == [8]
+    tree.extend(cursor, [5, 6, 7, 8, 0, 6, 7])  # [6, 7] and [7] occurred before, followed by 8
+    found = [(length, list(tree.children(node))) for node, length in tree.cursor_matches(cursor)]
+    assert found == [(2, [8]), (1, [8])]
 
 
 def test_greedy_draft_follows_the_most_frequent_child_until_unlikely() -> None:
@@ -91,9 +90,10 @@ def test_greedy_draft_follows_the_most_frequent_child_until_unlikely() -> None:
     for tokens in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 5, 6], [1, 7]):
         tree.extend([], tokens)
     node = tree.find([1])  # count 4: 2 (x3), 7 (x1)
-    assert greedy_draft(node, 5, 0.0) == ([2, 3, 4], 3 / 4 + 2 / 4 + 2 / 4)
-    assert greedy_draft(node, 5, 0.6) == ([2], 3 / 4)
-    assert greedy_draft(node, 1, 0.0) == ([2], 3 / 4)
+    assert node is not None
+    assert tree.greedy_draft(node, 5, 0.0) == ([2, 3, 4], 3 / 4 + 2 / 4 + 2 / 4)
+    assert tree.greedy_draft(node, 5, 0.6) == ([2], 3 / 4)
+    assert tree.greedy_draft(node, 1, 0.0) == ([2], 3 / 4)
 
 
 def test_drafter_proposes_the_repeated_continuation() -> None:
@@ -160,3 +160,39 @@ def test_seeded_request_drafts_from_its_own_tokens_only() -> None:
     # The unseeded one follows a's output in the global tree; the seeded one
     # has nothing of its own to match.
     assert out.draft_token_ids == [[], [32, 33]]
+
+
+def test_a_shorter_match_wins_when_the_longest_has_no_room_below_it() -> None:
+    # Depth 6: the 5-token match [1..5] sits at the tree's last level but one,
+    # so it can draft 1 token; [3, 4, 5] has 3 levels below it and may draft 3
+    # (match length x max_spec_factor 1), [4, 5] only 2.
+    drafter = _drafter(suffix_decoding_max_tree_depth=6)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4, 5]
+    out = drafter.propose(DraftInputs(req_ids=["a"], token_ids=[tokens], sampling_params=[]))
+    assert out.draft_token_ids == [[6, 7, 8]]
+
+
+def test_removals_and_reused_nodes_keep_counts_and_the_most_frequent_child() -> None:
+    """Remove and add sequences in turn (freed node ids are reused): the
+    counts stay every window's, and each node's first draft token is a
+    child of the highest count."""
+    rng = np.random.default_rng(2)
+    tree = SuffixTree(max_depth=4)
+    live: list[list[int]] = []
+    for _ in range(40):
+        if live and rng.random() < 0.4:
+            tree.remove(live.pop(int(rng.integers(0, len(live)))))
+        else:
+            tokens = rng.integers(0, 5, size=int(rng.integers(1, 25))).tolist()
+            tree.extend([], tokens)
+            live.append(tokens)
+        assert _tree_counts(tree) == _window_counts(live, 4)
+        assert tree.num_nodes == 1 + len(_window_counts(live, 4))
+        stack = [ROOT]
+        while stack:
+            node = stack.pop()
+            children = tree.children(node)
+            stack.extend(children.values())
+            if children:
+                (token,), _ = tree.greedy_draft(node, 1, 0.0)
+                assert tree.count(children[token]) == max(tree.count(c) for c in children.values())
