@@ -25,7 +25,11 @@ without drafts for `PROBE_INTERVAL` steps: it drafts to be measured).
 Exploring: a bucket without a measured verify step drafts k_max everywhere,
 then one without a measured plain step drafts nothing for a step; a request
 never verified drafts k_max; and a request held at 0 for `PROBE_INTERVAL`
-steps drafts k_max once, so that its acceptance is measured again. Such
+steps drafts k_max once, so that its acceptance is measured again. A probe
+that leaves the request at 0 doubles the steps before its next one (up to
+`PROBE_INTERVAL << MAX_PROBE_BACKOFF`): at batch 32 on the tiny model a
+verify step of the whole batch costs ~2.6 plain steps, and probing every 16
+steps alone cost more than the probes won (0.95x). Such
 probes make the whole step a verify step, so a batch probes at most once
 every `PROBE_INTERVAL` steps unless all its requests are waiting to probe
 (in a large batch, new requests arriving would otherwise make nearly every
@@ -49,6 +53,9 @@ if TYPE_CHECKING:
 MIN_GAIN = 1.05
 # Steps at 0 drafts after which a request drafts once to re-measure its acceptance.
 PROBE_INTERVAL = 16
+# A request whose probes keep it at 0 waits PROBE_INTERVAL << n steps after
+# its n-th such probe in a row, n at most this.
+MAX_PROBE_BACKOFF = 3
 
 
 def expected_tokens(acceptance: float, num_drafts: int) -> float:
@@ -86,6 +93,8 @@ class AdaptivePolicy(SpeculationPolicy):
         super().__init__(config)
         self._steps_since_probe = PROBE_INTERVAL  # the first probe may come at once
         self._probes: set[str] = set()  # the requests probing in the current step
+        # Probes in a row after which a request still drafted nothing.
+        self._failed_probes: dict[str, int] = {}
 
     def _grant_probes(self, req_ids: Sequence[str], measurements: SpecMeasurements) -> set[str]:
         """The requests that probe this step: those never verified or held
@@ -93,9 +102,14 @@ class AdaptivePolicy(SpeculationPolicy):
         probed in the last PROBE_INTERVAL (a probe makes the whole batch a
         verify step: in a large batch, new requests would otherwise make
         nearly every step one)."""
+        failed = self._failed_probes
+        if len(failed) > 2 * len(req_ids) + 64:  # drop finished requests' counts
+            running = set(req_ids)
+            self._failed_probes = failed = {req_id: n for req_id, n in failed.items() if req_id in running}
         candidates = {
             req_id for req_id in req_ids
-            if measurements.acceptance(req_id) is None or measurements.steps_without_drafts(req_id) >= PROBE_INTERVAL
+            if measurements.acceptance(req_id) is None
+            or measurements.steps_without_drafts(req_id) >= PROBE_INTERVAL << failed.get(req_id, 0)
         }
         self._steps_since_probe += 1
         if candidates and (len(candidates) == len(req_ids) or self._steps_since_probe > PROBE_INTERVAL):
@@ -126,9 +140,20 @@ class AdaptivePolicy(SpeculationPolicy):
             else:
                 counts.append(best_num_drafts(acceptance, ratio, k_max))
                 tokens += expected_tokens(acceptance, counts[-1])
+        self._count_failed_probes(req_ids, counts)
         if not self._probes and tokens / len(req_ids) <= MIN_GAIN * ratio:
             return [0] * len(req_ids)  # the whole step pays the verify cost: not worth it
         return counts
+
+    def _count_failed_probes(self, req_ids: Sequence[str], counts: list[int]) -> None:
+        """A request probing now has failed one more probe unless it drafts
+        later by choice; one that drafts by choice starts over."""
+        failed = self._failed_probes
+        for req_id, count in zip(req_ids, counts, strict=True):
+            if req_id in self._probes:
+                failed[req_id] = min(MAX_PROBE_BACKOFF, failed.get(req_id, 0) + 1)
+            elif count:
+                failed.pop(req_id, None)
 
     def keep_drafts(self, req_ids: Sequence[str], num_drafts: Sequence[int], measurements: SpecMeasurements) -> bool:
         ratio = cost_ratio(measurements.step_cost(len(req_ids)))

@@ -18,6 +18,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.config import EngineConfig, SpeculativeConfig
 from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
 from pagedllm.spec_decode.adaptive_policy import (
+    MAX_PROBE_BACKOFF,
     PROBE_INTERVAL,
     AdaptivePolicy,
     best_num_drafts,
@@ -146,6 +147,32 @@ def test_adaptive_policy_measures_before_it_decides_and_probes_again() -> None:
     assert policy.num_drafts(["a"], measurements) == [K]  # probes its acceptance again
     measurements.forget("a")
     assert measurements.acceptance("a") is None and measurements.steps_without_drafts("a") == 0
+
+
+def test_probes_that_change_nothing_come_ever_more_rarely() -> None:
+    policy, measurements = AdaptivePolicy(_config()), _measured(1, plain_s=0.010, verify_s=0.015)
+    measurements.observe_acceptance("a", 10, 0)  # a = 0: never worth drafting
+    waits = []
+    for _ in range(MAX_PROBE_BACKOFF + 3):
+        steps = 0
+        while policy.num_drafts(["a"], measurements) == [0]:
+            measurements.observe_drafted("a", 0)
+            steps += 1
+        measurements.observe_drafted("a", K)  # the probe's drafts, all rejected
+        measurements.observe_acceptance("a", K, 0)
+        waits.append(steps)
+    assert waits == [PROBE_INTERVAL << min(n, MAX_PROBE_BACKOFF) for n in range(MAX_PROBE_BACKOFF + 3)]
+    # Once its acceptance pays, it drafts by choice, and its next probe comes at the first interval again.
+    measurements.observe_acceptance("a", 10, 10)
+    measurements.observe_acceptance("a", 10, 10)
+    assert policy.num_drafts(["a"], measurements) == [K]
+    measurements.observe_drafted("a", K)
+    for _ in range(10):  # then its drafts stop being accepted
+        measurements.observe_acceptance("a", K, 0)
+    for _ in range(PROBE_INTERVAL):
+        assert policy.num_drafts(["a"], measurements) == [0]
+        measurements.observe_drafted("a", 0)
+    assert policy.num_drafts(["a"], measurements) == [K]
 
 
 def test_acceptance_is_a_moving_average_per_request() -> None:
