@@ -140,17 +140,21 @@ class AdaptivePolicy(SpeculationPolicy):
             else:
                 counts.append(best_num_drafts(acceptance, ratio, k_max))
                 tokens += expected_tokens(acceptance, counts[-1])
-        self._count_failed_probes(req_ids, counts)
+        self._count_failed_probes(req_ids, counts, measurements)
         if not self._probes and tokens / len(req_ids) <= MIN_GAIN * ratio:
             return [0] * len(req_ids)  # the whole step pays the verify cost: not worth it
         return counts
 
-    def _count_failed_probes(self, req_ids: Sequence[str], counts: list[int]) -> None:
-        """A request probing now has failed one more probe unless it drafts
-        later by choice; one that drafts by choice starts over."""
+    def _count_failed_probes(
+        self, req_ids: Sequence[str], counts: list[int], measurements: SpecMeasurements
+    ) -> None:
+        """A request probing again (it was verified before) has failed one
+        more probe unless it drafts later by choice; one that drafts by
+        choice starts over. A first probe is no failure: the drafter may
+        find nothing to draft for a while (no match yet)."""
         failed = self._failed_probes
         for req_id, count in zip(req_ids, counts, strict=True):
-            if req_id in self._probes:
+            if req_id in self._probes and measurements.acceptance(req_id) is not None:
                 failed[req_id] = min(MAX_PROBE_BACKOFF, failed.get(req_id, 0) + 1)
             elif count:
                 failed.pop(req_id, None)

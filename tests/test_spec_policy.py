@@ -175,6 +175,19 @@ def test_probes_that_change_nothing_come_ever_more_rarely() -> None:
     assert policy.num_drafts(["a"], measurements) == [K]
 
 
+def test_first_probes_that_find_no_draft_are_no_failures() -> None:
+    policy, measurements = AdaptivePolicy(_config()), _measured(1, plain_s=0.010, verify_s=0.015)
+    for _ in range(5):  # never verified: probes every step, the drafter finds nothing
+        assert policy.num_drafts(["a"], measurements) == [K]
+        measurements.observe_drafted("a", 0)
+    measurements.observe_acceptance("a", 10, 0)
+    steps = 0  # the steps without drafts so far count: a first probe's wait, 16 in all
+    while policy.num_drafts(["a"], measurements) == [0]:
+        measurements.observe_drafted("a", 0)
+        steps += 1
+    assert steps == PROBE_INTERVAL - 5
+
+
 def test_acceptance_is_a_moving_average_per_request() -> None:
     # Per position: 4 of 4 tried accepted, then 0 of 1 (the first rejected).
     # Moving averages (decay 0.5): accepted 0.5 x 4 + 0.5 x 0 = 2, tried 0.5 x 4 + 0.5 x 1 = 2.5.
