@@ -71,6 +71,9 @@ class DraftModelDrafter(ModelDrafter):
             input_ids[torch.from_numpy(last_rows).to(device)] = torch.tensor(newest, device=device)
             positions[last_rows] = positions[last_rows - 1] + 1
         batch = InputBatch.from_positions(positions, query_lens, step.block_table, self.context.block_size)
+        replayed = self._replay_catch_up(input_ids, None, batch, last_rows)
+        if replayed is not None:
+            return DraftStart(None, None, positions[last_rows] + 1, logits=replayed[0]) if drafting else None
         hidden_states = self.model(input_ids, *self._to_device(batch))
         if not drafting:
             return None

@@ -235,13 +235,19 @@ class EagleDrafter(ModelDrafter):
         next_ids[:-1] = step.input_ids[kept_t[1:]]
         next_ids[torch.from_numpy(last_rows).to(device)] = torch.from_numpy(step.next_token_ids).to(device)
         batch = InputBatch.from_positions(step.positions[kept], query_lens, step.block_table, self.context.block_size)
-        outputs, features = self._run_head(next_ids, self._target_features(step, kept_t), *self._to_device(batch))
-        if not drafting:
-            return None
+        target_features = self._target_features(step, kept_t)
         # Draft j sits at position (last kept position) + 1 + j; the head reads it one position earlier.
         drafting_rows = last_rows[[inputs.batch_rows[i] for i in drafting]]
+        feed_positions = batch.positions[drafting_rows] + 1
+        replayed = self._replay_catch_up(next_ids, target_features, batch, drafting_rows)
+        if replayed is not None:
+            logits, features = replayed
+            return DraftStart(None, features, feed_positions, logits=logits) if drafting else None
+        outputs, features = self._run_head(next_ids, target_features, *self._to_device(batch))
+        if not drafting:
+            return None
         rows = torch.from_numpy(drafting_rows).to(device)
-        return DraftStart(outputs[rows], features[rows], batch.positions[drafting_rows] + 1)
+        return DraftStart(outputs[rows], features[rows], feed_positions)
 
     def _draft_forward(
         self, tokens: torch.Tensor, hidden_states: torch.Tensor | None, positions: torch.Tensor,

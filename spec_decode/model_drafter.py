@@ -77,11 +77,13 @@ class DraftSampling:
 class DraftStart:
     """Where drafting starts for the requests that draft, after the catch-up."""
 
-    # [N, H] what the logits of draft 1 are computed from (`_compute_logits`)
-    outputs: torch.Tensor
+    # [N, H] what the logits of draft 1 are computed from (`_compute_logits`);
+    # None when `logits` holds them already (a replayed catch-up).
+    outputs: torch.Tensor | None
     # What `_draft_step` feeds back besides the token (EAGLE's features); None for a plain model.
     hidden_states: torch.Tensor | None
     feed_positions: np.ndarray  # [N] the drafter's position when it is fed draft 1
+    logits: torch.Tensor | None = None  # [N, V] the logits of draft 1, when computed
 
 
 def draft_seed(seed: int, num_tokens: int, draft_index: int) -> int:
@@ -141,8 +143,10 @@ class ModelDrafter(Drafter):
         """Feed one draft per request: (logits of the next draft, what the next step feeds back)."""
 
     def capture_graphs(self, platform: Platform, sizes: list[int]) -> None:
-        """Graphs of the single-token draft steps, per batch size, each
-        captured when a step first needs it."""
+        """Graphs of the draft steps (one token per request) and of the
+        catch-ups (each request's kept rows, 1 + k at most, and one more for
+        a draft model's newest token), per batch size and query length,
+        each captured when a step first needs it."""
         context = self.context
         extras: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         if self.draft_feature_size is not None:
@@ -155,7 +159,8 @@ class ModelDrafter(Drafter):
 
         graphs = BatchGraphs(forward, context.attn_backend, platform, sizes=sizes,
                              max_model_len=context.max_model_len, block_size=context.block_size,
-                             device=context.device, extra_inputs=extras)
+                             device=context.device, extra_inputs=extras,
+                             query_lens=list(range(1, self.num_speculative_tokens + 3)))
         # NOTE: nothing captured now: each size when a draft step first needs it
         # (one that cannot be captured runs eagerly, logged).
         self.draft_graphs = graphs
@@ -170,6 +175,23 @@ class ModelDrafter(Drafter):
         extras = None if hidden_states is None else {"hidden_states": hidden_states}
         outputs = graphs.run(tokens, batch, extras)
         return outputs[0], outputs[1] if len(outputs) > 1 else None
+
+    def _replay_catch_up(
+        self, tokens: torch.Tensor, hidden_states: torch.Tensor | None, batch: InputBatch, rows: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A catch-up over `batch` as a graph replay, where its shape has one
+        (a decode step's kept rows; not a prefill chunk): (logits, features)
+        at `rows`; None when it cannot replay (the caller runs it eagerly).
+        The graph computes the logits of every row (a few per request),
+        where an eager catch-up computes those of `rows` only; eagerly the
+        catch-up was most of a batch-1 draft (0.9-1.2 of 2.9-3.5 ms)."""
+        graphs = self.draft_graphs
+        if graphs is None or not graphs.can_run(batch):
+            return None
+        extras = None if hidden_states is None else {"hidden_states": hidden_states}
+        outputs = graphs.run(tokens, batch, extras)
+        index = torch.from_numpy(rows).to(self.context.device)
+        return outputs[0][index], outputs[1][index] if len(outputs) > 1 else None
 
     def _allocate_kv_caches(self, model: PagedModule) -> list[torch.Tensor]:
         """The drafter's own KV cache, with the target's block geometry: the
@@ -199,7 +221,11 @@ class ModelDrafter(Drafter):
         max_drafts = int(num_drafts.max())
         block_table = step.block_table[[inputs.batch_rows[i] for i in drafting]]
         single_rows = np.ones(len(drafting), dtype=np.int64)
-        logits, hidden_states = self._compute_logits(start.outputs), start.hidden_states
+        logits = start.logits
+        if logits is None:
+            assert start.outputs is not None, "a DraftStart without logits has outputs"
+            logits = self._compute_logits(start.outputs)
+        hidden_states = start.hidden_states
         draft_tokens: list[torch.Tensor] = []
         draft_probs: list[torch.Tensor | None] = []
         for j in range(max_drafts):
