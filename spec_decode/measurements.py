@@ -4,12 +4,14 @@ and the measured cost of a step at each batch size.
 The model runner fills it (worker/model_runner.py): after every verification
 it records how many of a request's drafts were proposed and accepted, and
 after every decode step how long the runner took for it (the target's
-forward pass, sampling or verification, and the drafter's `propose` for the
-next step; a step that scored drafts is a *verify* step, one without a
-*plain* decode step) and how long passed outside the runner since the
-previous step (scheduling, output processing: the *rest*, paid by both kinds
-of step). Times are exponential moving averages per batch-size bucket (the
-next power of two), so a policy compares steps of similar size.
+forward pass, sampling or verification; for a step that scored drafts, a
+*verify* step, the drafter's `propose` for the next step too; one without is
+a *plain* decode step, timed without any propose) and how long passed
+outside the runner since the previous step (scheduling, output processing:
+the *rest*, paid by both kinds of step). Times are exponential moving
+averages per batch-size bucket (the next power of two), so a policy compares
+steps of similar size; a sample counts as at most twice the average so far
+(`_CostEma`).
 
 A request's acceptance starts from what the drafter achieved on the requests
 before it: its first verification updates a prior of one verification's
@@ -44,14 +46,32 @@ class _Ema:
 class StepCost:
     """Mean seconds per step at one batch-size bucket (None: not measured yet)."""
 
-    plain_s: float | None  # the runner's time for a step that scored no drafts
-    verify_s: float | None  # the runner's time for a step that scored drafts (propose included)
+    plain_s: float | None  # the runner's time for a step that scored no drafts (no propose)
+    verify_s: float | None  # the runner's time for a step that scored drafts (the propose after it included)
     rest_s: float | None  # outside the runner between two steps
+
+
+class _CostEma(_Ema):
+    """A step-time average that one slow step moves little: a sample above
+    OUTLIER_FACTOR x the average counts as that much (a garbage collection
+    or a capture in a step would otherwise hold a verify or plain cost far
+    off for as long as the policy avoids that kind of step)."""
+
+    __slots__ = ()
+
+    def observe(self, sample: float) -> None:
+        if self.value is not None:
+            sample = min(sample, OUTLIER_FACTOR * self.value)
+        super().observe(sample)
+
+
+# A step-time sample counts as at most this many times the average so far.
+OUTLIER_FACTOR = 2.0
 
 
 class _BucketCost:
     def __init__(self, decay: float) -> None:
-        self.plain, self.verify, self.rest = _Ema(decay), _Ema(decay), _Ema(decay)
+        self.plain, self.verify, self.rest = _CostEma(decay), _CostEma(decay), _CostEma(decay)
 
     def snapshot(self) -> StepCost:
         return StepCost(self.plain.value, self.verify.value, self.rest.value)
@@ -105,6 +125,14 @@ class SpecMeasurements:
         if kept is None or not kept[1].value:
             return None
         return (kept[0].value or 0.0) / kept[1].value
+
+    def prior_acceptance(self) -> float | None:
+        """The drafter-wide acceptance a new request starts from (None: no
+        request verified yet, or no drafter prior)."""
+        accepted, tried = self._prior
+        if not self.drafter_prior or not tried.value:
+            return None
+        return (accepted.value or 0.0) / tried.value
 
     def observe_drafted(self, req_id: str, num_drafts: int) -> None:
         """`req_id`'s next step verifies `num_drafts` drafts (0: the policy

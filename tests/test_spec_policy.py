@@ -10,6 +10,7 @@ output is the one without speculation.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -188,6 +189,35 @@ def test_first_probes_that_find_no_draft_are_no_failures() -> None:
     assert steps == PROBE_INTERVAL - 5
 
 
+def test_one_slow_step_moves_a_cost_by_a_tenth_of_its_average_at_most() -> None:
+    measurements = SpecMeasurements()
+    measurements.observe_step(4, verified=False, step_s=0.010, rest_s=0.001)
+    measurements.observe_step(4, verified=False, step_s=0.100, rest_s=0.001)  # a collection, say
+    # counted as 2 x 10 ms: 0.9 * 10 + 0.1 * 20
+    assert measurements.step_cost(4).plain_s == pytest.approx(0.011)
+    measurements.observe_step(4, verified=False, step_s=0.005, rest_s=0.001)  # faster ones count in full
+    assert measurements.step_cost(4).plain_s == pytest.approx(0.9 * 0.011 + 0.1 * 0.005)
+
+
+def test_a_plain_steps_cost_leaves_out_the_drafter_and_a_verify_steps_has_it() -> None:
+    """A propose in a step that scored no drafts (the drafter catching up
+    on every step it was not asked) is no part of what a step without
+    speculation costs; a verify step's propose is what drafting costs it."""
+    from pagedllm.core.scheduler_output import SpecStepTimes
+    from pagedllm.worker.model_runner import ModelRunner
+
+    runner = object.__new__(ModelRunner)
+    runner.spec_measurements = SpecMeasurements()
+    runner.graph_runner = runner.drafter = None
+    runner._captures_at_start = 0
+    runner._last_step_end = None
+    sampling = SimpleNamespace(requests=[object(), object()])
+    runner._observe_step_cost(2, [[], []], sampling, SpecStepTimes(0.004, 0.030, 2, 2), start=0.0)
+    runner._observe_step_cost(8, [[7, 7, 7], [7, 7, 7]], sampling, SpecStepTimes(0.006, 0.002, 2, 2), start=0.0)
+    cost = runner.spec_measurements.step_cost(2)
+    assert cost.plain_s == pytest.approx(0.004) and cost.verify_s == pytest.approx(0.008)
+
+
 def test_acceptance_is_a_moving_average_per_request() -> None:
     # Per position: 4 of 4 tried accepted, then 0 of 1 (the first rejected).
     # Moving averages (decay 0.5): accepted 0.5 x 4 + 0.5 x 0 = 2, tried 0.5 x 4 + 0.5 x 1 = 2.5.
@@ -214,6 +244,17 @@ def test_a_new_requests_acceptance_starts_from_the_drafters_average() -> None:
     measurements.observe_acceptance("b", 4, 0)
     assert measurements.acceptance("b") == pytest.approx(2.1 / 2.75)
     assert measurements.acceptance("a") == pytest.approx((0.7 * 4 + 0.3 * 2) / (0.7 * 4 + 0.3 * 3))
+
+
+def test_a_new_request_is_decided_from_the_drafters_average_not_probed() -> None:
+    # r = 1.5 (plain 10 ms, verify 15 ms): a = 0.9 pays for k = 3 (see above), a = 0 for nothing.
+    for num_accepted, expected in ((9, K), (0, 0)):
+        policy, measurements = AdaptivePolicy(_config()), _measured(1, plain_s=0.010, verify_s=0.015)
+        measurements.drafter_prior = True
+        measurements.observe_acceptance("old", 10, num_accepted)  # 9 of 10 tried, or 0 of 1
+        assert measurements.prior_acceptance() == pytest.approx(num_accepted / 10)
+        assert measurements.acceptance("new") is None
+        assert policy.num_drafts(["new"], measurements) == [expected]
 
 
 def test_disable_by_batch_size_is_a_policy() -> None:

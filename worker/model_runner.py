@@ -463,8 +463,13 @@ class ModelRunner:
         start: float,
     ) -> None:
         """Record a pure decode step's cost (every request scored 1 + its
-        drafts and sampled): plain or verify, the runner's time for it
-        (propose included), and the time outside the runner before it."""
+        drafts and sampled): plain or verify, the runner's time for it, and
+        the time outside the runner before it. A verify step's includes the
+        propose after it (in steady state, what drafting costs a step); a
+        plain step's does not: what it measures is a step without
+        speculation, and a propose there may be a drafter catching up on
+        every step it skipped (suffix trees at batch 32: ~26 ms once), which
+        read as a plain step 6x too dear made drafting look cheap."""
         num_drafts = sum(len(d) for d in drafts)
         if len(sampling.requests) != len(drafts) or (
             num_scheduled_tokens != len(drafts) + num_drafts
@@ -473,8 +478,10 @@ class ModelRunner:
         if self._num_graph_captures() != self._captures_at_start:
             return  # this step captured a graph (its shape's first): not what such a step costs
         rest_s = None if self._last_step_end is None else start - self._last_step_end
+        verified = num_drafts > 0
         self.spec_measurements.observe_step(
-            len(drafts), verified=num_drafts > 0, step_s=times.verify_s + times.draft_s, rest_s=rest_s
+            len(drafts), verified=verified, step_s=times.verify_s + (times.draft_s if verified else 0.0),
+            rest_s=rest_s,
         )
 
     # ------------------------------------------------------- prompt logprobs
