@@ -200,9 +200,10 @@ def test_one_slow_step_moves_a_cost_by_a_tenth_of_its_average_at_most() -> None:
 
 
 def test_a_plain_steps_cost_leaves_out_the_drafter_and_a_verify_steps_has_it() -> None:
-    """A propose in a step that scored no drafts (the drafter catching up
-    on every step it was not asked) is no part of what a step without
-    speculation costs; a verify step's propose is what drafting costs it."""
+    """A model-free drafter's propose in a step that scored no drafts (it
+    catching up on every step it was not asked) is no part of what a step
+    without speculation costs; a verify step's propose is what drafting
+    costs it. A model drafter's is part of both: it mirrors every step."""
     from pagedllm.core.scheduler_output import SpecStepTimes
     from pagedllm.worker.model_runner import ModelRunner
 
@@ -216,6 +217,10 @@ def test_a_plain_steps_cost_leaves_out_the_drafter_and_a_verify_steps_has_it() -
     runner._observe_step_cost(8, [[7, 7, 7], [7, 7, 7]], sampling, SpecStepTimes(0.006, 0.002, 2, 2), start=0.0)
     cost = runner.spec_measurements.step_cost(2)
     assert cost.plain_s == pytest.approx(0.004) and cost.verify_s == pytest.approx(0.008)
+    runner.spec_measurements = SpecMeasurements()
+    runner.drafter = SimpleNamespace(needs_lookahead_slots=True, draft_graphs=None)
+    runner._observe_step_cost(2, [[], []], sampling, SpecStepTimes(0.004, 0.003, 2, 2), start=0.0)
+    assert runner.spec_measurements.step_cost(2).plain_s == pytest.approx(0.007)
 
 
 def test_acceptance_is_a_moving_average_per_request() -> None:

@@ -466,10 +466,12 @@ class ModelRunner:
         drafts and sampled): plain or verify, the runner's time for it, and
         the time outside the runner before it. A verify step's includes the
         propose after it (in steady state, what drafting costs a step); a
-        plain step's does not: what it measures is a step without
-        speculation, and a propose there may be a drafter catching up on
-        every step it skipped (suffix trees at batch 32: ~26 ms once), which
-        read as a plain step 6x too dear made drafting look cheap."""
+        plain step's only when the drafter runs every step whatever the
+        policy says (a model drafter mirrors the target into its KV cache):
+        what it measures is a step without speculation, and a model-free
+        drafter's propose there may be it catching up on every step it
+        skipped (suffix trees at batch 32: ~26 ms once), which read as a
+        plain step 6x too dear made drafting look cheap."""
         num_drafts = sum(len(d) for d in drafts)
         if len(sampling.requests) != len(drafts) or (
             num_scheduled_tokens != len(drafts) + num_drafts
@@ -479,9 +481,10 @@ class ModelRunner:
             return  # this step captured a graph (its shape's first): not what such a step costs
         rest_s = None if self._last_step_end is None else start - self._last_step_end
         verified = num_drafts > 0
+        always_runs = self.drafter is not None and self.drafter.needs_lookahead_slots
         self.spec_measurements.observe_step(
-            len(drafts), verified=verified, step_s=times.verify_s + (times.draft_s if verified else 0.0),
-            rest_s=rest_s,
+            len(drafts), verified=verified,
+            step_s=times.verify_s + (times.draft_s if verified or always_runs else 0.0), rest_s=rest_s,
         )
 
     # ------------------------------------------------------- prompt logprobs
