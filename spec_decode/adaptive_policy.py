@@ -26,12 +26,12 @@ Exploring: a bucket without a measured verify step drafts k_max everywhere,
 then one without a measured plain step drafts nothing for a step; a request
 never verified is decided from the drafter-wide acceptance (the prior it will
 start from), or, before any request was verified, drafts k_max; and a request
-held at 0 for `PROBE_INTERVAL`
-steps drafts k_max once, so that its acceptance is measured again. A probe
-that leaves the request at 0 doubles the steps before its next one (up to
-`PROBE_INTERVAL << MAX_PROBE_BACKOFF`): at batch 32 on the tiny model a
-verify step of the whole batch costs ~2.6 plain steps, and probing every 16
-steps alone cost more than the probes won (0.95x). Such
+held at 0 for `PROBE_INTERVAL` steps drafts k_max once, so that its
+acceptance is measured again. A probe that leaves the request at 0 doubles
+the steps before its next one (up to `PROBE_INTERVAL << MAX_PROBE_BACKOFF`):
+at batch 32 on the tiny model a verify step of the whole batch costs ~2.6
+plain steps, and probing every 16 steps alone cost more than the probes won
+(0.95x). Such
 probes make the whole step a verify step, so a batch probes at most once
 every `PROBE_INTERVAL` steps unless all its requests are waiting to probe
 (in a large batch, new requests arriving would otherwise make nearly every
@@ -107,8 +107,9 @@ class AdaptivePolicy(SpeculationPolicy):
         self._failed_probes: dict[str, int] = {}
 
     def _grant_probes(self, req_ids: Sequence[str], measurements: SpecMeasurements) -> set[str]:
-        """The requests that probe this step: those never verified or held
-        back PROBE_INTERVAL steps, if the whole batch is such or no step
+        """The requests that probe this step: those never verified (while
+        no request was) or held back PROBE_INTERVAL steps (more after failed
+        probes), if the whole batch is such or no step
         probed in the last PROBE_INTERVAL (a probe makes the whole batch a
         verify step: in a large batch, new requests would otherwise make
         nearly every step one)."""

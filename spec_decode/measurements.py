@@ -6,7 +6,8 @@ it records how many of a request's drafts were proposed and accepted, and
 after every decode step how long the runner took for it (the target's
 forward pass, sampling or verification; for a step that scored drafts, a
 *verify* step, the drafter's `propose` for the next step too; one without is
-a *plain* decode step, timed without any propose) and how long passed
+a *plain* decode step, timed without the propose unless the drafter runs
+every step, as a model drafter mirroring the target does) and how long passed
 outside the runner since the previous step (scheduling, output processing:
 the *rest*, paid by both kinds of step). Times are exponential moving
 averages per batch-size bucket (the next power of two), so a policy compares
@@ -46,9 +47,13 @@ class _Ema:
 class StepCost:
     """Mean seconds per step at one batch-size bucket (None: not measured yet)."""
 
-    plain_s: float | None  # the runner's time for a step that scored no drafts (no propose)
+    plain_s: float | None  # the runner's time for a step that scored no drafts (a model drafter's mirror included)
     verify_s: float | None  # the runner's time for a step that scored drafts (the propose after it included)
     rest_s: float | None  # outside the runner between two steps
+
+
+# A step-time sample counts as at most this many times the average so far.
+OUTLIER_FACTOR = 2.0
 
 
 class _CostEma(_Ema):
@@ -63,10 +68,6 @@ class _CostEma(_Ema):
         if self.value is not None:
             sample = min(sample, OUTLIER_FACTOR * self.value)
         super().observe(sample)
-
-
-# A step-time sample counts as at most this many times the average so far.
-OUTLIER_FACTOR = 2.0
 
 
 class _BucketCost:
