@@ -24,9 +24,7 @@ without drafts for `PROBE_INTERVAL` steps: it drafts to be measured).
 
 Exploring: a bucket without a measured verify step drafts k_max everywhere,
 then one without a measured plain step drafts nothing for a step; a request
-never verified is decided from the drafter-wide acceptance (the prior it will
-start from), or, before any request was verified, drafts k_max; and a request
-held at 0 for `PROBE_INTERVAL` steps drafts k_max once, so that its
+never verified drafts k_max; and a request held at 0 for `PROBE_INTERVAL` steps drafts k_max once, so that its
 acceptance is measured again. A probe that leaves the request at 0 doubles
 the steps before its next one (up to `PROBE_INTERVAL << MAX_PROBE_BACKOFF`):
 at batch 32 on the tiny model a verify step of the whole batch costs ~2.6
@@ -68,14 +66,6 @@ def expected_tokens(acceptance: float, num_drafts: int) -> float:
     return (1.0 - acceptance ** (num_drafts + 1)) / (1.0 - acceptance)
 
 
-def _acceptance(req_id: str, measurements: SpecMeasurements) -> float | None:
-    """The request's measured acceptance, or the drafter-wide one it will
-    start from while it was never verified (a batch of new requests at
-    batch 32 probing at once cost four verify steps of the whole batch)."""
-    acceptance = measurements.acceptance(req_id)
-    return measurements.prior_acceptance() if acceptance is None else acceptance
-
-
 def cost_ratio(cost: StepCost) -> float | None:
     """A verify step's time over a plain step's (None: not both measured)."""
     if cost.plain_s is None or cost.verify_s is None:
@@ -107,9 +97,9 @@ class AdaptivePolicy(SpeculationPolicy):
         self._failed_probes: dict[str, int] = {}
 
     def _grant_probes(self, req_ids: Sequence[str], measurements: SpecMeasurements) -> set[str]:
-        """The requests that probe this step: those never verified (while
-        no request was) or held back PROBE_INTERVAL steps (more after failed
-        probes), if the whole batch is such or no step
+        """The requests that probe this step: those never verified or held
+        back PROBE_INTERVAL steps (more after failed probes), if the whole
+        batch is such or no step
         probed in the last PROBE_INTERVAL (a probe makes the whole batch a
         verify step: in a large batch, new requests would otherwise make
         nearly every step one)."""
@@ -117,10 +107,9 @@ class AdaptivePolicy(SpeculationPolicy):
         if len(failed) > 2 * len(req_ids) + 64:  # drop finished requests' counts
             running = set(req_ids)
             self._failed_probes = failed = {req_id: n for req_id, n in failed.items() if req_id in running}
-        no_prior = measurements.prior_acceptance() is None
         candidates = {
             req_id for req_id in req_ids
-            if (no_prior and measurements.acceptance(req_id) is None)
+            if measurements.acceptance(req_id) is None
             or measurements.steps_without_drafts(req_id) >= PROBE_INTERVAL << failed.get(req_id, 0)
         }
         self._steps_since_probe += 1
@@ -143,7 +132,7 @@ class AdaptivePolicy(SpeculationPolicy):
         self._probes = self._grant_probes(req_ids, measurements)
         counts, tokens = [], 0.0
         for req_id in req_ids:
-            acceptance = _acceptance(req_id, measurements)
+            acceptance = measurements.acceptance(req_id)
             if req_id in self._probes:
                 counts.append(k_max)
             elif acceptance is None:
@@ -177,7 +166,7 @@ class AdaptivePolicy(SpeculationPolicy):
             return True  # still measuring this batch size, or nothing to verify
         tokens = 0.0
         for req_id, count in zip(req_ids, num_drafts, strict=True):
-            acceptance = _acceptance(req_id, measurements)
+            acceptance = measurements.acceptance(req_id)
             if count and (req_id in self._probes or acceptance is None):
                 return True  # a probe
             tokens += expected_tokens(acceptance, count) if count and acceptance is not None else 1.0

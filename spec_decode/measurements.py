@@ -127,14 +127,6 @@ class SpecMeasurements:
             return None
         return (kept[0].value or 0.0) / kept[1].value
 
-    def prior_acceptance(self) -> float | None:
-        """The drafter-wide acceptance a new request starts from (None: no
-        request verified yet, or no drafter prior)."""
-        accepted, tried = self._prior
-        if not self.drafter_prior or not tried.value:
-            return None
-        return (accepted.value or 0.0) / tried.value
-
     def observe_drafted(self, req_id: str, num_drafts: int) -> None:
         """`req_id`'s next step verifies `num_drafts` drafts (0: the policy
         gave none, the drafter found none, or the policy dropped them)."""

@@ -251,17 +251,6 @@ def test_a_new_requests_acceptance_starts_from_the_drafters_average() -> None:
     assert measurements.acceptance("a") == pytest.approx((0.7 * 4 + 0.3 * 2) / (0.7 * 4 + 0.3 * 3))
 
 
-def test_a_new_request_is_decided_from_the_drafters_average_not_probed() -> None:
-    # r = 1.5 (plain 10 ms, verify 15 ms): a = 0.9 pays for k = 3 (see above), a = 0 for nothing.
-    for num_accepted, expected in ((9, K), (0, 0)):
-        policy, measurements = AdaptivePolicy(_config()), _measured(1, plain_s=0.010, verify_s=0.015)
-        measurements.drafter_prior = True
-        measurements.observe_acceptance("old", 10, num_accepted)  # 9 of 10 tried, or 0 of 1
-        assert measurements.prior_acceptance() == pytest.approx(num_accepted / 10)
-        assert measurements.acceptance("new") is None
-        assert policy.num_drafts(["new"], measurements) == [expected]
-
-
 def test_disable_by_batch_size_is_a_policy() -> None:
     measurements = _measured(4, plain_s=0.010, verify_s=0.011)
     for req_id in "abcd":
