@@ -18,6 +18,12 @@ A request's acceptance starts from what the drafter achieved on the requests
 before it: its first verification updates a prior of one verification's
 worth at the drafter-wide average, so that one unlucky draft (all rejected
 at once) does not read as an acceptance of 0 and hold the request back.
+That average is over finished requests, each weighing the same (its own
+averages when it finished), and over verifications only until a request
+finished: averaged by verification, the last few requests of a batch, the
+slow ones that are verified alone for tens of steps, decided it (a batch-8
+ngram run's prior fell to ~0.2 from one request at 0.03, and held requests
+whose own first probes later read 0.7-0.99 back for 16 steps).
 """
 
 from __future__ import annotations
@@ -92,8 +98,11 @@ class SpecMeasurements:
         self.cost_decay = cost_decay
         # req_id -> (accepted positions, positions tried), moving averages per verification.
         self._acceptance: dict[str, tuple[_Ema, _Ema]] = {}
-        # The same over every request's verifications: a new request's prior.
+        # The same over every request's verifications, and over finished
+        # requests' own averages: a new request's prior (the second once a
+        # request finished).
         self._prior = (_Ema(prior_decay), _Ema(prior_decay))
+        self._finished_prior = (_Ema(prior_decay), _Ema(prior_decay))
         self._costs: dict[int, _BucketCost] = {}
         # Steps each request went without drafts since it last drafted.
         self._steps_without_drafts: dict[str, int] = {}
@@ -109,8 +118,9 @@ class SpecMeasurements:
         if kept is None:
             kept = self._acceptance[req_id] = (_Ema(self.acceptance_decay), _Ema(self.acceptance_decay))
             if self.drafter_prior:
-                for ema, prior in zip(kept, self._prior, strict=True):
-                    ema.value = prior.value
+                prior = self._finished_prior if self._finished_prior[1].value else self._prior
+                for ema, prior_ema in zip(kept, prior, strict=True):
+                    ema.value = prior_ema.value
         num_tried = num_accepted + (num_accepted < num_proposed)
         for (accepted, tried) in (kept, self._prior):
             accepted.observe(num_accepted)
@@ -139,8 +149,12 @@ class SpecMeasurements:
         return self._steps_without_drafts.get(req_id, 0)
 
     def forget(self, req_id: str) -> None:
-        """The request finished: drop what was kept for it."""
-        self._acceptance.pop(req_id, None)
+        """The request finished: its averages join the finished requests'
+        prior, and what was kept for it is dropped."""
+        kept = self._acceptance.pop(req_id, None)
+        if kept is not None and kept[1].value:
+            for prior_ema, ema in zip(self._finished_prior, kept, strict=True):
+                prior_ema.observe(ema.value or 0.0)
         self._steps_without_drafts.pop(req_id, None)
 
     # ---------------------------------------------------------------- cost

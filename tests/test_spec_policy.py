@@ -251,6 +251,21 @@ def test_a_new_requests_acceptance_starts_from_the_drafters_average() -> None:
     assert measurements.acceptance("a") == pytest.approx((0.7 * 4 + 0.3 * 2) / (0.7 * 4 + 0.3 * 3))
 
 
+def test_once_requests_finished_each_weighs_the_same_in_the_prior() -> None:
+    """A straggler verified alone many times does not decide what the next
+    requests start from: the finished requests' own averages do, one each."""
+    measurements = SpecMeasurements(acceptance_decay=0.5, prior_decay=0.5, drafter_prior=True)
+    measurements.observe_acceptance("good", 4, 4)  # a = 1: 4 of 4 tried
+    for _ in range(30):
+        measurements.observe_acceptance("straggler", 4, 0)  # 0 of 1 tried, many times
+    measurements.forget("straggler")
+    measurements.forget("good")
+    # prior: accepted 0.5 * 0 + 0.5 * 4 = 2 (straggler first), tried 0.5 * 1 + 0.5 * 4 = 2.5.
+    # "new"'s first verification (3 of 4) from there: (0.5 * 2 + 0.5 * 3) / (0.5 * 2.5 + 0.5 * 4)
+    measurements.observe_acceptance("new", 4, 3)
+    assert measurements.acceptance("new") == pytest.approx(2.5 / 3.25)
+
+
 def test_disable_by_batch_size_is_a_policy() -> None:
     measurements = _measured(4, plain_s=0.010, verify_s=0.011)
     for req_id in "abcd":
