@@ -274,7 +274,9 @@ def test_a_drafter_on_a_rank_process_sends_its_figures_with_the_step_outputs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Executor `mp`: the drafter runs in the rank's process; its figures
-    come back with each step's output, the same per step as in-process."""
+    come back with each step's output, the same per step as in-process
+    (policy `always`: the default one drafts by measured step times, which
+    differ between the two runs)."""
     # The rank processes load the plugin through its entry point (this
     # process has it registered by the fixture).
     site = custom_stats_plugin.write_plugin_site(tmp_path)
@@ -284,7 +286,7 @@ def test_a_drafter_on_a_rank_process_sends_its_figures_with_the_step_outputs(
     per_step = []
     for executor in ("uni", "mp"):
         llm = _llm(stat_loggers=[LOGGER_NAME], speculative_method=DRAFTER_NAME, num_speculative_tokens=3,
-                   distributed_executor_backend=executor)
+                   speculative_policy="always", distributed_executor_backend=executor)
         try:
             assert [spec.name for spec in llm.engine_core.ready.custom_metrics] == ["draft_tokens_proposed"]
             llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
