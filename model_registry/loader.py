@@ -234,8 +234,18 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
     sources_of: dict[str, list[str]] = {}
     for source, (target, _) in packed.items():
         sources_of.setdefault(target, []).append(source)
-    names = set()
+    names: set[str] = set()
+    # Layers that name their own checkpoint tensors (the MoE experts).
+    own_names: dict[str, dict[str, list[str]]] = {
+        prefix: module.checkpoint_names() for prefix, module in model.named_modules()
+        if callable(getattr(module, "checkpoint_names", None))
+    }
+    for prefix, param_names in own_names.items():
+        names.update(f"{prefix}.{name}" for names_of_param in param_names.values() for name in names_of_param)
     for param_name, _ in model.named_parameters():  # tied params appear once
+        module_name, _, local_name = param_name.rpartition(".")
+        if local_name in own_names.get(module_name, {}):
+            continue
         parts = param_name.split(".")
         stacked = next((i for i, part in enumerate(parts) if part in sources_of), None)
         if stacked is None:

@@ -1,5 +1,5 @@
 """GPT-OSS against transformers (float32): attention sinks, alternating
-sliding-window and full layers, q/k/v/o biases and the reference experts.
+sliding-window and full layers, q/k/v/o biases and the experts (the FusedMoE layer).
 
 The checkpoint is built here from transformers' GptOssConfig (2 layers: one
 sliding with a window of 8 tokens, shorter than every long prompt, one full;
@@ -136,7 +136,7 @@ def _without_window(model: GptOssForCausalLM) -> None:
 
 def _without_clamp(model: GptOssForCausalLM) -> None:
     for layer in model.model.layers:
-        layer.mlp.experts.limit = math.inf  # type: ignore[union-attr]
+        layer.mlp.experts.swiglu_limit = math.inf  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("switch_off", [_without_sinks, _without_window, _without_clamp],

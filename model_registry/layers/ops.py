@@ -1,7 +1,7 @@
 """The op registry: which implementation runs a layer's op.
 
 A layer that computes an op (linear, RMSNorm, SwiGLU's SiLU * mul, rotary
-embedding; later attention, MoE experts, LoRA) is an `OpLayer`. Its own
+embedding, MoE experts; later attention, LoRA) is an `OpLayer`. Its own
 torch code is the reference, and it runs until something better is bound.
 When a model is prepared for a platform and dtype (after its weights are
 loaded and quantized, before any forward), `bind_layer_ops` asks the
@@ -26,8 +26,12 @@ Op names and what `build(layer)` returns (the kernel the layer calls):
 - "silu_and_mul": (gate_up) -> out
 - "rotary_embedding": (x [T, heads, head_size], cos, sin) -> x rotated; may
   rotate x in place and return it
+- "fused_moe": (x [T, H], topk_weights float32 [T, k], topk_ids int64
+  [T, k]) -> [T, H] in x's dtype, this rank's sum over each token's experts
+  (`FusedMoE.forward_reference`, layers/fused_moe.py); the router before it
+  and the all-reduce after it stay in the layer
 
-An elementwise kernel (all but "linear") returns None for inputs it does not
+An elementwise kernel (all but "linear" and "fused_moe") returns None for inputs it does not
 take (another layout, or while torch.compile traces), and the layer's torch
 code runs.
 """
@@ -48,7 +52,8 @@ LINEAR = "linear"
 RMS_NORM = "rms_norm"
 SILU_AND_MUL = "silu_and_mul"
 ROTARY_EMBEDDING = "rotary_embedding"
-OP_NAMES = (LINEAR, RMS_NORM, SILU_AND_MUL, ROTARY_EMBEDDING)
+FUSED_MOE = "fused_moe"
+OP_NAMES = (LINEAR, RMS_NORM, SILU_AND_MUL, ROTARY_EMBEDDING, FUSED_MOE)
 # The name a layer reports while its own torch code runs.
 REFERENCE = "torch"
 

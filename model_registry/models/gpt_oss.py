@@ -12,18 +12,18 @@ softmaxes their logits; each expert is a clamped SwiGLU (alpha 1.702,
 `swiglu_limit`) whose gate and up columns are interleaved in one
 `gate_up_proj` [E, hidden, 2 * inter], as transformers stores them.
 
-NOTE: the experts here are the plain-torch reference (one matmul pair per
-selected expert, as transformers' GptOssExperts); the fused MoE layer and
-its kernels replace them in the next issue. Their routing depends on the
-data, so a step that runs them is never captured as a graph.
+The experts are one FusedMoE layer (layers/fused_moe.py): the platform's
+MoE kernel runs them. Checkpoints with MXFP4 expert weights are not loaded
+yet (float checkpoints only).
 
 Tensor parallel: attention heads and their sinks are split per rank like
-Llama's; the router and experts are replicated (each rank computes the
-whole MoE output, so no collective is needed after it).
+Llama's; the router is replicated and each expert's intermediate dimension
+is split (the MoE layer all-reduces its output).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
@@ -33,13 +33,14 @@ from pagedllm.attention_backends.base import AttentionRequirements
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.model_registry.interface import ModelForCausalLM
 from pagedllm.model_registry.layers.attention import Attention
+from pagedllm.model_registry.layers.fused_moe import FusedMoE
 from pagedllm.model_registry.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear, copy_shard
 from pagedllm.model_registry.layers.logits_head import LogitsHead
+from pagedllm.model_registry.layers.moe_router import RouterConfig
 from pagedllm.model_registry.layers.norm import RMSNorm
 from pagedllm.model_registry.layers.rotary import ApplyRotaryEmb, RotaryEmbedding, get_rope_parameters
 from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_registry.models.llama import LlamaDecoderLayer, LlamaForCausalLM, packed_param_name
-from pagedllm.platforms.cpu.graph import refuse_capture
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend, AttentionMetadata
@@ -89,54 +90,46 @@ class GptOssAttention(nn.Module):
         return self.o_proj(out)
 
 
-class GptOssExperts(nn.Module):
-    """The experts as transformers stores them (x @ W, not nn.Linear's W x):
-    gate_up_proj [E, hidden, 2 * inter] with gate and up columns interleaved
-    (gate_j at column 2j, up_j at 2j + 1), down_proj [E, inter, hidden]."""
-
-    def __init__(self, hf_config: Any):
-        super().__init__()
-        num_experts, hidden, inter = hf_config.num_local_experts, hf_config.hidden_size, hf_config.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, hidden, 2 * inter))
-        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * inter))
-        self.down_proj = nn.Parameter(torch.zeros(num_experts, inter, hidden))
-        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden))
-        self.alpha = hf_config.swiglu_alpha
-        self.limit = hf_config.swiglu_limit
-
-    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:  # [N, 2 * inter] -> [N, inter]
-        """GPT-OSS's SwiGLU: gate clamped from above, up both ways, and (up + 1)."""
-        gate = gate_up[:, ::2].clamp(max=self.limit)
-        up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        topk_ids: torch.Tensor,  # int64 [T, k]
-        topk_weights: torch.Tensor,  # [T, k]
-    ) -> torch.Tensor:  # [T, hidden]
-        refuse_capture("GPT-OSS's reference experts route tokens with host-side indices")
-        out = torch.zeros_like(x)
-        for expert in topk_ids.unique().tolist():
-            token_rows, slot = (topk_ids == expert).nonzero(as_tuple=True)
-            h = x[token_rows] @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
-            h = self.swiglu(h) @ self.down_proj[expert] + self.down_proj_bias[expert]
-            out.index_add_(0, token_rows, h * topk_weights[token_rows, slot, None])
-        return out
-
-
 class GptOssMLP(nn.Module):
+    """The router (a linear with bias: top-k of its logits, softmaxed) and
+    the experts as one FusedMoE with GPT-OSS's clamped SwiGLU."""
+
     def __init__(self, hf_config: Any):
         super().__init__()
-        self.top_k = hf_config.num_experts_per_tok
-        self.router = ReplicatedLinear(hf_config.hidden_size, hf_config.num_local_experts, bias=True)
-        self.experts = GptOssExperts(hf_config)
+        num_experts = hf_config.num_local_experts
+        self.router = ReplicatedLinear(hf_config.hidden_size, num_experts, bias=True)
+        self.experts = FusedMoE(
+            RouterConfig(num_experts, hf_config.num_experts_per_tok), hf_config.hidden_size,
+            hf_config.intermediate_size, bias=True, activation="swigluoai",
+            swiglu_alpha=getattr(hf_config, "swiglu_alpha", 1.702), swiglu_limit=hf_config.swiglu_limit,
+            stacked_names={"w13_weight": "gate_up_proj", "w13_bias": "gate_up_proj_bias",
+                           "w2_weight": "down_proj", "w2_bias": "down_proj_bias"},
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = self.router(x)  # [T, E]
-        top_logits, topk_ids = torch.topk(router_logits, self.top_k, dim=-1)
-        return self.experts(x, topk_ids, torch.softmax(top_logits, dim=-1))
+        return self.experts(x, self.router(x))
+
+
+def load_gpt_oss_experts(experts: FusedMoE, name: str, tensor: torch.Tensor) -> str:
+    """transformers' stacked expert tensors into `experts`: gate_up_proj
+    [E, hidden, 2 * inter] (x @ W, gate_j at column 2j, up_j at 2j + 1) and
+    its bias [E, 2 * inter], down_proj [E, inter, hidden] and its bias;
+    returns the parameter's name within the FusedMoE."""
+    kind = name.rsplit(".", 1)[-1]
+    bias = kind.endswith("_bias")
+    for expert in range(tensor.shape[0]):
+        if kind.startswith("gate_up_proj"):
+            param = cast(nn.Parameter, experts.w13_bias if bias else experts.w13_weight)
+            gate, up = (tensor[expert, ::2], tensor[expert, 1::2]) if bias else (
+                tensor[expert, :, ::2].t(), tensor[expert, :, 1::2].t())
+            experts.weight_loader(param, gate, "w1", expert)
+            experts.weight_loader(param, up, "w3", expert)
+        elif kind.startswith("down_proj"):
+            param = cast(nn.Parameter, experts.w2_bias if bias else experts.w2_weight)
+            experts.weight_loader(param, tensor[expert] if bias else tensor[expert].t(), "w2", expert)
+        else:
+            raise ValueError(f"unexpected GPT-OSS expert tensor {name!r}")
+    return ("w13" if kind.startswith("gate_up") else "w2") + ("_bias" if bias else "_weight")
 
 
 class GptOssDecoderLayer(nn.Module):
@@ -209,9 +202,20 @@ class GptOssForCausalLM(ModelForCausalLM):
     def is_ignored_weight(self, name: str) -> bool:
         return name.endswith("rotary_emb.inv_freq")
 
-    # Llama's loader: q/k/v into the fused qkv_proj, each tensor through its
-    # parameter's weight_loader (this rank's slice).
-    load_weights = LlamaForCausalLM.load_weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Llama's loader (q/k/v into the fused qkv_proj, each tensor
+        through its parameter's weight_loader), the experts' stacked tensors
+        through `load_gpt_oss_experts`."""
+        expert_tensors: list[tuple[str, torch.Tensor]] = []
+        rest: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in weights:
+            (expert_tensors if ".mlp.experts." in name else rest).append((name, tensor))
+        loaded = LlamaForCausalLM.load_weights(self, rest)  # type: ignore[arg-type]
+        modules = dict(self.named_modules())
+        for name, tensor in expert_tensors:
+            module_name = name[: name.index(".mlp.experts.") + len(".mlp.experts")]
+            loaded.add(f"{module_name}.{load_gpt_oss_experts(modules[module_name], name, tensor)}")
+        return loaded
 
     @classmethod
     def checkpoint_to_param_name(cls, name: str) -> tuple[str, int | None]:
