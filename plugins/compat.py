@@ -98,7 +98,10 @@ from packaging.version import Version
 #      sinks), which `ModelForCausalLM.attention_requirements(hf_config)`
 #      returns and the selector checks (`requirements=`); `AttentionImpl`
 #      takes `sinks` (a [num_heads] tensor, passed only when the model has them).
-API_VERSION = "1.11.0"
+# 1.12: `QuantizationMethod.quantize_moe(layer, prefix)` (default: False, the
+#      experts stay as loaded): a method may convert MoE layers' expert
+#      weights and offer their "fused_moe" op.
+API_VERSION = "1.12.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

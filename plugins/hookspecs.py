@@ -319,7 +319,10 @@ def register_quantization_methods(register: RegisterFn) -> None:
         ``quantize_linear(layer, prefix)`` converts one linear layer's
         storage, and ``register_layer_ops(register)`` offers the GEMM over
         it as the layer's "linear" op (model_registry/layers/ops.py; a
-        method that sets ``layer.apply_linear`` itself still works). Metadata
+        method that sets ``layer.apply_linear`` itself still works). Since
+        1.12 ``quantize_moe(layer, prefix)`` (default False) may convert a
+        mixture-of-experts layer's expert weights, its computation offered
+        as the "fused_moe" op. Metadata
         (:class:`pagedllm.plugins.metadata.QuantizationInfo`):
         ``device_types``, ``dtypes`` (compute dtypes it runs) and
         ``requires``; a configuration outside them is a ConfigError before

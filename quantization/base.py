@@ -18,6 +18,16 @@ The GEMM over the converted storage is the method's implementation of the
 converted; the layer asks the op registry once, after every layer is
 converted. (A method written for plugin API 1.x that sets
 ``layer.apply_linear`` itself still works: that per-instance GEMM runs.)
+
+Mixture-of-experts layers (``FusedMoE``, model_registry/layers/fused_moe.py)
+are offered separately, to ``quantize_moe(layer, prefix)`` (plugin API 1.12;
+default: left as loaded, so a method written before it still runs an MoE
+model, its experts in float). A method that converts them replaces the
+layer's ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I] (this rank's
+slice of every expert) with its storage, and offers the computation over
+it as the "fused_moe" layer op in `register_layer_ops`, with a `supports`
+that recognises the layers it converted. The router, the biases and the
+all-reduce after the layer stay the layer's.
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
+    from pagedllm.model_registry.layers.fused_moe import FusedMoE
+
 
 class QuantizationMethod(ABC):
     """Built as ``MethodCls()``; `quantize_linear` runs once per layer at load."""
@@ -38,9 +50,17 @@ class QuantizationMethod(ABC):
         """Convert `layer` (an ``nn.Linear`` with ``apply_linear(x, bias)``,
         its float weight loaded) in place; True when it was converted."""
 
+    def quantize_moe(self, layer: FusedMoE, prefix: str) -> bool:
+        """Convert the expert weights of `layer` (a ``FusedMoE``, its float
+        ``w13_weight`` and ``w2_weight`` loaded) in place; True when it was
+        converted. Default: False, the experts stay as loaded."""
+        return False
+
     def register_layer_ops(self, register: Callable[..., None]) -> None:  # noqa: B027 (optional)
         """Offer the GEMM of the converted layers:
-        ``register("linear", name, build, priority=..., supports=...)``.
+        ``register("linear", name, build, priority=..., supports=...)``, and
+        for converted MoE layers their experts' computation:
+        ``register("fused_moe", name, build, priority=..., supports=...)``.
         Default: nothing (the layers keep F.linear, or a GEMM the method set)."""
 
 

@@ -10,11 +10,19 @@ each column scaled and rounded once); otherwise ``torch._weight_int8pack_mm``
 (torch's int8 weight-packed matmul: x @ q^T, each output column times its
 scale) on the CPU for shapes on its grid and decode-sized batches, the same
 product with q cast to the activations' dtype elsewhere.
+
+Mixture-of-experts layers (FusedMoE) are quantized the same way: each
+expert's w13 [2I, H] and w2 [H, I] row by row (`w13_weight_scale` [E, 2I],
+`w2_weight_scale` [E, H], in the compute dtype). Their "fused_moe" kernel
+is the layer's reference routing (`FusedMoE.sum_over_experts`) with each
+expert's two matmuls the int8 GEMM above, so it computes the reference over
+the dequantized weights, to rounding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +30,9 @@ from torch import nn
 
 from pagedllm.platforms.cpu import amx_linear
 from pagedllm.quantization.base import QuantizationMethod
+
+if TYPE_CHECKING:
+    from pagedllm.model_registry.layers.fused_moe import FusedMoE
 
 INT8_MAX = 127
 # NOTE: torch's CPU kernel (AVX-512 / AMX for bfloat16) crashed on shapes off
@@ -39,6 +50,16 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     weight = weight.detach().float()
     scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
     q = torch.round(weight / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [E, N, K], scale float32 [E, N]): each expert's matrix per
+    output channel (one expert at a time: the float32 copy stays one expert's)."""
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
+    for expert in range(weight.shape[0]):
+        q[expert], scale[expert] = quantize_per_channel(weight[expert])
     return q, scale
 
 
@@ -77,9 +98,22 @@ class Int8WeightOnlyMethod(QuantizationMethod):
         layer.register_buffer("weight_scale", weight_scale)
         return True
 
+    def quantize_moe(self, layer: FusedMoE, prefix: str) -> bool:
+        if not layer.w13_weight.dtype.is_floating_point:
+            return False  # stored some other way already
+        for name in ("w13_weight", "w2_weight"):
+            weight = getattr(layer, name)
+            compute_dtype = weight.dtype
+            q, scale = quantize_experts(weight)
+            # NOTE: as for linear layers, the int8 tensor takes the float one's name.
+            setattr(layer, name, nn.Parameter(q, requires_grad=False))
+            layer.register_buffer(f"{name}_scale", scale.to(compute_dtype))
+        return True
+
     def register_layer_ops(self, register: Callable[..., None]) -> None:
-        # Above any platform's GEMM: a float GEMM cannot read int8 weights.
+        # Above any platform's kernels: a float GEMM cannot read int8 weights.
         register("linear", "int8", build_int8_gemm, priority=INT8_PRIORITY, supports=holds_int8_weight)
+        register("fused_moe", "int8", build_int8_moe, priority=INT8_PRIORITY, supports=holds_int8_experts)
 
 
 INT8_PRIORITY = 100
@@ -95,4 +129,38 @@ def build_int8_gemm(layer: nn.Module) -> Callable[[torch.Tensor, torch.Tensor | 
     return _int8_gemm(layer.weight, layer.weight_scale)  # type: ignore[arg-type]
 
 
-__all__ = ["Int8WeightOnlyMethod", "build_int8_gemm", "holds_int8_weight", "quantize_per_channel"]
+def holds_int8_experts(layer: nn.Module) -> bool:
+    """Whether `layer` (a FusedMoE) holds experts Int8WeightOnlyMethod converted."""
+    return all(
+        isinstance(getattr(layer, name, None), torch.Tensor) and getattr(layer, name).dtype == torch.int8
+        and hasattr(layer, f"{name}_scale")
+        for name in ("w13_weight", "w2_weight")
+    )
+
+
+def build_int8_moe(layer: nn.Module) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The "fused_moe" kernel of a converted FusedMoE: the layer's routing,
+    each expert's matmuls the int8 GEMM of its own slice of the storage."""
+    moe = cast("FusedMoE", layer)
+    num_experts = moe.num_experts
+    w13_scale, w2_scale = cast("torch.Tensor", moe.w13_weight_scale), cast("torch.Tensor", moe.w2_weight_scale)
+    gate_up_gemms = [_int8_gemm(moe.w13_weight[e], w13_scale[e]) for e in range(num_experts)]
+    down_gemms = [_int8_gemm(moe.w2_weight[e], w2_scale[e]) for e in range(num_experts)]
+    w13_bias, w2_bias = moe.w13_bias, moe.w2_bias
+
+    def gate_up(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return gate_up_gemms[expert](rows, None if w13_bias is None else w13_bias[expert])
+
+    def down(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return down_gemms[expert](rows, None if w2_bias is None else w2_bias[expert])
+
+    def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return moe.sum_over_experts(x, topk_weights, topk_ids, gate_up, down)
+
+    return fused_moe
+
+
+__all__ = [
+    "Int8WeightOnlyMethod", "build_int8_gemm", "build_int8_moe", "holds_int8_experts", "holds_int8_weight",
+    "quantize_experts", "quantize_per_channel",
+]

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.model_registry.layers.fused_moe import FusedMoE
 from pagedllm.model_registry.layers.linear import LinearBase
 from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead
 from pagedllm.platforms.interface import dtype_name
@@ -39,14 +40,21 @@ def load_quantization_method(
     return plugin_manager.quantization_methods.load(name)
 
 
-def quantize_model(model: nn.Module, method: QuantizationMethod) -> int:
+class ConvertedLayers(NamedTuple):
+    linear: int
+    moe: int
+
+
+def quantize_model(model: nn.Module, method: QuantizationMethod) -> ConvertedLayers:
     """Hand `method` every linear layer but the LM head (its weight may be the
-    tied embedding's); returns how many it converted."""
-    converted = 0
+    tied embedding's) and every MoE layer; how many of each it converted."""
+    linear = moe = 0
     for prefix, module in model.named_modules():
         if isinstance(module, LinearBase) and not isinstance(module, ParallelLMHead):
-            converted += bool(method.quantize_linear(module, prefix))
-    return converted
+            linear += bool(method.quantize_linear(module, prefix))
+        elif isinstance(module, FusedMoE):
+            moe += bool(method.quantize_moe(module, prefix))
+    return ConvertedLayers(linear, moe)
 
 
-__all__ = ["load_quantization_method", "quantize_model"]
+__all__ = ["ConvertedLayers", "load_quantization_method", "quantize_model"]

@@ -300,7 +300,8 @@ class Worker:
         quantization = None if self.quantization_cls is None else self.quantization_cls()
         if quantization is not None:
             converted = quantize_model(model, quantization)
-            logger.info("quantization %s: %d linear layers converted", self.config.model.quantization, converted)
+            logger.info("quantization %s: %d linear and %d MoE layers converted", self.config.model.quantization,
+                        converted.linear, converted.moe)
         self.op_registry = build_op_registry(self.platform, quantization)
         bind_layer_ops(model, self.op_registry)
         self.platform.optimize_model(model)

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +126,14 @@ class FusedMoE(nn.Module, OpLayer):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
 
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> FusedMoE:
+        super()._apply(fn, recurse)
+        # NOTE: the counts stay float32 when the model is cast (`.to(bfloat16)`
+        # by a model's constructor): bfloat16 stops counting exactly at 256.
+        if self.expert_counts.dtype != torch.float32:
+            self.expert_counts = self.expert_counts.float()
+        return self
+
     # ------------------------------------------------------------- loading
 
     def weight_loader(
@@ -173,6 +183,27 @@ class FusedMoE(nn.Module, OpLayer):
     def forward_reference(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The plain-torch reference: for each expert with tokens, its
         tokens' rows through its two matmuls, weighted and summed in float32."""
+        def gate_up(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            return F.linear(rows, self.w13_weight[expert], None if self.w13_bias is None else self.w13_bias[expert])
+
+        def down(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            return F.linear(rows, self.w2_weight[expert], None if self.w2_bias is None else self.w2_bias[expert])
+
+        return self.sum_over_experts(x, topk_weights, topk_ids, gate_up, down)
+
+    def sum_over_experts(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        gate_up: Callable[[int, torch.Tensor], torch.Tensor],
+        down: Callable[[int, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The reference's routing with the expert matmuls supplied: tokens
+        grouped by expert, `gate_up(e, rows)` [n, H] -> [n, 2I] (bias
+        included), the activation, `down(e, h)` [n, I] -> [n, H], weighted
+        and summed in float32. A kernel that only stores the weights
+        differently (int8, quantization/int8.py) reuses it."""
         refuse_capture("the reference MoE routes tokens with host-side indices")
         out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
         flat_ids = topk_ids.flatten()
@@ -186,11 +217,8 @@ class FusedMoE(nn.Module, OpLayer):
             slots = order[start : start + count]
             tokens = token_of[start : start + count]
             start += count
-            b13 = None if self.w13_bias is None else self.w13_bias[expert]
-            b2 = None if self.w2_bias is None else self.w2_bias[expert]
-            h = apply_activation(F.linear(x[tokens], self.w13_weight[expert], b13), self.activation,
-                                 self.swiglu_alpha, self.swiglu_limit)
-            y = F.linear(h, self.w2_weight[expert], b2)
+            h = apply_activation(gate_up(expert, x[tokens]), self.activation, self.swiglu_alpha, self.swiglu_limit)
+            y = down(expert, h)
             out.index_add_(0, tokens, y.float() * topk_weights.flatten()[slots, None])
         return out.to(x.dtype)
 
