@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from pagedllm.core.custom_stats import MetricSpec
 from pagedllm.core.engine import EngineCore
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.kv_cache.hybrid_manager import make_kv_cache_manager
@@ -236,8 +237,15 @@ def _build_engine_core(
         structured_output_manager=structured_output_manager,
         max_model_len=max_model_len,
         vocab_size=vocab_size,
-        custom_stats=build_custom_stats(config, kv_connector, plugin_manager),
+        custom_stats=build_custom_stats(config, kv_connector, plugin_manager, model_custom_metrics(executor)),
     )
+
+
+def model_custom_metrics(executor: Executor) -> list[MetricSpec]:
+    """The custom figures rank 0 reports for its loaded model (an MoE
+    model's expert load)."""
+    # NOTE: a rank in another process answers with the structs' fields.
+    return msgspec.convert(executor.collective_rpc("model_custom_metrics")[0], list[MetricSpec])
 
 
 def build_scheduler_kv_connector(

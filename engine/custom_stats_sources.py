@@ -11,14 +11,17 @@ declarations are checked here (stat_loggers/base.py
 ``validate_metric_specs``), so a bad name fails the engine's start with a
 ConfigError that names the component; those of the ranks' components are
 read from their classes (a connector's worker side is the class of its
-scheduler side, declared by that one).
+scheduler side, declared by that one). Rank 0 declares the figures that
+depend on the loaded model itself (an MoE model's expert load,
+worker/expert_stats.py) when the builder asks it (`model_custom_metrics`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.custom_stats import CustomStatsCollector, CustomStatsSource
+from pagedllm.core.custom_stats import CustomStatsCollector, CustomStatsSource, MetricSpec
 from pagedllm.core.errors import ConfigError
 from pagedllm.stat_loggers.base import validate_metric_specs
 
@@ -29,11 +32,15 @@ if TYPE_CHECKING:
 
 
 def build_custom_stats(
-    config: EngineConfig, kv_connector: KVConnectorBase | None, plugin_manager: PluginManager
+    config: EngineConfig,
+    kv_connector: KVConnectorBase | None,
+    plugin_manager: PluginManager,
+    model_metrics: Sequence[MetricSpec] = (),
 ) -> CustomStatsCollector | None:
     """The collector over every source of this engine core (None without
     one): it polls the connector's scheduler side and receives the ranks'
-    figures with their step outputs."""
+    figures with their step outputs. `model_metrics`: what rank 0 declared
+    for its loaded model."""
     polled: list[tuple[str, Any]] = []
     if getattr(kv_connector, "custom_metrics", None):
         polled.append((f"kv_connector {config.kv_transfer.connector!r}", kv_connector))
@@ -44,9 +51,12 @@ def build_custom_stats(
                 f"{owner}.get_custom_stats", None,
                 "a method returning {name: value}: the component declares custom_metrics",
             )
-    if not declared:
+    if not declared and not model_metrics:
         return None
-    specs = validate_metric_specs((owner, component.custom_metrics) for owner, component in declared)
+    specs = validate_metric_specs([
+        *((owner, component.custom_metrics) for owner, component in declared),
+        *([("the model (rank 0)", model_metrics)] if model_metrics else []),
+    ])
     sources: list[tuple[str, CustomStatsSource]] = [(owner, component) for owner, component in polled]
     return CustomStatsCollector(sources, specs)
 

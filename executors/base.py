@@ -70,7 +70,7 @@ class Executor(ABC):
     # utility call names a method, never code to run.
     RPC_METHODS: ClassVar[frozenset[str]] = frozenset(
         {"load_model", "determine_num_kv_blocks", "initialize_cache", "execute_model", "check_health", "shutdown",
-         "memory_usage", "collective_stats", "kv_connector_shard", "kv_cache_config"}
+         "memory_usage", "collective_stats", "kv_connector_shard", "kv_cache_config", "model_custom_metrics"}
     )
 
     def __init__(self, config: EngineConfig) -> None:

@@ -19,7 +19,7 @@ import os
 from typing import TYPE_CHECKING, cast
 
 from pagedllm.attention_backends.selector import select_attention_backend
-from pagedllm.core.custom_stats import CustomStatsCollector
+from pagedllm.core.custom_stats import CustomStatsCollector, MetricSpec
 from pagedllm.core.errors import ConfigError, GraphCaptureError
 from pagedllm.core.kv_cache.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from pagedllm.distributed.parallel_state import (
@@ -44,6 +44,7 @@ from pagedllm.plugins import get_plugin_manager
 from pagedllm.spec_decode.interface import DrafterContext
 from pagedllm.worker.compile import compile_outside_attention
 from pagedllm.worker.decode_graphs import DecodeGraphRunner, default_graph_sizes
+from pagedllm.worker.expert_stats import ExpertLoadStats, moe_layers
 from pagedllm.worker.layer_ops import build_op_registry
 from pagedllm.worker.memory_profiler import profile_run
 from pagedllm.worker.model_facts import ModelFacts
@@ -406,7 +407,6 @@ class Worker:
             context = self.kv_connector_context(KVConnectorRole.WORKER)
             self.kv_connector = build_kv_connector(self.config, self.plugin_manager, context)
             self.kv_connector.register_kv_caches(kv_caches)
-        self.custom_stats = self._build_custom_stats()
         self._model_runner = ModelRunner(
             self.model,
             self.attn_backend,
@@ -424,6 +424,8 @@ class Worker:
             logits_processors=build_logits_processors(self.config, self.plugin_manager, self.device),
             num_kv_cache_groups=self.kv_cache_config().num_groups,
         )
+        # After the graph captures: the MoE layers' counts start from zero here.
+        self.custom_stats = self._build_custom_stats()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
@@ -505,15 +507,24 @@ class Worker:
         """The rank's components that report custom figures, polled after
         each of its steps (the figures go back with the step's output): its
         connector's worker side (every rank: each moves its own shard) and,
-        on rank 0 only, its drafter (every rank runs the same one)."""
+        on rank 0 only, its drafter (every rank runs the same one) and the
+        expert load of an MoE model (every rank routes alike)."""
         candidates: list[tuple[str, object]] = [("kv_connector (worker side)", self.kv_connector)]
         if self.rank == 0:
             candidates.append(("drafter", self.drafter))
+            if moe_layers(self.model):
+                candidates.append(("expert load", ExpertLoadStats(self.model)))
         sources = [
             (owner, cast("CustomStatsSource", component))
             for owner, component in candidates if getattr(component, "custom_metrics", ())
         ]
         return CustomStatsCollector(sources) if sources else None
+
+    def model_custom_metrics(self) -> list[MetricSpec]:
+        """The custom figures this rank reports that depend on the loaded
+        model, not on a component's class (the builder declares rank 0's):
+        the expert load of an MoE model."""
+        return list(ExpertLoadStats.custom_metrics) if self.rank == 0 and moe_layers(self.model) else []
 
     def kv_connector_shard(self) -> KVConnectorShard:
         """What the scheduler side of a KV connector must know of this rank's
