@@ -7,6 +7,7 @@ time, so tests simulate a device by patching ``torch.cuda.is_available`` and
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable
 
@@ -19,6 +20,23 @@ logger = logging.getLogger(__name__)
 
 # bfloat16 arithmetic needs Ampere.
 BF16_MIN_CAPABILITY = (8, 0)
+# The "fused_moe" op's name (model_registry/layers/ops.py), spelled here:
+# a platform does not import the model layers.
+FUSED_MOE = "fused_moe"
+TRITON_FUSED_MOE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def triton_fused_moe_supports(layer: torch.nn.Module) -> bool:
+    """A FusedMoE layer whose (unquantized) weights are CUDA tensors."""
+    weight = getattr(layer, "w13_weight", None)
+    return (isinstance(weight, torch.Tensor) and weight.is_cuda and weight.dtype in TRITON_FUSED_MOE_DTYPES
+            and getattr(layer, "activation", None) in ("silu", "swigluoai"))
+
+
+def _build_triton_fused_moe(layer: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    from pagedllm.platforms import cuda_fused_moe  # imports triton: only once a layer takes it
+
+    return cuda_fused_moe.build(layer)
 
 
 class CudaPlatform(Platform):
@@ -72,6 +90,15 @@ class CudaPlatform(Platform):
 
     def get_attention_backend_priority(self) -> list[str]:
         return ["flash_attn", "triton", "cpu"]
+
+    def register_layer_ops(self, register: Callable[..., None]) -> None:
+        """The Triton fused-MoE kernel (cuda_fused_moe.py) for MoE layers
+        whose weights are on a CUDA device; without triton installed the
+        layers keep their torch reference."""
+        if importlib.util.find_spec("triton") is None:
+            logger.info("triton is not installed: MoE layers run their torch reference")
+            return
+        register(FUSED_MOE, "triton_fused_moe", _build_triton_fused_moe, supports=triton_fused_moe_supports)
 
     def total_memory_bytes(self) -> int:
         return int(torch.cuda.mem_get_info(self.device_index)[1])

@@ -3,17 +3,21 @@ against `FusedMoE.forward_reference`, on CPU through the Triton interpreter
 (TRITON_INTERPRET=1, set by conftest before any kernel is defined); with
 PAGEDLLM_TEST_DEVICE=cuda and TRITON_INTERPRET=0 the same cases run compiled
 on a GPU. Shapes stay small: the interpreter runs every program in Python.
-bfloat16 is not compared here: the interpreter's bfloat16 `tl.dot` is wrong."""
+bfloat16 is compared on a GPU only: the interpreter's bfloat16 `tl.dot` is wrong."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from typing import Any
 
 import pytest
 import torch
 
 from pagedllm.model_registry.layers.fused_moe import FusedMoE
 from pagedllm.model_registry.layers.moe_router import RouterConfig
+from pagedllm.model_registry.layers.ops import FUSED_MOE, OpRegistry, bind_layer_ops
+from pagedllm.platforms.cuda import CudaPlatform, triton_fused_moe_supports
 from pagedllm.testing.attention_case import DEVICE
 
 pytestmark = pytest.mark.skipif(
@@ -31,7 +35,9 @@ EXPERT_POPULARITY = torch.tensor([5.0, 0.0, 1.0, 3.0, 0.0, 0.5])
 HIDDEN, INTERMEDIATE = 40, 24
 # Small enough that the swigluoai clamps cut real values.
 SWIGLU_LIMIT = 0.75
-TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 
 
 def make_layer(activation: str, bias: bool, top_k: int, dtype: torch.dtype, seed: int = 0) -> FusedMoE:
@@ -61,7 +67,7 @@ def make_input(num_tokens: int, dtype: torch.dtype, seed: int = 0) -> torch.Tens
     return torch.randn(num_tokens, HIDDEN, generator=generator).to(device=DEVICE, dtype=dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("activation", ["silu", "swigluoai"])
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (1, 4), (7, 2), (7, 3), (33, 1), (33, 4)])
@@ -147,6 +153,75 @@ def test_align_pads_a_full_segment_only_when_it_overflows() -> None:
     assert aligned.sorted_token_ids[:total].tolist() == [1, 3, 4, 6, 8, 9, 9, 9, 0, 2, 5, 7]
     assert aligned.expert_ids[: total // 4].tolist() == [0, 0, 1]
     assert set(aligned.expert_ids[total // 4:].tolist()) <= {-1}
+
+
+# ------------------------------------------------------------ the registration
+
+_real_find_spec = importlib.util.find_spec
+
+
+def simulate_cuda(monkeypatch: pytest.MonkeyPatch, triton_installed: bool) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    def find_spec(name: str, package: str | None = None) -> Any:
+        if name == "triton":
+            return object() if triton_installed else None
+        return _real_find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+class _CudaLooking(torch.Tensor):
+    """A host tensor that says it is on a CUDA device (there is none here)."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def test_cuda_platform_registers_the_kernel_for_cuda_layers_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    simulate_cuda(monkeypatch, triton_installed=True)
+    registry = OpRegistry()
+    CudaPlatform().register_layer_ops(registry.register)
+    (impl,) = registry.implementations(FUSED_MOE)
+    assert impl.name == "triton_fused_moe"
+
+    layer = make_layer("silu", True, 2, torch.float16, seed=3).cpu()
+    assert not impl.supports(layer)  # host weights: the reference runs
+    assert bind_layer_ops(layer, registry) == {"torch": 1}
+    on_cuda = torch.Tensor._make_subclass(_CudaLooking, layer.w13_weight.data)
+    layer.w13_weight = torch.nn.Parameter(on_cuda, requires_grad=False)
+    assert impl.supports(layer)
+    assert registry.select(FUSED_MOE, layer) is impl
+    layer.w13_weight.data = layer.w13_weight.data.to(torch.int8)  # a quantized layer is not ours
+    assert not triton_fused_moe_supports(layer)
+
+
+def test_the_registered_build_runs_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    simulate_cuda(monkeypatch, triton_installed=True)
+    registry = OpRegistry()
+    CudaPlatform().register_layer_ops(registry.register)
+    (impl,) = registry.implementations(FUSED_MOE)
+    layer = make_layer("swigluoai", True, 2, torch.float32, seed=4)
+    topk_weights, topk_ids = make_routing(5, 2, seed=4)
+    x = make_input(5, torch.float32, seed=4)
+    layer.bind_op(impl.name, impl.build(layer))
+    calls: list[int] = []
+    real_launch = cuda_fused_moe._launch
+    monkeypatch.setattr(cuda_fused_moe, "_launch", lambda *a, **k: (calls.append(1), real_launch(*a, **k))[1])
+
+    out = layer.apply_experts(x, topk_weights, topk_ids)
+
+    assert len(calls) == 2  # the two grouped GEMMs, not the reference
+    torch.testing.assert_close(out, layer.forward_reference(x, topk_weights, topk_ids), **TOLERANCE[torch.float32])
+
+
+def test_cuda_platform_without_triton_keeps_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    simulate_cuda(monkeypatch, triton_installed=False)
+    registry = OpRegistry()
+    CudaPlatform().register_layer_ops(registry.register)
+    assert registry.implementations(FUSED_MOE) == []
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
