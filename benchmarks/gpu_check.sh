@@ -6,8 +6,9 @@
 #
 # On a GPU: the attention backend tests compiled (TRITON_INTERPRET=0, tensors
 # on cuda), the end-to-end greedy equality test (Triton forced vs
-# torch_native), the backend-selection tests, and the kernel benchmark
-# (Triton vs FlashAttention if installed vs torch SDPA). With --cpu-dry-run
+# torch_native), the backend-selection tests, the fused-MoE kernel tests,
+# and the kernel benchmarks (Triton vs FlashAttention if installed vs torch
+# SDPA; the Triton MoE kernel vs the MoE layer's torch reference). With --cpu-dry-run
 # each stage runs through the Triton interpreter on a few small cases.
 set -euo pipefail
 
@@ -29,7 +30,10 @@ if [ "${1:-}" = "--cpu-dry-run" ]; then
         "$PYTHON" -m pytest -q tests/test_attention_triton.py \
         -k "(test_mixed_batch_equals_torch_native and float32) or (test_cache_write_kernel_skips_slot_minus_one and float32) or (test_split_kv_decode_equals_one_segment and float32)"
     stage "backend selection" "$PYTHON" -m pytest -q tests/test_backend_selection.py
+    stage "fused-MoE kernel (interpreter, subset)" \
+        "$PYTHON" -m pytest -q tests/test_triton_fused_moe.py -k "align or registers or (33-4 and float32)"
     stage "kernel benchmark (dry run)" "$PYTHON" benchmarks/attention_kernels.py --cpu-dry-run
+    stage "MoE kernel benchmark (dry run)" "$PYTHON" benchmarks/moe_kernels.py --cpu-dry-run
     echo "gpu_check --cpu-dry-run: all stages passed"
     exit 0
 fi
@@ -71,5 +75,7 @@ print(f"24 requests x 64 tokens: {24 * 64 / elapsed:.0f} tok/s; graph replays: {
 print(repr(outputs[0].outputs[0].text[:80]))
 assert runner is not None and runner.num_replays > 0
 PY
+stage "fused-MoE kernel tests (compiled)" "$PYTHON" -m pytest -q tests/test_triton_fused_moe.py
 stage "kernel benchmark" "$PYTHON" benchmarks/attention_kernels.py
+stage "MoE kernel benchmark" "$PYTHON" benchmarks/moe_kernels.py
 echo "gpu_check: all stages passed"
