@@ -168,11 +168,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Y = X A with A split by rows (input features): each rank multiplies its
     slice of X (the column-parallel layer before it left X split) by
-    A[r * I/tp : (r + 1) * I/tp, :]; one all-reduce sums the partial products."""
+    A[r * I/tp : (r + 1) * I/tp, :]; one all-reduce sums the partial products.
+    `reduce_results=False`: the partial product is returned (rank 0's with
+    the bias) for the caller to add to others before one all-reduce (a MoE
+    block's shared expert and routed experts)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True) -> None:
         tp_size = get_tp_group().world_size
         super().__init__(divide(input_size, tp_size, "input features"), output_size, bias)
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if param.dim() == 1:  # the bias is whole on every rank
@@ -184,6 +188,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, I/tp] -> [T, O]
         if self.tp_size == 1:
             return self.apply_linear(x, self.bias)
+        if not self.reduce_results:
+            return self.apply_linear(x, self.bias if self.tp_rank == 0 else None)
         # NOTE: the bias goes in once, after the sum, not once per rank.
         output = self.tp_group.all_reduce(self.apply_linear(x, None))
         return output if self.bias is None else output + self.bias

@@ -2,7 +2,8 @@
 
 Pre-norm decoder: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x)) with
 SwiGLU; rotary positions; grouped-query attention over the paged KV cache.
-Qwen2 and Qwen3 reuse these modules and flip the flags in `LlamaFlags`.
+Qwen2 and Qwen3 reuse these modules and flip the flags in `LlamaFlags`;
+the mixture-of-experts families (Qwen2/3-MoE, Mixtral) swap the MLP.
 
 Tensor parallel (Megatron-LM): each rank holds num_heads / tp query heads and
 their KV heads (qkv_proj column-parallel, o_proj row-parallel), a 1/tp slice
@@ -106,15 +107,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config: Any):
+    def __init__(self, hf_config: Any, intermediate_size: int | None = None, reduce_results: bool = True):
+        """`intermediate_size`: None is the config's (a MoE's shared expert
+        has its own); `reduce_results=False` leaves this rank's partial sum."""
         super().__init__()
         bias = getattr(hf_config, "mlp_bias", False)
-        intermediate_size = hf_config.intermediate_size
+        if intermediate_size is None:
+            intermediate_size = hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             hf_config.hidden_size, [intermediate_size, intermediate_size], bias=bias
         )
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(intermediate_size, hf_config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hf_config.hidden_size, bias=bias,
+                                           reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
