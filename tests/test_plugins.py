@@ -119,6 +119,9 @@ def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
             "Qwen2ForCausalLM": "pagedllm.model_registry.models.qwen2:Qwen2ForCausalLM",
             "Qwen3ForCausalLM": "pagedllm.model_registry.models.qwen3:Qwen3ForCausalLM",
             "GptOssForCausalLM": "pagedllm.model_registry.models.gpt_oss:GptOssForCausalLM",
+            "Qwen2MoeForCausalLM": "pagedllm.model_registry.models.qwen2_moe:Qwen2MoeForCausalLM",
+            "Qwen3MoeForCausalLM": "pagedllm.model_registry.models.qwen3_moe:Qwen3MoeForCausalLM",
+            "MixtralForCausalLM": "pagedllm.model_registry.models.mixtral:MixtralForCausalLM",
             "Phi3ForCausalLM": "pagedllm.model_registry.models.phi3:Phi3ForCausalLM",
             "Gemma2ForCausalLM": "pagedllm.model_registry.models.gemma2:Gemma2ForCausalLM",
             "Gemma3ForCausalLM": "pagedllm.model_registry.models.gemma3:Gemma3ForCausalLM",
@@ -660,7 +663,7 @@ def test_builtin_models_implement_the_model_interface_and_duck_typed_models_pass
     pm = get_plugin_manager()
     for name in ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GptOssForCausalLM",
                  "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
-                 "Olmo2ForCausalLM"]:
+                 "Olmo2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"]:
         model_cls = pm.models.load(name)
         assert ModelForCausalLM in model_cls.__mro__, name  # explicitly, not by duck typing
     required = {"forward", "compute_logits", "load_weights", "get_attention_layers"}
