@@ -10,7 +10,8 @@ too small for the second batch) and suffix-decoding drafts verified by the model
 drafted from its first answer). The checkpoints are the
 per-model test files' engine checkpoints, with each architecture's
 mechanisms active (windows shorter than the prompts, soft-caps that clip,
-sinks, scaled RoPE past the original length, Granite's multipliers).
+sinks, scaled RoPE past the original length, Granite's multipliers, MoE
+routing that varies token to token, Qwen2-MoE's shared expert).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from test_models_gemma import _engine_checkpoint as gemma_checkpoint
 from test_models_gpt_oss import build_gpt_oss
 from test_models_granite_olmo import _count_mixed_steps
 from test_models_granite_olmo import model_path as granite_olmo_checkpoint
+from test_models_moe import build_moe
 from test_models_phi3 import _engine_model_path as phi3_checkpoint
 
 from pagedllm import LLM, SamplingParams
@@ -38,6 +40,9 @@ from pagedllm import LLM, SamplingParams
 NUM_NEW_TOKENS = 16
 BUDGET = 32  # max_num_batched_tokens: the longer prompts prefill in chunks
 PREFIX_LEN = 48  # three 16-token blocks
+# Mixtral's window: shorter than the long prompts; the model test's 12 frees
+# so many blocks behind it that 10 KV blocks never preempt.
+MIXTRAL_WINDOW = 24
 
 
 @functools.cache
@@ -45,6 +50,13 @@ def _gpt_oss_checkpoint() -> Path:
     folder = Path(tempfile.mkdtemp(prefix="pagedllm-gpt-oss-"))
     atexit.register(shutil.rmtree, folder, True)
     return build_gpt_oss(folder / "model")
+
+
+@functools.cache
+def _moe_checkpoint(architecture: str) -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="pagedllm-moe-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return build_moe(architecture, folder / "model", window=MIXTRAL_WINDOW)
 
 
 # architecture -> (its checkpoint, KV blocks that hold one request's groups but not the second batch at once;
@@ -56,6 +68,9 @@ ARCHITECTURES: dict[str, tuple[Callable[[], Path], int]] = {
     "GraniteForCausalLM": (lambda: granite_olmo_checkpoint("granite"), 10),
     "Olmo2ForCausalLM": (lambda: granite_olmo_checkpoint("olmo2"), 10),
     "GptOssForCausalLM": (_gpt_oss_checkpoint, 20),
+    "Qwen3MoeForCausalLM": (lambda: _moe_checkpoint("Qwen3MoeForCausalLM"), 10),
+    "Qwen2MoeForCausalLM": (lambda: _moe_checkpoint("Qwen2MoeForCausalLM"), 10),
+    "MixtralForCausalLM": (lambda: _moe_checkpoint("MixtralForCausalLM"), 10),
 }
 
 

@@ -38,7 +38,7 @@ MODEL_CLASSES: dict[str, type[Any]] = {
 }
 
 
-def _config(architecture: str, vocab_size: int, **special_tokens: Any) -> Any:
+def _config(architecture: str, vocab_size: int, window: int, **special_tokens: Any) -> Any:
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -50,12 +50,12 @@ def _config(architecture: str, vocab_size: int, **special_tokens: Any) -> Any:
         return Qwen2MoeConfig(**common, num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32,
                               shared_expert_intermediate_size=48, num_experts=NUM_EXPERTS, norm_topk_prob=False)
     return MixtralConfig(**common, num_hidden_layers=2, intermediate_size=32, num_local_experts=NUM_EXPERTS,
-                         sliding_window=MIXTRAL_WINDOW)
+                         sliding_window=window)
 
 
-def build_moe(architecture: str, path: Path, seed: int = 0) -> Path:
+def build_moe(architecture: str, path: Path, seed: int = 0, window: int = MIXTRAL_WINDOW) -> Path:
     """A random `architecture` checkpoint of transformers' class, float32
-    safetensors, with the shipped tokenizer."""
+    safetensors, with the shipped tokenizer (Mixtral's sliding `window`)."""
     import transformers
     from transformers import AutoTokenizer
 
@@ -63,7 +63,7 @@ def build_moe(architecture: str, path: Path, seed: int = 0) -> Path:
 
     tokenizer_dir = Path(get_tokenizer_dir())
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    config = _config(architecture, len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+    config = _config(architecture, len(tokenizer), window, bos_token_id=tokenizer.bos_token_id,
                      eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).to(torch.float32)
