@@ -33,6 +33,13 @@ CONFIG_OVERRIDES: dict[str, dict[str, Any]] = {
         num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
+    "Qwen3MoeForCausalLM": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+    ),
+    "Qwen2MoeForCausalLM": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+    ),
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
     "GraniteForCausalLM": dict(
         embedding_multiplier=8.0, residual_multiplier=0.3, attention_multiplier=1.5, logits_scaling=5.0
     ),
