@@ -29,6 +29,10 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    # Mixture-of-experts: the MLP weights one token multiplies, summed over
+    # the layers (router, its top-k experts, a shared expert and its gate;
+    # dense layers whole). None: every layer's MLP is dense, of intermediate_size.
+    mlp_weights: int | None = None
 
     @classmethod
     def from_folder(cls, model_path: str | Path) -> ModelShape:
@@ -43,6 +47,7 @@ class ModelShape:
             num_kv_heads=config.get("num_key_value_heads", num_heads),
             head_dim=config.get("head_dim") or hidden // num_heads,
             vocab_size=config["vocab_size"],
+            mlp_weights=_moe_mlp_weights(config),
         )
 
     @property
@@ -50,12 +55,32 @@ class ModelShape:
         """Weights a token multiplies: q, k, v, o and the gated MLP per layer, and the LM head."""
         h, d = self.hidden_size, self.head_dim
         attention = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
-        mlp = 3 * h * self.intermediate_size
-        return self.num_layers * (attention + mlp) + h * self.vocab_size
+        if self.mlp_weights is None:
+            return self.num_layers * (attention + 3 * h * self.intermediate_size) + h * self.vocab_size
+        return self.num_layers * attention + self.mlp_weights + h * self.vocab_size
 
     def attention_flops(self, num_keys: int) -> int:
         """One token's attention over `num_keys` positions, every layer."""
         return 4 * self.num_layers * self.num_heads * self.head_dim * num_keys
+
+
+def _moe_mlp_weights(config: dict) -> int | None:
+    """ModelShape.mlp_weights of a Qwen2/3-MoE or Mixtral config.json; None
+    for a dense model. Qwen-MoE's rule for which layers are sparse."""
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if not num_experts or "num_experts_per_tok" not in config:
+        return None
+    h, top_k = config["hidden_size"], config["num_experts_per_tok"]
+    expert_width = config.get("moe_intermediate_size") or config["intermediate_size"]
+    sparse = h * num_experts + 3 * h * top_k * expert_width
+    if config.get("shared_expert_intermediate_size"):
+        sparse += 3 * h * config["shared_expert_intermediate_size"] + h
+    dense_layers = set(config.get("mlp_only_layers") or [])
+    step = config.get("decoder_sparse_step") or 1
+    return sum(
+        3 * h * config["intermediate_size"] if i in dense_layers or (i + 1) % step else sparse
+        for i in range(config["num_hidden_layers"])
+    )
 
 
 def generation_flops(shape: ModelShape, prompt_lens: list[int], num_new_tokens: int) -> int:

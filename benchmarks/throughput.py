@@ -14,7 +14,8 @@ so HF is also shown with that same tuning.
 12/4; 32 prompts of 64-256 tokens), `--dtype bfloat16` both models in
 bfloat16. `--architecture NAME` (with --model 100m) runs a random checkpoint
 of that transformers architecture at the same sizes instead of the Llama
-(Gemma2ForCausalLM, Phi3ForCausalLM, ...; built once under the cache dir),
+(Gemma2ForCausalLM, Phi3ForCausalLM, MixtralForCausalLM, ...; built once
+under the cache dir; the MoE families with 8-16 experts of the same active width),
 so each native architecture is measured against HF's `generate` of the
 same checkpoint. Every row also shows the FLOP/s it achieved (benchmarks/roofline.py:
 from the model's shape and the tokens it processed) and that as a fraction
@@ -152,8 +153,14 @@ ARCHITECTURE_SIZES = dict(
 
 # The released models' attention where the conformance kit's tiny configs
 # shrink it: GPT-OSS's 128-token windows and YaRN (x32 from 4,096 positions),
-# which vLLM's GPT-OSS requires.
+# which vLLM's GPT-OSS requires. The MoE families get experts whose active
+# width per token is the 100m Llama's 2,048 (top-k x expert width, plus the
+# shared expert), every layer sparse, no window, as the released ones.
 ARCHITECTURE_OVERRIDES: dict[str, dict[str, Any]] = {
+    "Qwen3MoeForCausalLM": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=512, mlp_only_layers=[]),
+    "Qwen2MoeForCausalLM": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384,
+                                shared_expert_intermediate_size=512),
+    "MixtralForCausalLM": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=1024, sliding_window=None),
     "GptOssForCausalLM": dict(
         sliding_window=128, max_position_embeddings=131072,
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,

@@ -6,9 +6,11 @@ both attention matmuls exactly as the shape formula does."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from helpers.tiny_models import cached_tiny_model
 from torch.utils.flop_counter import FlopCounterMode
@@ -44,3 +46,28 @@ def test_generation_counts_each_fed_token_over_the_keys_it_sees() -> None:
     # A 3-token prompt and 2 new tokens: 4 tokens fed, seeing 1, 2, 3 and 4 keys.
     assert roofline.generation_flops(shape, [3], 2) == 2 * shape.matmul_weights * 4 + shape.attention_flops(10)
     assert shape.attention_flops(10) == 4 * 2 * 2 * 4 * 10
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"])
+def test_a_moe_token_counts_its_router_top_k_and_shared_experts(architecture: str, tmp_path: Path) -> None:
+    """The conformance kit's small MoE configs (Qwen3-MoE with a dense
+    layer, Qwen2-MoE with a shared expert): what torch counts in transformers'
+    forward, each token through its top-k experts only."""
+    import transformers
+
+    from pagedllm.testing.checkpoints import config_json
+
+    config = config_json(architecture)
+    assert config is not None
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = roofline.ModelShape.from_folder(tmp_path)
+    assert shape.mlp_weights is not None
+    hf_config = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    # One F.linear per expert, and attention's matmuls over the full square: what the counter sees.
+    hf_config._experts_implementation = hf_config._attn_implementation = "eager"
+    model = getattr(transformers, architecture)(hf_config).to(torch.float32).eval()
+    num_tokens = 13
+    with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+        model(torch.arange(num_tokens).unsqueeze(0) + 5)
+    expected = 2 * shape.matmul_weights * num_tokens + shape.attention_flops(num_tokens * num_tokens)
+    assert counter.get_total_flops() == expected
