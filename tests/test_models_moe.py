@@ -200,3 +200,19 @@ def test_each_mechanism_matters(checkpoints: dict[str, Path], monkeypatch: pytes
     monkeypatch.setattr(model_cls, "load_weights", load_then_switch_off)
     assert max_logit_error(run_paged_batches(architecture, checkpoints[architecture]),
                            hf_model(checkpoints[architecture])) > 1e-2
+
+
+@pytest.mark.parametrize("architecture", list(MODEL_CLASSES))
+def test_env_names_the_native_model_and_its_window(checkpoints: dict[str, Path], architecture: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`pagedllm env --model PATH` resolves each MoE architecture to its
+    native class and reads Mixtral's window (none for the Qwen-MoE ones)."""
+    import json
+
+    from pagedllm.entrypoints.cli import main
+
+    assert main(["env", "--json", "--platform", "cpu", "--model", str(checkpoints[architecture])]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert (payload["architecture"], payload["model_impl"]) == (architecture, "native")
+    assert payload["head_sizes"] == [16]
+    assert payload["sliding_window"] == (MIXTRAL_WINDOW if architecture == "MixtralForCausalLM" else None)

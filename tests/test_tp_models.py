@@ -29,10 +29,13 @@ from pagedllm.model_registry.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.model_registry.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.model_registry.models.granite import GraniteForCausalLM
 from pagedllm.model_registry.models.llama import LlamaForCausalLM
+from pagedllm.model_registry.models.mixtral import MixtralForCausalLM
 from pagedllm.model_registry.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.model_registry.models.phi3 import Phi3ForCausalLM
 from pagedllm.model_registry.models.qwen2 import Qwen2ForCausalLM
+from pagedllm.model_registry.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedllm.model_registry.models.qwen3 import Qwen3ForCausalLM
+from pagedllm.model_registry.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -44,6 +47,10 @@ MODEL_CLASSES = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    # TP=2 of the MoE families: the engine matrix (test_models_engine_matrix.py).
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 # Phi-3: fused qkv_proj / gate_up_proj tensors that each rank splits for its
 # own heads and rows; LongRoPE's long factors (prompts past the original 4)
