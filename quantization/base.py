@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-    from pagedllm.model_registry.layers.fused_moe import FusedMoE
 
 
 class QuantizationMethod(ABC):
@@ -50,7 +49,7 @@ class QuantizationMethod(ABC):
         """Convert `layer` (an ``nn.Linear`` with ``apply_linear(x, bias)``,
         its float weight loaded) in place; True when it was converted."""
 
-    def quantize_moe(self, layer: FusedMoE, prefix: str) -> bool:
+    def quantize_moe(self, layer: nn.Module, prefix: str) -> bool:
         """Convert the expert weights of `layer` (a ``FusedMoE``, its float
         ``w13_weight`` and ``w2_weight`` loaded) in place; True when it was
         converted. Default: False, the experts stay as loaded."""

@@ -98,8 +98,8 @@ class Int8WeightOnlyMethod(QuantizationMethod):
         layer.register_buffer("weight_scale", weight_scale)
         return True
 
-    def quantize_moe(self, layer: FusedMoE, prefix: str) -> bool:
-        if not layer.w13_weight.dtype.is_floating_point:
+    def quantize_moe(self, layer: nn.Module, prefix: str) -> bool:
+        if not isinstance(layer.w13_weight, torch.Tensor) or not layer.w13_weight.dtype.is_floating_point:
             return False  # stored some other way already
         for name in ("w13_weight", "w2_weight"):
             weight = getattr(layer, name)
