@@ -76,6 +76,12 @@ def kernel_call(function: Any, *args: Any) -> Any:
     return result
 
 
+def is_capturing() -> bool:
+    """Whether this thread is recording a CpuGraph (a kernel may then pick
+    the path that reads no host values, whatever the batch size)."""
+    return getattr(_recording, "graph", None) is not None
+
+
 def refuse_capture(reason: str) -> None:
     """Raise GraphCaptureError while a graph is being captured (a CpuGraph,
     or a CUDA graph on the current stream): for code about to compute with

@@ -1,0 +1,220 @@
+"""The CPU platform's kernel for the "fused_moe" op (routed experts of a
+FusedMoE layer, model_registry/layers/fused_moe.py), float32 and bfloat16.
+
+Two paths, by batch size:
+
+- Decode sizes (at most DECODE_MAX_TOKENS tokens, and any size while a CPU
+  graph is captured): a C kernel (csrc/fused_moe.c) that reads the routing
+  from the tensors, groups each expert's tokens itself and streams each
+  selected expert's weights once, row by row (AVX-512 where the CPU has
+  it). A decode step is bound by that streaming; and since nothing is read
+  on the host, a decode graph can record the step (the reference reads the
+  expert counts with .tolist() and refuses capture, so a MoE model never
+  had decode graphs).
+- Larger batches (prefill): the reference's plan on prepacked weights:
+  tokens sorted by expert, one pair of oneDNN GEMMs per expert that has
+  tokens (each expert's matrices reordered once at build time, as the dense
+  linears are: linear.py), the activation, and one weighted index_add_ in
+  float32. Experts without tokens cost nothing. It reads the counts on the
+  host, so it refuses capture.
+
+Without a C compiler, or with `PAGEDLLM_CPU_MOE_KERNEL=0` (logged once),
+decode sizes run a capture-safe torch formulation instead: each token's
+experts' weights gathered with index_select and multiplied with bmm (about
+three times the weight traffic of the kernel, but still a graph).
+
+No model_registry import (the layers import platforms/): the layer is read
+by its attributes, and the activation is written out again below, the
+same torch ops as the layer's `apply_activation`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.platforms.cpu import linear as cpu_linear
+from pagedllm.platforms.cpu.graph import is_capturing, kernel_call, refuse_capture
+from pagedllm.platforms.cpu.kernel_build import load_library, prebuild_in_background
+
+SOURCE = Path(__file__).parent / "csrc" / "fused_moe.c"
+# -ffp-contract=off: weight * y and the sum round as torch's two ops (the
+# kernel's dot products use explicit FMAs).
+CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp",
+          "-ffp-contract=off", "-shared", "-fPIC")
+ENV_SWITCH = "PAGEDLLM_CPU_MOE_KERNEL"
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+ACTIVATIONS = {"silu": 0, "swigluoai": 1}
+# Batches of at most this many tokens run on the decode path outside capture.
+DECODE_MAX_TOKENS = 32
+MAX_TOP_K = 64  # the kernel's per-token sort buffer (csrc/fused_moe.c)
+# The torch decode formulation gathers T * k experts' weights: above this
+# many token-experts it would copy more than the grouped GEMMs read.
+GATHER_MAX_SLOTS = 256
+
+_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURE: list[Any] = [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _INT, _F32, _F32,
+              _PTR, _PTR, _PTR, _PTR]
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; None when it cannot be (logged once)."""
+    library = load_library(SOURCE, CFLAGS, ENV_SWITCH, "CPU MoE decode kernel")
+    if library is not None:
+        library.fused_moe.restype, library.fused_moe.argtypes = None, _SIGNATURE
+    return library
+
+
+def activate(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """[N, 2I] (gate columns, then up columns) -> [N, I]: the layer's
+    apply_activation, op for op (so bfloat16 rounds where it rounds)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def supports(layer: nn.Module) -> bool:
+    """A FusedMoE layer whose weights are float32 or bfloat16 CPU tensors,
+    contiguous, biases (if any) of the same dtype."""
+    w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
+    if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)):
+        return False
+    tensors = [t for t in (w13, w2, getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None))
+               if t is not None]
+    return bool(w13.dtype in KERNEL_DTYPES and all(t.is_cpu and t.dtype == w13.dtype and t.is_contiguous()
+                                                   for t in tensors)
+                and getattr(layer, "activation", None) in ACTIVATIONS and getattr(layer, "top_k", 0) <= MAX_TOP_K)
+
+
+class CpuFusedMoE:
+    """The kernel bound to one layer: (x, topk_weights, topk_ids) -> out."""
+
+    def __init__(self, layer: Any) -> None:  # a FusedMoE, read by its attributes
+        self.layer = layer
+        self.w13: torch.Tensor = layer.w13_weight.detach()
+        self.w2: torch.Tensor = layer.w2_weight.detach()
+        self.b13: torch.Tensor | None = None if layer.w13_bias is None else layer.w13_bias.detach()
+        self.b2: torch.Tensor | None = None if layer.w2_bias is None else layer.w2_bias.detach()
+        self.num_experts, self.hidden, self.inter = self.w2.shape
+        self.activation: str = layer.activation
+        self.alpha, self.limit = float(layer.swiglu_alpha), float(layer.swiglu_limit)
+        self.gemm13, self.gemm2 = self._expert_gemms(self.w13), self._expert_gemms(self.w2)
+
+    def _expert_gemms(self, weight: torch.Tensor) -> list[Callable[[torch.Tensor, torch.Tensor | None],
+                                                                    torch.Tensor]]:
+        """Each expert's (rows, bias) -> rows @ W_e.T + bias: prepacked oneDNN
+        where it runs here (linear.py's probe), else F.linear."""
+        if cpu_linear.onednn_linear_available(weight.dtype):
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear._PACK_BATCH_HINT) for w in weight]
+            return [functools.partial(_prepacked, packed_weight) for packed_weight in packed]
+        return [functools.partial(_plain, w) for w in weight]
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or not self._takes(x, topk_weights, topk_ids):
+            out: torch.Tensor = self.layer.forward_reference(x, topk_weights, topk_ids)
+            return out
+        if x.shape[0] <= DECODE_MAX_TOKENS or is_capturing():
+            library = load()
+            if library is not None:
+                return self.decode_kernel(library, x, topk_weights.contiguous(), topk_ids.contiguous())
+            if topk_ids.numel() <= GATHER_MAX_SLOTS:
+                return self.decode_gathered(x, topk_weights, topk_ids)
+        return self.grouped_gemms(x, topk_weights, topk_ids)
+
+    def _takes(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+        return (x.dim() == 2 and x.dtype == self.w13.dtype and x.is_cpu and x.is_contiguous()
+                and topk_weights.dtype == torch.float32 and topk_ids.dtype == torch.int64
+                and topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0])
+
+    def decode_kernel(self, library: ctypes.CDLL, x: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+        tokens, top_k = topk_ids.shape
+        x_f32 = torch.empty(tokens, self.hidden, dtype=torch.float32)
+        act = torch.empty(tokens * top_k, self.inter, dtype=torch.float32)
+        y = torch.empty(tokens * top_k, self.hidden, dtype=torch.float32)
+        out = torch.empty(tokens, self.hidden, dtype=x.dtype)
+        kernel_call(library.fused_moe, KERNEL_DTYPES[x.dtype], x, tokens, self.hidden, topk_weights, topk_ids,
+                    top_k, self.w13, self.w2, self.b13, self.b2, self.num_experts, self.inter,
+                    ACTIVATIONS[self.activation], self.alpha, self.limit, x_f32, act, y, out)
+        return out
+
+    def decode_gathered(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Capture-safe torch: each (token, expert) pair's weights gathered,
+        one batched GEMV per matrix."""
+        tokens, top_k = topk_ids.shape
+        ids = topk_ids.flatten()
+        rows = x.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [T * k, H, 1]
+        gate_up = _batched_gemv(self.w13.index_select(0, ids), rows, self.b13, ids)
+        h = activate(gate_up, self.activation, self.alpha, self.limit)
+        y = _batched_gemv(self.w2.index_select(0, ids), h.unsqueeze(-1), self.b2, ids)
+        weighted = y.float().view(tokens, top_k, self.hidden) * topk_weights.unsqueeze(-1)
+        return weighted.sum(dim=1).to(x.dtype)
+
+    def grouped_gemms(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Tokens sorted by expert, one GEMM pair per expert with tokens."""
+        refuse_capture("the CPU MoE's grouped GEMMs size each expert's batch from host-side counts")
+        top_k = topk_ids.shape[1]
+        flat_ids = topk_ids.flatten()
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // top_k
+        rows = x.index_select(0, token_of)
+        y = torch.empty(order.numel(), self.hidden, dtype=x.dtype)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            b13 = None if self.b13 is None else self.b13[expert]
+            b2 = None if self.b2 is None else self.b2[expert]
+            h = activate(self.gemm13[expert](rows[start:start + count], b13), self.activation, self.alpha,
+                         self.limit)
+            y[start:start + count] = self.gemm2[expert](h, b2)
+            start += count
+        weighted = y.float() * topk_weights.flatten().index_select(0, order).unsqueeze(-1)
+        out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32)
+        return out.index_add_(0, token_of, weighted).to(x.dtype)
+
+
+def _batched_gemv(weights: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | None,
+                  ids: torch.Tensor) -> torch.Tensor:
+    """[S, N, K] @ [S, K, 1] (+ bias[ids]) -> [S, N]; the bias added before
+    rounding, as F.linear adds it."""
+    if bias is None:
+        return torch.bmm(weights, rows).squeeze(-1)
+    return torch.baddbmm(bias.index_select(0, ids).unsqueeze(-1), weights, rows).squeeze(-1)
+
+
+def _prepacked(packed_weight: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
+
+
+def _plain(weight: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(rows, weight, bias)
+
+
+def build(layer: nn.Module) -> Kernel:
+    prebuild_in_background(load)  # the compile overlaps the rest of the model's preparation
+    with torch.no_grad():
+        return CpuFusedMoE(layer)
+
+
+IMPL_NAME = "cpu_moe"
+PRIORITY = 10
+
+
+def register_ops(register: Callable[..., None]) -> None:
+    """Offer the kernel as the "fused_moe" op (model_registry/layers/ops.py)."""
+    register("fused_moe", IMPL_NAME, build, priority=PRIORITY, supports=supports)
