@@ -140,7 +140,7 @@ SETUP_CALLS = {
     # GEMM (ops.py), before any forward.
     "platforms/cpu/amx_linear.py:_pack",
 }
-KERNEL_WRAPPERS = {"platforms/cpu/fused_ops.py", "platforms/cpu/amx_linear.py",
+KERNEL_WRAPPERS = {"platforms/cpu/fused_ops.py", "platforms/cpu/amx_linear.py", "platforms/cpu/fused_moe.py",
                    "attention_backends/cpu_decode_kernel.py", "attention_backends/cpu_prefill_kernel.py"}
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ from torch import nn
 from pagedllm.platforms.cpu import linear as cpu_linear
 from pagedllm.platforms.cpu.graph import is_capturing, kernel_call, refuse_capture
 from pagedllm.platforms.cpu.kernel_build import load_library, prebuild_in_background
+
+logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "fused_moe.c"
 # -ffp-contract=off: weight * y and the sum round as torch's two ops (the
@@ -70,8 +73,16 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 def load() -> ctypes.CDLL | None:
     """The kernel library, built if needed; None when it cannot be (logged once)."""
     library = load_library(SOURCE, CFLAGS, ENV_SWITCH, "CPU MoE decode kernel")
-    if library is not None:
-        library.fused_moe.restype, library.fused_moe.argtypes = None, _SIGNATURE
+    if library is None:
+        logger.info("CPU MoE decode kernel off: decode batches of MoE layers gather their experts' weights "
+                    "in torch (%s=0 turns the kernel off; else see the build message above)", ENV_SWITCH)
+        return None
+    return declare(library)
+
+
+def declare(library: ctypes.CDLL) -> ctypes.CDLL:
+    """`library` with the kernel's signature declared."""
+    library.fused_moe.restype, library.fused_moe.argtypes = None, _SIGNATURE
     return library
 
 
