@@ -55,8 +55,12 @@ CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-ma
 ENV_SWITCH = "PAGEDLLM_CPU_MOE_KERNEL"
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ACTIVATIONS = {"silu": 0, "swigluoai": 1}
-# Batches of at most this many tokens run on the decode path outside capture.
-DECODE_MAX_TOKENS = 32
+# Batches of at most this many tokens run on the decode path outside capture:
+# on a Qwen3-MoE-shaped layer (32 experts, top-8, bf16, benchmarks/moe.py)
+# the C kernel took half the grouped GEMMs' time at 8-12 tokens, about the
+# same at 16-24 and 1.2x at 32, where each expert has several tokens and
+# oneDNN's blocking wins.
+DECODE_MAX_TOKENS = 16
 MAX_TOP_K = 64  # the kernel's per-token sort buffer (csrc/fused_moe.c)
 # The torch decode formulation gathers T * k experts' weights: above this
 # many token-experts it would copy more than the grouped GEMMs read.
@@ -153,13 +157,13 @@ class CpuFusedMoE:
     def decode_kernel(self, library: ctypes.CDLL, x: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> torch.Tensor:
         tokens, top_k = topk_ids.shape
-        x_f32 = torch.empty(tokens, self.hidden, dtype=torch.float32)
-        act = torch.empty(tokens * top_k, self.inter, dtype=torch.float32)
+        sums = torch.empty(tokens, self.hidden, dtype=torch.float32)
+        act = torch.empty(tokens * top_k, self.inter, dtype=x.dtype)
         y = torch.empty(tokens * top_k, self.hidden, dtype=torch.float32)
         out = torch.empty(tokens, self.hidden, dtype=x.dtype)
         kernel_call(library.fused_moe, KERNEL_DTYPES[x.dtype], x, tokens, self.hidden, topk_weights, topk_ids,
                     top_k, self.w13, self.w2, self.b13, self.b2, self.num_experts, self.inter,
-                    ACTIVATIONS[self.activation], self.alpha, self.limit, x_f32, act, y, out)
+                    ACTIVATIONS[self.activation], self.alpha, self.limit, sums, act, y, out)
         return out
 
     def decode_gathered(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
