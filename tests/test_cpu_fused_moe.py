@@ -145,7 +145,7 @@ def test_without_the_c_kernel_decode_sizes_capture_the_torch_gather_and_prefill_
     graph.replay()
     assert graph.output is not None
     _assert_matches(graph.output, layer.forward_reference(x, topk_weights, topk_ids))
-    big = _routing(layer, cpu_moe.GATHER_MAX_SLOTS, seed=2)  # 2 * 256 slots: too many to gather
+    big = _routing(layer, cpu_moe.GATHER_MAX_BYTES // (2 * kernel.expert_bytes) + 1, seed=2)  # too much to gather
     with pytest.raises(GraphCaptureError, match="host-side counts"):
         CpuGraph.capture(lambda: kernel(*big))
 
