@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 import platform
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from helpers.kernel_builds import NO_COMPILER, build_for_march, cpu_flags
+from test_models_gpt_oss import build_gpt_oss
 
 from pagedllm.core.errors import GraphCaptureError
 from pagedllm.model_registry.layers.fused_moe import FusedMoE
@@ -170,6 +172,24 @@ def test_the_cpu_platform_binds_the_kernel_and_the_switch_turns_the_c_kernel_off
     finally:
         monkeypatch.delenv(cpu_moe.ENV_SWITCH)
         cpu_moe.load.cache_clear()
+
+
+@pytest.mark.slow
+def test_a_moe_model_replays_decode_graphs_with_the_eager_tokens(tmp_path: Path) -> None:
+    """GPT-OSS (FusedMoE experts) in the engine: before the kernel, its
+    reference refused capture and every decode step ran eagerly."""
+    from pagedllm import LLM, SamplingParams
+
+    checkpoint = build_gpt_oss(tmp_path / "gpt-oss")
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33, 40 + i]} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    tokens = {}
+    for eager in (True, False):
+        llm = LLM(model=str(checkpoint), dtype="float32", num_kv_blocks=64, enforce_eager=eager)
+        tokens[eager] = [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
+    runner = llm.engine_core.engine_core.model_executor.driver_worker.model_runner.graph_runner  # type: ignore[attr-defined]
+    assert runner is not None and runner.num_replays > 0
+    assert tokens[False] == tokens[True]
 
 
 # The kernel as built for older CPUs: skylake-avx512 (AVX-512 without BF16
