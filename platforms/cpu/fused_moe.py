@@ -16,7 +16,10 @@ Two paths, by batch size:
   tokens (each expert's matrices reordered once at build time, as the dense
   linears are: linear.py), the activation, and one weighted index_add_ in
   float32. Experts without tokens cost nothing. It reads the counts on the
-  host, so it refuses capture.
+  host, so it refuses capture. Prepacked, the grouped GEMMs took 0.56x the
+  time of F.linear on the same weights at 32 tokens, 0.77x at 128 and
+  0.9x at 512 (Qwen3-MoE-shaped bf16 layer, one thread); the price is a
+  second copy of the expert weights, as for the dense linears.
 
 Without a C compiler, or with `PAGEDLLM_CPU_MOE_KERNEL=0` (logged once),
 every eager batch runs the grouped GEMMs, and a graph capture a
