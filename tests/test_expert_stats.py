@@ -35,9 +35,13 @@ def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     }
 
 
-def test_the_expert_counts_sum_to_tokens_times_top_k_times_moe_layers(checkpoint: Path) -> None:
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "decode-graphs"])
+def test_the_expert_counts_sum_to_tokens_times_top_k_times_moe_layers(checkpoint: Path, enforce_eager: bool) -> None:
+    """Eager: exactly tokens x top_k x MoE layers. With decode graphs the
+    padding rows of each replay are routed and counted too: the 5 decode
+    steps of 3 requests replay the 4-row graph, one padding row each."""
     llm = LLM(model=str(checkpoint), dtype="float32", num_kv_blocks=64, enable_prefix_caching=False,
-              stat_loggers=["prometheus"])
+              stat_loggers=["prometheus"], enforce_eager=enforce_eager)
     try:
         assert [spec.name for spec in llm.engine_core.ready.custom_metrics] == [
             spec.name for spec in ExpertLoadStats.custom_metrics]
@@ -52,7 +56,8 @@ def test_the_expert_counts_sum_to_tokens_times_top_k_times_moe_layers(checkpoint
     num_tokens = sum(PROMPT_LENS) + len(PROMPT_LENS) * (MAX_TOKENS - 1)
     assert samples[("pagedllm:iteration_tokens_total_sum", frozenset())] == num_tokens
     num_steps = samples[("pagedllm:iteration_tokens_total_count", frozenset())]
-    routed = num_tokens * TOP_K * NUM_MOE_LAYERS
+    padding_rows = 0 if enforce_eager else MAX_TOKENS - 1
+    routed = (num_tokens + padding_rows) * TOP_K * NUM_MOE_LAYERS
     assert samples[("pagedllm:moe_routed_tokens_total", frozenset())] == routed
     assert samples[("pagedllm:moe_expert_tokens_sum", frozenset())] == routed
     # One observation per layer and expert per step.
