@@ -10,6 +10,11 @@ files. `load_format` (vLLM's names) picks the weight files: `auto`
 (random weights of the checkpoint's shapes, no weight file read). Checkpoint
 tensors are memory-mapped views: a tensor-parallel layer's
 weight loader narrows each to its rank's slice, so only that slice is copied.
+
+A checkpoint whose config.json has a `quantization_config` loads only into a
+model class that lists its `quant_method` in `checkpoint_quant_methods`
+(GPT-OSS: "mxfp4", dequantized at load); any other is refused by name
+(`check_checkpoint_quantization`) rather than misread as float weights.
 """
 
 from __future__ import annotations
@@ -77,6 +82,35 @@ def load_hf_config(model_path: str | Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def checkpoint_quant_method(hf_config: Any) -> str | None:
+    """config.json's `quantization_config.quant_method` ("mxfp4", "fp8",
+    ...), lowercased; None for a float checkpoint. A quantization_config
+    without a method reads as "(none given)"."""
+    quant_config = getattr(hf_config, "quantization_config", None)
+    if quant_config is None:
+        return None
+    method = quant_config.get("quant_method") if isinstance(quant_config, dict) else (
+        getattr(quant_config, "quant_method", None))
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    return str(method).lower() if method else "(none given)"
+
+
+def check_checkpoint_quantization(hf_config: Any, model_cls: type, model_path: str | Path) -> None:
+    """ModelLoadError unless `model_cls` loads the checkpoint's quantization
+    (its `checkpoint_quant_methods`; none: float checkpoints only). Weights
+    stored in a format the model does not read would otherwise be refused
+    name by name by the strict loader, or worse, loaded as if they were float."""
+    method = checkpoint_quant_method(hf_config)
+    supported: tuple[str, ...] = tuple(getattr(model_cls, "checkpoint_quant_methods", ()))
+    if method is None or method in supported:
+        return
+    allowed = ", ".join(supported) if supported else "none, float checkpoints only"
+    raise ModelLoadError(model_path, detail=(
+        f"config.json quantization_config.quant_method={method!r} is not supported by {model_cls.__name__}; "
+        f"supported: {allowed} (a float checkpoint may be quantized at load: model.quantization)"
+    ))
 
 
 def get_architecture(hf_config: Any, override: str | None = None) -> str:
@@ -301,6 +335,8 @@ def load_model(
     strictly (``load_format`` ``dummy``: random weights, seeded by ``seed``)."""
     if hf_config is None:
         hf_config = load_hf_config(model_path)
+    if load_format != "dummy":  # dummy weights read no file, so nothing to misread
+        check_checkpoint_quantization(hf_config, model_cls, model_path)
     with torch.device(device):
         model = model_cls(hf_config, attn_backend, dtype=dtype)
     if load_format == "dummy":

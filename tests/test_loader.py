@@ -120,6 +120,29 @@ def test_untied_model_requires_lm_head(tmp_path: Path) -> None:
     assert info.value.missing == ["lm_head.weight"]
 
 
+def test_checkpoint_quantization_the_model_cannot_read_is_refused_by_name(tmp_path: Path) -> None:
+    """A config.json quantization_config names the format of the weights;
+    a model that does not list its quant_method refuses the checkpoint
+    before reading a weight, at load_model and when the engine plans its
+    ranks (float-named tensors would otherwise load as if they were float).
+    Dummy weights read no file, so they build as float."""
+    import json
+
+    from pagedllm import LLM
+
+    path = tmp_path / "llama-awq"
+    shutil.copytree(cached_tiny_model("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "AWQ"}}))
+    message = r"quant_method='awq' is not supported by LlamaForCausalLM; supported: none, float checkpoints only"
+    with pytest.raises(ModelLoadError, match=message):
+        load(path)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(model=str(path), dtype="float32", num_kv_blocks=16)
+    load_model(path, model_cls=LlamaForCausalLM, attn_backend=TorchNativeBackend, dtype=torch.float32,
+               device="cpu", load_format="dummy")
+
+
 def test_model_is_built_in_the_requested_dtype() -> None:
     model = load(cached_tiny_model("llama"), dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

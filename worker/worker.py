@@ -33,7 +33,13 @@ from pagedllm.logits_processors.factory import build_logits_processors
 from pagedllm.model_registry.interface import attention_requirements_of
 from pagedllm.model_registry.kv_cache import allocate_kv_caches, get_model_kv_cache_config
 from pagedllm.model_registry.layers.ops import OpRegistry, bind_layer_ops
-from pagedllm.model_registry.loader import ModelLoadError, get_architecture, load_hf_config, load_model
+from pagedllm.model_registry.loader import (
+    ModelLoadError,
+    check_checkpoint_quantization,
+    get_architecture,
+    load_hf_config,
+    load_model,
+)
 from pagedllm.model_registry.model_impl import ModelImplChoice, resolve_model_impl
 from pagedllm.model_registry.model_source import resolve_model_path
 from pagedllm.model_registry.transformers_fallback.model import TransformersForCausalLM
@@ -113,6 +119,8 @@ def plan_ranks(
         plugin_manager=plugin_manager,
     )
     check_tensor_parallel(config, facts, plugin_manager)
+    if config.model.load_format != "dummy":  # before any rank starts (load_model checks again)
+        check_checkpoint_quantization(facts.hf_config, load_model_class(facts.impl(), plugin_manager), facts.path)
     if config.model.quantization is not None and facts.impl().impl == "transformers":
         raise ConfigError(
             "model.quantization",
