@@ -92,12 +92,13 @@ class FusedMoE(nn.Module, OpLayer):
         swiglu_limit: float | None = None,
         reduce_results: bool = True,
         expert_names: dict[str, str] | None = None,
-        stacked_names: dict[str, str] | None = None,
+        stacked_names: dict[str, tuple[str, ...]] | None = None,
     ) -> None:
         """`expert_names`: the checkpoint's names of an expert's matrices
         -> shard id (default QWEN_EXPERT_NAMES: `experts.<e>.gate_proj`
-        ...); `stacked_names`: instead, parameter -> the one checkpoint
-        tensor holding every expert's (GPT-OSS), which the model loads."""
+        ...); `stacked_names`: instead, parameter -> the checkpoint tensors
+        holding every expert's (GPT-OSS: one float tensor, or MXFP4 blocks
+        and scales), which the model loads."""
         super().__init__()
         self.expert_names = expert_names or QWEN_EXPERT_NAMES
         self.stacked_names = stacked_names
@@ -226,7 +227,7 @@ class FusedMoE(nn.Module, OpLayer):
         """Parameter -> the checkpoint tensors that fill it, names relative
         to the layer (what the strict loader expects; model_registry/loader.py)."""
         if self.stacked_names is not None:
-            return {name: [self.stacked_names[name]] for name, _ in self.named_parameters()}
+            return {name: list(self.stacked_names[name]) for name, _ in self.named_parameters()}
         by_shard = {shard: matrix for matrix, shard in self.expert_names.items()}
         names: dict[str, list[str]] = {}
         for param_name, _ in self.named_parameters():

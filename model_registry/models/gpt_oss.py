@@ -13,8 +13,10 @@ softmaxes their logits; each expert is a clamped SwiGLU (alpha 1.702,
 `gate_up_proj` [E, hidden, 2 * inter], as transformers stores them.
 
 The experts are one FusedMoE layer (layers/fused_moe.py): the platform's
-MoE kernel runs them. Checkpoints with MXFP4 expert weights are not loaded
-yet (float checkpoints only).
+MoE kernel runs them. The released checkpoints store the expert matrices as
+MXFP4 (`quantization_config.quant_method` "mxfp4": `<proj>_blocks` and
+`<proj>_scales` instead of `<proj>`, model_registry/mxfp4.py); they are
+dequantized at load, one expert at a time, and run in the compute dtype.
 
 Tensor parallel: attention heads and their sinks are split per rank like
 Llama's; the router is replicated and each expert's intermediate dimension
@@ -40,7 +42,9 @@ from pagedllm.model_registry.layers.moe_router import RouterConfig
 from pagedllm.model_registry.layers.norm import RMSNorm
 from pagedllm.model_registry.layers.rotary import ApplyRotaryEmb, RotaryEmbedding, get_rope_parameters
 from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.model_registry.loader import checkpoint_quant_method
 from pagedllm.model_registry.models.llama import LlamaDecoderLayer, LlamaForCausalLM, packed_param_name
+from pagedllm.model_registry.mxfp4 import dequantize_mxfp4_matrix
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend, AttentionMetadata
@@ -90,6 +94,15 @@ class GptOssAttention(nn.Module):
         return self.o_proj(out)
 
 
+# The checkpoint tensors of the experts' parameters: float, or MXFP4 blocks and scales.
+FLOAT_EXPERT_NAMES: dict[str, tuple[str, ...]] = {"w13_weight": ("gate_up_proj",),
+                                                 "w13_bias": ("gate_up_proj_bias",),
+                                                 "w2_weight": ("down_proj",), "w2_bias": ("down_proj_bias",)}
+MXFP4_EXPERT_NAMES: dict[str, tuple[str, ...]] = {
+    **FLOAT_EXPERT_NAMES, "w13_weight": ("gate_up_proj_blocks", "gate_up_proj_scales"),
+    "w2_weight": ("down_proj_blocks", "down_proj_scales")}
+
+
 class GptOssMLP(nn.Module):
     """The router (a linear with bias: top-k of its logits, softmaxed) and
     the experts as one FusedMoE with GPT-OSS's clamped SwiGLU."""
@@ -98,38 +111,72 @@ class GptOssMLP(nn.Module):
         super().__init__()
         num_experts = hf_config.num_local_experts
         self.router = ReplicatedLinear(hf_config.hidden_size, num_experts, bias=True)
+        mxfp4 = checkpoint_quant_method(hf_config) == "mxfp4"
         self.experts = FusedMoE(
             RouterConfig(num_experts, hf_config.num_experts_per_tok), hf_config.hidden_size,
             hf_config.intermediate_size, bias=True, activation="swigluoai",
             swiglu_alpha=getattr(hf_config, "swiglu_alpha", 1.702), swiglu_limit=hf_config.swiglu_limit,
-            stacked_names={"w13_weight": "gate_up_proj", "w13_bias": "gate_up_proj_bias",
-                           "w2_weight": "down_proj", "w2_bias": "down_proj_bias"},
+            stacked_names=MXFP4_EXPERT_NAMES if mxfp4 else FLOAT_EXPERT_NAMES,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.router(x))
 
 
-def load_gpt_oss_experts(experts: FusedMoE, name: str, tensor: torch.Tensor) -> str:
-    """transformers' stacked expert tensors into `experts`: gate_up_proj
-    [E, hidden, 2 * inter] (x @ W, gate_j at column 2j, up_j at 2j + 1) and
-    its bias [E, 2 * inter], down_proj [E, inter, hidden] and its bias;
-    returns the parameter's name within the FusedMoE."""
+def _load_expert(experts: FusedMoE, proj: str, bias: bool, expert: int, tensor: torch.Tensor) -> None:
+    """One expert's tensor in transformers' layout: gate_up_proj [hidden,
+    2 * inter] (x @ W, gate_j at column 2j, up_j at 2j + 1) or its bias
+    [2 * inter], down_proj [inter, hidden] or its bias [hidden]."""
+    if proj == "gate_up_proj":
+        param = cast(nn.Parameter, experts.w13_bias if bias else experts.w13_weight)
+        gate, up = (tensor[::2], tensor[1::2]) if bias else (tensor[:, ::2].t(), tensor[:, 1::2].t())
+        experts.weight_loader(param, gate, "w1", expert)
+        experts.weight_loader(param, up, "w3", expert)
+    else:
+        param = cast(nn.Parameter, experts.w2_bias if bias else experts.w2_weight)
+        experts.weight_loader(param, tensor if bias else tensor.t(), "w2", expert)
+
+
+def _param_name(proj: str, bias: bool) -> str:
+    return ("w13" if proj == "gate_up_proj" else "w2") + ("_bias" if bias else "_weight")
+
+
+def _expert_tensor_kind(name: str) -> tuple[str, str]:
+    """('gate_up_proj' | 'down_proj', the suffix: '' | '_bias' | '_blocks' | '_scales')."""
     kind = name.rsplit(".", 1)[-1]
-    bias = kind.endswith("_bias")
+    for proj in ("gate_up_proj", "down_proj"):
+        if kind.startswith(proj) and kind[len(proj):] in ("", "_bias", "_blocks", "_scales"):
+            return proj, kind[len(proj):]
+    raise ValueError(f"unexpected GPT-OSS expert tensor {name!r}")
+
+
+def load_gpt_oss_experts(experts: FusedMoE, name: str, tensor: torch.Tensor) -> str:
+    """transformers' stacked float expert tensors into `experts`:
+    gate_up_proj [E, hidden, 2 * inter] and its bias [E, 2 * inter],
+    down_proj [E, inter, hidden] and its bias; returns the parameter's name
+    within the FusedMoE."""
+    proj, suffix = _expert_tensor_kind(name)
     for expert in range(tensor.shape[0]):
-        if kind.startswith("gate_up_proj"):
-            param = cast(nn.Parameter, experts.w13_bias if bias else experts.w13_weight)
-            gate, up = (tensor[expert, ::2], tensor[expert, 1::2]) if bias else (
-                tensor[expert, :, ::2].t(), tensor[expert, :, 1::2].t())
-            experts.weight_loader(param, gate, "w1", expert)
-            experts.weight_loader(param, up, "w3", expert)
-        elif kind.startswith("down_proj"):
-            param = cast(nn.Parameter, experts.w2_bias if bias else experts.w2_weight)
-            experts.weight_loader(param, tensor[expert] if bias else tensor[expert].t(), "w2", expert)
-        else:
-            raise ValueError(f"unexpected GPT-OSS expert tensor {name!r}")
-    return ("w13" if kind.startswith("gate_up") else "w2") + ("_bias" if bias else "_weight")
+        _load_expert(experts, proj, suffix == "_bias", expert, tensor[expert])
+    return _param_name(proj, suffix == "_bias")
+
+
+def load_gpt_oss_mxfp4_experts(experts: FusedMoE, name: str, blocks: torch.Tensor, scales: torch.Tensor) -> str:
+    """The MXFP4 expert matrices into `experts`, dequantized one expert at
+    a time (a float32 copy of one expert's matrix at most): gate_up_proj
+    blocks [E, 2 * inter, hidden / 32, 16] (rows interleaved gate, up),
+    down_proj blocks [E, hidden, inter / 32, 16], nn.Linear's [out, in]
+    layout; returns the parameter's name within the FusedMoE."""
+    proj, _ = _expert_tensor_kind(name)
+    hidden, inter = experts.hidden_size, experts.intermediate_size
+    shape = (2 * inter, hidden) if proj == "gate_up_proj" else (hidden, inter)
+    if blocks.shape[0] != experts.num_experts:
+        raise ValueError(f"shape mismatch: model expects {experts.num_experts} experts in {name}, "
+                         f"checkpoint has {blocks.shape[0]}")
+    for expert in range(experts.num_experts):
+        weight = dequantize_mxfp4_matrix(blocks[expert], scales[expert], shape)
+        _load_expert(experts, proj, False, expert, weight.t())  # transformers' [in, out] layout
+    return _param_name(proj, False)
 
 
 class GptOssDecoderLayer(nn.Module):
@@ -169,6 +216,8 @@ class GptOssModel(nn.Module):
 
 class GptOssForCausalLM(ModelForCausalLM):
     supports_tensor_parallel: ClassVar[bool] = True
+    # config.json's quantization_config.quant_method values it loads (the loader refuses others).
+    checkpoint_quant_methods: ClassVar[tuple[str, ...]] = ("mxfp4",)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
@@ -205,16 +254,30 @@ class GptOssForCausalLM(ModelForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Llama's loader (q/k/v into the fused qkv_proj, each tensor
         through its parameter's weight_loader), the experts' stacked tensors
-        through `load_gpt_oss_experts`."""
-        expert_tensors: list[tuple[str, torch.Tensor]] = []
+        through `load_gpt_oss_experts` (MXFP4: `load_gpt_oss_mxfp4_experts`,
+        each `_blocks` with its `_scales`)."""
+        expert_tensors: dict[str, torch.Tensor] = {}
         rest: list[tuple[str, torch.Tensor]] = []
         for name, tensor in weights:
-            (expert_tensors if ".mlp.experts." in name else rest).append((name, tensor))
+            if ".mlp.experts." in name:
+                expert_tensors[name] = tensor
+            else:
+                rest.append((name, tensor))
         loaded = LlamaForCausalLM.load_weights(self, rest)  # type: ignore[arg-type]
         modules = dict(self.named_modules())
-        for name, tensor in expert_tensors:
+        for name, tensor in expert_tensors.items():
             module_name = name[: name.index(".mlp.experts.") + len(".mlp.experts")]
-            loaded.add(f"{module_name}.{load_gpt_oss_experts(modules[module_name], name, tensor)}")
+            experts = cast(FusedMoE, modules[module_name])
+            _, suffix = _expert_tensor_kind(name)
+            if suffix == "_scales":
+                continue  # read with its blocks
+            if suffix == "_blocks":
+                scales = expert_tensors.get(name.removesuffix("_blocks") + "_scales")
+                if scales is None:
+                    continue  # the strict loader names it missing
+                loaded.add(f"{module_name}.{load_gpt_oss_mxfp4_experts(experts, name, tensor, scales)}")
+            else:
+                loaded.add(f"{module_name}.{load_gpt_oss_experts(experts, name, tensor)}")
         return loaded
 
     @classmethod
