@@ -8,10 +8,16 @@ No engine, no scheduler. Logits are allclose to TP=1's (the all-reduces sum
 partial products in another order than the full GEMMs), and greedy tokens
 are equal. The KV layouts cover 2 KV heads over 2 ranks (split) and 1 KV
 head (replicated); an odd vocabulary covers the padded last vocab shard.
+The MoE families (the MoE suites' checkpoints, their routing decisive so
+that rounding flips no top-k) split each expert's intermediate dimension;
+GPT-OSS also from MXFP4 blocks, each rank dequantizing its slice.
 """
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,7 @@ from pagedllm.attention_backends.torch_native import TorchNativeBackend
 from pagedllm.model_registry.loader import load_hf_config, load_model
 from pagedllm.model_registry.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.model_registry.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.model_registry.models.gpt_oss import GptOssForCausalLM
 from pagedllm.model_registry.models.granite import GraniteForCausalLM
 from pagedllm.model_registry.models.llama import LlamaForCausalLM
 from pagedllm.model_registry.models.mixtral import MixtralForCausalLM
@@ -47,10 +54,10 @@ MODEL_CLASSES = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
-    # TP=2 of the MoE families: the engine matrix (test_models_engine_matrix.py).
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 # Phi-3: fused qkv_proj / gate_up_proj tensors that each rank splits for its
 # own heads and rows; LongRoPE's long factors (prompts past the original 4)
@@ -86,9 +93,37 @@ PERTURBED_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "olmo2": ("olmo2", {"eos_token_id": 1}),
     "olmo2-1-kv-head": ("olmo2", {"eos_token_id": 1, "num_key_value_heads": 1}),  # k_norm over a replicated head
 }
+# name -> architecture of a MoE suite checkpoint (test_models_moe.py's
+# build_moe: Qwen3-MoE with a dense layer between sparse ones, Qwen2-MoE's
+# shared expert, Mixtral), or GPT-OSS's (test_models_gpt_oss.py: biased
+# experts, sinks), float and MXFP4.
+MOE_MODELS = {"qwen3-moe": "Qwen3MoeForCausalLM", "qwen2-moe": "Qwen2MoeForCausalLM",
+              "mixtral": "MixtralForCausalLM", "gpt-oss": "GptOssForCausalLM", "gpt-oss-mxfp4": "GptOssForCausalLM"}
 PROMPTS = [[1, 17, 300, 42, 5, 99, 260], [7, 400, 3, 250, 12]]
 DECODE_TOKENS = [11, 23]
 BLOCK_SIZE, BLOCKS_PER_REQUEST = 4, 4
+
+
+_moe_paths: dict[str, Path] = {}
+
+
+def moe_model_paths() -> dict[str, Path]:
+    """MOE_MODELS' checkpoints, built once per process."""
+    if not _moe_paths:
+        from test_models_gpt_oss import build_gpt_oss
+        from test_models_gpt_oss_mxfp4 import to_mxfp4_checkpoint
+        from test_models_moe import build_moe
+
+        root = Path(tempfile.mkdtemp(prefix="pagedllm-tp-moe-"))
+        atexit.register(shutil.rmtree, root, True)
+        for name, architecture in MOE_MODELS.items():
+            if name == "gpt-oss-mxfp4":
+                _moe_paths[name] = to_mxfp4_checkpoint(_moe_paths["gpt-oss"], root / name)
+            elif name == "gpt-oss":
+                _moe_paths[name] = build_gpt_oss(root / name)
+            else:
+                _moe_paths[name] = build_moe(architecture, root / name)
+    return dict(_moe_paths)
 
 
 def model_paths() -> dict[str, Path]:
@@ -96,6 +131,7 @@ def model_paths() -> dict[str, Path]:
 
     paths = {name: cached_tiny_model(arch, **overrides) for name, (arch, overrides) in TEST_MODELS.items()}
     paths |= {name: cached_perturbed_model(arch, **overrides) for name, (arch, overrides) in PERTURBED_MODELS.items()}
+    paths |= moe_model_paths()
     return paths | {"tiny": get_default_model_dir()}  # the shipped model (Llama, tied, float16 on disk)
 
 
@@ -154,7 +190,10 @@ def tp2_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
     return run_ranks(__file__, 2, tmp_path_factory.mktemp("tp2"), *args, timeout=120)
 
 
-@pytest.mark.parametrize("name", [*TEST_MODELS, *PERTURBED_MODELS, "tiny"])
+ALL_MODELS = [*TEST_MODELS, *PERTURBED_MODELS, *MOE_MODELS, "tiny"]
+
+
+@pytest.mark.parametrize("name", ALL_MODELS)
 def test_tp2_logits_equal_tp1(tp2_results: list[dict[str, Any]], name: str) -> None:
     path = model_paths()[name]
     expected = run_two_steps(load(path))
@@ -220,7 +259,7 @@ def test_models_declare_tensor_parallel_support() -> None:
     assert all(cls.supports_tensor_parallel for cls in MODEL_CLASSES.values())
 
 
-@pytest.mark.parametrize("name", [*TEST_MODELS, *PERTURBED_MODELS, "tiny"])
+@pytest.mark.parametrize("name", ALL_MODELS)
 def test_tp2_rank_holds_half_the_weights_and_its_heads(tp2_results: list[dict[str, Any]], name: str) -> None:
     config = load_hf_config(model_paths()[name])
     for results in tp2_results:
