@@ -317,6 +317,11 @@ class ParallelConfig(_Section):
 
     # Ranks the model's layers are split over (vLLM's `-tp`).
     tensor_parallel_size: int = Field(1, ge=1)
+    # Mixture-of-experts layers place whole experts on the tensor-parallel
+    # ranks (expert parallelism, tokens exchanged all-to-all) instead of
+    # slicing every expert; attention and dense layers stay tensor parallel.
+    # No effect at tensor_parallel_size 1 or on a model without experts.
+    enable_expert_parallel: bool = False
     # A registered `executor` name (uni, or a plugin's); auto = uni at size 1.
     distributed_executor_backend: str = "auto"
     # A Ray cluster to attach to (ray executors); None = RAY_ADDRESS or a local one.
@@ -465,6 +470,7 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "kv_role": ("kv_transfer", "role"),
     "kv_connector_extra_config": ("kv_transfer", "extra"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "enable_expert_parallel": ("parallel", "enable_expert_parallel"),
     "distributed_executor_backend": ("parallel", "distributed_executor_backend"),
     "ray_address": ("parallel", "ray_address"),
     "placement_strategy": ("parallel", "placement_strategy"),
