@@ -80,6 +80,23 @@ class GroupCoordinator:
         output = self._communicator().all_gather(input_, dim)
         return self._counted(start, output)
 
+    def all_to_all(
+        self, input_: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int]
+    ) -> torch.Tensor:
+        """Each rank's rows to each rank: `input_split_sizes[r]` consecutive
+        rows (dim 0) of `input_` go to rank-in-group r, and the result holds
+        `output_split_sizes[r]` rows from each rank r, in rank order. The
+        split sizes must agree across ranks (what r sends here is what this
+        rank expects from r)."""
+        if len(output_split_sizes) != self.world_size or len(input_split_sizes) != self.world_size:
+            raise ValueError(f"all_to_all needs {self.world_size} split sizes each, got "
+                             f"{len(output_split_sizes)} and {len(input_split_sizes)}")
+        if self.world_size == 1:
+            return input_
+        start = time.perf_counter()
+        output = self._communicator().all_to_all(input_, output_split_sizes, input_split_sizes)
+        return self._counted(start, output)
+
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """`all_gather` on rank-in-group `dst`; None on the other ranks."""
         self._check_rank_in_group("dst", dst)

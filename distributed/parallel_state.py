@@ -6,6 +6,12 @@ parallel groups carved from it); `destroy_model_parallel` and
 `destroy_distributed_environment` undo them. Model code asks
 `get_tp_group()` for its collectives and works unchanged in a world of one,
 where nothing needs initializing.
+
+Expert parallelism (`parallel.enable_expert_parallel`): the expert-parallel
+group has the tensor parallel group's ranks (vLLM's EP size with
+data_parallel_size 1), as its own process group so that its all-to-alls
+are counted apart from the tensor-parallel all-reduces; `get_ep_group()`
+is None while expert parallelism is off.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ if TYPE_CHECKING:
 # Uninitialized, get_tp_group() answers this group of one.
 _SINGLE_PROCESS_TP = GroupCoordinator.single_process("tp")
 _TP: GroupCoordinator | None = None
+_EP: GroupCoordinator | None = None
 # This rank's device index on its machine (cuda:<local_rank>), set with the world.
 _LOCAL_RANK = 0
 
@@ -61,13 +68,16 @@ def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     backend: str | None = None,
     platform: Platform | None = None,
+    enable_expert_parallel: bool = False,
 ) -> None:
-    """Carve the tensor parallel groups out of the world. Every rank calls it.
+    """Carve the tensor parallel groups out of the world (and with
+    `enable_expert_parallel` the expert-parallel groups over the same
+    ranks). Every rank calls it.
 
     `backend` defaults to the world's; `platform` (whose communicator the
     groups use) to ``resolve_platform("auto")``; a worker passes its own.
     """
-    global _TP
+    global _TP, _EP
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs init_distributed_environment first")
     world_size = dist.get_world_size()
@@ -94,6 +104,8 @@ def initialize_model_parallel(
         for start in range(0, world_size, tensor_model_parallel_size)
     ]
     _TP = _new_group_coordinator(group_ranks, backend or dist.get_backend(), platform, "tp")
+    if enable_expert_parallel and tensor_model_parallel_size > 1:
+        _EP = _new_group_coordinator(group_ranks, backend or dist.get_backend(), platform, "ep")
 
 
 def _new_group_coordinator(
@@ -123,6 +135,12 @@ def get_tp_group() -> GroupCoordinator:
     return _TP if _TP is not None else _SINGLE_PROCESS_TP
 
 
+def get_ep_group() -> GroupCoordinator | None:
+    """The expert-parallel group of this rank (the tensor parallel group's
+    ranks); None when expert parallelism is off or there is one rank."""
+    return _EP
+
+
 def get_tensor_model_parallel_world_size() -> int:
     return get_tp_group().world_size
 
@@ -136,11 +154,13 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    """Drop the tensor parallel groups; get_tp_group() is a group of one again."""
-    global _TP
-    if _TP is not None:
-        _TP.destroy()
-    _TP = None
+    """Drop the tensor (and expert) parallel groups; get_tp_group() is a
+    group of one again."""
+    global _TP, _EP
+    for group in (_EP, _TP):
+        if group is not None:
+            group.destroy()
+    _TP = _EP = None
 
 
 def destroy_distributed_environment() -> None:

@@ -111,6 +111,20 @@ class DeviceCommunicator(ABC):
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s `input_` on every rank. May overwrite `input_`: use the result."""
 
+    def all_to_all(
+        self, input_: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int]
+    ) -> torch.Tensor:
+        """Rows `input_split_sizes[r]` of `input_` (consecutive, along dim 0)
+        to rank r; returns the rows every rank sent here, in rank order
+        (`output_split_sizes[r]` from rank r). Unlike the others, the shapes
+        differ between ranks. The default is torch.distributed's
+        all_to_all_single, which gloo (torch >= 2.x) and NCCL both run with
+        uneven splits; a platform with a faster exchange overrides it."""
+        input_ = input_.contiguous()
+        output = input_.new_empty((sum(output_split_sizes), *input_.shape[1:]))
+        dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=self.group)
+        return output
+
     def destroy(self) -> None:  # noqa: B027 (optional: the default holds nothing to release)
         """Release what the communicator holds (buffers, library handles)."""
 
