@@ -142,7 +142,7 @@ def build_int8_moe(layer: nn.Module) -> Callable[[torch.Tensor, torch.Tensor, to
     """The "fused_moe" kernel of a converted FusedMoE: the layer's routing,
     each expert's matmuls the int8 GEMM of its own slice of the storage."""
     moe = cast("FusedMoE", layer)
-    num_experts = moe.num_experts
+    num_experts = moe.num_local_experts  # this rank's, under expert parallelism
     w13_scale, w2_scale = cast("torch.Tensor", moe.w13_weight_scale), cast("torch.Tensor", moe.w2_weight_scale)
     gate_up_gemms = [_int8_gemm(moe.w13_weight[e], w13_scale[e]) for e in range(num_experts)]
     down_gemms = [_int8_gemm(moe.w2_weight[e], w2_scale[e]) for e in range(num_experts)]

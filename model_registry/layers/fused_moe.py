@@ -28,6 +28,13 @@ the layer completes it (`reduce_results`; a model that adds a shared
 expert's partial sum first reduces once for both). `w2_bias` is loaded on
 rank 0 only (zeros elsewhere), so the reduction adds it once.
 
+Expert parallel (`parallel.enable_expert_parallel`, expert_parallel.py):
+each rank of the expert-parallel group holds E / ep whole experts (its
+`num_local_experts`, `expert_map` global -> local, -1 elsewhere; the
+loader skips the other ranks' experts, biases included, without reading
+them), and the tokens travel to their experts and back in all-to-alls; the
+bound kernel runs on the local experts alone.
+
 The layer counts the tokens routed to each expert (`expert_counts`, a
 float32 tensor updated in place so a graph replay updates it too) for the
 expert-load statistics; `take_expert_counts()` returns and clears them.
@@ -45,7 +52,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.core.errors import ConfigError
-from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.distributed.parallel_state import get_ep_group, get_tp_group
+from pagedllm.model_registry.layers.expert_parallel import ExpertPlacement, expert_parallel_moe, place_experts
 from pagedllm.model_registry.layers.linear import copy_shard
 from pagedllm.model_registry.layers.moe_router import RouterConfig, select_experts
 from pagedllm.model_registry.layers.ops import FUSED_MOE, OpLayer
@@ -112,20 +120,31 @@ class FusedMoE(nn.Module, OpLayer):
         self.hidden_size = hidden_size
         self.tp_group = get_tp_group()
         self.tp_rank, self.tp_size = self.tp_group.rank_in_group, self.tp_group.world_size
+        self.ep_group = get_ep_group()
+        # Expert parallel: whole experts here, none sliced (this layer's own TP is 1).
+        self.placement: ExpertPlacement | None = None
+        self.moe_tp_rank, self.moe_tp_size = self.tp_rank, self.tp_size
+        if self.ep_group is not None:
+            self.placement = place_experts(self.num_experts, self.ep_group.rank_in_group, self.ep_group.world_size)
+            self.moe_tp_rank, self.moe_tp_size = 0, 1
+        self.num_local_experts = self.num_experts if self.placement is None else self.placement.num_local_experts
+        # Global expert id -> its index in this rank's parameters, -1 for another rank's.
+        self.expert_map = (list(range(self.num_experts)) if self.placement is None
+                           else self.placement.expert_map)
         self.intermediate_size = intermediate_size  # the whole, as the checkpoint holds it
-        self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size, "moe_intermediate_size")
+        self.intermediate_size_per_partition = divide(intermediate_size, self.moe_tp_size, "moe_intermediate_size")
         self.activation = activation
         self.swiglu_alpha = swiglu_alpha
         self.swiglu_limit = math.inf if swiglu_limit is None else swiglu_limit
         self.reduce_results = reduce_results
-        num_experts, inter = self.num_experts, self.intermediate_size_per_partition
+        num_experts, inter = self.num_local_experts, self.intermediate_size_per_partition
         self.w13_weight = nn.Parameter(torch.zeros(num_experts, 2 * inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.zeros(num_experts, hidden_size, inter), requires_grad=False)
         self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * inter), requires_grad=False) if bias else None
         self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False) if bias else None
         for param in self.parameters():
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
+        self.register_buffer("expert_counts", torch.zeros(self.num_experts, dtype=torch.float32), persistent=False)
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> FusedMoE:
         super()._apply(fn, recurse)
@@ -143,21 +162,25 @@ class FusedMoE(nn.Module, OpLayer):
         """One expert's checkpoint matrix (or bias): its gate ("w1") or up
         ("w3") projection [I, H] into its w13 rows, its down projection
         ("w2") [H, I] into its w2; this rank's slice of the intermediate
-        dimension of each."""
+        dimension of each (tensor parallel), or the whole of an expert this
+        rank holds and nothing of another's (expert parallel)."""
         if shard_id not in EXPERT_SHARDS:
             raise ValueError(f"expert shard {shard_id!r}: one of {', '.join(EXPERT_SHARDS)}")
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert {expert_id}: the layer has {self.num_experts}")
-        inter = self.intermediate_size_per_partition
-        expert = param.data[expert_id]
+        local_id = self.expert_map[expert_id]
+        if local_id < 0:  # another rank's expert: never read (the tensor stays memory-mapped)
+            return
+        inter, tp_rank = self.intermediate_size_per_partition, self.moe_tp_rank
+        expert = param.data[local_id]
         if shard_id == "w2":
-            if param is self.w2_bias:  # added once: by rank 0's partial sum
-                copy_shard(expert, loaded_weight if self.tp_rank == 0 else torch.zeros_like(loaded_weight))
+            if param is self.w2_bias:  # added once: by rank 0's partial sum (every rank's own under EP)
+                copy_shard(expert, loaded_weight if tp_rank == 0 else torch.zeros_like(loaded_weight))
             else:
-                copy_shard(expert, loaded_weight, 1, self.tp_rank * inter, self.intermediate_size)
+                copy_shard(expert, loaded_weight, 1, tp_rank * inter, self.intermediate_size)
             return
         rows = expert.narrow(0, 0 if shard_id == "w1" else inter, inter)
-        copy_shard(rows, loaded_weight, 0, self.tp_rank * inter, self.intermediate_size)
+        copy_shard(rows, loaded_weight, 0, tp_rank * inter, self.intermediate_size)
 
     # ------------------------------------------------------------- forward
 
@@ -168,10 +191,20 @@ class FusedMoE(nn.Module, OpLayer):
         self.expert_counts.index_add_(
             0, topk_ids.flatten(), torch.ones(1, dtype=torch.float32, device=x.device).expand(topk_ids.numel())
         )
+        if self.placement is not None and self.ep_group is not None:
+            # NOTE: with reduce_results=False the caller's all-reduce gathers the shares.
+            return expert_parallel_moe(x, topk_weights, topk_ids, self.ep_group, self.placement,
+                                       self._run_local_experts, gather=self.reduce_results)
         out = self.apply_experts(x, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
             out = self.tp_group.all_reduce(out)
         return out
+
+    def _run_local_experts(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallel: each received row through its one local expert,
+        weight 1 (the owner of the token weights it)."""
+        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+        return self.apply_experts(rows, ones, local_ids.unsqueeze(1))
 
     def apply_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's sum over each token's experts (the bound "fused_moe"
@@ -207,10 +240,10 @@ class FusedMoE(nn.Module, OpLayer):
         differently (int8, quantization/int8.py) reuses it."""
         refuse_capture("the reference MoE routes tokens with host-side indices")
         out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
-        flat_ids = topk_ids.flatten()
+        flat_ids = topk_ids.flatten()  # local expert ids (the global ones without expert parallelism)
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        token_of = order // self.top_k
+        counts = torch.bincount(flat_ids, minlength=self.num_local_experts).tolist()
+        token_of = order // topk_ids.shape[1]
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
@@ -243,7 +276,8 @@ class FusedMoE(nn.Module, OpLayer):
         return counts
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+        local = "" if self.placement is None else f" ({self.num_local_experts} here)"
+        return (f"experts={self.num_experts}{local}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size_per_partition} (of {self.intermediate_size}), "
                 f"activation={self.activation}")
 
