@@ -23,6 +23,7 @@ from pagedllm.core.custom_stats import CustomStatsCollector, MetricSpec
 from pagedllm.core.errors import ConfigError, GraphCaptureError
 from pagedllm.core.kv_cache.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from pagedllm.distributed.parallel_state import (
+    get_ep_group,
     get_tp_group,
     init_distributed_environment,
     initialize_model_parallel,
@@ -32,6 +33,7 @@ from pagedllm.kv_connectors.factory import build_kv_connector, check_kv_connecto
 from pagedllm.logits_processors.factory import build_logits_processors
 from pagedllm.model_registry.interface import attention_requirements_of
 from pagedllm.model_registry.kv_cache import allocate_kv_caches, get_model_kv_cache_config
+from pagedllm.model_registry.layers.expert_parallel import EP_FIELD, num_routed_experts, place_experts
 from pagedllm.model_registry.layers.ops import OpRegistry, bind_layer_ops
 from pagedllm.model_registry.loader import (
     ModelLoadError,
@@ -121,6 +123,7 @@ def plan_ranks(
     check_tensor_parallel(config, facts, plugin_manager)
     if config.model.load_format != "dummy":  # before any rank starts (load_model checks again)
         check_checkpoint_quantization(facts.hf_config, load_model_class(facts.impl(), plugin_manager), facts.path)
+    check_expert_parallel(config, facts)
     if config.model.quantization is not None and facts.impl().impl == "transformers":
         raise ConfigError(
             "model.quantization",
@@ -151,6 +154,26 @@ def check_tensor_parallel(config: EngineConfig, facts: ModelFacts, plugin_manage
         )
     facts.heads_per_rank(tp_size)  # the ConfigError QKVParallelLinear would raise in every rank
     check_kv_connector_supports(config, plugin_manager)
+
+
+def check_expert_parallel(config: EngineConfig, facts: ModelFacts) -> None:
+    """`parallel.enable_expert_parallel` at tensor_parallel_size > 1: a
+    ConfigError, before any rank starts, when the experts do not split
+    evenly over the ranks or the model runs on the Transformers fallback
+    (its experts are transformers' modules). A model without experts keeps
+    every layer tensor parallel (vLLM ignores the flag there too): logged."""
+    parallel = config.parallel
+    if not parallel.enable_expert_parallel or parallel.tensor_parallel_size == 1:
+        return
+    num_experts = num_routed_experts(facts.hf_config)
+    if num_experts is None:
+        logger.info("enable_expert_parallel: %s has no experts, every layer stays tensor parallel",
+                    facts.architecture)
+        return
+    if facts.impl().impl == "transformers":
+        raise ConfigError(EP_FIELD, True, f"False for {facts.architecture} on the Transformers fallback "
+                          "(expert parallelism needs a native model's FusedMoE layers)")
+    place_experts(num_experts, 0, parallel.tensor_parallel_size)
 
 
 def load_model_class(choice: ModelImplChoice, plugin_manager: PluginManager) -> type[ModelForCausalLM]:
@@ -285,7 +308,8 @@ class Worker:
         init_distributed_environment(
             self.world_size, self.rank, self.distributed_init_method, self.platform.dist_backend, self.local_rank
         )
-        initialize_model_parallel(self.world_size, platform=self.platform)
+        initialize_model_parallel(self.world_size, platform=self.platform,
+                                  enable_expert_parallel=self.config.parallel.enable_expert_parallel)
 
     def load_model(self) -> None:
         """Build the model from its weights, on this rank's device (its slice
@@ -444,12 +468,16 @@ class Worker:
 
     def collective_stats(self) -> dict[str, float]:
         """Steps this rank has run, and its tensor-parallel group's collectives
-        (count, wall seconds) meanwhile: what tensor parallelism costs a step."""
-        tp_group = get_tp_group()
+        (count, wall seconds) meanwhile: what tensor parallelism costs a step;
+        with expert parallelism, its group's (the MoE layers' all-to-alls
+        and all-gathers) apart, as `ep_*`."""
+        tp_group, ep_group = get_tp_group(), get_ep_group()
         return {
             "num_steps": self.num_steps,
             "num_collectives": tp_group.num_collectives,
             "collective_seconds": tp_group.collective_seconds,
+            "ep_num_collectives": 0 if ep_group is None else ep_group.num_collectives,
+            "ep_collective_seconds": 0.0 if ep_group is None else ep_group.collective_seconds,
         }
 
     def memory_usage(self) -> dict[str, int]:
