@@ -20,7 +20,8 @@ dequantized at load, one expert at a time, and run in the compute dtype.
 
 Tensor parallel: attention heads and their sinks are split per rank like
 Llama's; the router is replicated and each expert's intermediate dimension
-is split (the MoE layer all-reduces its output).
+is split (the MoE layer all-reduces its output); with
+`enable_expert_parallel` each rank holds whole experts, their biases whole.
 """
 
 from __future__ import annotations

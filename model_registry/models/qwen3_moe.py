@@ -13,7 +13,8 @@ Checkpoint: each expert's matrices apart (`mlp.experts.<e>.gate_proj` ...),
 loaded into the FusedMoE's stacked w13/w2 by `expert_param_name`.
 
 Tensor parallel: attention as Llama's; the router is replicated, every
-expert's intermediate dimension split, one all-reduce per block.
+expert's intermediate dimension split, one all-reduce per block (with
+`enable_expert_parallel`, whole experts per rank instead: fused_moe.py).
 """
 
 from __future__ import annotations
