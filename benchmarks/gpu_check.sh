@@ -7,6 +7,7 @@
 # On a GPU: the attention backend tests compiled (TRITON_INTERPRET=0, tensors
 # on cuda), the end-to-end greedy equality test (Triton forced vs
 # torch_native), the backend-selection tests, the fused-MoE kernel tests,
+# MoE models through the engine (tests/test_moe_cuda.py),
 # and the kernel benchmarks (Triton vs FlashAttention if installed vs torch
 # SDPA; the Triton MoE kernel vs the MoE layer's torch reference). With --cpu-dry-run
 # each stage runs through the Triton interpreter on a few small cases.
@@ -76,6 +77,8 @@ print(repr(outputs[0].outputs[0].text[:80]))
 assert runner is not None and runner.num_replays > 0
 PY
 stage "fused-MoE kernel tests (compiled)" "$PYTHON" -m pytest -q tests/test_triton_fused_moe.py
+stage "MoE models on the GPU (Triton experts, CUDA graphs, greedy = transformers)" \
+    "$PYTHON" -m pytest -q tests/test_moe_cuda.py
 stage "kernel benchmark" "$PYTHON" benchmarks/attention_kernels.py
 stage "MoE kernel benchmark" "$PYTHON" benchmarks/moe_kernels.py
 echo "gpu_check: all stages passed"
