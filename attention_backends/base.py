@@ -32,6 +32,8 @@ from pagedllm.plugins.metadata import (
 if TYPE_CHECKING:
     import torch
 
+    from pagedllm.attention_backends.mla import MLAAttentionImpl
+
 
 @dataclass
 class AttentionMetadata:
@@ -84,6 +86,9 @@ class AttentionCapabilities:
     # Per-head attention sinks (GPT-OSS): one learned logit per query head
     # joins each row's softmax and its probability mass is dropped.
     supports_sinks: bool = parsed(flag, False)
+    # Latent attention (DeepSeek's MLA, attention_backends/mla.py): the
+    # backend's `get_mla_impl_cls` returns an impl.
+    supports_mla: bool = parsed(flag, False)
     # KV cache storage dtypes besides the compute dtype ("float8_e4m3fn",
     # "float8_e5m2"; attention_backends/kv_cache_dtype.py): the impl converts
     # on write and read. () = its cache must be in the compute dtype.
@@ -103,6 +108,9 @@ class AttentionRequirements:
     sliding_window: int | None = None  # the smallest window of any layer; None = none
     logits_soft_cap: float | None = None  # the attention-logit soft cap of any layer
     sinks: bool = False  # per-head attention sinks in some layer
+    # Latent attention (MLA): the one vector each token caches,
+    # kv_lora_rank + qk_rope_head_dim wide; None = per-head K and V.
+    latent_kv_size: int | None = None
 
 
 class AttentionImpl(ABC):
@@ -275,6 +283,22 @@ class AttentionBackend(ABC):
     @abstractmethod
     def get_impl_cls() -> type[AttentionImpl]:
         """The AttentionImpl subclass layers instantiate."""
+
+    @classmethod
+    def get_mla_impl_cls(cls) -> type[MLAAttentionImpl]:
+        """The impl latent (MLA) layers instantiate (attention_backends/mla.py);
+        a backend that serves them overrides this and registers with
+        ``supports_mla=True``."""
+        raise AttentionBackendError(getattr(cls, "name", cls.__qualname__),
+                                    ["latent attention (MLA) is not implemented by this backend"])
+
+    @classmethod
+    def get_mla_kv_cache_layout(cls) -> KVCacheLayout:
+        """How a latent layer's cache holds its blocks (default: one plane of
+        one latent vector per token, `MLAKVCacheLayout`)."""
+        from pagedllm.attention_backends.mla import MLA_KV_CACHE_LAYOUT
+
+        return MLA_KV_CACHE_LAYOUT
 
     @classmethod
     def supports_graph_capture(cls, block_size: int) -> bool:

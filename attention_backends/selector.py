@@ -115,6 +115,8 @@ def _requirement_reasons(
         reasons.append(f"attention logit soft cap ({requirements.logits_soft_cap:g}) is not supported")
     if requirements.sinks and not caps.supports_sinks:
         reasons.append("attention sinks are not supported")
+    if requirements.latent_kv_size is not None and not caps.supports_mla:
+        reasons.append("latent attention (MLA) is not supported")
     return reasons
 
 

@@ -268,7 +268,7 @@ def build_scheduler_kv_connector(
         head_size=facts.head_size,
         dtype=facts.kv_cache_dtype,
         device=executor.device,
-        kv_cache_layout=executor.attn_selection.backend_cls.get_kv_cache_layout(),
+        kv_cache_layout=facts.kv_cache_layout(executor.attn_selection.backend_cls),
         side=KVConnectorRole.SCHEDULER,
         tp_size=len(shards),
         rank_fingerprints=tuple(shard.fingerprint for shard in shards),

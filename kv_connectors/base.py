@@ -85,6 +85,7 @@ def model_fingerprint(
     tp_rank: int = 0,
     quantization: str | None = None,
     kv_cache_dtype: torch.dtype | None = None,
+    latent: bool = False,
 ) -> str:
     """A short name for "these KV blocks are interchangeable": the model's
     config.json, its weight files' names and sizes, the dtype, the cache
@@ -92,7 +93,9 @@ def model_fingerprint(
     heads: a TP=2 rank never loads TP=1 blocks, nor another rank's) and the
     quantization method (its weights compute other keys and values) and the
     KV cache's storage dtype where it is not `dtype` (an fp8 cache's blocks
-    never load into a bfloat16 one, nor the other way).
+    never load into a bfloat16 one, nor the other way), and the page's
+    layout where it is the latent (MLA) one: one vector of `head_size` per
+    token, the same on every rank.
     (Weights are not read: sizes stand in for a checksum, so two
     checkpoints of one architecture with equal file sizes must not share
     a directory.)"""
@@ -113,6 +116,8 @@ def model_fingerprint(
         digest.update(f"|quantization={quantization}".encode())
     if kv_cache_dtype is not None and kv_cache_dtype != dtype:  # NOTE: "auto" caches keep their fingerprint
         digest.update(f"|kv_cache_dtype={kv_cache_dtype}".encode())
+    if latent:  # NOTE: per-head K/V caches keep their fingerprint
+        digest.update(b"|layout=mla")
     return digest.hexdigest()[:16]
 
 

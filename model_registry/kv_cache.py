@@ -18,12 +18,11 @@ from pagedllm.core.kv_cache.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     get_kv_cache_config,
-    plain_kv_cache_config,
 )
 from pagedllm.platforms.cpu.host_memory import anonymous_zeros
 
 if TYPE_CHECKING:
-    from pagedllm.attention_backends.base import AttentionBackend
+    from pagedllm.attention_backends.base import AttentionBackend, KVCacheLayout
     from pagedllm.model_registry.layers.attention import Attention
 
 
@@ -59,14 +58,16 @@ def allocate_kv_caches(
     """The zeroed KV tensors of `model`, shaped by the backend, each layer
     bound to its own (`layer.kv_cache`, and `layer.kv_cache_group`).
     Without `kv_cache_config` (or with the plain one) one tensor per
-    attention layer, in layer order; with groups `num_kv_tensors` tensors,
+    attention layer, in layer order (latent layers: the latent layout); with groups `num_kv_tensors` tensors,
     the i-th layer of every group sharing tensor i.
     `num_kv_heads` is this rank's: the layers' own count (a backend views the
     cache with the layer's count, so a larger cache would go unnoticed)."""
     layers = model.get_attention_layers()
     if kv_cache_config is None:
-        kv_cache_config = plain_kv_cache_config(len(layers), block_size)
-    shape = attn_backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+        kv_cache_config = get_model_kv_cache_config(model, block_size, enable_hybrid=False)
+    shape = kv_cache_layout(attn_backend, kv_cache_config).kv_cache_shape(
+        num_blocks, block_size, num_kv_heads, head_size
+    )
     kv_caches = [zeroed_tensor(shape, dtype, device) for _ in range(kv_cache_config.num_kv_tensors)]
     group_of_layer = kv_cache_config.group_of_layer
     for layer_index, layer in enumerate(layers):
@@ -75,6 +76,14 @@ def allocate_kv_caches(
         layer.kv_cache = kv_caches[kv_cache_config.tensor_of_layer[layer_index]]
         layer.kv_cache_group = group_of_layer[layer_index]
     return kv_caches
+
+
+def kv_cache_layout(attn_backend: type[AttentionBackend], kv_cache_config: KVCacheConfig) -> KVCacheLayout:
+    """How each KV tensor holds its blocks: the backend's layout, or its
+    latent one for latent (MLA) layers (one vector per token)."""
+    if kv_cache_config.is_latent:
+        return attn_backend.get_mla_kv_cache_layout()
+    return attn_backend.get_kv_cache_layout()
 
 
 def zeroed_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from pagedllm.attention_backends.base import AttentionRequirements
+    from pagedllm.attention_backends.base import AttentionBackend, AttentionRequirements, KVCacheLayout
     from pagedllm.model_registry.model_impl import ModelImplChoice
 
 
@@ -43,6 +43,17 @@ class ModelFacts:
     def position_limit(self) -> int | None:
         """max_position_embeddings (times the factor for dynamic NTK RoPE)."""
         return rope_position_limit(self.hf_config)
+
+    @property
+    def is_latent(self) -> bool:
+        """Latent attention (MLA): the cache keeps one vector per token
+        (`head_size` wide, one "KV head", the same on every rank)."""
+        requirements = self.attention_requirements
+        return requirements is not None and requirements.latent_kv_size is not None
+
+    def kv_cache_layout(self, attn_backend: type[AttentionBackend]) -> KVCacheLayout:
+        """How this model's KV tensors hold their blocks on `attn_backend`."""
+        return attn_backend.get_mla_kv_cache_layout() if self.is_latent else attn_backend.get_kv_cache_layout()
 
     def heads_per_rank(self, tp_size: int) -> HeadPartition:
         """Each rank's query and KV heads at `tp_size`: exactly the split of

@@ -86,16 +86,21 @@ def read_model_facts(config: EngineConfig, platform: Platform, plugin_manager: P
     dtype = platform.resolve_dtype(config.model.dtype, _config_dtype(hf))
     architecture = get_architecture(hf, config.model.architecture)
     model_impl = resolve_model_impl(architecture, config.model.model_impl, plugin_manager.models)
+    requirements = attention_requirements_of(load_model_class(model_impl, plugin_manager), hf)
+    head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    if requirements.latent_kv_size is not None:  # MLA: one latent vector per token, on every rank
+        head_size, num_kv_heads = requirements.latent_kv_size, 1
     return ModelFacts(
         path=path,
         hf_config=hf,
         architecture=architecture,
         dtype=dtype,
         kv_cache_dtype=platform.resolve_kv_cache_dtype(config.cache.cache_dtype, dtype),
-        head_size=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_size=head_size,
+        num_kv_heads=num_kv_heads,
         sliding_window=sliding_window,
-        attention_requirements=attention_requirements_of(load_model_class(model_impl, plugin_manager), hf),
+        attention_requirements=requirements,
         model_impl=model_impl,
     )
 
@@ -374,7 +379,7 @@ class Worker:
         cache, facts = self.config.cache, self.model_facts
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        layout = self.attn_backend.get_kv_cache_layout()
+        layout = facts.kv_cache_layout(self.attn_backend)
         # NOTE: in the cache's dtype: an fp8 cache fits twice the bfloat16 blocks.
         # A block id names one page in each KV tensor (one per layer, unless
         # KV cache groups share them).
@@ -576,7 +581,7 @@ class Worker:
             model_fingerprint=model_fingerprint(
                 facts.path, facts.dtype, block_size, self.num_layers, self.num_kv_heads, facts.head_size,
                 tp_size=self.world_size, tp_rank=self.rank, quantization=self.config.model.quantization,
-                kv_cache_dtype=facts.kv_cache_dtype,
+                kv_cache_dtype=facts.kv_cache_dtype, latent=facts.is_latent,
             ),
             block_size=block_size,
             num_layers=self.num_layers,
@@ -584,7 +589,7 @@ class Worker:
             head_size=facts.head_size,
             dtype=facts.kv_cache_dtype,
             device=self.device,
-            kv_cache_layout=self.attn_backend.get_kv_cache_layout(),
+            kv_cache_layout=facts.kv_cache_layout(self.attn_backend),
             side=side,
             tp_size=self.world_size,
             tp_rank=self.rank,

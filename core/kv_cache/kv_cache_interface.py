@@ -59,7 +59,24 @@ class SlidingWindowSpec(KVCacheSpec, frozen=True, tag="sliding_window"):
         return min(cdiv(num_tokens, self.block_size), cdiv(span, self.block_size) + 1)
 
 
-AnyKVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+class MLAAttentionSpec(FullAttentionSpec, frozen=True, tag="mla_attention"):
+    """Latent attention (DeepSeek's MLA): every token's page is ONE vector,
+    the compressed latent c_kv (after its norm, `kv_lora_rank` wide) then the
+    shared RoPE key k_pe (`qk_rope_head_dim`), not a K and a V per head.
+    Blocks stay for the life of the request, as full attention's: block
+    tables, prefix hits and preemption are full attention's, only the page
+    differs (attention_backends/mla.py: its layout)."""
+
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+    @property
+    def latent_size(self) -> int:
+        """Elements one token stores: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+AnyKVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec
 
 
 class KVCacheGroupSpec(msgspec.Struct, frozen=True):
@@ -94,6 +111,11 @@ class KVCacheConfig(msgspec.Struct, frozen=True):
         """A group that frees blocks in the middle of a table puts the
         pool's null block (never written, never freed) in their place."""
         return any(not isinstance(group.kv_cache_spec, FullAttentionSpec) for group in self.kv_cache_groups)
+
+    @property
+    def is_latent(self) -> bool:
+        """Latent (MLA) layers: a page is one latent vector per token."""
+        return isinstance(self.kv_cache_groups[0].kv_cache_spec, MLAAttentionSpec)
 
     @property
     def is_plain(self) -> bool:
@@ -143,7 +165,12 @@ def get_kv_cache_config(layer_specs: Sequence[AnyKVCacheSpec], enable_hybrid: bo
     block_size = layer_specs[0].block_size
     if any(spec.block_size != block_size for spec in layer_specs):
         raise ConfigError("cache.block_size", sorted({s.block_size for s in layer_specs}), "one block size")
-    if not enable_hybrid:
+    num_latent = sum(isinstance(spec, MLAAttentionSpec) for spec in layer_specs)
+    if 0 < num_latent < len(layer_specs):
+        raise ConfigError("model", "latent (MLA) and other attention layers in one model",
+                          "every attention layer latent, or none")
+    if not enable_hybrid and not num_latent:
+        # NOTE: a latent layer keeps its spec: its page is another shape.
         layer_specs = [FullAttentionSpec(block_size)] * len(layer_specs)
     layers_of_spec: dict[AnyKVCacheSpec, list[int]] = {}
     for layer_index, spec in enumerate(layer_specs):
