@@ -49,7 +49,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,9 @@ from pagedllm.attention_backends.base import AttentionBackend, AttentionImpl, At
 from pagedllm.attention_backends.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv, read_kv, write_kv
 from pagedllm.platforms.cpu.graph import refuse_capture
 from pagedllm.platforms.cpu.kernel_build import prebuild_in_background
+
+if TYPE_CHECKING:
+    from pagedllm.attention_backends.mla import MLAAttentionImpl
 
 
 @dataclass
@@ -530,6 +533,12 @@ class TorchNativeBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TorchNativeAttentionImpl
+
+    @classmethod
+    def get_mla_impl_cls(cls) -> type[MLAAttentionImpl]:
+        from pagedllm.attention_backends.torch_mla import TorchMLAImpl
+
+        return TorchMLAImpl
 
     @classmethod
     def supports_graph_capture(cls, block_size: int) -> bool:
