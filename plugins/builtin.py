@@ -42,6 +42,8 @@ def register_attention_backends(register: RegisterFn) -> None:
         supports_sliding_window=True,
         supports_logits_soft_cap=True,
         supports_sinks=True,
+        # Latent attention (DeepSeek): torch, absorbed (attention_backends/torch_mla.py).
+        supports_mla=True,
         kv_cache_dtypes=FP8_KV_CACHE_DTYPES,
     )
     register(
@@ -94,6 +96,8 @@ def register_models(register: RegisterFn) -> None:
     register("Gemma3ForCausalLM", "pagedllm.model_registry.models.gemma3:Gemma3ForCausalLM")
     register("GraniteForCausalLM", "pagedllm.model_registry.models.granite:GraniteForCausalLM")
     register("Olmo2ForCausalLM", "pagedllm.model_registry.models.olmo2:Olmo2ForCausalLM")
+    register("DeepseekV2ForCausalLM", "pagedllm.model_registry.models.deepseek_v2:DeepseekV2ForCausalLM")
+    register("DeepseekV3ForCausalLM", "pagedllm.model_registry.models.deepseek_v2:DeepseekV3ForCausalLM")
 
 
 @hookimpl

@@ -18,6 +18,7 @@ from helpers.attention_case import paged_metadata
 from helpers.tiny_models import cached_tiny_model
 
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
+from pagedllm.core.kv_cache.kv_cache_interface import MLAAttentionSpec
 from pagedllm.model_registry.interface import ModelForCausalLM
 from pagedllm.model_registry.layers.rotary import compute_inv_freq, get_rope_parameters
 from pagedllm.model_registry.loader import load_hf_config, load_model
@@ -58,7 +59,10 @@ class PagedBatchRunner:
         self.model = model
         self.block_size = block_size
         layer = model.get_attention_layers()[0]
-        shape = TorchNativeBackend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+        # A latent (MLA) layer's page is one vector per token: its own layout.
+        is_latent = isinstance(layer.get_kv_cache_spec(block_size), MLAAttentionSpec)
+        layout = TorchNativeBackend.get_mla_kv_cache_layout() if is_latent else TorchNativeBackend.get_kv_cache_layout()
+        shape = layout.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
         dtype = next(model.parameters()).dtype
         for attn in model.get_attention_layers():
             attn.kv_cache = torch.full(shape, float("nan"), dtype=dtype)  # garbage must never be read
