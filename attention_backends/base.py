@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pagedllm.core.errors import AttentionBackendError
 from pagedllm.plugins.metadata import (
@@ -31,8 +31,6 @@ from pagedllm.plugins.metadata import (
 
 if TYPE_CHECKING:
     import torch
-
-    from pagedllm.attention_backends.mla import MLAAttentionImpl
 
 
 @dataclass
@@ -184,6 +182,11 @@ class KVCacheLayout:
         """Shape of one layer's KV cache tensor."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
+    def block_shape(self, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """One block of one layer as it leaves and enters the cache
+        (`gather_blocks`): [2, block_size, Hkv, D], whatever the layout."""
+        return (2, block_size, num_kv_heads, head_size)
+
     def bytes_per_block(self, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
         """What one block of one layer's cache takes (the KV cache is sized by it)."""
         return math.prod(self.kv_cache_shape(1, block_size, num_kv_heads, head_size)) * dtype.itemsize
@@ -211,6 +214,24 @@ class KVCacheLayout:
 
 # The standard layout; a stateless singleton.
 STANDARD_KV_CACHE_LAYOUT = KVCacheLayout()
+
+
+class MLAKVCacheLayout(KVCacheLayout):
+    """A latent layer's cache: ``[1, num_blocks, block_size, 1, latent]``,
+    one plane of one "head" whose size is kv_lora_rank + qk_rope_head_dim
+    (the standard layout's K plane alone), so a block moves as
+    ``[1, block_size, 1, latent]`` through the standard gather and scatter.
+    Callers pass num_kv_heads=1 and head_size=latent."""
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (1, num_blocks, block_size, num_kv_heads, head_size)
+
+    def block_shape(self, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (1, block_size, num_kv_heads, head_size)
+
+
+# The latent layout (attention_backends/mla.py); a stateless singleton.
+MLA_KV_CACHE_LAYOUT = MLAKVCacheLayout()
 
 
 class UndeclaredKVCacheLayout(KVCacheLayout):
@@ -285,10 +306,11 @@ class AttentionBackend(ABC):
         """The AttentionImpl subclass layers instantiate."""
 
     @classmethod
-    def get_mla_impl_cls(cls) -> type[MLAAttentionImpl]:
-        """The impl latent (MLA) layers instantiate (attention_backends/mla.py);
-        a backend that serves them overrides this and registers with
-        ``supports_mla=True``."""
+    def get_mla_impl_cls(cls) -> type[Any]:
+        """The `MLAAttentionImpl` subclass (attention_backends/mla.py; not
+        named here: mla.py builds on this module) that latent (MLA) layers
+        instantiate; a backend that serves them overrides this and registers
+        with ``supports_mla=True``."""
         raise AttentionBackendError(getattr(cls, "name", cls.__qualname__),
                                     ["latent attention (MLA) is not implemented by this backend"])
 
@@ -296,8 +318,6 @@ class AttentionBackend(ABC):
     def get_mla_kv_cache_layout(cls) -> KVCacheLayout:
         """How a latent layer's cache holds its blocks (default: one plane of
         one latent vector per token, `MLAKVCacheLayout`)."""
-        from pagedllm.attention_backends.mla import MLA_KV_CACHE_LAYOUT
-
         return MLA_KV_CACHE_LAYOUT
 
     @classmethod

@@ -24,28 +24,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-from pagedllm.attention_backends.base import KVCacheLayout
+from pagedllm.attention_backends.base import MLA_KV_CACHE_LAYOUT, MLAKVCacheLayout
 from pagedllm.attention_backends.kv_cache_dtype import DEFAULT_KV_SCALE
 
 if TYPE_CHECKING:
     import torch
 
     from pagedllm.attention_backends.base import AttentionMetadata
-
-
-class MLAKVCacheLayout(KVCacheLayout):
-    """A latent layer's cache: ``[1, num_blocks, block_size, 1, latent]``,
-    one plane of one "head" whose size is kv_lora_rank + qk_rope_head_dim
-    (the standard layout's K plane alone), so a block moves as
-    ``[1, block_size, 1, latent]`` through the standard gather and scatter.
-    Callers pass num_kv_heads=1 and head_size=latent."""
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        return (1, num_blocks, block_size, num_kv_heads, head_size)
-
-
-# The latent layout; a stateless singleton.
-MLA_KV_CACHE_LAYOUT = MLAKVCacheLayout()
 
 
 class MLAAttentionImpl(ABC):

@@ -3,7 +3,7 @@ latent layers, on the CPU and as CUDA's last resort.
 
 The CPU's C kernels (cpu_decode_kernel.py, cpu_prefill_kernel.py) attend
 per-head K and V of one head size; a latent layer has neither, so this runs
-in torch over the backend's batch plan (torch_native.py: the same request
+in torch over the backend's batch plan (torch_native_plan.py: the same request
 groups, key slots and masks), and refuses graph capture: its steps run
 eagerly.
 
@@ -32,12 +32,12 @@ import torch.nn.functional as F
 
 from pagedllm.attention_backends.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv, read_kv, write_kv
 from pagedllm.attention_backends.mla import MLAAttentionImpl, absorb_query, unabsorb_output
-from pagedllm.attention_backends.torch_native import TorchNativeMetadata, build_batch_plan
+from pagedllm.attention_backends.torch_native_plan import TorchNativeMetadata, build_batch_plan
 from pagedllm.platforms.cpu.graph import refuse_capture
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionMetadata
-    from pagedllm.attention_backends.torch_native import RequestGroup
+    from pagedllm.attention_backends.torch_native_plan import RequestGroup
 
 
 class TorchMLAImpl(MLAAttentionImpl):
