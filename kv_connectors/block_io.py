@@ -39,5 +39,8 @@ def scatter_blocks(
         layout.scatter_blocks(cache, index, data[:, layer])
 
 
-def block_shape(num_layers: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-    return (num_layers, 2, block_size, num_kv_heads, head_size)
+def block_shape(num_layers: int, block_size: int, num_kv_heads: int, head_size: int,
+                layout: KVCacheLayout = STANDARD_KV_CACHE_LAYOUT) -> tuple[int, ...]:
+    """One block of every layer as it travels: [L, 2, block_size, Hkv, D]
+    (a latent layout's: [L, 1, block_size, 1, latent])."""
+    return (num_layers, *layout.block_shape(block_size, num_kv_heads, head_size))

@@ -100,7 +100,8 @@ class CpuOffloadConnector(KVConnectorBase):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ConfigError("kv_transfer.extra.cpu_bytes", capacity, "a positive number of bytes")
         # One rank's share of a block (every layer's K and V of its KV heads).
-        shape = block_shape(context.num_layers, context.block_size, context.num_kv_heads, context.head_size)
+        shape = block_shape(context.num_layers, context.block_size, context.num_kv_heads, context.head_size,
+                            context.kv_cache_layout)
         self.block_bytes = math.prod(shape) * torch.empty((), dtype=context.dtype).element_size()
         # Scheduler side: what the tier holds.
         self.index = CpuBlockIndex(capacity)

@@ -128,7 +128,8 @@ class SharedStorageConnector(KVConnectorBase):
         for directory in self.directories:
             directory.mkdir(parents=True, exist_ok=True)
         self.directory = self.directories[0]
-        self.block_shape = block_shape(context.num_layers, context.block_size, context.num_kv_heads, context.head_size)
+        self.block_shape = block_shape(context.num_layers, context.block_size, context.num_kv_heads, context.head_size,
+                                       context.kv_cache_layout)
         self._tracked: dict[str, _Tracked] = {}
         # Found by get_num_new_matched_tokens, placed by update_state_after_alloc.
         self._found: dict[str, tuple[int, list[bytes]]] = {}
