@@ -101,7 +101,13 @@ from packaging.version import Version
 # 1.12: `QuantizationMethod.quantize_moe(layer, prefix)` (default: False, the
 #      experts stay as loaded): a method may convert MoE layers' expert
 #      weights and offer their "fused_moe" op.
-API_VERSION = "1.12.0"
+# 1.13: latent attention (MLA): `AttentionCapabilities.supports_mla` (default
+#      False: a backend that does not declare it is not chosen for a latent
+#      model), `AttentionRequirements.latent_kv_size`,
+#      `AttentionBackend.get_mla_impl_cls` / `get_mla_kv_cache_layout`
+#      (attention_backends/mla.py: `MLAAttentionImpl`, `MLAKVCacheLayout`),
+#      `KVCacheLayout.block_shape`, the `MLAAttentionSpec` KV cache spec.
+API_VERSION = "1.13.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

@@ -127,6 +127,8 @@ def test_builtins_register_the_contract_targets_through_the_hooks() -> None:
             "Gemma3ForCausalLM": "pagedllm.model_registry.models.gemma3:Gemma3ForCausalLM",
             "GraniteForCausalLM": "pagedllm.model_registry.models.granite:GraniteForCausalLM",
             "Olmo2ForCausalLM": "pagedllm.model_registry.models.olmo2:Olmo2ForCausalLM",
+            "DeepseekV2ForCausalLM": "pagedllm.model_registry.models.deepseek_v2:DeepseekV2ForCausalLM",
+            "DeepseekV3ForCausalLM": "pagedllm.model_registry.models.deepseek_v2:DeepseekV3ForCausalLM",
         },
         "attention_backend": {
             "cpu": "pagedllm.attention_backends.torch_native:TorchNativeBackend",
@@ -553,7 +555,7 @@ class MisspeltCapabilityPlugin:
 ACCEPTED_CAPABILITIES = (
     "device_types, min_capability, max_capability, dtypes, head_sizes, head_size_multiple, "
     "max_head_size, block_size_multiple, requires, supports_sliding_window, "
-    "supports_logits_soft_cap, supports_sinks, kv_cache_dtypes, kv_cache_dtype_min_capability"
+    "supports_logits_soft_cap, supports_sinks, supports_mla, kv_cache_dtypes, kv_cache_dtype_min_capability"
 )
 
 
@@ -663,7 +665,8 @@ def test_builtin_models_implement_the_model_interface_and_duck_typed_models_pass
     pm = get_plugin_manager()
     for name in ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GptOssForCausalLM",
                  "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
-                 "Olmo2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"]:
+                 "Olmo2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                 "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]:
         model_cls = pm.models.load(name)
         assert ModelForCausalLM in model_cls.__mro__, name  # explicitly, not by duck typing
     required = {"forward", "compute_logits", "load_weights", "get_attention_layers"}
