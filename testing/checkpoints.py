@@ -43,6 +43,20 @@ CONFIG_OVERRIDES: dict[str, dict[str, Any]] = {
     "GraniteForCausalLM": dict(
         embedding_multiplier=8.0, residual_multiplier=0.3, attention_multiplier=1.5, logits_scaling=5.0
     ),
+    # Latent attention of a few dims (defaults: 512 + 64), a dense first layer, 4 experts;
+    # transformers' MLA takes num_key_value_heads as a GQA ratio: as many as the heads.
+    "DeepseekV2ForCausalLM": dict(
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, head_dim=8,  # transformers rotates head_dim dims: the RoPE part's
+    ),
+    "DeepseekV3ForCausalLM": dict(
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=2, topk_group=1, head_dim=8,
+    ),
 }
 
 
@@ -73,10 +87,12 @@ def config_json(architecture: str, sizes: dict[str, Any] | None = None) -> dict[
     tokenizer = AutoTokenizer.from_pretrained(str(get_tokenizer_dir()))
     defaults = AutoConfig.for_model(model_type)
     # Only the sizes the architecture has: a stray num_key_value_heads would
-    # be read by pagedllm and ignored by transformers.
-    sizes = {key: value for key, value in (sizes or TINY_SIZES).items() if hasattr(defaults, key)}
+    # be read by pagedllm and ignored by transformers. An override wins over a size.
+    overrides = CONFIG_OVERRIDES.get(architecture, {})
+    sizes = {key: value for key, value in (sizes or TINY_SIZES).items() if hasattr(defaults, key)
+             and key not in overrides}
     config = AutoConfig.for_model(
-        model_type, **sizes, **CONFIG_OVERRIDES.get(architecture, {}), vocab_size=len(tokenizer),
+        model_type, **sizes, **overrides, vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         # The tokenizer's, not a default past the small vocabulary (Phi-3's 32000).
         pad_token_id=tokenizer.pad_token_id,

@@ -11,7 +11,9 @@ drafted from its first answer). The checkpoints are the
 per-model test files' engine checkpoints, with each architecture's
 mechanisms active (windows shorter than the prompts, soft-caps that clip,
 sinks, scaled RoPE past the original length, Granite's multipliers, MoE
-routing that varies token to token, Qwen2-MoE's shared expert).
+routing that varies token to token, Qwen2-MoE's shared expert, DeepSeek's
+latent attention: its cache one latent vector per token, the same on every
+rank).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import pytest
 import torch
 from test_models import hf_model
+from test_models_deepseek import build_deepseek
 from test_models_gemma import _engine_checkpoint as gemma_checkpoint
 from test_models_gpt_oss import build_gpt_oss
 from test_models_granite_olmo import _count_mixed_steps
@@ -59,6 +62,13 @@ def _moe_checkpoint(architecture: str) -> Path:
     return build_moe(architecture, folder / "model", window=MIXTRAL_WINDOW)
 
 
+@functools.cache
+def _deepseek_checkpoint(architecture: str) -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="pagedllm-deepseek-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return build_deepseek(architecture, folder / "model")
+
+
 # architecture -> (its checkpoint, KV blocks that hold one request's groups but not the second batch at once;
 # Gemma 3's six groups need more, and keep the prefix's window blocks cached until the second batch)
 ARCHITECTURES: dict[str, tuple[Callable[[], Path], int]] = {
@@ -71,6 +81,8 @@ ARCHITECTURES: dict[str, tuple[Callable[[], Path], int]] = {
     "Qwen3MoeForCausalLM": (lambda: _moe_checkpoint("Qwen3MoeForCausalLM"), 10),
     "Qwen2MoeForCausalLM": (lambda: _moe_checkpoint("Qwen2MoeForCausalLM"), 10),
     "MixtralForCausalLM": (lambda: _moe_checkpoint("MixtralForCausalLM"), 10),
+    "DeepseekV2ForCausalLM": (lambda: _deepseek_checkpoint("DeepseekV2ForCausalLM"), 10),
+    "DeepseekV3ForCausalLM": (lambda: _deepseek_checkpoint("DeepseekV3ForCausalLM"), 10),
 }
 
 
