@@ -69,3 +69,13 @@ def test_latent_blocks_round_trip_through_a_kv_connector(checkpoint: Path, tmp_p
     outputs = consumer.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     assert [o.num_cached_tokens for o in outputs] == [2 * BLOCK_SIZE] * 2
+
+
+def test_the_kv_fingerprint_names_the_latent_layout(checkpoint: Path) -> None:
+    """Latent blocks never load into a per-head cache of equal size, nor the other way."""
+    import torch
+
+    from pagedllm.kv_connectors.base import model_fingerprint
+
+    args = (str(checkpoint), torch.float32, BLOCK_SIZE, 2, 1, 40)
+    assert model_fingerprint(*args, latent=True) != model_fingerprint(*args)
