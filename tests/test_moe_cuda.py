@@ -36,9 +36,21 @@ def _hf_greedy(path: Path) -> list[list[int]]:
     return outputs
 
 
+def _skip_unless_hf_reads_swiglu_limit() -> None:
+    """The tiny GPT-OSS clamps at 3; transformers before 5.2x (5.17 on the
+    GPU image) hard-codes the released models' 7.0 and is no reference."""
+    import inspect
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    if "swiglu_limit" not in inspect.getsource(GptOssExperts.__init__):
+        pytest.skip("this transformers' GptOssExperts ignores config.swiglu_limit")
+
+
 @pytest.mark.parametrize("architecture", ["Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM"])
 def test_moe_engine_on_cuda_equals_transformers(tmp_path: Path, architecture: str) -> None:
     if architecture == "GptOssForCausalLM":
+        _skip_unless_hf_reads_swiglu_limit()
         path = build_gpt_oss(tmp_path / "model")
     elif architecture == "DeepseekV3ForCausalLM":
         path = build_deepseek(architecture, tmp_path / "model")
