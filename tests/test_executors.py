@@ -256,6 +256,7 @@ def test_parallel_defaults() -> None:
         "data_parallel_size": 1,
         "data_parallel_rank": 0,
         "routing_policy": "prefix_aware",
+        "enable_expert_parallel": False,
     }
 
 
