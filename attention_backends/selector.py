@@ -77,9 +77,12 @@ def check_backend(
     if kv_cache_dtype is not None and kv_cache_dtype != dtype:
         reasons += _kv_cache_dtype_reasons(caps, platform, dtype_name(kv_cache_dtype))
 
-    head_sizes = dict.fromkeys((head_size, *(requirements.head_sizes if requirements else ())))
-    for size in head_sizes:  # every layer's, each named once
-        reasons += _head_size_reasons(caps, size)
+    # NOTE: head-size limits are the per-head K/V kernels'; a latent (MLA)
+    # model's "head size" is its latent width, which `supports_mla` covers.
+    if requirements is None or requirements.latent_kv_size is None:
+        head_sizes = dict.fromkeys((head_size, *(requirements.head_sizes if requirements else ())))
+        for size in head_sizes:  # every layer's, each named once
+            reasons += _head_size_reasons(caps, size)
     if caps.block_size_multiple is not None and block_size % caps.block_size_multiple != 0:
         reasons.append(f"block size {block_size} is not a multiple of {caps.block_size_multiple}")
     if requirements is not None:

@@ -6,7 +6,8 @@
 #
 # On a GPU: the attention backend tests compiled (TRITON_INTERPRET=0, tensors
 # on cuda), the end-to-end greedy equality test (Triton forced vs
-# torch_native), the backend-selection tests, the fused-MoE kernel tests,
+# torch_native), the backend-selection tests, the fused-MoE and latent
+# attention (MLA) kernel tests,
 # MoE models through the engine (tests/test_moe_cuda.py),
 # and the kernel benchmarks (Triton vs FlashAttention if installed vs torch
 # SDPA; the Triton MoE kernel vs the MoE layer's torch reference). With --cpu-dry-run
@@ -31,6 +32,8 @@ if [ "${1:-}" = "--cpu-dry-run" ]; then
         "$PYTHON" -m pytest -q tests/test_attention_triton.py \
         -k "(test_mixed_batch_equals_torch_native and float32) or (test_cache_write_kernel_skips_slot_minus_one and float32) or (test_split_kv_decode_equals_one_segment and float32)"
     stage "backend selection" "$PYTHON" -m pytest -q tests/test_backend_selection.py
+    stage "latent attention kernels (interpreter, subset)" \
+        "$PYTHON" -m pytest -q tests/test_attention_triton_mla.py -k "float32"
     stage "fused-MoE kernel (interpreter, subset)" \
         "$PYTHON" -m pytest -q tests/test_triton_fused_moe.py -k "align or registers or (33-4 and float32)"
     stage "kernel benchmark (dry run)" "$PYTHON" benchmarks/attention_kernels.py --cpu-dry-run
@@ -77,6 +80,7 @@ print(repr(outputs[0].outputs[0].text[:80]))
 assert runner is not None and runner.num_replays > 0
 PY
 stage "fused-MoE kernel tests (compiled)" "$PYTHON" -m pytest -q tests/test_triton_fused_moe.py
+stage "latent attention (MLA) kernel tests (compiled)" "$PYTHON" -m pytest -q tests/test_attention_triton_mla.py
 stage "MoE models on the GPU (Triton experts, CUDA graphs, greedy = transformers)" \
     "$PYTHON" -m pytest -q tests/test_moe_cuda.py
 stage "kernel benchmark" "$PYTHON" benchmarks/attention_kernels.py

@@ -60,6 +60,9 @@ def register_attention_backends(register: RegisterFn) -> None:
         supports_sliding_window=True,
         supports_logits_soft_cap=True,
         supports_sinks=True,
+        # Latent attention (DeepSeek): absorbed Triton kernel over the latent
+        # cache, fresh prefills expanded in torch (attention_backends/triton/mla.py).
+        supports_mla=True,
         kv_cache_dtypes=FP8_KV_CACHE_DTYPES,
         # Triton compiles float8e4nv for Ada/Hopper (8.9) and newer only.
         kv_cache_dtype_min_capability={"float8_e4m3fn": (8, 9)},

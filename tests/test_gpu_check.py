@@ -26,6 +26,7 @@ def test_gpu_check_cpu_dry_run_passes() -> None:
     assert "torch_native ms" in out and "triton ms" in out  # the kernel table
     assert "decode batch=2 seq=40" in out and "prefill batch=1 seq=24" in out
     assert "all backends within" in out
+    assert "=== latent attention kernels (interpreter, subset): ok" in out
     assert "=== fused-MoE kernel (interpreter, subset): ok" in out
     assert "triton ms" in out and "tiny              9" in out  # the MoE kernel table
     assert out.rstrip().endswith("gpu_check --cpu-dry-run: all stages passed")

@@ -522,6 +522,7 @@ def test_builtin_metadata_becomes_typed_values(monkeypatch: pytest.MonkeyPatch) 
         supports_sliding_window=True,
         supports_logits_soft_cap=True,
         supports_sinks=True,
+        supports_mla=True,
         kv_cache_dtypes=("float8_e4m3fn", "float8_e5m2"),
         kv_cache_dtype_min_capability=(("float8_e4m3fn", (8, 9)),),
     )

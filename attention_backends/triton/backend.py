@@ -1,11 +1,13 @@
 """TritonBackend: the paged KV cache written by `reshape_and_cache`, read by
-`unified_attention`; split-KV for long decodes at small batch."""
+`unified_attention`; split-KV for long decodes at small batch. Latent
+(MLA) layers get `TritonMLAImpl` (triton/mla.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +15,9 @@ from pagedllm.attention_backends.base import AttentionBackend, AttentionImpl, At
 from pagedllm.attention_backends.kv_cache_dtype import quantize_kv
 from pagedllm.attention_backends.triton.reshape_and_cache import reshape_and_cache
 from pagedllm.attention_backends.triton.unified_attention import unified_attention
+
+if TYPE_CHECKING:
+    from pagedllm.attention_backends.mla import MLAAttentionImpl
 
 # Split-KV heuristic: a pure-decode batch of at most SPLIT_KV_MAX_REQS
 # requests whose longest sequence has at least SPLIT_KV_MIN_SEQ_LEN keys is
@@ -87,6 +92,12 @@ class TritonBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TritonAttentionImpl
+
+    @classmethod
+    def get_mla_impl_cls(cls) -> type[MLAAttentionImpl]:
+        from pagedllm.attention_backends.triton.mla import TritonMLAImpl
+
+        return TritonMLAImpl
 
     @classmethod
     def supports_graph_capture(cls, block_size: int) -> bool:
