@@ -4,8 +4,8 @@ how a model's linear layers store and multiply their weights.
 A method is built once per rank, after the model's weights are loaded (in
 the checkpoint's precision, each rank's slice). The worker hands it every
 linear layer of the model but the LM head, with the layer's dotted name
-(``model.layers.0.self_attn.qkv_proj``; never a layer whose weight is
-read raw, ``weight_read_raw``), and the method converts the layer
+(``model.layers.0.self_attn.qkv_proj``; never a layer that declares
+``skip_quantization``: a weight read raw, an MoE router), and the method converts the layer
 in place: it replaces the layer's storage (``layer.weight``, extra buffers
 such as scales) and its GEMM, ``layer.apply_linear(x, bias)``. The layer's
 tensor-parallel collectives stay outside the GEMM, so a method never sees

@@ -187,25 +187,26 @@ def test_gpt_oss_served_in_int8_agrees_with_float(checkpoint: Path) -> None:
     _assert_agrees(*_float_then_int8(checkpoint, check))
 
 
-def test_deepseek_served_in_int8_agrees_with_float(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The attention's linear layers int8 but kv_b_proj (`weight_read_raw`),
-    which the latent attention absorbs as a float matrix. The MLPs stay in
-    float here: the builder's routers are made to vary token to token, and
-    int8 rounding (of the router gate too) flips near-tie expert choices,
-    which swamps the comparison (about half the top tokens then differ on
-    this random model)."""
-    quantize_linear = Int8WeightOnlyMethod.quantize_linear
-    monkeypatch.setattr(Int8WeightOnlyMethod, "quantize_moe", lambda self, layer, prefix: False)
-    monkeypatch.setattr(Int8WeightOnlyMethod, "quantize_linear",
-                        lambda self, layer, prefix: ".mlp." not in prefix and quantize_linear(self, layer, prefix))
+def test_deepseek_served_in_int8_agrees_with_float(tmp_path: Path) -> None:
+    """Every linear layer and the experts int8 but kv_b_proj, which the
+    latent attention absorbs as a float matrix, and the routers (both
+    `skip_quantization`): int8 rounding of the router logits would flip
+    near-tie expert choices, which the builder's varied routing has many of
+    (about half the top tokens then differed). The largest log-probability
+    error left, ~0.47, is a position where the other layers' rounding still
+    flips an expert."""
 
     def check(model: torch.nn.Module) -> None:
         layers = dict(model.named_modules())
         kv_b = [name for name in layers if name.endswith("kv_b_proj")]
         assert len(kv_b) == 2 and all(layers[name].weight.dtype == torch.float32 for name in kv_b)
+        gates = [name for name in layers if name.endswith("mlp.gate")]
+        assert gates and all(layers[name].weight.dtype == torch.float32 for name in gates)
         for name in ("o_proj", "q_proj", "kv_a_proj_with_mqa"):
             assert layers[f"model.layers.0.self_attn.{name}"].weight.dtype == torch.int8
+        assert any(getattr(layer, "w13_weight", None) is not None and layer.w13_weight.dtype == torch.int8
+                   for layer in layers.values())
 
     checkpoint = build_deepseek("DeepseekV2ForCausalLM", tmp_path / "model")
     top, expected_top, logprobs, expected_logprobs = _float_then_int8(checkpoint, check)
-    _assert_agrees(top, expected_top, logprobs, expected_logprobs, max_error=0.35, mean_error=0.05)
+    _assert_agrees(top, expected_top, logprobs, expected_logprobs, max_error=0.6, mean_error=0.05)

@@ -47,11 +47,11 @@ class ConvertedLayers(NamedTuple):
 
 def quantize_model(model: nn.Module, method: QuantizationMethod) -> ConvertedLayers:
     """Hand `method` every linear layer but the LM head (its weight may be the
-    tied embedding's) and those whose weight is read raw (`weight_read_raw`),
+    tied embedding's) and those whose weight is read raw (`skip_quantization`),
     and every MoE layer; how many of each it converted."""
     linear = moe = 0
     for prefix, module in model.named_modules():
-        if isinstance(module, LinearBase) and not isinstance(module, ParallelLMHead) and not module.weight_read_raw:
+        if isinstance(module, LinearBase) and not isinstance(module, ParallelLMHead) and not module.skip_quantization:
             linear += bool(method.quantize_linear(module, prefix))
         elif isinstance(module, FusedMoE):
             moe += bool(method.quantize_moe(module, prefix))

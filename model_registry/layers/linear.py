@@ -61,10 +61,13 @@ class LinearBase(nn.Linear, OpLayer, ABC):
     group; each subclass says which slice of a checkpoint tensor is its own."""
 
     op_name = LINEAR
-    # True on a layer whose weight other code reads as a float matrix rather
-    # than through `apply_linear` (DeepSeek's kv_b_proj, absorbed into the
-    # latent attention): the worker never hands it to a quantization method.
-    weight_read_raw = False
+    # True on a layer that quantization leaves in its float dtype (the worker
+    # never hands it to a quantization method): one whose weight other code
+    # reads as a float matrix rather than through `apply_linear` (DeepSeek's
+    # kv_b_proj, absorbed into the latent attention), and a mixture-of-experts
+    # router (moe_router.RouterLinear: its few logits per token choose the
+    # experts; vLLM keeps routers unquantized too).
+    skip_quantization = False
 
     def __init__(self, input_size_per_partition: int, output_size_per_partition: int, bias: bool) -> None:
         super().__init__(input_size_per_partition, output_size_per_partition, bias=bias)

@@ -27,8 +27,17 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.model_registry.layers.linear import ReplicatedLinear
 
 SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+class RouterLinear(ReplicatedLinear):
+    """A router's (or a shared expert's gate's) linear layer: whole on every
+    rank, and left in float by quantization (`skip_quantization`): int8
+    rounding of a few logits per token flips which experts run."""
+
+    skip_quantization = True
 
 
 @dataclass(frozen=True)

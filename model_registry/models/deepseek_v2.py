@@ -30,8 +30,7 @@ from torch import nn
 from pagedllm.attention_backends.base import AttentionRequirements
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.model_registry.layers.fused_moe import QWEN_EXPERT_NAMES, FusedMoE
-from pagedllm.model_registry.layers.linear import ReplicatedLinear
-from pagedllm.model_registry.layers.moe_router import RouterConfig
+from pagedllm.model_registry.layers.moe_router import RouterConfig, RouterLinear
 from pagedllm.model_registry.layers.norm import RMSNorm
 from pagedllm.model_registry.models.deepseek_v2_attention import DeepseekV2MLAAttention
 from pagedllm.model_registry.models.llama import LlamaDecoderLayer, LlamaFlags, LlamaMLP, LlamaModel
@@ -73,7 +72,7 @@ class DeepseekV2MoE(nn.Module):
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         router = deepseek_router(hf_config)
-        self.gate = ReplicatedLinear(hf_config.hidden_size, router.num_experts, bias=False)
+        self.gate = RouterLinear(hf_config.hidden_size, router.num_experts, bias=False)
         if uses_correction_bias(hf_config):  # V3: the checkpoint's gate.e_score_correction_bias
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(router.num_experts), requires_grad=False)
         self.experts = FusedMoE(router, hf_config.hidden_size, hf_config.moe_intermediate_size,

@@ -87,7 +87,7 @@ class DeepseekV2MLAAttention(nn.Module):
         # Read by the attention impl as weights (absorbed), never called.
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
                                               total_num_heads * (self.qk_nope_head_dim + self.v_head_dim))
-        self.kv_b_proj.weight_read_raw = True  # left in float by quantization (worker/quantize.py)
+        self.kv_b_proj.skip_quantization = True  # left in float by quantization (worker/quantize.py)
         self.o_proj = RowParallelLinear(total_num_heads * self.v_head_dim, hidden_size, bias=bias)
         self.num_heads = divide(total_num_heads, self.o_proj.tp_size, "attention heads")
         self.rotary = ApplyRotaryEmb()
@@ -111,6 +111,6 @@ class DeepseekV2MLAAttention(nn.Module):
         kv_b_weight = self.kv_b_proj.weight
         if not kv_b_weight.is_floating_point():
             raise RuntimeError("kv_b_proj must stay in floating point (latent attention reads it as weights; "
-                               "it declares weight_read_raw)")
+                               "it declares skip_quantization)")
         out = self.attn(q_nope, q_pe, kv_c, k_pe, kv_b_weight, attn_metadata)
         return self.o_proj(out)

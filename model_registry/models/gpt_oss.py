@@ -37,9 +37,9 @@ from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.model_registry.interface import ModelForCausalLM
 from pagedllm.model_registry.layers.attention import Attention
 from pagedllm.model_registry.layers.fused_moe import FusedMoE
-from pagedllm.model_registry.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear, copy_shard
+from pagedllm.model_registry.layers.linear import QKVParallelLinear, RowParallelLinear, copy_shard
 from pagedllm.model_registry.layers.logits_head import LogitsHead
-from pagedllm.model_registry.layers.moe_router import RouterConfig
+from pagedllm.model_registry.layers.moe_router import RouterConfig, RouterLinear
 from pagedllm.model_registry.layers.norm import RMSNorm
 from pagedllm.model_registry.layers.rotary import ApplyRotaryEmb, RotaryEmbedding, get_rope_parameters
 from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -111,7 +111,7 @@ class GptOssMLP(nn.Module):
     def __init__(self, hf_config: Any):
         super().__init__()
         num_experts = hf_config.num_local_experts
-        self.router = ReplicatedLinear(hf_config.hidden_size, num_experts, bias=True)
+        self.router = RouterLinear(hf_config.hidden_size, num_experts, bias=True)
         mxfp4 = checkpoint_quant_method(hf_config) == "mxfp4"
         self.experts = FusedMoE(
             RouterConfig(num_experts, hf_config.num_experts_per_tok), hf_config.hidden_size,

@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.model_registry.layers.fused_moe import QWEN_EXPERT_NAMES
-from pagedllm.model_registry.layers.linear import ReplicatedLinear
+from pagedllm.model_registry.layers.moe_router import RouterLinear
 from pagedllm.model_registry.models.llama import LlamaFlags, LlamaMLP, LlamaModel
 from pagedllm.model_registry.models.qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeForCausalLM, SparseMoeBlock
 
@@ -29,7 +29,7 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
         super().__init__(hf_config, hf_config.num_experts, hf_config.moe_intermediate_size,
                          bool(hf_config.norm_topk_prob), QWEN_EXPERT_NAMES, reduce_results=False)
         self.shared_expert = LlamaMLP(hf_config, hf_config.shared_expert_intermediate_size, reduce_results=False)
-        self.shared_expert_gate = ReplicatedLinear(hf_config.hidden_size, 1, bias=False)
+        self.shared_expert_gate = RouterLinear(hf_config.hidden_size, 1, bias=False)
         self.tp_group = get_tp_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]

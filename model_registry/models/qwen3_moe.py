@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from pagedllm.model_registry.layers.fused_moe import QWEN_EXPERT_NAMES, FusedMoE, expert_param_name
-from pagedllm.model_registry.layers.linear import ReplicatedLinear
-from pagedllm.model_registry.layers.moe_router import RouterConfig
+from pagedllm.model_registry.layers.moe_router import RouterConfig, RouterLinear
 from pagedllm.model_registry.layers.norm import RMSNorm
 from pagedllm.model_registry.models.llama import (
     LlamaAttention,
@@ -55,7 +54,7 @@ class SparseMoeBlock(nn.Module):
         reduce_results: bool = True,
     ):
         super().__init__()
-        self.gate = ReplicatedLinear(hf_config.hidden_size, num_experts, bias=False)
+        self.gate = RouterLinear(hf_config.hidden_size, num_experts, bias=False)
         self.experts = FusedMoE(
             RouterConfig(num_experts, hf_config.num_experts_per_tok, renormalize=renormalize),
             hf_config.hidden_size, intermediate_size, activation=getattr(hf_config, "hidden_act", "silu"),
