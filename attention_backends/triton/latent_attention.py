@@ -62,6 +62,11 @@ def _next_power_of_2(n: int) -> int:
     return max(MIN_DOT_SIZE, 1 << max(0, (n - 1).bit_length()))
 
 
+def _power_of_2_dividing(n: int, cap: int = 16) -> int:
+    """The largest power of two, at most `cap`, that divides `n`."""
+    return min(cap, n & -n) if n else cap
+
+
 def _flat_slots(kv_cache: torch.Tensor) -> torch.Tensor:
     """[1, num_blocks, block_size, 1, L + R] -> [num_slots, L + R] (a view)."""
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 1 or kv_cache.shape[3] != 1:
@@ -107,11 +112,15 @@ def _find_token_request(query_start_loc_ptr, token, num_reqs):
 
 @triton.jit
 def _load_latent_tile(cache_ptr, block_table_ptr, req, stride_bt, stride_slot, offs_n, key_ok, offs_l, offs_r,
-                      RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                      RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLOT_ALIGN: tl.constexpr):
     """The keys `offs_n` of request `req`: (c_kv [TILE, L_PAD], k_pe [TILE, R_PAD])."""
     physical_block = tl.load(block_table_ptr + req * stride_bt + offs_n // BLOCK_SIZE, mask=key_ok, other=0)
     slots = physical_block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-    rows = cache_ptr + slots[:, None] * stride_slot
+    # NOTE: what a row's start is really a multiple of. Without it Triton
+    # (3.6, compiled) took slots * stride as a multiple of 16, from the
+    # 16-aligned runs of `slots`, and loaded rows of an odd width
+    # (L + R = 30 floats) with 16-byte vectors: a misaligned address.
+    rows = cache_ptr + tl.multiple_of(slots[:, None] * stride_slot, [SLOT_ALIGN, SLOT_ALIGN])
     kv_c = tl.load(rows + offs_l[None, :], mask=key_ok[:, None] & (offs_l[None, :] < RANK), other=0.0)
     k_pe = tl.load(rows + RANK + offs_r[None, :], mask=key_ok[:, None] & (offs_r[None, :] < ROPE), other=0.0)
     return kv_c, k_pe
@@ -137,6 +146,7 @@ def _latent_attention_kernel(
     ROPE_PADDED: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    SLOT_ALIGN: tl.constexpr,  # the power of two (at most 16) that divides stride_slot
     TILE: tl.constexpr,
     IEEE_DOT: tl.constexpr,  # float32 inputs: exact products, not TF32
     KV_FP8: tl.constexpr,
@@ -169,7 +179,7 @@ def _latent_attention_kernel(
         offs_n = tile * TILE + tl.arange(0, TILE)
         key_ok = offs_n < num_keys
         kv_c, k_pe = _load_latent_tile(cache_ptr, block_table_ptr, req, stride_bt, stride_slot, offs_n, key_ok,
-                                       offs_l, offs_r, RANK, ROPE, BLOCK_SIZE)
+                                       offs_l, offs_r, RANK, ROPE, BLOCK_SIZE, SLOT_ALIGN)
         if KV_FP8:
             kv_c = (kv_c.to(tl.float32) * kv_scale).to(q_lat.dtype)
             k_pe = (k_pe.to(tl.float32) * kv_scale).to(q_lat.dtype)
@@ -237,7 +247,8 @@ def latent_attention(
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), block_table.stride(0),
         NUM_HEADS=num_heads, RANK=rank, ROPE=rope, RANK_PADDED=_next_power_of_2(rank),
-        ROPE_PADDED=_next_power_of_2(rope), BLOCK_H=block_h, BLOCK_SIZE=kv_cache.shape[2], TILE=LATENT_TILE,
+        ROPE_PADDED=_next_power_of_2(rope), BLOCK_H=block_h, BLOCK_SIZE=kv_cache.shape[2],
+        SLOT_ALIGN=_power_of_2_dividing(cache.stride(0)), TILE=LATENT_TILE,
         IEEE_DOT=q_lat.dtype == torch.float32, KV_FP8=cache.dtype != q_lat.dtype,
         SKIP_FRESH_PREFILLS=skip_fresh_prefills,
     )
