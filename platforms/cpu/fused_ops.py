@@ -70,8 +70,15 @@ def _library() -> ctypes.CDLL | None:
 def rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-    """RMSNorm(x) * weight, or with `residual`: (that of x + residual, x + residual)."""
+    """RMSNorm(x) * weight, or with `residual`: (that of x + residual, x + residual).
+    x [T, heads, D] without a residual (Qwen3's q/k norms, per head): as
+    [T * heads, D] rows, copied first where its rows are not evenly strided
+    (a slice of a fused qkv): two recorded operations in a decode graph
+    instead of the torch code's eight."""
     library = _library()
+    if x.dim() == 3 and residual is None and library is not None and x.stride(2) == 1:
+        out = rms_norm(x.reshape(-1, x.shape[2]), None, weight, eps)
+        return None if out is None else out.view(x.shape)  # type: ignore[union-attr]
     operands = (x, weight) if residual is None else (x, weight, residual)
     if library is None or x.dim() != 2 or not _takes(*operands):
         return None
