@@ -76,9 +76,18 @@ def select_experts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights float32 [T, k], topk_ids int64 [T, k]) for each token."""
     logits = router_logits.float()
+    groups = config.num_expert_group or 1
+    if config.scoring == "softmax" and config.renormalize and groups == 1 and correction_bias is None:
+        # The softmax over all experts, renormalised over the top k, is the
+        # softmax of the top k logits: three operations instead of six (a
+        # decode graph replays each; Qwen-MoE and Mixtral route this way).
+        top_logits, topk_ids = torch.topk(logits, config.top_k, dim=-1)
+        topk_weights = torch.softmax(top_logits, dim=-1)
+        if config.routed_scaling_factor != 1.0:
+            topk_weights = topk_weights * config.routed_scaling_factor
+        return topk_weights, topk_ids
     scores = torch.softmax(logits, dim=-1) if config.scoring == "softmax" else torch.sigmoid(logits)
     choice = scores if correction_bias is None else scores + correction_bias.float()
-    groups = config.num_expert_group or 1
     if groups > 1:
         choice = _mask_unselected_groups(choice, groups, config.topk_group or groups, correction_bias is not None)
     _, topk_ids = torch.topk(choice, config.top_k, dim=-1)
