@@ -268,6 +268,7 @@ def test_parallel_from_vllm_flat_names() -> None:
         ray_address="10.0.0.1:6379",
         placement_strategy="SPREAD",
         master_port=29500,
+        enable_expert_parallel=True,
     )
     assert config.parallel.model_dump() == {
         "tensor_parallel_size": 2,
@@ -279,6 +280,7 @@ def test_parallel_from_vllm_flat_names() -> None:
         "data_parallel_size": 1,
         "data_parallel_rank": 0,
         "routing_policy": "prefix_aware",
+        "enable_expert_parallel": True,
     }
 
 
