@@ -10,9 +10,10 @@ whole experts on the tensor-parallel ranks and exchange tokens all-to-all.
   logits equal transformers' (float32), with the reference and with the CPU
   "fused_moe" kernel bound to the local experts; each rank holds exactly
   its half of the experts (bytes and values) and the all-to-alls ran.
-- The engine at -tp 2 with expert parallelism on the mp executor (prefix
-  hits, chunked prefill, preemption) and on Ray: greedy tokens equal
-  transformers' `generate`.
+- The engine at -tp 2 with expert parallelism on Ray: greedy tokens equal
+  transformers' `generate` (on the mp executor, with prefix hits, chunked
+  prefill, preemption and drafts, for every MoE architecture:
+  tests/test_models_engine_matrix.py).
 - What the flag does with a dense model (nothing, as vLLM) and with experts
   that do not split over the ranks (a ConfigError before any rank starts).
 """
@@ -197,34 +198,6 @@ def test_ep2_rank_holds_only_its_half_of_the_experts(
 
 
 # ---- the engine -----------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_engine_ep2_mp_greedy_matches_hf_with_prefix_hits_chunks_and_preemption(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from test_models import hf_model
-    from test_models_engine_matrix import BUDGET, PREFIX_LEN, _hf_generate, _moe_checkpoint, _prompts
-
-    from pagedllm import LLM
-
-    monkeypatch.setenv("PAGEDLLM_DEBUG_KV", "1")
-    path = _moe_checkpoint("Qwen3MoeForCausalLM")
-    first, second = _prompts(hf_model(path).config.vocab_size)
-    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=10, max_num_batched_tokens=BUDGET,
-              max_model_len=128, tensor_parallel_size=2, enable_expert_parallel=True)
-    try:
-        core: Any = llm.engine_core
-        assert (core.ready.executor, core.ready.world_size) == ("mp", 2)
-        for prompts in (first, second):
-            outputs = _greedy(llm, prompts)
-            assert [list(o.outputs[0].token_ids) for o in outputs] == [_hf_generate(path, tuple(p)) for p in prompts]
-        assert [o.num_cached_tokens >= PREFIX_LEN for o in outputs[:2]] == [True, True]
-        assert core.engine_core.scheduler.num_preemptions > 0
-        stats = core.engine_core.model_executor.collective_rpc("collective_stats")
-        assert all(rank["ep_num_collectives"] > 0 for rank in stats)  # the MoE layers went all-to-all
-    finally:
-        llm.shutdown()
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Every new native architecture through the whole engine, every engine
-feature at once, at -tp 1 and -tp 2 (mp executor): greedy tokens equal
+feature at once, at -tp 1 and -tp 2 (mp executor), the mixture-of-experts
+ones also with --enable-expert-parallel at 2 ranks: greedy tokens equal
 transformers' `generate` in float32.
 
 One run per architecture and TP size holds a prefix-cache hit (two prompts
@@ -119,17 +120,26 @@ def _check_block_invariant_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDLLM_DEBUG_KV", "1")
 
 
+# Mixture-of-experts architectures also run with --enable-expert-parallel at 2 ranks.
+MOE_ARCHITECTURES = ("GptOssForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
+                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+RUNS = [(architecture, parallel) for architecture in ARCHITECTURES
+        for parallel in ("tp1", "tp2", *(("ep2",) if architecture in MOE_ARCHITECTURES else ()))]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
-def test_engine_greedy_matches_hf_with_prefix_hits_chunks_preemption_and_drafts(architecture: str, tp: int) -> None:
+@pytest.mark.parametrize(("architecture", "parallel"), RUNS)
+def test_engine_greedy_matches_hf_with_prefix_hits_chunks_preemption_and_drafts(architecture: str,
+                                                                                parallel: str) -> None:
+    tp, expert_parallel = (1 if parallel == "tp1" else 2), parallel == "ep2"
     make_checkpoint, num_kv_blocks = ARCHITECTURES[architecture]
     path = make_checkpoint()
     assert hf_model(path).config.architectures == [architecture]
     first, second = _prompts(hf_model(path).config.vocab_size)
     speculative = {"method": "suffix", "num_speculative_tokens": 3, "policy": "always"}
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=num_kv_blocks, max_num_batched_tokens=BUDGET,
-              max_model_len=128, speculative_config=speculative, tensor_parallel_size=tp)
+              max_model_len=128, speculative_config=speculative, tensor_parallel_size=tp,
+              enable_expert_parallel=expert_parallel)
     try:
         core: Any = llm.engine_core
         assert (core.ready.executor, core.ready.world_size) == ("uni" if tp == 1 else "mp", tp)
@@ -142,5 +152,8 @@ def test_engine_greedy_matches_hf_with_prefix_hits_chunks_preemption_and_drafts(
         assert scheduler.num_preemptions > 0
         assert scheduler.total_spec_decoding_stats.num_accepted_tokens > 0
         assert mixed_steps[0] > 0
+        if expert_parallel:  # the MoE layers went all-to-all
+            stats = core.engine_core.model_executor.collective_rpc("collective_stats")
+            assert all(rank["ep_num_collectives"] > 0 for rank in stats)
     finally:
         llm.shutdown()
