@@ -10,6 +10,8 @@ for the same full sequence.
 from __future__ import annotations
 
 import math
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,25 +136,44 @@ def hf_model(path: Any) -> Any:
     return _hf_models[key]
 
 
+def save_with_tokenizer(model: Any, path: Path) -> Path:
+    """A transformers model saved as a checkpoint folder with the shipped tokenizer."""
+    from pagedllm.model_registry.tiny import get_tokenizer_dir
+
+    path.mkdir(parents=True, exist_ok=True)
+    for item in Path(get_tokenizer_dir()).iterdir():
+        if item.is_file():
+            shutil.copy(item, path / item.name)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def run_mixed_schedule(model: Any, first_id: int = 0) -> PagedBatchRunner:
+    """Three prompts (token ids from `first_id`) prefilled together, decodes,
+    then a prompt prefilled in two chunks (the second over cached context)
+    beside the decodes."""
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    runner = PagedBatchRunner(model)
+    for length in (5, 13, 21):
+        runner.add_request(torch.randint(first_id, vocab, (length,), generator=gen).tolist())
+    runner.step([(0, 5), (1, 13), (2, 21)])  # three fresh prefills in one batch
+    for _ in range(3):
+        runner.step([(0, 1), (1, 1), (2, 1)])
+    late = runner.add_request(torch.randint(first_id, vocab, (19,), generator=gen).tolist())
+    runner.step([(0, 1), (late, 8), (1, 1), (2, 1)])  # first chunk beside decodes
+    runner.step([(0, 1), (1, 1), (late, 11), (2, 1)])  # second chunk reads 8 cached tokens
+    for _ in range(2):
+        runner.step([(0, 1), (1, 1), (2, 1), (late, 1)])
+    return runner
+
+
 def run_scenario(
     arch: str, overrides: dict[str, Any], dtype: torch.dtype = torch.float32
 ) -> tuple[PagedBatchRunner, Any]:
     path = cached_tiny_model(arch, **overrides)
     model = load_model(path, model_cls=MODEL_CLASSES[arch], attn_backend=TorchNativeBackend, dtype=dtype, device="cpu")
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(1)
-    runner = PagedBatchRunner(model)
-    for length in (5, 13, 21):
-        runner.add_request(torch.randint(vocab, (length,), generator=gen).tolist())
-    runner.step([(0, 5), (1, 13), (2, 21)])  # three fresh prefills in one batch
-    for _ in range(3):
-        runner.step([(0, 1), (1, 1), (2, 1)])
-    late = runner.add_request(torch.randint(vocab, (19,), generator=gen).tolist())
-    runner.step([(0, 1), (late, 8), (1, 1), (2, 1)])  # first chunk beside decodes
-    runner.step([(0, 1), (1, 1), (late, 11), (2, 1)])  # second chunk reads 8 cached tokens
-    for _ in range(2):
-        runner.step([(0, 1), (1, 1), (2, 1), (late, 1)])
-    return runner, path
+    return run_mixed_schedule(model), path
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

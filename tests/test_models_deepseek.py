@@ -14,13 +14,12 @@ round trip: test_kv_cache_mla.py.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_models import PagedBatchRunner, hf_model
+from test_models import hf_model, run_mixed_schedule, save_with_tokenizer
 from test_models_gpt_oss import max_logit_error
 
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
@@ -84,12 +83,7 @@ def build_deepseek(architecture: str, path: Path, seed: int = 0) -> Path:
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)  # moves some choices, not the weights
-    path.mkdir(parents=True, exist_ok=True)
-    for item in tokenizer_dir.iterdir():
-        if item.is_file():
-            shutil.copy(item, path / item.name)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return path
+    return save_with_tokenizer(model, path)
 
 
 _checkpoints: dict[str, Path] = {}
@@ -108,32 +102,13 @@ def _load(architecture: str, path: Path) -> Any:
                       dtype=torch.float32, device="cpu")
 
 
-def run_paged_batches(model: Any) -> PagedBatchRunner:
-    """Three prompts prefilled together, decodes, then a prompt prefilled in
-    two chunks (the second over cached context) beside the decodes."""
-    gen = torch.Generator().manual_seed(1)
-    vocab = model.config.vocab_size
-    runner = PagedBatchRunner(model)
-    for length in (5, 13, 21):
-        runner.add_request(torch.randint(8, vocab, (length,), generator=gen).tolist())
-    runner.step([(0, 5), (1, 13), (2, 21)])
-    for _ in range(3):
-        runner.step([(0, 1), (1, 1), (2, 1)])
-    late = runner.add_request(torch.randint(8, vocab, (19,), generator=gen).tolist())
-    runner.step([(0, 1), (late, 8), (1, 1), (2, 1)])
-    runner.step([(0, 1), (1, 1), (late, 11), (2, 1)])
-    for _ in range(2):
-        runner.step([(0, 1), (1, 1), (2, 1), (late, 1)])
-    return runner
-
-
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_paged_batches_match_hf_logits_and_greedy_tokens(checkpoints: dict[str, Path], architecture: str) -> None:
     path = checkpoints[architecture]
     reference = hf_model(path)
     model = _load(architecture, path)
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    runner = run_paged_batches(model)
+    runner = run_mixed_schedule(model, first_id=8)
     assert max_logit_error(runner, reference) < 1e-4
     for r, tokens in enumerate(runner.tokens):
         prompt_len = runner.prompt_lens[r]
@@ -171,5 +146,5 @@ def test_each_mechanism_matters(checkpoints: dict[str, Path], architecture: str,
     interleaved RoPE pairs, V3's correction bias), the logits are off."""
     model = _load(architecture, checkpoints[architecture])
     _switch_off(model, what)
-    runner = run_paged_batches(model)
+    runner = run_mixed_schedule(model, first_id=8)
     assert max_logit_error(runner, hf_model(checkpoints[architecture])) > 1e-3

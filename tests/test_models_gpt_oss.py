@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import math
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_models import PagedBatchRunner
+from test_models import PagedBatchRunner, run_mixed_schedule, save_with_tokenizer
 
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
 from pagedllm.model_registry.loader import load_model
@@ -58,12 +57,7 @@ def build_gpt_oss(path: Path, seed: int = 0) -> Path:
                 param.normal_(0.0, 0.5)  # the clamp clips, the top-2 is clear
             else:
                 param.add_(torch.randn_like(param) * 0.02)  # norms away from 1, biases away from 0
-    path.mkdir(parents=True, exist_ok=True)
-    for item in tokenizer_dir.iterdir():
-        if item.is_file():
-            shutil.copy(item, path / item.name)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return path
+    return save_with_tokenizer(model, path)
 
 
 @pytest.fixture(scope="module")
@@ -81,24 +75,8 @@ def hf_model(checkpoint: Path) -> Any:
 
 
 def run_paged_batches(checkpoint: Path) -> PagedBatchRunner:
-    """Three prompts prefilled together, decodes, then a prompt prefilled in
-    two chunks (the second over cached context) beside the decodes."""
-    model = load_model(checkpoint, model_cls=GptOssForCausalLM, attn_backend=TorchNativeBackend,
-                       dtype=torch.float32, device="cpu")
-    gen = torch.Generator().manual_seed(1)
-    vocab = model.config.vocab_size
-    runner = PagedBatchRunner(model)
-    for length in (5, 13, 21):
-        runner.add_request(torch.randint(8, vocab, (length,), generator=gen).tolist())
-    runner.step([(0, 5), (1, 13), (2, 21)])
-    for _ in range(3):
-        runner.step([(0, 1), (1, 1), (2, 1)])
-    late = runner.add_request(torch.randint(8, vocab, (19,), generator=gen).tolist())
-    runner.step([(0, 1), (late, 8), (1, 1), (2, 1)])
-    runner.step([(0, 1), (1, 1), (late, 11), (2, 1)])
-    for _ in range(2):
-        runner.step([(0, 1), (1, 1), (2, 1), (late, 1)])
-    return runner
+    return run_mixed_schedule(load_model(checkpoint, model_cls=GptOssForCausalLM, attn_backend=TorchNativeBackend,
+                                         dtype=torch.float32, device="cpu"), first_id=8)
 
 
 def max_logit_error(runner: PagedBatchRunner, hf_model: Any) -> float:

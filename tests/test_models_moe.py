@@ -13,13 +13,12 @@ and drafts: test_models_engine_matrix.py.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_models import PagedBatchRunner, hf_model
+from test_models import PagedBatchRunner, hf_model, run_mixed_schedule, save_with_tokenizer
 from test_models_gpt_oss import max_logit_error
 
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
@@ -75,12 +74,7 @@ def build_moe(architecture: str, path: Path, seed: int = 0, window: int = MIXTRA
                 param.normal_(0.0, 0.2)  # experts whose outputs differ visibly
             else:
                 param.add_(torch.randn_like(param) * 0.02)  # norms away from 1, biases away from 0
-    path.mkdir(parents=True, exist_ok=True)
-    for item in tokenizer_dir.iterdir():
-        if item.is_file():
-            shutil.copy(item, path / item.name)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return path
+    return save_with_tokenizer(model, path)
 
 
 _checkpoints: dict[str, Path] = {}
@@ -95,24 +89,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def run_paged_batches(architecture: str, checkpoint: Path) -> PagedBatchRunner:
-    """Three prompts prefilled together, decodes, then a prompt prefilled in
-    two chunks (the second over cached context) beside the decodes."""
-    model = load_model(checkpoint, model_cls=MODEL_CLASSES[architecture], attn_backend=TorchNativeBackend,
-                       dtype=torch.float32, device="cpu")
-    gen = torch.Generator().manual_seed(1)
-    vocab = model.config.vocab_size
-    runner = PagedBatchRunner(model)
-    for length in (5, 13, 21):
-        runner.add_request(torch.randint(8, vocab, (length,), generator=gen).tolist())
-    runner.step([(0, 5), (1, 13), (2, 21)])
-    for _ in range(3):
-        runner.step([(0, 1), (1, 1), (2, 1)])
-    late = runner.add_request(torch.randint(8, vocab, (19,), generator=gen).tolist())
-    runner.step([(0, 1), (late, 8), (1, 1), (2, 1)])
-    runner.step([(0, 1), (1, 1), (late, 11), (2, 1)])
-    for _ in range(2):
-        runner.step([(0, 1), (1, 1), (2, 1), (late, 1)])
-    return runner
+    return run_mixed_schedule(load_model(checkpoint, model_cls=MODEL_CLASSES[architecture],
+                                         attn_backend=TorchNativeBackend, dtype=torch.float32, device="cpu"),
+                              first_id=8)
 
 
 @pytest.mark.parametrize("architecture", list(MODEL_CLASSES))

@@ -27,6 +27,7 @@ from pagedllm.attention_backends.kv_cache_dtype import dequantize_kv, is_fp8, qu
 from pagedllm.attention_backends.mla import absorb_query, unabsorb_output
 from pagedllm.attention_backends.torch_mla import TorchMLAImpl
 from pagedllm.attention_backends.triton.latent_attention import latent_attention, write_latent_cache
+from pagedllm.platforms.cpu.graph import capturing_any_graph
 
 if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionMetadata
@@ -43,10 +44,6 @@ def fresh_prefill_rows(attn_metadata: AttentionMetadata) -> list[tuple[int, int]
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     fresh = ((query_lens > 1) & (query_lens == attn_metadata.seq_lens_cpu[:num_reqs])).nonzero().squeeze(1)
     return list(zip(query_start_loc[fresh].tolist(), query_start_loc[fresh + 1].tolist(), strict=True))
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class TritonMLAImpl(TorchMLAImpl):
@@ -69,7 +66,7 @@ class TritonMLAImpl(TorchMLAImpl):
         write_latent_cache(quantize_kv(kv_c, kv_cache.dtype, self.kv_scale),
                            quantize_kv(k_pe, kv_cache.dtype, self.kv_scale), kv_cache, attn_metadata.slot_mapping)
         w_uk, w_uv = self.split_kv_b(kv_b_weight.to(q_nope.dtype))
-        fresh = [] if _capturing() else fresh_prefill_rows(attn_metadata)
+        fresh = [] if capturing_any_graph() else fresh_prefill_rows(attn_metadata)
         q_lat = _last_dim_contiguous(absorb_query(q_nope[:num_tokens], w_uk))  # [T, H, L]
         latent_out = torch.empty_like(q_lat)
         latent_attention(latent_out, q_lat, _last_dim_contiguous(q_pe[:num_tokens]), kv_cache,

@@ -82,14 +82,20 @@ def is_capturing() -> bool:
     return getattr(_recording, "graph", None) is not None
 
 
-def refuse_capture(reason: str) -> None:
-    """Raise GraphCaptureError while a graph is being captured (a CpuGraph,
-    or a CUDA graph on the current stream): for code about to compute with
-    host values that a replay would keep from the capture."""
+def capturing_any_graph() -> bool:
+    """Whether a graph is being captured: a CpuGraph on this thread, or a
+    CUDA graph on the current stream."""
     # is_initialized, not is_available: 40x cheaper, and this runs per layer of an eager CPU step.
-    if getattr(_recording, "graph", None) is not None or (
+    return getattr(_recording, "graph", None) is not None or (
         torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-    ):
+    )
+
+
+def refuse_capture(reason: str) -> None:
+    """Raise GraphCaptureError while a graph is being captured
+    (`capturing_any_graph`): for code about to compute with host values that
+    a replay would keep from the capture."""
+    if capturing_any_graph():
         raise GraphCaptureError(reason)
 
 
