@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import mmap
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -330,15 +330,21 @@ def load_model(
     hf_config: PretrainedConfig | None = None,
     load_format: str = "auto",
     seed: int = 0,
+    create_quantized_weights: Callable[[nn.Module], object] | None = None,
 ) -> nn.Module:
     """Build ``model_cls`` on ``device`` in ``dtype`` and load the checkpoint
-    strictly (``load_format`` ``dummy``: random weights, seeded by ``seed``)."""
+    strictly (``load_format`` ``dummy``: random weights, seeded by ``seed``).
+    `create_quantized_weights(model)`, for a quantized checkpoint that a
+    quantization method reads, gives the built model the checkpoint's storage
+    before any weight is loaded (worker/quantize.py)."""
     if hf_config is None:
         hf_config = load_hf_config(model_path)
-    if load_format != "dummy":  # dummy weights read no file, so nothing to misread
+    if load_format != "dummy" and create_quantized_weights is None:  # dummy weights read no file
         check_checkpoint_quantization(hf_config, model_cls, model_path)
     with torch.device(device):
         model = model_cls(hf_config, attn_backend, dtype=dtype)
+        if create_quantized_weights is not None:
+            create_quantized_weights(model)
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
     else:

@@ -107,7 +107,11 @@ from packaging.version import Version
 #      `AttentionBackend.get_mla_impl_cls` / `get_mla_kv_cache_layout`
 #      (attention_backends/mla.py: `MLAAttentionImpl`, `MLAKVCacheLayout`),
 #      `KVCacheLayout.block_shape`, the `MLAAttentionSpec` KV cache spec.
-API_VERSION = "1.13.0"
+# 1.14: quantized checkpoints: `QuantizationInfo.checkpoint_formats` /
+#      `quantizes_float`, `QuantizationMethod.from_checkpoint_config` /
+#      `create_weights` / `create_moe_weights` (defaults: the method reads no
+#      checkpoint format; 1.13 methods are unchanged).
+API_VERSION = "1.14.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

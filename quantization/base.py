@@ -29,13 +29,30 @@ slice of every expert) with its storage, and offers the computation over
 it as the "fused_moe" layer op in `register_layer_ops`, with a `supports`
 that recognises the layers it converted. The router, the biases and the
 all-reduce after the layer stay the layer's.
+
+Quantized checkpoints (plugin API 1.14): a method that reads a checkpoint
+format (GPTQ, AWQ, compressed-tensors ...) lists the
+``quantization_config.quant_method`` values it reads in its registration's
+``checkpoint_formats``; such a checkpoint is served by the first registered
+method that reads it (or the one `model.quantization` names), built by
+`from_checkpoint_config` with config.json's ``quantization_config``. Before
+any weight is loaded, `create_weights(layer, prefix)` replaces the layer's
+float ``weight`` with the parameters the checkpoint stores for it
+(``qweight``, ``scales`` ...), each with a ``weight_loader(param, tensor[,
+shard_id])``: the loader feeds them by name exactly as it feeds float
+weights (``q_proj.qweight`` into the stacked ``qkv_proj.qweight``), so a
+method whose loader turns each checkpoint tensor into one with the float
+weight's [out, in] orientation can hand it on to the layer's own
+``weight_loader``, which slices it for the rank and the stacked shard. After
+loading, `quantize_linear` runs as for a float checkpoint: there it turns
+the loaded tensors into its kernel's storage.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import nn
@@ -43,7 +60,29 @@ if TYPE_CHECKING:
 
 
 class QuantizationMethod(ABC):
-    """Built as ``MethodCls()``; `quantize_linear` runs once per layer at load."""
+    """Built as ``MethodCls()`` (a float checkpoint quantized at load) or
+    ``MethodCls.from_checkpoint_config(quantization_config)`` (a checkpoint
+    in a format it reads); `quantize_linear` runs once per layer at load."""
+
+    @classmethod
+    def from_checkpoint_config(cls, quant_config: dict[str, Any]) -> QuantizationMethod:
+        """The method for a checkpoint whose config.json `quantization_config`
+        is `quant_config` (a plain dict); ModelLoadError for settings it does
+        not read. Default: ``cls()``, the settings ignored."""
+        return cls()
+
+    def create_weights(self, layer: nn.Linear, prefix: str) -> bool:
+        """Before loading: replace `layer.weight` with the parameters the
+        checkpoint stores for it, each with a ``weight_loader``; True when it
+        did. Default: False, the layer loads a float weight (a layer the
+        checkpoint leaves unquantized, such as GPTQ's ignored modules)."""
+        return False
+
+    def create_moe_weights(self, layer: nn.Module, prefix: str) -> bool:
+        """`create_weights` for a ``FusedMoE`` layer's experts. Default: False,
+        the experts load as float (a method whose checkpoints quantize them
+        and that cannot read them raises ModelLoadError naming the format)."""
+        return False
 
     @abstractmethod
     def quantize_linear(self, layer: nn.Linear, prefix: str) -> bool:

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pagedllm.core.errors import ConfigError
 from pagedllm.model_registry.layers.fused_moe import FusedMoE
 from pagedllm.model_registry.layers.linear import LinearBase
 from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead
+from pagedllm.model_registry.loader import check_checkpoint_quantization, checkpoint_quant_method
 from pagedllm.platforms.interface import dtype_name
 
 if TYPE_CHECKING:
@@ -45,17 +47,86 @@ class ConvertedLayers(NamedTuple):
     moe: int
 
 
-def quantize_model(model: nn.Module, method: QuantizationMethod) -> ConvertedLayers:
-    """Hand `method` every linear layer but the LM head (its weight may be the
-    tied embedding's) and those whose weight is read raw (`skip_quantization`),
-    and every MoE layer; how many of each it converted."""
+class QuantizationPlan(NamedTuple):
+    """Which method quantizes the model, and from what."""
+
+    name: str | None  # the registered method; None: the model runs as loaded
+    # The checkpoint format it reads (config.json quant_method); None: the
+    # checkpoint is float (quantized at load by `name`, if any).
+    checkpoint_format: str | None = None
+    checkpoint_config: dict[str, Any] | None = None  # config.json's quantization_config
+
+    def build(self, method_cls: type[QuantizationMethod]) -> QuantizationMethod:
+        if self.checkpoint_format is None:
+            return method_cls()
+        return method_cls.from_checkpoint_config(dict(self.checkpoint_config or {}))
+
+
+def plan_quantization(
+    configured: str | None, hf_config: Any, model_cls: type, plugin_manager: PluginManager, model_path: str,
+) -> QuantizationPlan:
+    """The method for this checkpoint: a float checkpoint (or a format the
+    model class reads itself, `checkpoint_quant_methods`) runs `configured`;
+    a quantized one runs the method `configured` names if it reads the format,
+    else the first registered method that does. ModelLoadError when none
+    reads it; ConfigError when `configured` cannot apply to it."""
+    fmt = checkpoint_quant_method(hf_config)
+    readers = [registration.name for registration in plugin_manager.quantization_methods.registrations()
+               if fmt is not None and fmt in registration.info.checkpoint_formats]
+    if fmt is None or fmt in tuple(getattr(model_cls, "checkpoint_quant_methods", ())):
+        if configured is not None and not plugin_manager.quantization_methods.get(configured).info.quantizes_float:
+            raise ConfigError("model.quantization", configured, "a method that quantizes a float checkpoint at load "
+                              f"({configured} only reads checkpoints quantized in its own format)")
+        return QuantizationPlan(configured)
+    if not readers:
+        check_checkpoint_quantization(hf_config, model_cls, model_path)  # raises, naming the format
+    if configured is not None and configured not in readers:
+        raise ConfigError("model.quantization", configured,
+                          f"a method that reads the checkpoint's {fmt!r} format ({', '.join(readers) or 'none'})")
+    return QuantizationPlan(configured or readers[0], fmt, _as_dict(getattr(hf_config, "quantization_config", None)))
+
+
+def _as_dict(quant_config: Any) -> dict[str, Any]:
+    if quant_config is None or isinstance(quant_config, dict):
+        return dict(quant_config or {})
+    return dict(quant_config.to_dict())  # transformers' QuantizationConfigMixin
+
+
+def create_checkpoint_weights(model: nn.Module, method: QuantizationMethod) -> ConvertedLayers:
+    """Before loading a quantized checkpoint: the method replaces the storage of
+    every layer `quantize_model` would hand it with the checkpoint's tensors."""
     linear = moe = 0
-    for prefix, module in model.named_modules():
-        if isinstance(module, LinearBase) and not isinstance(module, ParallelLMHead) and not module.skip_quantization:
-            linear += bool(method.quantize_linear(module, prefix))
-        elif isinstance(module, FusedMoE):
-            moe += bool(method.quantize_moe(module, prefix))
+    for prefix, module in _quantizable_layers(model):
+        if isinstance(module, FusedMoE):
+            moe += bool(method.create_moe_weights(module, prefix))
+        else:
+            linear += bool(method.create_weights(module, prefix))
     return ConvertedLayers(linear, moe)
 
 
-__all__ = ["ConvertedLayers", "load_quantization_method", "quantize_model"]
+def _quantizable_layers(model: nn.Module) -> Iterator[tuple[str, LinearBase | FusedMoE]]:
+    """Every linear layer but the LM head (its weight may be the tied
+    embedding's) and those whose weight is read raw (`skip_quantization`),
+    and every MoE layer."""
+    for prefix, module in model.named_modules():
+        is_linear = isinstance(module, LinearBase) and not isinstance(module, ParallelLMHead)
+        if (is_linear and not module.skip_quantization) or isinstance(module, FusedMoE):
+            yield prefix, module
+
+
+def quantize_model(model: nn.Module, method: QuantizationMethod) -> ConvertedLayers:
+    """Hand `method` every layer `_quantizable_layers` yields; how many of each
+    kind it converted."""
+    linear = moe = 0
+    for prefix, module in _quantizable_layers(model):
+        if isinstance(module, FusedMoE):
+            moe += bool(method.quantize_moe(module, prefix))
+        else:
+            linear += bool(method.quantize_linear(module, prefix))
+    return ConvertedLayers(linear, moe)
+
+
+__all__ = [
+    "ConvertedLayers", "QuantizationPlan", "create_checkpoint_weights", "load_quantization_method",
+    "plan_quantization", "quantize_model",
+]

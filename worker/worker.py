@@ -14,6 +14,7 @@ drafter, KV connector, decode graphs, ModelRunner.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING, cast
@@ -37,7 +38,6 @@ from pagedllm.model_registry.layers.expert_parallel import EP_FIELD, num_routed_
 from pagedllm.model_registry.layers.ops import OpRegistry, bind_layer_ops
 from pagedllm.model_registry.loader import (
     ModelLoadError,
-    check_checkpoint_quantization,
     get_architecture,
     load_hf_config,
     load_model,
@@ -57,7 +57,13 @@ from pagedllm.worker.layer_ops import build_op_registry
 from pagedllm.worker.memory_profiler import profile_run
 from pagedllm.worker.model_facts import ModelFacts
 from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.quantize import load_quantization_method, quantize_model
+from pagedllm.worker.quantize import (
+    QuantizationPlan,
+    create_checkpoint_weights,
+    load_quantization_method,
+    plan_quantization,
+    quantize_model,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -126,16 +132,24 @@ def plan_ranks(
         plugin_manager=plugin_manager,
     )
     check_tensor_parallel(config, facts, plugin_manager)
-    if config.model.load_format != "dummy":  # before any rank starts (load_model checks again)
-        check_checkpoint_quantization(facts.hf_config, load_model_class(facts.impl(), plugin_manager), facts.path)
+    quantization = plan_model_quantization(config, facts, plugin_manager)  # before any rank starts
     check_expert_parallel(config, facts)
-    if config.model.quantization is not None and facts.impl().impl == "transformers":
+    if quantization.name is not None and facts.impl().impl == "transformers":
         raise ConfigError(
             "model.quantization",
-            config.model.quantization,
+            quantization.name,
             f"None for {facts.architecture} on the Transformers fallback (its linear layers are transformers')",
         )
     return platform, facts, attn_selection
+
+
+def plan_model_quantization(config: EngineConfig, facts: ModelFacts, plugin_manager: PluginManager) -> QuantizationPlan:
+    """model.quantization, or the method that reads the checkpoint's format
+    (dummy weights read no checkpoint: only model.quantization applies)."""
+    if config.model.load_format == "dummy":
+        return QuantizationPlan(config.model.quantization)
+    return plan_quantization(config.model.quantization, facts.hf_config,
+                             load_model_class(facts.impl(), plugin_manager), plugin_manager, facts.path)
 
 
 def check_tensor_parallel(config: EngineConfig, facts: ModelFacts, plugin_manager: PluginManager) -> None:
@@ -254,10 +268,11 @@ class Worker:
         # How many tokens each request drafts per step (an unknown name fails here).
         self.spec_policy_cls: type[SpeculationPolicy] | None = (
             None if method is None else self.plugin_manager.spec_policies.load(config.speculative.policy))
-        quantization = config.model.quantization
         # Checked here, before any weight is loaded: an unknown or unfit method is a ConfigError.
-        self.quantization_cls: type[QuantizationMethod] | None = None if quantization is None else (
-            load_quantization_method(quantization, self.plugin_manager, self.platform, self.model_facts.dtype))
+        self.quantization = plan_model_quantization(config, self.model_facts, self.plugin_manager)
+        self.quantization_cls: type[QuantizationMethod] | None = None if self.quantization.name is None else (
+            load_quantization_method(self.quantization.name, self.plugin_manager, self.platform,
+                                     self.model_facts.dtype))
         # config.speculative with its model name resolved to a folder: drafters
         # get a folder, whatever name the config gave.
         speculative = config.speculative
@@ -322,6 +337,10 @@ class Worker:
         self.init_distributed()
         facts = self.model_facts
         model_cls = load_model_class(facts.impl(), self.plugin_manager)
+        quantization = None if self.quantization_cls is None else self.quantization.build(self.quantization_cls)
+        create_quantized_weights = None
+        if quantization is not None and self.quantization.checkpoint_format is not None:
+            create_quantized_weights = functools.partial(create_checkpoint_weights, method=quantization)
         # load_model builds model_cls (a ModelForCausalLM, checked by the registry).
         model = cast("ModelForCausalLM", load_model(
             facts.path,
@@ -332,14 +351,15 @@ class Worker:
             hf_config=facts.hf_config,
             load_format=self.config.model.load_format,
             seed=self.config.model.seed,
+            create_quantized_weights=create_quantized_weights,
         ))
         if facts.impl().impl == "transformers":
             check_fallback_attention_layers(model, facts, self.num_kv_heads)
-        quantization = None if self.quantization_cls is None else self.quantization_cls()
         if quantization is not None:
             converted = quantize_model(model, quantization)
-            logger.info("quantization %s: %d linear and %d MoE layers converted", self.config.model.quantization,
-                        converted.linear, converted.moe)
+            source = self.quantization.checkpoint_format or "float"
+            logger.info("quantization %s (%s checkpoint): %d linear and %d MoE layers converted",
+                        self.quantization.name, source, converted.linear, converted.moe)
         self.op_registry = build_op_registry(self.platform, quantization)
         bind_layer_ops(model, self.op_registry)
         self.platform.optimize_model(model)
@@ -580,7 +600,7 @@ class Worker:
             model_path=facts.path,
             model_fingerprint=model_fingerprint(
                 facts.path, facts.dtype, block_size, self.num_layers, self.num_kv_heads, facts.head_size,
-                tp_size=self.world_size, tp_rank=self.rank, quantization=self.config.model.quantization,
+                tp_size=self.world_size, tp_rank=self.rank, quantization=self.quantization.name,
                 kv_cache_dtype=facts.kv_cache_dtype, latent=facts.is_latent,
             ),
             block_size=block_size,
