@@ -47,6 +47,15 @@ class ModelConfig(_Section):
     model: str | None = None
     # None = the model folder.
     tokenizer: str | None = None
+    # A hub id's branch, tag or commit (vLLM's --revision); None = the
+    # default branch. Pinned to its commit once at start-up.
+    revision: str | None = None
+    # The tokenizer's revision when it is a hub id; None = `revision` when
+    # the tokenizer is the model's repo, else its default branch.
+    tokenizer_revision: str | None = None
+    # Where hub models are downloaded to (a Hugging Face cache folder);
+    # None = huggingface_hub's cache (HF_HUB_CACHE, under HF_HOME).
+    download_dir: str | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", json_schema_extra={"aliases": _DTYPE_ALIAS_NAMES}
     )
@@ -425,6 +434,9 @@ class ServerConfig(_Section):
 FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "model": ("model", "model"),
     "tokenizer": ("model", "tokenizer"),
+    "revision": ("model", "revision"),
+    "tokenizer_revision": ("model", "tokenizer_revision"),
+    "download_dir": ("model", "download_dir"),
     "dtype": ("model", "dtype"),
     "max_model_len": ("model", "max_model_len"),
     "seed": ("model", "seed"),

@@ -44,7 +44,7 @@ from pagedllm.engine.kv_event_log import KVEventLog
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
-from pagedllm.model_registry.model_source import resolve_model_path
+from pagedllm.model_registry.model_source import resolve_hub_models, resolve_model_path
 from pagedllm.model_registry.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -126,8 +126,10 @@ class AsyncLLM:
         """`engine_core`: a core `start_async_engine_core(config)` started
         (the server starts it before importing its HTTP stack); this
         AsyncLLM owns it from here on. None: start one now."""
-        self.config = config
         try:
+            # Hub ids download before the core starts (a no-op on a config
+            # `serve` resolved already: its names are folders by then).
+            self.config = config = resolve_hub_models(config)
             stat_logger_names(config)  # an unknown name fails before the core starts
         except BaseException:
             if engine_core is not None:

@@ -17,6 +17,7 @@ from pagedllm.engine.dp_client import SyncDPClient
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.output_processor import OutputProcessor, ProcessedOutputs
+from pagedllm.model_registry.model_source import resolve_hub_models
 from pagedllm.model_registry.tokenizer import load_tokenizer
 from pagedllm.plugins import get_plugin_manager
 
@@ -51,6 +52,8 @@ class LLM:
         get_plugin_manager().load(
             enabled=plugins.enabled, disabled=plugins.disabled, strict=plugins.strict, config=plugins.config
         )
+        # Hub ids download here, once: the engine core and its ranks get folders.
+        self.config = resolve_hub_models(self.config)
         # Checked before the engine starts: an unknown name fails at once.
         has_stat_loggers = bool(stat_logger_names(self.config, default=()))
         self.engine_core: EngineCoreClient

@@ -151,12 +151,12 @@ def _env_requirements(args: argparse.Namespace) -> AttentionRequirements:
     from pagedllm.model_registry.interface import attention_requirements_of
     from pagedllm.model_registry.loader import get_architecture, load_hf_config
     from pagedllm.model_registry.model_impl import resolve_model_impl
-    from pagedllm.model_registry.model_source import resolve_model_path
+    from pagedllm.model_registry.model_source import resolve_config_folder
     from pagedllm.plugins import get_plugin_manager
     from pagedllm.worker.worker import load_model_class
 
     manager = get_plugin_manager()
-    hf_config = load_hf_config(resolve_model_path(args.model, manager))
+    hf_config = load_hf_config(resolve_config_folder(args.model, manager))
     choice = resolve_model_impl(get_architecture(hf_config), args.model_impl, manager.models)
     return attention_requirements_of(load_model_class(choice, manager), hf_config)
 
@@ -271,11 +271,11 @@ def _env_model_impl(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     from pagedllm.model_registry.loader import get_architecture, load_hf_config
     from pagedllm.model_registry.model_impl import resolve_model_impl
-    from pagedllm.model_registry.model_source import resolve_model_path
+    from pagedllm.model_registry.model_source import resolve_config_folder
     from pagedllm.plugins import get_plugin_manager
 
     plugin_manager = get_plugin_manager()
-    architecture = get_architecture(load_hf_config(resolve_model_path(args.model, plugin_manager)))
+    architecture = get_architecture(load_hf_config(resolve_config_folder(args.model, plugin_manager)))
     choice = resolve_model_impl(architecture, args.model_impl, plugin_manager.models)
     return {"architecture": architecture, "model_impl": choice.impl, "model_impl_reason": choice.reason}
 
@@ -335,9 +335,12 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.core_start import start_async_engine_core
     from pagedllm.engine.metrics import stat_logger_names
+    from pagedllm.model_registry.model_source import resolve_hub_models
 
     config = serve_config(args)
     stat_logger_names(config)  # an unknown stat logger fails before the engine core starts
+    # Downloaded here, once: the engine core and the API process get folders.
+    config = resolve_hub_models(config)
     if "PAGEDLLM_LOG_LEVEL" not in os.environ:
         # The periodic stats line and the startup banner are INFO.
         logging.getLogger("pagedllm").setLevel(logging.INFO)
