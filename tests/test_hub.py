@@ -194,3 +194,27 @@ def test_offline_loads_the_cached_snapshot_without_the_hub(tmp_path: Path, monke
     assert offline.model.model == online.model.model
     assert Path(offline.model.model or "").name == sha
     assert (Path(offline.model.model or "") / "model.safetensors").read_bytes() == b"cached weights"
+
+
+REPO_LISTING = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer.model", "README.md",
+                "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+                "pytorch_model.bin", "pytorch_model.bin.index.json", "consolidated.safetensors",
+                "original/consolidated.00.pth", "original/params.json"]
+PT_WEIGHTS = ["pytorch_model.bin", "pytorch_model.bin.index.json"]
+CONFIGS_AND_TOKENIZER = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer.model"]
+
+
+@pytest.mark.parametrize(("load_format", "repo_files", "weights"), [
+    ("auto", REPO_LISTING, ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                            "model.safetensors.index.json"]),
+    ("pt", REPO_LISTING, PT_WEIGHTS),
+    ("auto", [n for n in REPO_LISTING if "safetensors" not in n], PT_WEIGHTS),
+    ("dummy", REPO_LISTING, []),
+])
+def test_files_to_download_take_one_weight_format_and_no_other_copies(
+    load_format: str, repo_files: list[str], weights: list[str]
+) -> None:
+    from pagedllm.model_registry.hub_files import files_to_download
+
+    assert files_to_download(repo_files, load_format) == sorted(CONFIGS_AND_TOKENIZER + weights)
+    assert files_to_download(repo_files, load_format, tokenizer_only=True) == CONFIGS_AND_TOKENIZER
