@@ -115,8 +115,10 @@ def _hub_error(exc: Exception, repo_id: str, revision: str | None, cache_dir: st
             "(or run `hf auth login`) with a token of an account that has access"
         ))
     if isinstance(exc, RepositoryNotFoundError):
+        # A bare name may be a misspelt folder or model source name rather than a repo.
+        also = "" if "/" in repo_id else " (nor is it a local folder or a model source's name)"
         return HubModelError(repo_id, revision, (
-            f"no such repo on {constants.ENDPOINT} (or it is private); check the id, "
+            f"no such repo on {constants.ENDPOINT} (or it is private){also}; check the id, "
             "or set HF_TOKEN to a token with access for a private repo"
         ))
     if isinstance(exc, RevisionNotFoundError):
@@ -124,6 +126,16 @@ def _hub_error(exc: Exception, repo_id: str, revision: str | None, cache_dir: st
     if isinstance(exc, (LocalEntryNotFoundError, OfflineModeIsEnabled, RevisionResolutionError)):
         if constants.HF_HUB_OFFLINE:
             return _not_cached(repo_id, revision, cache_dir)
-        return HubModelError(repo_id, revision, f"the hub at {constants.ENDPOINT} cannot be reached and the "
-                             f"model is not cached ({type(exc).__name__}); check the network or HF_ENDPOINT")
+        return _unreachable(exc, repo_id, revision)
+    if isinstance(exc, OSError) or type(exc).__module__.startswith("httpx"):  # the network failed mid-way
+        return _unreachable(exc, repo_id, revision)
     return exc
+
+
+def _unreachable(exc: Exception, repo_id: str, revision: str | None) -> HubModelError:
+    from huggingface_hub import constants
+
+    return HubModelError(repo_id, revision, (
+        f"the hub at {constants.ENDPOINT} cannot be reached and the model is not cached ({type(exc).__name__}); "
+        "check the network or HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to load a cached snapshot"
+    ))

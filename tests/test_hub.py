@@ -218,3 +218,16 @@ def test_files_to_download_take_one_weight_format_and_no_other_copies(
 
     assert files_to_download(repo_files, load_format) == sorted(CONFIGS_AND_TOKENIZER + weights)
     assert files_to_download(repo_files, load_format, tokenizer_only=True) == CONFIGS_AND_TOKENIZER
+
+
+def test_an_unreachable_hub_is_a_start_up_error_naming_the_repo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hub: FakeHub
+) -> None:
+    """The network fails (nothing listens at HF_ENDPOINT) with HF_HUB_OFFLINE
+    unset: the same kind of message as the other failures, no raw httpx error."""
+    own_hub = FakeHub().start()
+    endpoint = own_hub.endpoint
+    own_hub.stop()  # the port is closed now: every request fails to connect
+    point_hub_at(monkeypatch, endpoint)
+    with pytest.raises(HubModelError, match=r"'org/anything'.*cannot be reached.*HF_HUB_OFFLINE=1"):
+        resolve_hub_models(EngineConfig.from_flat(model="org/anything", download_dir=str(tmp_path)))
