@@ -75,10 +75,11 @@ class ModelConfig(_Section):
     # how the linear layers' weights are stored and multiplied. None = as loaded.
     quantization: str | None = None
     # How the weights are read (vLLM's names): auto = safetensors when the
-    # folder has them, else PyTorch .bin files; safetensors / pt = only that
-    # format; dummy = random weights of the checkpoint's shapes, no weight file
-    # read (benchmarks, start-up measurements).
-    load_format: Literal["auto", "safetensors", "pt", "dummy"] = "auto"
+    # folder has them, else PyTorch .bin files (a `.gguf` model path: gguf);
+    # safetensors / pt = only that format; gguf = one llama.cpp GGUF file,
+    # dequantized at load; dummy = random weights of the checkpoint's shapes,
+    # no weight file read (benchmarks, start-up measurements).
+    load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = "auto"
     # Registered logits processors (plugin kind `logits_processor`) every
     # worker loads, in the order they apply (vLLM's --logits-processors); a
     # request activates one by passing its arguments in extra_args / vllm_xargs.

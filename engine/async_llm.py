@@ -25,7 +25,6 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import AsyncGenerator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import (
@@ -44,7 +43,7 @@ from pagedllm.engine.kv_event_log import KVEventLog
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
-from pagedllm.model_registry.model_source import resolve_hub_models, resolve_model_path
+from pagedllm.model_registry.model_source import model_display_name, resolve_hub_models, resolve_model_path
 from pagedllm.model_registry.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -57,8 +56,8 @@ logger = logging.getLogger(__name__)
 
 def served_name_of(model: str | None) -> str:
     """/v1/models' name for a model: the name of the folder it resolves to
-    (the default and `tiny` serve as `pagedllm-tiny`)."""
-    return Path(resolve_model_path(model)).name
+    (the default and `tiny` serve as `pagedllm-tiny`); a GGUF file's stem."""
+    return model_display_name(resolve_model_path(model))
 
 
 # Outputs processed between yields to the event loop (vLLM's

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.config import EngineConfig
@@ -17,7 +16,7 @@ from pagedllm.engine.dp_client import SyncDPClient
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.output_processor import OutputProcessor, ProcessedOutputs
-from pagedllm.model_registry.model_source import resolve_hub_models
+from pagedllm.model_registry.model_source import model_display_name, resolve_hub_models
 from pagedllm.model_registry.tokenizer import load_tokenizer
 from pagedllm.plugins import get_plugin_manager
 
@@ -74,7 +73,7 @@ class LLM:
         if has_stat_loggers:
             try:
                 self.stat_logger = StatLoggerManager(
-                    self.config.server.served_model_name or Path(ready.model_path).name,
+                    self.config.server.served_model_name or model_display_name(ready.model_path),
                     self.config,
                     num_kv_blocks=ready.num_kv_blocks,
                     max_model_len=ready.max_model_len,

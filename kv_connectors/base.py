@@ -109,6 +109,8 @@ def model_fingerprint(
     if folder.is_dir():
         for weights in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
             digest.update(f"{weights.name}:{weights.stat().st_size};".encode())
+    elif folder.suffix == ".gguf" and folder.is_file():  # one file: config and weights
+        digest.update(f"{folder.name}:{folder.stat().st_size};".encode())
     digest.update(f"{dtype}|{block_size}|{num_layers}|{num_kv_heads}|{head_size}".encode())
     if tp_size > 1:  # NOTE: TP=1 fingerprints (and the blocks stored under them) stay as they were
         digest.update(f"|tp={tp_size}|rank={tp_rank}".encode())

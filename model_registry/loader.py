@@ -6,8 +6,10 @@ every weight with a strict check: each missing and each unexpected
 checkpoint name is reported, in checkpoint names (``...q_proj.weight``, not
 the stacked ``qkv_proj``), so the message matches what the user sees in the
 files. `load_format` (vLLM's names) picks the weight files: `auto`
-(safetensors when present, else .bin), `safetensors`, `pt`, or `dummy`
-(random weights of the checkpoint's shapes, no weight file read). Checkpoint
+(a `.gguf` file: gguf; else safetensors when present, else .bin),
+`safetensors`, `pt`, `gguf` (one llama.cpp file, dequantized at load:
+gguf_checkpoint.py) or `dummy` (random weights of the checkpoint's shapes,
+no weight file read). Checkpoint
 tensors are memory-mapped views: a tensor-parallel layer's
 weight loader narrows each to its rank's slice, so only that slice is copied.
 
@@ -29,7 +31,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from pagedllm.core.errors import PagedLLMError
+from pagedllm.model_registry.gguf_checkpoint import is_gguf_file, iterate_gguf, load_gguf_config
+from pagedllm.model_registry.load_error import ModelLoadError as ModelLoadError
 from pagedllm.model_registry.plain_config import read_plain_config
 
 if TYPE_CHECKING:
@@ -46,34 +49,14 @@ PT_INDEX = "pytorch_model.bin.index.json"
 DUMMY_WEIGHT_RANGE = 1e-3
 
 
-class ModelLoadError(PagedLLMError):
-    """The checkpoint does not fit the model: missing, unexpected or misshaped weights."""
-
-    def __init__(
-        self,
-        model_path: str | Path,
-        missing: Iterable[str] = (),
-        unexpected: Iterable[str] = (),
-        detail: str | None = None,
-    ) -> None:
-        self.model_path = str(model_path)
-        self.missing = sorted(missing)
-        self.unexpected = sorted(unexpected)
-        parts = []
-        if self.missing:
-            parts.append(f"missing weights ({len(self.missing)}): {', '.join(self.missing)}")
-        if self.unexpected:
-            parts.append(f"unexpected weights ({len(self.unexpected)}): {', '.join(self.unexpected)}")
-        if detail:
-            parts.append(detail)
-        super().__init__(f"cannot load {self.model_path}: " + "; ".join(parts))
-
-
 def load_hf_config(model_path: str | Path) -> PretrainedConfig:
     """config.json of a local model folder (never the network): read
     directly for a known architecture (`plain_config`, what AutoConfig would
-    give without its ~2 s of imports), else by AutoConfig."""
+    give without its ~2 s of imports), else by AutoConfig; a `.gguf` file's
+    metadata (model_registry/gguf_checkpoint.py)."""
     path = Path(model_path)
+    if is_gguf_file(path):  # the config is the file's metadata
+        return load_gguf_config(path)
     if not (path / "config.json").is_file():
         raise ModelLoadError(path, detail="no config.json in the model folder")
     plain = read_plain_config(path)
@@ -214,11 +197,14 @@ def iterate_pt(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def resolve_load_format(model_path: str | Path, load_format: str) -> str:
-    """`auto` resolved: safetensors when the folder has them, else pt when it
-    has .bin weights, else safetensors (whose error names the missing files)."""
+    """`auto` resolved: gguf for a `.gguf` file; safetensors when the folder
+    has them, else pt when it has .bin weights, else safetensors (whose error
+    names the missing files)."""
     if load_format != "auto":
         return load_format
     path = Path(model_path)
+    if is_gguf_file(path):
+        return "gguf"
     if _weight_files(path, SAFETENSORS_SINGLE, SAFETENSORS_INDEX) is None and (
         _weight_files(path, PT_SINGLE, PT_INDEX) is not None
     ):
@@ -234,6 +220,8 @@ def iterate_checkpoint(model_path: str | Path, load_format: str = "auto") -> Ite
         return iterate_safetensors(model_path)
     if resolved == "pt":
         return iterate_pt(model_path)
+    if resolved == "gguf":
+        return iterate_gguf(model_path)
     raise ValueError(f"load_format {load_format!r} reads no weight files")
 
 

@@ -9,6 +9,7 @@ models; a plugin may add its own (a model zoo, a company's model store).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError
@@ -131,3 +132,10 @@ def resolve_config_folder(name: str, plugin_manager: PluginManager | None = None
     from pagedllm.model_registry.hub import download_snapshot
 
     return download_snapshot(name, None, None, "dummy")
+
+
+def model_display_name(resolved_path: str) -> str:
+    """The name a served model goes by: its folder's name, a GGUF file's
+    stem (`Llama-3-8B.Q4_K_M.gguf` serves as `Llama-3-8B.Q4_K_M`)."""
+    path = Path(resolved_path)
+    return path.stem if path.suffix == ".gguf" else path.name

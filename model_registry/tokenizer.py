@@ -19,7 +19,8 @@ GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama", ""})
 
 
 def load_tokenizer(path: str) -> Any:
-    """`path` is a folder, a hub id or a name a model source knows (`tiny`).
+    """`path` is a folder, a hub id, a name a model source knows (`tiny`) or
+    a `.gguf` file (a llama.cpp checkpoint whose metadata holds the tokenizer).
 
     A local folder that declares transformers' generic fast tokenizer loads
     it directly: AutoTokenizer would come to the same class, but first imports
@@ -28,6 +29,12 @@ def load_tokenizer(path: str) -> Any:
     from pagedllm.model_registry.model_source import resolve_model_path
 
     resolved = resolve_model_path(path)
+    if resolved.endswith(".gguf"):  # built from the file's metadata (tokens, merges, special ids)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(
+            str(Path(resolved).parent), gguf_file=Path(resolved).name, local_files_only=True
+        )
     if declares_generic_tokenizer(resolved):
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
