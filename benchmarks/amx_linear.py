@@ -54,7 +54,9 @@ def fastest(step: Callable[[], None], reps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--rows", default="1,8,32,64")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--reps", type=int, default=20)

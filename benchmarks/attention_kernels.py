@@ -138,7 +138,9 @@ def available_backends(device: torch.device) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on CPU through the Triton interpreter")
     parser.add_argument("--dtype", default=None, help="float16 (GPU default), bfloat16 or float32 (dry-run default)")
     parser.add_argument("--iters", type=int, default=None)

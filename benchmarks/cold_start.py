@@ -257,7 +257,9 @@ def _raise_priority(increment: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--runs", type=int, default=5, help="starts per tree")
     parser.add_argument("--tree", action="append", default=[], metavar="LABEL=DIR",
                         help="a pagedllm source tree to start (repeatable; default: the installed package)")

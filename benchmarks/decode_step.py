@@ -79,7 +79,9 @@ def _wrap(obj: object, name: str, timers: dict[str, float], key: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--num-new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=5)

@@ -151,7 +151,9 @@ def print_table(results: dict[str, dict[str, list[dict[str, float]]]], args: arg
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--row", choices=list(ROWS), help=argparse.SUPPRESS)  # child mode

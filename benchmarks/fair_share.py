@@ -97,7 +97,9 @@ def report(args: argparse.Namespace, big: Answer | None, small: list[Answer]) ->
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--model", default=None, help="model to serve (default: the embedded default model)")
     parser.add_argument("--base-url", default=None, help="attach to a running server on 127.0.0.1 instead")
     parser.add_argument("--api-key", default=None)

@@ -79,7 +79,9 @@ def print_table(rows: list[list[Any]]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--model", default=None, help="model to serve (default: the tiny test model)")
     parser.add_argument("--base-url", default=None, help="a running server instead of starting one")
     parser.add_argument("--compile-timeout-s", type=float, default=10.0)

@@ -157,7 +157,9 @@ def decode_table(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--num-layers", type=int, default=36)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--capacity-context", type=int, default=8192)

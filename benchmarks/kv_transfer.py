@@ -90,7 +90,9 @@ def offload() -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)

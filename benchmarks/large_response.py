@@ -131,7 +131,9 @@ def run_fake_engine(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--model", default=None, help="model to serve (default: the embedded default model)")
     parser.add_argument("--base-url", default=None, help="attach to a running server on 127.0.0.1 instead")
     parser.add_argument("--serve-args", default="", help="extra `pagedllm serve` flags, one shell-quoted string")

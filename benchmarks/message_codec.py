@@ -219,7 +219,7 @@ def median_us(run: Callable[[], object], repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--num-new", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=50)

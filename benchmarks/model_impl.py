@@ -39,7 +39,9 @@ def decode_tokens_per_second(llm: Any, batch: int, num_new_tokens: int) -> float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--model", default="tiny", help="a Llama-family checkpoint (default: the shipped tiny model)")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--num-new-tokens", type=int, default=64)

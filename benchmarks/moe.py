@@ -100,7 +100,9 @@ def bench_tokens(tokens: int, args: argparse.Namespace, layers: list[FusedMoE], 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--tokens", default="1,32,512")
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--layers", type=int, default=3)

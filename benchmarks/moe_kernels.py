@@ -49,7 +49,9 @@ def median_ms(fn, args: tuple, device: torch.device, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on CPU through the interpreter")

@@ -93,7 +93,9 @@ def _bench(batch_size: int, num_tokens: int, repeats: int) -> tuple[float, float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--num-tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()

@@ -102,7 +102,9 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--num-prefixes", type=int, default=16)
     parser.add_argument("--prefix-len", type=int, default=1000)

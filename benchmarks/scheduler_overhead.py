@@ -59,7 +59,9 @@ def run(num_requests: int, prompt_len: int, num_steps: int, hash_algo: str) -> t
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--num-steps", type=int, default=200)

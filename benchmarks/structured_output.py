@@ -109,7 +109,9 @@ def time_apply(vocab_size: int, batch: int, reps: int = 50) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)

@@ -75,7 +75,9 @@ def run_row(row: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--threads", type=int, default=2, help="cores of the TP=1 row (TP=2 splits them)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=32)

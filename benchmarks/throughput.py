@@ -207,7 +207,9 @@ def run_one(engine: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--num-prompts", type=int, default=None, help="default: 64 (small), 32 (100m)")

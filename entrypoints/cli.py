@@ -362,7 +362,7 @@ def add_serve_parser(sub: Any) -> None:
     from pagedllm.entrypoints.config_flags import add_engine_config_flags
 
     serve = sub.add_parser(
-        "serve",
+        "serve", allow_abbrev=False,
         help="OpenAI-compatible HTTP server",
         description="Serve MODEL (default: the embedded tiny model) over an OpenAI-compatible HTTP API. "
         "Every engine setting has a flag; precedence: flags, env (PAGEDLLM_<SECTION>__<KEY>), "
@@ -398,11 +398,11 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm LLM serving engine")
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="pagedllm", description="pagedllm LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
 
-    gen = sub.add_parser("generate", help="generate text for one prompt")
+    gen = sub.add_parser("generate", allow_abbrev=False, help="generate text for one prompt")
     gen.add_argument("--model", default=None,
                      help="model folder, hub id, or a shipped model: tiny (default), tiny-draft")
     gen.add_argument("--prompt", required=True)
@@ -411,14 +411,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
 
-    plugins = sub.add_parser("plugins", help="inspect plugins")
+    plugins = sub.add_parser("plugins", allow_abbrev=False, help="inspect plugins")
     plugins_sub = plugins.add_subparsers(dest="plugins_command", required=True)
-    plugins_list = plugins_sub.add_parser("list", help="every kind, name, source and load error")
+    plugins_list = plugins_sub.add_parser("list", allow_abbrev=False, help="every kind, name, source and load error")
     plugins_list.add_argument("--json", action="store_true")
     add_plugin_config_flags(plugins_list)
     plugins_list.set_defaults(func=cmd_plugins_list)
     plugins_new = plugins_sub.add_parser(
-        "new",
+        "new", allow_abbrev=False,
         help="generate a plugin package skeleton (pyproject entry point, hooks, README, a test)",
         description="Write DIR/NAME: a pip-installable package that registers one component of KIND "
         "through the pagedllm.plugins entry point, with a test that passes once it is installed.",
@@ -428,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     plugins_new.add_argument("--dir", default=".", metavar="DIR", help="parent folder (default: .)")
     plugins_new.set_defaults(func=cmd_plugins_new)
 
-    env = sub.add_parser("env", help="platform, device and attention backend decision")
+    env = sub.add_parser("env", allow_abbrev=False, help="platform, device and attention backend decision")
     env.add_argument("--json", action="store_true")
     env.add_argument("--platform", default="auto")
     env.add_argument("--attention-backend", default="auto")
@@ -453,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.set_defaults(func=cmd_env)
 
     proxy = sub.add_parser(
-        "disagg-proxy",
+        "disagg-proxy", allow_abbrev=False,
         help="disaggregated prefill: prefill server first (max_tokens 1), then the decode server",
     )
     proxy.add_argument("--prefill", required=True, metavar="URL", help="the prefill (producer) server")
@@ -463,7 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.set_defaults(func=cmd_disagg_proxy)
 
     router = sub.add_parser(
-        "router", help="an OpenAI-compatible front door over several `pagedllm serve` backends, cache-aware",
+        "router", allow_abbrev=False,
+        help="an OpenAI-compatible front door over several `pagedllm serve` backends, cache-aware",
     )
     router.add_argument("--backend", action="append", required=True, metavar="URL",
                         help="a `pagedllm serve` backend (repeat the flag for each; run them with --enable-kv-events)")

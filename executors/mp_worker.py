@@ -61,7 +61,7 @@ def serve(input_address: str, reply_address: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--input", required=True, help="the executor's socket for this rank's frames")
     parser.add_argument("--reply", required=True, help="the executor's reply socket")
     parser.add_argument("--death-fd", type=int, required=True, help="pipe that reads EOF when the executor is gone")

@@ -240,7 +240,7 @@ def test_speculative_flags_reach_the_section() -> None:
 
     from pagedllm.entrypoints.config_flags import add_engine_config_flags, engine_config_overrides
 
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     add_engine_config_flags(parser)
     args = parser.parse_args(
         ["--speculative-method", "draft_model", "--speculative-model", "tiny-draft", "--num-speculative-tokens", "4"]

@@ -137,7 +137,7 @@ def test_cuda_graph_sizes_is_an_alias_of_graph_sizes(monkeypatch: pytest.MonkeyP
     assert config.device.cuda_graph_sizes == [2]
     config.device.cuda_graph_sizes = [3]
     assert config.device.graph_sizes == [3]
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     add_engine_config_flags(parser)
     assert engine_config_overrides(parser.parse_args(["--cuda-graph-sizes", "1,16"])) == {
         "device": {"graph_sizes": ["1", "16"]}}  # parsed by the field, as --graph-sizes is

@@ -274,7 +274,7 @@ def test_flag_spellings_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> Non
     assert EngineConfig().parallel.enable_expert_parallel is False
     monkeypatch.setenv("PAGEDLLM_PARALLEL__ENABLE_EXPERT_PARALLEL", "1")
     assert EngineConfig().parallel.enable_expert_parallel is True
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     add_engine_config_flags(parser)
     args = parser.parse_args(["--enable-expert-parallel"])
     assert args.engine_config__parallel__enable_expert_parallel is True

@@ -55,7 +55,7 @@ def write_draft_vocab(head_dir: Path, out_dir: Path, target_ids: torch.Tensor) -
 def main(argv: list[str] | None = None) -> None:
     from pagedllm.training.train_eagle import _train_tokens
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--head", type=Path, required=True, help="an EAGLE head's folder")
     parser.add_argument("--draft-vocab-size", type=int, required=True)
     parser.add_argument("--out", type=Path, default=None, help="default: rewrite --head in place")

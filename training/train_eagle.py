@@ -238,7 +238,7 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="tiny")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--minutes", type=float, default=12.0)

@@ -27,7 +27,7 @@ def main(argv: list[str]) -> None:
     from vllm.benchmarks.serve import main as bench_serve_main
     from vllm.utils.argparse_utils import FlexibleArgumentParser  # type: ignore[import-not-found]
 
-    parser = FlexibleArgumentParser(description="vllm bench serve")
+    parser = FlexibleArgumentParser(allow_abbrev=False, description="vllm bench serve")
     add_cli_args(parser)
     result = bench_serve_main(parser.parse_args(argv))
     print_result({key: result.get(key) for key in SUMMARY_KEYS})

@@ -57,7 +57,9 @@ def write_checkpoint(out_dir: Path, tokenizer_dir: Path, model: str, dtype: str)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--model", choices=MODELS, default="7m")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     args = parser.parse_args()

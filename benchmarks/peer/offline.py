@@ -156,7 +156,9 @@ def results_table(results: list[WorkloadResult]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated, from: " + ", ".join(WORKLOADS))
     parser.add_argument("--reps", type=int, default=4, help="fresh process pairs per workload (default %(default)s)")

@@ -177,7 +177,9 @@ def run_round(rnd: int, args: argparse.Namespace, model_path: str, log_dir: Path
 def main() -> None:
     from checkpoints import DTYPES, MODELS, checkpoint_dir
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--model", choices=MODELS, default="7m")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 32],

@@ -371,10 +371,10 @@ def _non_negative_int(value: str) -> int:
 
 def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``bench serve`` to the ``pagedllm`` command's subparsers."""
-    bench = sub.add_parser("bench", help="benchmarks")
+    bench = sub.add_parser("bench", allow_abbrev=False, help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     serve = bench_sub.add_parser(
-        "serve", help="load-test an OpenAI-compatible server (pagedllm, vLLM, ...)",
+        "serve", allow_abbrev=False, help="load-test an OpenAI-compatible server (pagedllm, vLLM, ...)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")

@@ -279,7 +279,7 @@ def add_spec_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     bench = sub.choices["bench"]
     bench_sub = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
     spec = bench_sub.add_parser(
-        "spec", help="speculative decoding: acceptance and speedup vs no speculation",
+        "spec", allow_abbrev=False, help="speculative decoding: acceptance and speedup vs no speculation",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     spec.add_argument("--model", default="tiny", help="target model (folder, hub id or shipped alias)")

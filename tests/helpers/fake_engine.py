@@ -85,7 +85,7 @@ def main() -> None:
     from pagedllm.core.startup_heap import freeze_startup_heap
     from pagedllm.entrypoints.openai.api_server import build_app
 
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("port", type=int)
     parser.add_argument("--body-read-timeout-s", type=float, default=30.0)
     parser.add_argument("--max-response-bytes", type=int, default=256 << 20)

@@ -171,7 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     from pagedllm.model_registry.tiny import DRAFT_MODEL_NAME, TARGET_MODEL_NAME, get_tiny_model_dir
     from pagedllm.training.tiny.model_card import write_model_card
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--target", type=Path, default=get_tiny_model_dir(TARGET_MODEL_NAME))
     parser.add_argument("--draft", type=Path, default=get_tiny_model_dir(DRAFT_MODEL_NAME))
