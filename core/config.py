@@ -84,6 +84,10 @@ class ModelConfig(_Section):
     # worker loads, in the order they apply (vLLM's --logits-processors); a
     # request activates one by passing its arguments in extra_args / vllm_xargs.
     logits_processors: list[str] = Field(default_factory=list)
+    # Import the Python files a checkpoint's auto_map names (config.json's or
+    # tokenizer_config.json's) when transformers needs them (vLLM's
+    # --trust-remote-code). Off: such a checkpoint is refused, nothing imported.
+    trust_remote_code: bool = False
 
     @field_validator("logits_processors", mode="before")
     @classmethod
@@ -396,8 +400,13 @@ class ServerConfig(_Section):
     # 503 and exits non-zero (a supervisor restarts it, as vLLM); True = it stays
     # up answering 503 (a liveness probe on /health decides).
     keep_alive_on_engine_death: bool = False
-    # The model id clients send and /v1/models lists; None = the model path's name.
-    served_model_name: str | None = None
+    # The model ids clients may send (vLLM's --served-model-name A B ...): the
+    # first is the `model` of every response, /v1/models lists them all;
+    # None = the model path's name. One string is one name.
+    served_model_name: list[str] | None = Field(None, min_length=1)
+    # The chat template chat requests and LLM.chat render with, instead of the
+    # tokenizer's (vLLM's --chat-template): a file, or the Jinja text itself.
+    chat_template: str | None = None
     # Seconds between the periodic throughput log line; 0 = off.
     log_stats_interval_s: float = Field(10.0, ge=0.0)
     # The stat loggers (plugin kind stat_logger) to run, by name; None = the
@@ -427,6 +436,11 @@ class ServerConfig(_Section):
     # "required" and named functions need neither (the grammar backend forces them).
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _one_name_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
 
 # vLLM's flat keyword names (LLM(model=..., block_size=...)) -> (section, key).
@@ -496,6 +510,9 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "disable_hybrid_kv_cache_manager": ("cache", "disable_hybrid_kv_cache_manager"),
     "stat_loggers": ("server", "stat_loggers"),
     "log_stats_interval_s": ("server", "log_stats_interval_s"),
+    "served_model_name": ("server", "served_model_name"),
+    "chat_template": ("server", "chat_template"),
+    "trust_remote_code": ("model", "trust_remote_code"),
 }
 
 # The parsed config file of the `EngineConfig.load` call in progress (settings

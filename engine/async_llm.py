@@ -161,7 +161,9 @@ class AsyncLLM:
     def _start_front_end(self, config: EngineConfig, startup_timeout_s: float) -> None:
         """Tokenizer, input/output processing and stat loggers, once the core is ready."""
         # The tokenizer loads while the core loads the model.
-        self.tokenizer = load_tokenizer(config.model.tokenizer or resolve_model_path(config.model.model))
+        self.tokenizer = load_tokenizer(
+            config.model.tokenizer or resolve_model_path(config.model.model), config.model.trust_remote_code
+        )
         self.ready = ready = self.engine_core.wait_for_ready(startup_timeout_s)
         self.input_processor = InputProcessor(
             self.tokenizer, ready, config.structured_output, config.model.logits_processors
@@ -169,7 +171,9 @@ class AsyncLLM:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.eos_token_id = self.input_processor.eos_token_id
-        self.model_name = config.server.served_model_name or served_name_of(config.model.model)
+        served_names = config.server.served_model_name
+        # The first served name is what responses and metrics say (the others are accepted in requests).
+        self.model_name = served_names[0] if served_names else served_name_of(config.model.model)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = StatLoggerManager(
             model_name=self.model_name,

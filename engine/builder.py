@@ -213,6 +213,7 @@ def _build_engine_core(
         tokenizer=config.model.tokenizer or facts.path,
         eos_token_id=config_eos_token_id(facts.hf_config),
         max_num_rows=config.scheduler.max_num_seqs,
+        trust_remote_code=config.model.trust_remote_code,
     )
     method = config.speculative.method
     # The scheduler's share of speculative decoding reads the drafter's class

@@ -16,6 +16,7 @@ from pagedllm.engine.dp_client import SyncDPClient
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.output_processor import OutputProcessor, ProcessedOutputs
+from pagedllm.model_registry.chat_template import MissingChatTemplateError, has_own_chat_template, load_chat_template
 from pagedllm.model_registry.model_source import model_display_name, resolve_hub_models
 from pagedllm.model_registry.tokenizer import load_tokenizer
 from pagedllm.plugins import get_plugin_manager
@@ -44,6 +45,8 @@ class LLM:
         if model is not None:  # not given: the config file's (or env's) model, else the default one
             kwargs["model"] = model
         self.config = EngineConfig.from_flat(config_file=config_file, **kwargs)
+        # Read before the engine starts: a template path that is not there fails at once.
+        self.chat_template = load_chat_template(self.config.server.chat_template, field="chat_template")
         plugins = self.config.plugins
         # As `serve`'s API process: this process's plugin code (grammar
         # backends validating requests) gets the same options as the engine
@@ -61,7 +64,9 @@ class LLM:
         else:
             self.engine_core = SyncMPClient(self.config) if multiprocess else InprocClient(self.config)
         ready = self.engine_core.ready
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer or ready.model_path)
+        self.tokenizer = load_tokenizer(
+            self.config.model.tokenizer or ready.model_path, self.config.model.trust_remote_code
+        )
         self.input_processor = InputProcessor(
             self.tokenizer, ready, self.config.structured_output, self.config.model.logits_processors
         )
@@ -73,7 +78,7 @@ class LLM:
         if has_stat_loggers:
             try:
                 self.stat_logger = StatLoggerManager(
-                    self.config.server.served_model_name or model_display_name(ready.model_path),
+                    (self.config.server.served_model_name or [model_display_name(ready.model_path)])[0],
                     self.config,
                     num_kv_blocks=ready.num_kv_blocks,
                     max_model_len=ready.max_model_len,
@@ -118,13 +123,17 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Render each conversation with the tokenizer's chat template, then generate."""
+        """Render each conversation with `chat_template` (else LLM's
+        `chat_template`, else the tokenizer's), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = load_chat_template(chat_template, field="chat_template") or self.chat_template
+        if template is None and not has_own_chat_template(self.tokenizer):
+            raise MissingChatTemplateError("LLM(chat_template=...) or LLM.chat(..., chat_template=...)")
         prompts: list[PromptType] = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(
                 conversation,
-                chat_template=chat_template,
+                chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
             )

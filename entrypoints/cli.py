@@ -156,7 +156,7 @@ def _env_requirements(args: argparse.Namespace) -> AttentionRequirements:
     from pagedllm.worker.worker import load_model_class
 
     manager = get_plugin_manager()
-    hf_config = load_hf_config(resolve_config_folder(args.model, manager))
+    hf_config = load_hf_config(resolve_config_folder(args.model, manager), args.trust_remote_code)
     choice = resolve_model_impl(get_architecture(hf_config), args.model_impl, manager.models)
     return attention_requirements_of(load_model_class(choice, manager), hf_config)
 
@@ -275,7 +275,8 @@ def _env_model_impl(args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm.plugins import get_plugin_manager
 
     plugin_manager = get_plugin_manager()
-    architecture = get_architecture(load_hf_config(resolve_config_folder(args.model, plugin_manager)))
+    model_path = resolve_config_folder(args.model, plugin_manager)
+    architecture = get_architecture(load_hf_config(model_path, args.trust_remote_code))
     choice = resolve_model_impl(architecture, args.model_impl, plugin_manager.models)
     return {"architecture": architecture, "model_impl": choice.impl, "model_impl_reason": choice.reason}
 
@@ -335,10 +336,12 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.core_start import start_async_engine_core
     from pagedllm.engine.metrics import stat_logger_names
+    from pagedllm.model_registry.chat_template import load_chat_template
     from pagedllm.model_registry.model_source import resolve_hub_models
 
     config = serve_config(args)
     stat_logger_names(config)  # an unknown stat logger fails before the engine core starts
+    load_chat_template(config.server.chat_template)  # so does a --chat-template path that is not there
     # Downloaded here, once: the engine core and the API process get folders.
     config = resolve_hub_models(config)
     if "PAGEDLLM_LOG_LEVEL" not in os.environ:
@@ -450,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--distributed-executor-backend", default="auto", metavar="NAME")
     env.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],
                      help="which implementation serves --model (as serve's --model-impl): env says which and why")
+    env.add_argument("--trust-remote-code", action="store_true",
+                     help="let --model's config.json import the Python code its auto_map names (as serve's flag)")
     env.set_defaults(func=cmd_env)
 
     proxy = sub.add_parser(

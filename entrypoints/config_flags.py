@@ -3,8 +3,9 @@ pydantic section models so that a new field gets its flag automatically.
 
 Flag names: vLLM's flat name where `FLAT_KEYS` has one (`--block-size`,
 `--enabled-plugins`), else the key when no other section has it
-(`--api-key`), else `--<section>-<key>`. Booleans are `--x/--no-x`, lists are comma-separated; `--plugin-config
-NAME='{"key": 1}'` (repeatable) sets one plugin's options.
+(`--api-key`), else `--<section>-<key>`. Booleans are `--x/--no-x`, lists are
+comma-separated (those of `SPACE_SEPARATED_LISTS`: one word per item);
+`--plugin-config NAME='{"key": 1}'` (repeatable) sets one plugin's options.
 Only flags actually given become overrides, so env and the config file still
 apply underneath them.
 """
@@ -33,6 +34,9 @@ SHORT_FLAGS: dict[tuple[str, str], str] = {
     ("parallel", "tensor_parallel_size"): "-tp",
     ("parallel", "data_parallel_size"): "-dp",
 }
+# List fields whose flag takes its items as separate words, as vLLM's
+# (`--served-model-name A B`; a name may hold a comma).
+SPACE_SEPARATED_LISTS = frozenset({"server.served_model_name"})
 # A renamed field's old flag, still accepted beside the new one.
 ALIAS_FLAGS: dict[tuple[str, str], str] = {
     ("device", "graph_sizes"): "--cuda-graph-sizes",
@@ -116,6 +120,9 @@ def _add_field_flag(
         return
     if path == PLUGIN_CONFIG_PATH:
         group.add_argument(*flags, type=_plugin_options, action=_MergePluginOptions, metavar="NAME=JSON", **common)
+        return
+    if path in SPACE_SEPARATED_LISTS:
+        group.add_argument(*flags, nargs="+", metavar="NAME", **common)
         return
     if typing.get_origin(annotation) is list:
         group.add_argument(*flags, type=_comma_list, metavar="A,B,...", **common)

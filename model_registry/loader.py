@@ -34,6 +34,7 @@ from torch import nn
 from pagedllm.model_registry.gguf_checkpoint import is_gguf_file, iterate_gguf, load_gguf_config
 from pagedllm.model_registry.load_error import ModelLoadError as ModelLoadError
 from pagedllm.model_registry.plain_config import read_plain_config
+from pagedllm.model_registry.remote_code import remote_code_guard
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -49,11 +50,12 @@ PT_INDEX = "pytorch_model.bin.index.json"
 DUMMY_WEIGHT_RANGE = 1e-3
 
 
-def load_hf_config(model_path: str | Path) -> PretrainedConfig:
+def load_hf_config(model_path: str | Path, trust_remote_code: bool = False) -> PretrainedConfig:
     """config.json of a local model folder (never the network): read
     directly for a known architecture (`plain_config`, what AutoConfig would
-    give without its ~2 s of imports), else by AutoConfig; a `.gguf` file's
-    metadata (model_registry/gguf_checkpoint.py)."""
+    give without its ~2 s of imports), else by AutoConfig, which imports the
+    checkpoint's own config class only with `trust_remote_code`; a `.gguf`
+    file's metadata (model_registry/gguf_checkpoint.py)."""
     path = Path(model_path)
     if is_gguf_file(path):  # the config is the file's metadata
         return load_gguf_config(path)
@@ -64,7 +66,8 @@ def load_hf_config(model_path: str | Path) -> PretrainedConfig:
         return cast("PretrainedConfig", plain)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    with remote_code_guard(path, "config.json", trust_remote_code):
+        return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
 
 
 def checkpoint_quant_method(hf_config: Any) -> str | None:

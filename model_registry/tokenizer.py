@@ -18,9 +18,11 @@ GENERIC_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBac
 GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama", ""})
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     """`path` is a folder, a hub id, a name a model source knows (`tiny`) or
     a `.gguf` file (a llama.cpp checkpoint whose metadata holds the tokenizer).
+    A tokenizer class the checkpoint ships (tokenizer_config.json's auto_map)
+    is imported only with `trust_remote_code`.
 
     A local folder that declares transformers' generic fast tokenizer loads
     it directly: AutoTokenizer would come to the same class, but first imports
@@ -33,7 +35,7 @@ def load_tokenizer(path: str) -> Any:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(
-            str(Path(resolved).parent), gguf_file=Path(resolved).name, local_files_only=True
+            str(Path(resolved).parent), gguf_file=Path(resolved).name, local_files_only=True, trust_remote_code=False
         )
     if declares_generic_tokenizer(resolved):
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -41,7 +43,10 @@ def load_tokenizer(path: str) -> Any:
         return TokenizersBackend.from_pretrained(resolved)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolved)
+    from pagedllm.model_registry.remote_code import remote_code_guard
+
+    with remote_code_guard(resolved, "tokenizer", trust_remote_code):
+        return AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
 
 
 def declares_generic_tokenizer(folder: str) -> bool:

@@ -168,10 +168,12 @@ class StructuredOutputManager:
         tokenizer: str | Any,
         eos_token_id: int | None,
         max_num_rows: int,
+        trust_remote_code: bool = False,
     ) -> None:
         """`tokenizer`: a loaded HF tokenizer or the folder to load it from,
         lazily, when the first backend is built (the core needs it only for
-        structured output)."""
+        structured output); its own code only with `trust_remote_code`."""
+        self.trust_remote_code = trust_remote_code
         self.config = config
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -305,7 +307,7 @@ class StructuredOutputManager:
         if isinstance(self._tokenizer, str):
             from pagedllm.model_registry.tokenizer import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self._tokenizer)
+            self._tokenizer = load_tokenizer(self._tokenizer, self.trust_remote_code)
         return self._tokenizer
 
     def wait_for_compiles(self, timeout_s: float) -> None:

@@ -87,7 +87,7 @@ logger = logging.getLogger(__name__)
 
 def read_model_facts(config: EngineConfig, platform: Platform, plugin_manager: PluginManager) -> ModelFacts:
     path = resolve_model_path(config.model.model, plugin_manager)
-    hf = load_hf_config(path)
+    hf = load_hf_config(path, config.model.trust_remote_code)
     sliding_window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
     dtype = platform.resolve_dtype(config.model.dtype, _config_dtype(hf))
     architecture = get_architecture(hf, config.model.architecture)

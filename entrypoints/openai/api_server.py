@@ -243,7 +243,8 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
     @app.get("/v1/models", response_model=ModelList)
     async def show_models() -> ModelList:
         # NOTE: root is the served name, never the model folder's path on this host.
-        return ModelList(data=[ModelCard(id=model_name, root=model_name, max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=engine.max_model_len)
+                               for name in completion.served_model_names])
 
     # NOTE: the bodies are parsed by parse_body (off the event loop when large),
     # not by FastAPI; body_openapi documents them.

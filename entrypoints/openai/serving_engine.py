@@ -30,6 +30,7 @@ from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool, shared_r
 from pagedllm.entrypoints.openai.response_size import max_token_json_bytes
 from pagedllm.entrypoints.openai.tool_calls import check_tool_messages, template_message
 from pagedllm.entrypoints.openai.user_text import UserTextSpecials
+from pagedllm.model_registry.chat_template import MissingChatTemplateError, has_own_chat_template, load_chat_template
 from pagedllm.structured_output.validator import CompileQueueFullError
 
 if TYPE_CHECKING:
@@ -55,16 +56,22 @@ class OpenAIServing:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name
+        # Every name a request may send (--served-model-name A B ...); the first is model_name.
+        self.served_model_names: list[str] = [self.model_name]
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.vocab_size
         engine_config = getattr(engine, "config", None)
         self.server_config: ServerConfig = engine_config.server if engine_config is not None else ServerConfig()
+        aliases = self.server_config.served_model_name or []
+        self.served_model_names += [name for name in aliases if name != self.model_name]
         # One pool per engine, shared by the completion, chat and tokenize handlers.
         self.pool = pool or shared_request_pool(engine, self.server_config.request_worker_threads)
         # A rendered prompt is the body's messages plus the template's markup:
         # far more than that is a template manufacturing text, and stopped.
         self.max_rendered_chars = 2 * self.server_config.max_body_bytes + RENDERED_PROMPT_SLACK_CHARS
         self.max_response_bytes = self.server_config.max_response_bytes
+        # The operator's template (--chat-template) over the tokenizer's.
+        self.chat_template = load_chat_template(self.server_config.chat_template)
         # get_vocab() builds the whole dict: once, not per request.
         end_of_turn = self.tokenizer.get_vocab().get(END_OF_TURN_TOKEN)
         self._end_of_turn_token_ids = [] if end_of_turn is None else [end_of_turn]
@@ -81,9 +88,10 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> None:
         # NOTE: an omitted model means the served one (vLLM does the same).
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.served_model_names:
+            served = ", ".join(f"`{name}`" for name in self.served_model_names)
             raise OpenAIServingError(404, f"The model `{echo(model)}` does not exist; this server serves "
-                                     f"`{self.model_name}`.", "model")
+                                     f"{served}.", "model")
 
     @staticmethod
     def check_stream_options(stream: bool, stream_options: Any) -> None:
@@ -161,6 +169,10 @@ class OpenAIServing:
         if not messages:
             raise OpenAIServingError(400, "messages: at least one message is required", "messages")
         check_tool_messages(messages)
+        if chat_template is None:
+            chat_template = self.chat_template
+        if chat_template is None and not has_own_chat_template(self.tokenizer):
+            raise MissingChatTemplateError("--chat-template FILE when the server starts")
         conversation = [template_message(m) for m in messages]
         specials = self.user_text_specials
         escaped = specials.escape(conversation, tools, chat_template_kwargs) if specials is not None else None

@@ -18,6 +18,8 @@ def transformers_config(hf_config: Any) -> PretrainedConfig:
 
     if isinstance(hf_config, PretrainedConfig):
         return copy.deepcopy(hf_config)
+    # NOTE: a plain config never has an auto_map (plain_config.UNMIRRORED_KEYS),
+    # so no remote code is needed here, and none is ever imported.
     return AutoConfig.from_pretrained(hf_config.name_or_path, local_files_only=True, trust_remote_code=False)
 
 
