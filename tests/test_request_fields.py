@@ -5,7 +5,9 @@ value, such as `use_beam_search: false`, is accepted), or bookkeeping that
 changes nothing (`user`, `metadata`): never silently ignored.
 
 The reference lists are the fields of vLLM's CompletionRequest and
-ChatCompletionRequest (entrypoints/openai/protocol.py, v0.9 to v0.12).
+ChatCompletionRequest (entrypoints/openai/protocol.py, v0.9 to v0.12), and
+vLLM 0.32's, snapshotted from its pydantic models in
+data/vllm_request_fields.json.
 The server half checks the same through the live app: the new token
 controls act, the refusals and `best_of` agree with /openapi.json.
 """
@@ -23,6 +25,7 @@ from helpers.server import ServerProcess, start_server
 from helpers.tiny_models import cached_tiny_model
 from pydantic import BaseModel, ValidationError
 
+from pagedllm.core.errors import InvalidRequestError
 from pagedllm.entrypoints.openai.errors import describe_validation_error
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.unsupported import (
@@ -87,6 +90,39 @@ def test_every_vllm_field_is_served_refused_or_bookkeeping(
         assert param == field and "not supported" in message, (field, message)
         for no_op in (None, *no_op_values):
             model.model_validate({**base, field: no_op})
+
+
+VLLM_SNAPSHOT = json.loads((Path(__file__).parent / "data" / "vllm_request_fields.json").read_text())
+
+
+@pytest.mark.parametrize(("model", "base", "refused"), [(m, b, r) for m, b, _, r in ROUTES],
+                         ids=["completions", "chat"])
+def test_every_field_of_vllm_0_32_is_served_refused_or_bookkeeping(
+    model: type[BaseModel], base: dict[str, Any], refused: dict[str, tuple[Any, ...]]
+) -> None:
+    assert VLLM_SNAPSHOT["vllm_version"] == "0.32.0"
+    served = set(model.model_json_schema()["properties"])
+    accounted = served | set(refused) | set(IGNORED_FIELDS) | set(UNSUPPORTED_CHAT_FIELDS)
+    assert sorted(set(VLLM_SNAPSHOT[model.__name__]) - accounted) == []
+    assert not served & set(refused)
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+def test_guided_aliases_are_structured_outputs_and_one_constraint_per_request(model: type[BaseModel]) -> None:
+    base = CMPL if model is CompletionRequest else CHAT
+    schema = {"type": "object"}
+    for alias, value, key in [("guided_json", schema, "json"), ("guided_regex", "[a-z]+", "regex"),
+                              ("guided_choice", ["a", "b"], "choice"), ("guided_grammar", 'root ::= "a"', "grammar")]:
+        via_alias = model.model_validate({**base, alias: value, "guided_decoding_backend": "guidance"})
+        direct = model.model_validate({**base, "structured_outputs": {key: value, "backend": "guidance"}})
+        assert via_alias.structured_outputs_params() == direct.structured_outputs_params()  # type: ignore[attr-defined]
+    for extra, named, other in [({"structured_outputs": {"regex": "a"}}, "guided_json", "structured_outputs"),
+                                ({"response_format": {"type": "json_object"}}, "guided_json", "response_format"),
+                                ({"guided_choice": ["a"]}, "guided_choice", "guided_json")]:
+        request = model.model_validate({**base, "guided_json": schema, **extra})
+        with pytest.raises(InvalidRequestError) as info:
+            request.structured_outputs_params()  # type: ignore[attr-defined]
+        assert info.value.field == named and other in info.value.limit
 
 
 @pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
@@ -165,6 +201,15 @@ def test_server_applies_the_token_controls(server: ServerProcess, tokenizer: Any
         assert set(top) == {tokenizer.decode([t]) for t in allowed}
         assert token == max(top, key=top.__getitem__)  # the best allowed token by raw logprob
 
+    plain_chat = _chat(server, logprobs=True)
+    assert plain_chat.status_code == 200, plain_chat.text
+    first_chat_word = plain_chat.json()["choices"][0]["logprobs"]["content"][0]["token"].strip()
+    banned_chat = _chat(server, bad_words=[first_chat_word])
+    assert banned_chat.status_code == 200, banned_chat.text
+    banned_text = banned_chat.json()["choices"][0]["message"]["content"]
+    assert banned_text != plain_chat.json()["choices"][0]["message"]["content"]
+    assert not banned_text.lstrip().startswith(first_chat_word)
+
     chat = _chat(server, logprob_token_ids=[882, 5])
     assert chat.status_code == 200, chat.text
     for position in chat.json()["choices"][0]["logprobs"]["content"]:
@@ -194,7 +239,8 @@ def test_server_refusals_name_the_field_and_agree_with_the_schema(server: Server
     schema = httpx.get(f"{server.base_url}/openapi.json", timeout=30).json()
     completion_fields = set(schema["components"]["schemas"]["CompletionRequest"]["properties"])
     assert {"allowed_token_ids", "bad_words", "logprob_token_ids", "truncate_prompt_tokens"} <= completion_fields
-    assert not completion_fields & {"best_of", "suffix", "use_beam_search", "guided_json"}
+    assert {"guided_json", "guided_choice", "guided_decoding_backend"} <= completion_fields
+    assert not completion_fields & {"best_of", "suffix", "use_beam_search", "guided_whitespace_pattern"}
     base = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2}
     for body, param, words in [
         ({"allowed_token_ids": [3, 8192]}, "allowed_token_ids", ("8192", "vocabulary size is 8192")),
@@ -202,7 +248,7 @@ def test_server_refusals_name_the_field_and_agree_with_the_schema(server: Server
         ({"truncate_prompt_tokens": MAX_MODEL_LEN}, "truncate_prompt_tokens", (f"max_model_len ({MAX_MODEL_LEN})",)),
         ({"best_of": 2}, "best_of", ("n (1)",)),
         ({"use_beam_search": True}, "use_beam_search", ("not supported",)),
-        ({"guided_json": {"type": "object"}}, "guided_json", ("structured_outputs.json",)),
+        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", ("structured_outputs.max_whitespace",)),
         ({"suffix": "end"}, "suffix", ("not supported",)),
     ]:
         response = _post(server, "/v1/completions", {**base, **body})

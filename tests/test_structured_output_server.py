@@ -92,6 +92,30 @@ def test_completions_response_format_and_structured_outputs(client: openai.OpenA
     jsonschema.validate(json.loads(guided.choices[0].text), SCHEMAS["one_of_tagged"])
 
 
+def test_guided_aliases_constrain_the_output_on_both_routes(client: openai.OpenAI) -> None:
+    for seed in (1, 2, 3):
+        completion = client.completions.create(
+            model=MODEL_NAME, prompt="?", max_tokens=10, temperature=1.0, seed=seed,
+            extra_body={"guided_choice": ["north", "south"]},
+        )
+        assert completion.choices[0].text in ("north", "south")
+        chat = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "code?"}], max_tokens=20, temperature=1.0,
+            seed=seed, extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"},
+        )
+        assert re.fullmatch("[A-Z]{2}-[0-9]{3}", chat.choices[0].message.content)
+    guided = client.completions.create(
+        model=MODEL_NAME, prompt="JSON:", max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"guided_json": SCHEMAS["one_of_tagged"], "guided_decoding_backend": "guidance"},
+    )
+    jsonschema.validate(json.loads(guided.choices[0].text), SCHEMAS["one_of_tagged"])
+    grammar = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "yes?"}], max_tokens=8, temperature=0,
+        extra_body={"guided_grammar": 'root ::= "yes" | "no"'},
+    )
+    assert grammar.choices[0].message.content in ("yes", "no")
+
+
 def test_json_object_response_format(client: openai.OpenAI) -> None:
     response = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "{}"}], max_tokens=64, temperature=0,
@@ -128,6 +152,14 @@ def test_json_object_response_format(client: openai.OpenAI) -> None:
      "structured_output.max_schema_depth = 64"),
     ({"structured_outputs": {"regex": "a" * 140_000}}, "structured_outputs.regex",
      "size 140000 bytes exceeds structured_output.max_spec_bytes = 131072"),
+    # vLLM's guided_* aliases: their errors name the alias the client sent.
+    ({"guided_regex": "([a-z]"}, "guided_regex", "parenthesis"),
+    ({"guided_json": _nested(400)}, "guided_json", "structured_output.max_schema_depth = 64"),
+    ({"guided_choice": ["a"], "structured_outputs": {"regex": "a"}}, "guided_choice", "structured_outputs"),
+    ({"guided_json": {}, "response_format": {"type": "json_object"}}, "guided_json", "response_format"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "cannot be combined with guided_regex"),
+    ({"guided_decoding_backend": "guidance"}, "guided_decoding_backend", "needs a constraint"),
+    ({"guided_regex": "a", "guided_decoding_backend": "nope"}, "guided_decoding_backend", "registered"),
 ])
 def test_bad_specs_are_400s_naming_the_problem(server: ServerProcess, client: openai.OpenAI, body: dict,
                                                 param: str, problem: str) -> None:

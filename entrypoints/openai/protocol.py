@@ -31,6 +31,7 @@ from pagedllm.core.sampling_params import (
     StructuredOutputsParams,
 )
 from pagedllm.engine.outputs import RequestOutputKind
+from pagedllm.entrypoints.openai.guided_decoding import GuidedDecodingFields
 from pagedllm.entrypoints.openai.surrogates import find_unpaired_surrogate
 from pagedllm.entrypoints.openai.unsupported import (
     RefusedChatFields,
@@ -119,7 +120,7 @@ class StructuredOutputsRequest(OpenAIBaseModel):
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
-class SamplingFields(OpenAIBaseModel, RefusedVllmFields):
+class SamplingFields(OpenAIBaseModel, GuidedDecodingFields, RefusedVllmFields):
     """Fields shared by /v1/completions and /v1/chat/completions; the vLLM
     extras (`top_k`, `min_p`, ...) arrive through the client's `extra_body`."""
 
@@ -176,8 +177,9 @@ class SamplingFields(OpenAIBaseModel, RefusedVllmFields):
     best_of: SkipJsonSchema[int | None] = Field(None, ge=1, le=MAX_N)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """`response_format` or `structured_outputs` as StructuredOutputsParams
-        (InvalidRequestError naming the body field when malformed)."""
+        """`response_format`, `structured_outputs` or the guided_* aliases as
+        StructuredOutputsParams (InvalidRequestError naming the body field
+        when malformed or when two of them are sent)."""
         response_format = self.response_format
         if response_format is not None and response_format.type == "text":
             response_format = None
@@ -185,6 +187,11 @@ class SamplingFields(OpenAIBaseModel, RefusedVllmFields):
             raise InvalidRequestError(
                 "response_format", response_format.type, "cannot be combined with structured_outputs; send one"
             )
+        other_source = "structured_outputs" if self.structured_outputs is not None else (
+            "response_format" if response_format is not None else None)
+        guided = self.guided_structured_outputs(other_source)
+        if guided is not None:
+            return StructuredOutputsParams(**guided)
         if self.structured_outputs is not None:
             fields = self.structured_outputs.model_dump(by_alias=True)
             return StructuredOutputsParams(**fields)

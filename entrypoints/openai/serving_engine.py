@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.errors import (
     invalid_request_message,
 )
 from pagedllm.entrypoints.openai.fast_tokenizer import encode_text
+from pagedllm.entrypoints.openai.guided_decoding import guided_alias_of
 from pagedllm.entrypoints.openai.protocol import ChatMessage, SamplingFields
 from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool, shared_request_pool
 from pagedllm.entrypoints.openai.response_size import max_token_json_bytes
@@ -220,13 +221,17 @@ async def _until_disconnect(raw_request: Request, waiting: asyncio.Future[T]) ->
 
 
 def client_field_error(exc: InvalidRequestError, request: SamplingFields | None) -> InvalidRequestError:
-    """`exc` naming the field the client sent (response_format rather than
-    structured_outputs, messages rather than prompt, vllm_xargs rather than extra_args)."""
+    """`exc` naming the field the client sent (response_format or guided_*
+    rather than structured_outputs, messages rather than prompt, vllm_xargs
+    rather than extra_args)."""
     if request is None:
         return exc
     uses_response_format = request.response_format is not None and request.structured_outputs is None
     if uses_response_format and exc.field == "structured_outputs.json":
         return InvalidRequestError("response_format.json_schema.schema", exc.value, exc.limit)
+    guided_alias = guided_alias_of(exc.field, request)
+    if guided_alias is not None:
+        return InvalidRequestError(guided_alias, exc.value, exc.limit)
     if exc.field in ("prompt", "prompt_token_ids"):
         return InvalidRequestError("messages" if hasattr(request, "messages") else "prompt", exc.value, exc.limit)
     if exc.field.startswith("extra_args.") and request.vllm_xargs is not None:

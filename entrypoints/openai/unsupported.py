@@ -6,6 +6,8 @@ was never seen, so every field of UNSUPPORTED_CHAT_FIELDS with a value is a
 400 naming it (until it is implemented). The fields of vLLM's protocol that
 would change the answer (VLLM_REFUSED_*) are a 400 too, unless they carry
 the value that changes nothing (`use_beam_search: false`, `length_penalty: 1`).
+vLLM's older guided_* fields are aliases of structured_outputs
+(guided_decoding.py), all but guided_whitespace_pattern.
 Fields some client libraries add on their own (IGNORED_FIELDS) change
 nothing about the answer and are accepted; any other unknown field is
 ignored too (`extra="ignore"`), as OpenAI does.
@@ -29,9 +31,11 @@ UNSUPPORTED_CHAT_FIELDS = (
 # Message fields of the deprecated function calling (use tool_calls) and audio output.
 UNSUPPORTED_MESSAGE_FIELDS = ("function_call", "audio")
 # Accepted and ignored: bookkeeping for OpenAI's own platform, no effect on the
-# output (vLLM's return_token_offsets only acts on its /render routes).
+# output (vLLM's return_token_offsets, mm_payload and return_mm_kwargs only act
+# on its /render routes; its session_id is a routing identity).
 IGNORED_FIELDS = (
     "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "return_token_offsets",
+    "mm_payload", "return_mm_kwargs", "session_id",
 )
 # vLLM's fields of both routes that pagedllm does not implement, with the
 # values that change nothing (None is always one).
@@ -46,13 +50,13 @@ VLLM_REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "ec_transfer_params": (),
     "repetition_detection": (),
     "thinking_token_budget": (-1,),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
     "structural_tag": (),
+    # vLLM 0.32's
+    "watermarking": (False,),
+    "return_prompt_text": (False,),
+    "stream_interval": (1,),
+    "routed_experts_prompt_start": (0,),
 }
 # vLLM's chat-only fields pagedllm does not implement.
 VLLM_REFUSED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -69,11 +73,7 @@ VLLM_REFUSED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
 VLLM_REFUSED_COMPLETION_FIELDS: dict[str, tuple[Any, ...]] = {"suffix": (), "prompt_embeds": ()}
 # What to send instead, where the server has it.
 REFUSAL_HINTS = {
-    "guided_json": "use structured_outputs.json",
-    "guided_regex": "use structured_outputs.regex",
-    "guided_choice": "use structured_outputs.choice",
-    "guided_grammar": "use structured_outputs.grammar",
-    "guided_decoding_backend": "use structured_outputs.backend",
+    "guided_whitespace_pattern": "use structured_outputs.max_whitespace or disable_any_whitespace",
     "structural_tag": "use structured_outputs.structural_tag",
     "logits_processors": "the server's logits processors take per-request arguments in vllm_xargs",
     "prompt_logprobs": "it is served on /v1/completions",
@@ -111,13 +111,12 @@ class RefusedVllmFields(BaseModel):
     ec_transfer_params: SkipJsonSchema[Any] = None
     repetition_detection: SkipJsonSchema[Any] = None
     thinking_token_budget: SkipJsonSchema[Any] = None
-    guided_json: SkipJsonSchema[Any] = None
-    guided_regex: SkipJsonSchema[Any] = None
-    guided_choice: SkipJsonSchema[Any] = None
-    guided_grammar: SkipJsonSchema[Any] = None
-    guided_decoding_backend: SkipJsonSchema[Any] = None
     guided_whitespace_pattern: SkipJsonSchema[Any] = None
     structural_tag: SkipJsonSchema[Any] = None
+    watermarking: SkipJsonSchema[Any] = None
+    return_prompt_text: SkipJsonSchema[Any] = None
+    stream_interval: SkipJsonSchema[Any] = None
+    routed_experts_prompt_start: SkipJsonSchema[Any] = None
 
     @field_validator(*VLLM_REFUSED_FIELDS, mode="before")
     @classmethod
