@@ -57,6 +57,8 @@ _CONTEXT_ARGV = {("parallel", "data_parallel_rank"): ["--data-parallel-size", "2
 # Fields whose flag takes another shape than their type's: one plugin's options as NAME=JSON.
 _SPECIAL_ARGV: dict[tuple[str, str], tuple[list[str], Any]] = {
     ("plugins", "config"): (["--plugin-config", 'p={"a": 1}'], {"p": {"a": 1}}),
+    # vLLM's nargs="+": one word per name.
+    ("server", "served_model_name"): (["--served-model-name", "alpha", "beta"], ["alpha", "beta"]),
 }
 
 
