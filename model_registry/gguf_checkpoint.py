@@ -114,7 +114,8 @@ def load_gguf_config(model_path: str | Path) -> PretrainedConfig:
     path = Path(model_path)
     metadata = read_gguf_metadata(path)
     architecture = gguf_architecture(metadata, path)
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True,
+                                        trust_remote_code=False)
     config.architectures = [GGUF_ARCHITECTURES[architecture]]
     key_length = metadata.get(f"{architecture}.attention.key_length")
     if key_length is not None:  # transformers maps it only for some architectures (not qwen3)
