@@ -25,6 +25,7 @@ from pydantic_settings import (
 )
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.generation_config import sampling_defaults
 
 _DTYPE_ALIASES = {
     "half": "float16",
@@ -88,6 +89,30 @@ class ModelConfig(_Section):
     # tokenizer_config.json's) when transformers needs them (vLLM's
     # --trust-remote-code). Off: such a checkpoint is refused, nothing imported.
     trust_remote_code: bool = False
+    # Where the default sampling values come from (vLLM's --generation-config):
+    # auto = the model folder's generation_config.json; vllm = ignore it (the
+    # engine's own defaults); else a folder holding a generation_config.json.
+    # Every eos_token_id its file lists stops generation; with vllm the model
+    # folder's file still names them (as in vLLM): stop tokens are the model's.
+    generation_config: str = "auto"
+    # Generation-config values merged over the file's, also with "vllm"
+    # (vLLM's --override-generation-config), e.g. {"temperature": 0.6}.
+    override_generation_config: dict[str, Any] = Field(
+        default_factory=dict, description="generation-config values over the model's, as JSON"
+    )
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config_source(cls, value: str) -> str:
+        if value not in ("auto", "vllm") and not (Path(value) / "generation_config.json").is_file():
+            raise ConfigError("generation_config", value, "'auto', 'vllm' or a folder holding a generation_config.json")
+        return value
+
+    @field_validator("override_generation_config")
+    @classmethod
+    def _override_values(cls, value: dict[str, Any]) -> dict[str, Any]:
+        sampling_defaults(value, "override_generation_config")  # a ConfigError naming the key
+        return value
 
     @field_validator("logits_processors", mode="before")
     @classmethod
@@ -460,6 +485,8 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "quantization": ("model", "quantization"),
     "load_format": ("model", "load_format"),
     "logits_processors": ("model", "logits_processors"),
+    "generation_config": ("model", "generation_config"),
+    "override_generation_config": ("model", "override_generation_config"),
     "block_size": ("cache", "block_size"),
     "kv_cache_dtype": ("cache", "cache_dtype"),
     "num_kv_blocks": ("cache", "num_kv_blocks"),
@@ -659,6 +686,10 @@ def _unset_fields_only(value: Any) -> Any:
 def _config_error(config_cls: type[BaseModel], exc: ValidationError, prefix: str = "") -> ConfigError:
     errors = exc.errors()
     first = errors[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, ConfigError):  # a validator's own error: keep its key below the field's section
+        section = ".".join(str(part) for part in first["loc"][:-1])
+        return ConfigError(prefix + (f"{section}.{cause.key}" if section else cause.key), cause.value, cause.allowed)
     key, allowed = _describe(config_cls, first)
     if len(errors) > 1:
         others = ", ".join(prefix + ".".join(str(p) for p in e["loc"]) for e in errors[1:])

@@ -43,6 +43,7 @@ from pagedllm.engine.kv_event_log import KVEventLog
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from pagedllm.model_registry.generation_config import log_generation_defaults
 from pagedllm.model_registry.model_source import model_display_name, resolve_hub_models, resolve_model_path
 from pagedllm.model_registry.tokenizer import load_tokenizer
 
@@ -168,6 +169,7 @@ class AsyncLLM:
         self.input_processor = InputProcessor(
             self.tokenizer, ready, config.structured_output, config.model.logits_processors
         )
+        log_generation_defaults(config.model, self.input_processor.default_sampling_params)
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.eos_token_id = self.input_processor.eos_token_id

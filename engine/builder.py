@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -28,11 +28,13 @@ import msgspec
 from pagedllm.core.custom_stats import MetricSpec
 from pagedllm.core.engine import EngineCore
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.generation_config import GenerationDefaults
 from pagedllm.core.kv_cache.hybrid_manager import make_kv_cache_manager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.custom_stats_sources import build_custom_stats
 from pagedllm.kv_connectors.base import KVConnectorContext, KVConnectorRole, KVConnectorShard
 from pagedllm.kv_connectors.factory import build_kv_connector
+from pagedllm.model_registry.generation_config import load_generation_defaults
 from pagedllm.model_registry.tokenizer import config_eos_token_id
 from pagedllm.plugins import get_plugin_manager
 from pagedllm.reasoning.select import reasoning_parser_class
@@ -65,6 +67,8 @@ class EngineParts:
     executor_name: str  # its registered name (`auto` resolved)
     num_blocks: int
     kv_connector: KVConnectorBase | None  # the scheduler side
+    # The generation config's sampling defaults and extra EOS ids (READY carries them).
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
@@ -93,6 +97,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             config, facts.position_limit, kv_capacity_tokens(config, kv_cache_config, num_blocks)
         )
         executor.initialize_cache(num_blocks, max_model_len)
+        generation = load_generation_defaults(facts.path, config.model, facts.hf_config, facts.hf_config.vocab_size)
         engine_core = _build_engine_core(config, executor, plugin_manager, num_blocks, max_model_len, kv_cache_config)
         plugin_manager.hook.on_engine_start(config=config)
     except BaseException:
@@ -108,6 +113,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         executor_name(config),
         num_blocks,
         engine_core.kv_connector,
+        generation,
     )
 
 

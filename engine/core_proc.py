@@ -320,6 +320,7 @@ def ready_message(parts: EngineParts) -> Ready:
         world_size=engine_core.config.parallel.tensor_parallel_size,
         communicator=parts.platform.describe_communicator(),
         custom_metrics=engine_core.custom_stats.metrics if engine_core.custom_stats is not None else [],
+        generation=parts.generation,
     )
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.engine import validate_prompt
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.int_limits import check_priority
+from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.bad_words import bad_words_token_ids
 from pagedllm.engine.wire import EngineCoreRequest
 from pagedllm.logits_processors.factory import LogitsProcessorArgs
@@ -33,7 +34,6 @@ from pagedllm.structured_output.validator import GrammarCheck, GrammarValidator,
 
 if TYPE_CHECKING:
     from pagedllm.core.config import StructuredOutputConfig
-    from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.engine.wire import Ready
 
 # A prompt: text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}
@@ -130,8 +130,31 @@ class InputProcessor:
         self.eos_token_id: int | None = (
             ready.eos_token_id if ready.eos_token_id is not None else tokenizer.eos_token_id
         )
+        # The generation config's values for the fields a request leaves unset
+        # (the server's default_sampling_params, LLM.get_default_sampling_params).
+        self.default_sampling_params: dict[str, float | int] = dict(ready.generation.sampling)
+        # Every other EOS id (config.json's list, generation_config.json's).
+        self.extra_eos_token_ids = [t for t in ready.generation.extra_eos_token_ids if t != self.eos_token_id]
         self.structured_output = structured_output
         self.logits_processor_args = LogitsProcessorArgs(logits_processors, get_plugin_manager())
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams of the generation config's defaults (vLLM's LLM.get_default_sampling_params)."""
+        defaults: dict[str, Any] = dict(self.default_sampling_params)
+        return SamplingParams(**defaults)
+
+    def with_eos_stops(self, params: SamplingParams) -> SamplingParams:
+        """`params` with every other EOS id among its stop_token_ids, unless
+        ignore_eos (vLLM's update_from_generation_config): a copy when ids are
+        added, so the caller's object is never changed. Such a stop reports
+        the id as its stop_reason, as vLLM does."""
+        present = params.stop_token_ids or []
+        missing = [token_id for token_id in self.extra_eos_token_ids if token_id not in present]
+        if params.ignore_eos or not missing:
+            return params
+        params = params.clone()
+        params.stop_token_ids = [*present, *missing]
+        return params
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         """(text, token ids, the dict form's cache_salt) of a prompt."""
@@ -221,6 +244,7 @@ class InputProcessor:
             compiled_grammar = self.validator.validate(self.grammar_check(params))
         elif not validated:
             self.validate(prompt_token_ids, params)
+        params = self.with_eos_stops(params)
         return make_request(
             request_id, text if prompt_text is None else prompt_text, prompt_token_ids, params,
             priority=priority, cache_salt=cache_salt, eos_token_id=self.eos_token_id,

@@ -17,6 +17,7 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.output_processor import OutputProcessor, ProcessedOutputs
 from pagedllm.model_registry.chat_template import MissingChatTemplateError, has_own_chat_template, load_chat_template
+from pagedllm.model_registry.generation_config import log_generation_defaults
 from pagedllm.model_registry.model_source import model_display_name, resolve_hub_models
 from pagedllm.model_registry.tokenizer import load_tokenizer
 from pagedllm.plugins import get_plugin_manager
@@ -70,6 +71,7 @@ class LLM:
         self.input_processor = InputProcessor(
             self.tokenizer, ready, self.config.structured_output, self.config.model.logits_processors
         )
+        log_generation_defaults(self.config.model, self.input_processor.default_sampling_params)
         self.eos_token_id = self.input_processor.eos_token_id
         self.max_model_len = ready.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -142,6 +144,11 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams holding the generation config's defaults (engine
+        defaults for the rest): what `generate` and `chat` use when given none."""
+        return self.input_processor.get_default_sampling_params()
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
@@ -162,8 +169,8 @@ class LLM:
     def _params_per_prompt(
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
     ) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * num_prompts
+        if sampling_params is None:  # the generation config's defaults (vLLM's)
+            return [self.get_default_sampling_params()] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         params_list = list(sampling_params)

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from pagedllm.core.custom_stats import MetricSpec
+from pagedllm.core.generation_config import GenerationDefaults
 from pagedllm.core.kv_cache.events import KVCacheEvent
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request
@@ -95,6 +96,8 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     communicator: str
     # The custom figures the core's components declared (core/custom_stats.py).
     custom_metrics: list[MetricSpec] = []
+    # The generation config's sampling defaults and every other EOS id.
+    generation: GenerationDefaults = msgspec.field(default_factory=GenerationDefaults)
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):

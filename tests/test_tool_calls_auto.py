@@ -82,6 +82,7 @@ class ScriptedEngine:
         self.model_name, self.max_model_len, self.vocab_size = MODEL_NAME, 4096, len(tokenizer)
         self.engine_pid, self.ready = None, None
         self.input_processor = self
+        self.default_sampling_params: dict[str, Any] = {}
         self.script: list[str] = []
         self.prompts: list[str] = []
 

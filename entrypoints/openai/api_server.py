@@ -226,6 +226,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
         return ServerInfoResponse(
             version=pagedllm.__version__, model=model_name, max_model_len=engine.max_model_len,
             api_pid=os.getpid(), engine_pid=engine.engine_pid, engine_pids=engine.engine_pids,
+            default_sampling_params=completion.default_sampling_params,
         )
 
     @app.get("/memory_usage", response_model=MemoryUsageResponse, responses=ERROR_RESPONSES)

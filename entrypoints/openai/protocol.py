@@ -9,6 +9,7 @@ raises InvalidRequestError(field, value, limit) -> a 400 with `param`.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -211,7 +212,11 @@ class SamplingFields(OpenAIBaseModel, GuidedDecodingFields, RefusedVllmFields):
         logprobs: int | None,
         prompt_logprobs: int | None,
         extra_stop_token_ids: list[int] | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> SamplingParams:
+        """The request's SamplingParams; a field it leaves unset takes the
+        server's default (`defaults`: the generation config's, vLLM's
+        default_sampling_params), else SamplingParams' own."""
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError(
                 "best_of", self.best_of, f"not supported; best_of must equal n ({self.n}) or be omitted"
@@ -220,8 +225,10 @@ class SamplingFields(OpenAIBaseModel, GuidedDecodingFields, RefusedVllmFields):
         for token_id in extra_stop_token_ids or []:
             if token_id not in stop_token_ids:
                 stop_token_ids.append(token_id)
-        # Left out when unset, so SamplingParams' own defaults apply.
-        optional: dict[str, Any] = {
+        # Unset: the server's default, else left out so SamplingParams' own applies.
+        optional: dict[str, Any] = dict(defaults or {})
+        optional.pop("max_tokens", None)  # the caller decides max_tokens (default_max_tokens)
+        requested: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -230,6 +237,7 @@ class SamplingFields(OpenAIBaseModel, GuidedDecodingFields, RefusedVllmFields):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
+        optional.update((name, value) for name, value in requested.items() if value is not None)
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
@@ -283,6 +291,10 @@ class SamplingFields(OpenAIBaseModel, GuidedDecodingFields, RefusedVllmFields):
 LARGE_LIST_ITEMS = 4096
 
 
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
 def _all_ints(values: list[Any]) -> bool:
     return all(type(value) is int for value in values)
 
@@ -324,6 +336,14 @@ class CompletionRequest(SamplingFields, RefusedCompletionFields):
         """Entries per position besides the chosen token (logprob_token_ids
         count), or None: no logprobs in the answer."""
         return len(self.logprob_token_ids) if self.logprob_token_ids else self.logprobs
+
+    def requested_max_tokens(self, defaults: Mapping[str, Any]) -> int | None:
+        """max_tokens as sent; not sent: the server's default (the generation
+        config's max_new_tokens), else 16; null: that default, else the
+        context's rest (None)."""
+        if "max_tokens" not in self.model_fields_set:
+            return int(defaults.get("max_tokens", self.max_tokens or 16))
+        return self.max_tokens if self.max_tokens is not None else _int_or_none(defaults.get("max_tokens"))
 
 
 # ---- tools (function calling); the logic is in tool_calls.py
@@ -437,6 +457,13 @@ class ChatCompletionRequest(SamplingFields, RefusedChatFields):
     def wants_logprobs(self) -> bool:
         """logprobs: true, or logprob_token_ids (which turn them on)."""
         return self.logprobs or bool(self.logprob_token_ids)
+
+    def requested_max_tokens(self, defaults: Mapping[str, Any]) -> int | None:
+        """max_completion_tokens, else max_tokens, else the server's default
+        (the generation config's max_new_tokens), else None: the context's rest."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens if self.max_tokens is not None else _int_or_none(defaults.get("max_tokens"))
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -660,6 +687,9 @@ class ServerInfoResponse(BaseModel):
     engine_pid: int | None
     # Every data-parallel replica's engine core, by replica index ([engine_pid] for one).
     engine_pids: list[int | None] = []
+    # What a request's unset sampling fields default to: the generation
+    # config's values (model.generation_config, model.override_generation_config).
+    default_sampling_params: dict[str, float | int] = {}
 
 
 class RankMemoryUsage(BaseModel):

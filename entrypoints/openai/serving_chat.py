@@ -159,11 +159,10 @@ class OpenAIServingChat(OpenAIServing):
                 raise OpenAIServingError(
                     400, f"top_logprobs={top_logprobs}: must be in [0, {MAX_LOGPROBS}]", "top_logprobs"
                 )
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
-            else request.max_tokens
+        defaults = self.default_sampling_params
         return request.sampling_params(
-            max_tokens, (top_logprobs or 0) if request.logprobs else None, None,
-            extra_stop_token_ids=self.end_of_turn_token_ids(),
+            request.requested_max_tokens(defaults), (top_logprobs or 0) if request.logprobs else None, None,
+            extra_stop_token_ids=self.end_of_turn_token_ids(), defaults=defaults,
         )
 
     async def _collect(

@@ -99,8 +99,10 @@ class OpenAIServingCompletion(OpenAIServing):
         """Tokenize, build the sampling parameters, validate every prompt, and
         the grammar check to await. Blocking (a long prompt): runs in the pool."""
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        defaults = self.default_sampling_params
         params = request.sampling_params(
-            request.max_tokens, request.logprobs, prompt_logprobs or request.prompt_logprobs
+            request.requested_max_tokens(defaults), request.logprobs, prompt_logprobs or request.prompt_logprobs,
+            defaults=defaults,
         )
         prompts = [self._truncate(text, token_ids, params) for text, token_ids in self._tokenize_prompts(request)]
         for _, token_ids in prompts:

@@ -61,6 +61,8 @@ class OpenAIServing:
         self.served_model_names: list[str] = [self.model_name]
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.vocab_size
+        # The generation config's values for fields a request leaves unset (vLLM's name).
+        self.default_sampling_params: dict[str, float | int] = engine.input_processor.default_sampling_params
         engine_config = getattr(engine, "config", None)
         self.server_config: ServerConfig = engine_config.server if engine_config is not None else ServerConfig()
         aliases = self.server_config.served_model_name or []

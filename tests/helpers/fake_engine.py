@@ -42,6 +42,7 @@ class FakeEngine:
         self.input_processor = SimpleNamespace(
             validate=lambda prompt_token_ids, params, grammar=True: None,
             truncate=lambda prompt_token_ids, params: prompt_token_ids,
+            default_sampling_params={},
         )
         self.num_generate_calls = 0
         self.stat_logger = SimpleNamespace(render=lambda: f"fake_generate_calls {self.num_generate_calls}\n".encode())
