@@ -25,7 +25,6 @@ from pydantic_settings import (
 )
 
 from pagedllm.core.errors import ConfigError
-from pagedllm.core.generation_config import sampling_defaults
 
 _DTYPE_ALIASES = {
     "half": "float16",
@@ -96,7 +95,8 @@ class ModelConfig(_Section):
     # folder's file still names them (as in vLLM): stop tokens are the model's.
     generation_config: str = "auto"
     # Generation-config values merged over the file's, also with "vllm"
-    # (vLLM's --override-generation-config), e.g. {"temperature": 0.6}.
+    # (vLLM's --override-generation-config), e.g. {"temperature": 0.6};
+    # checked with the file before the engine core starts.
     override_generation_config: dict[str, Any] = Field(
         default_factory=dict, description="generation-config values over the model's, as JSON"
     )
@@ -106,12 +106,6 @@ class ModelConfig(_Section):
     def _generation_config_source(cls, value: str) -> str:
         if value not in ("auto", "vllm") and not (Path(value) / "generation_config.json").is_file():
             raise ConfigError("generation_config", value, "'auto', 'vllm' or a folder holding a generation_config.json")
-        return value
-
-    @field_validator("override_generation_config")
-    @classmethod
-    def _override_values(cls, value: dict[str, Any]) -> dict[str, Any]:
-        sampling_defaults(value, "override_generation_config")  # a ConfigError naming the key
         return value
 
     @field_validator("logits_processors", mode="before")

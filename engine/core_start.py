@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedllm.engine.core_client import AsyncMPClient
+from pagedllm.model_registry.generation_config import generation_sampling_defaults
 from pagedllm.model_registry.model_source import resolve_model_path
 from pagedllm.plugins import get_plugin_manager
 
@@ -33,7 +34,8 @@ def start_async_engine_core(config: EngineConfig, *, in_process: bool = False) -
         config=config.plugins.config,
     )
     # Built here (not raced by the core) when it is the embedded default.
-    resolve_model_path(config.model.model)
+    model_folder = resolve_model_path(config.model.model)
+    generation_sampling_defaults(model_folder, config.model)  # a bad value fails before the core starts
     if config.parallel.data_parallel_size > 1:
         from pagedllm.engine.dp_client import DPAsyncMPClient
 

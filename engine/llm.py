@@ -17,8 +17,8 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.output_processor import OutputProcessor, ProcessedOutputs
 from pagedllm.model_registry.chat_template import MissingChatTemplateError, has_own_chat_template, load_chat_template
-from pagedllm.model_registry.generation_config import log_generation_defaults
-from pagedllm.model_registry.model_source import model_display_name, resolve_hub_models
+from pagedllm.model_registry.generation_config import generation_sampling_defaults, log_generation_defaults
+from pagedllm.model_registry.model_source import model_display_name, resolve_hub_models, resolve_model_path
 from pagedllm.model_registry.tokenizer import load_tokenizer
 from pagedllm.plugins import get_plugin_manager
 
@@ -59,6 +59,7 @@ class LLM:
         self.config = resolve_hub_models(self.config)
         # Checked before the engine starts: an unknown name fails at once.
         has_stat_loggers = bool(stat_logger_names(self.config, default=()))
+        generation_sampling_defaults(resolve_model_path(self.config.model.model), self.config.model)
         self.engine_core: EngineCoreClient
         if self.config.parallel.data_parallel_size > 1:  # one engine-core process per replica
             self.engine_core = SyncDPClient(self.config)

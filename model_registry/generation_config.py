@@ -50,19 +50,27 @@ def read_generation_config(folder: str, required: bool) -> dict[str, Any]:
     return values
 
 
+def generation_sampling_defaults(model_folder: str, model_config: ModelConfig) -> dict[str, float | int]:
+    """The sampling defaults: the file's values under the overrides (the
+    overrides alone with "vllm"). A bad value is a ConfigError naming the
+    file or model.override_generation_config, and the key. The front ends
+    call it before the engine core starts, so a mistake fails at once."""
+    setting = model_config.generation_config
+    file_values = {} if setting == "vllm" else _file_values(model_folder, setting)
+    sampling_defaults(file_values, _source(model_folder, setting))
+    sampling_defaults(model_config.override_generation_config, "model.override_generation_config")
+    return sampling_defaults({**file_values, **model_config.override_generation_config},
+                             "model.override_generation_config")
+
+
 def load_generation_defaults(
     model_folder: str, model_config: ModelConfig, hf_config: Any, vocab_size: int
 ) -> GenerationDefaults:
-    """The sampling defaults (file values under the overrides; the overrides
-    alone with "vllm") and every EOS id past config.json's first one."""
+    """The sampling defaults and every EOS id past config.json's first one."""
     setting = model_config.generation_config
-    folder = generation_config_folder(model_folder, setting)
-    file_values = read_generation_config(folder, required=setting not in ("auto", "vllm"))
-    source = f"{folder}/{GENERATION_CONFIG_FILE}"
-    file_values_used = {} if setting == "vllm" else file_values
-    sampling_defaults(file_values_used, source)  # a bad file value is named by its file
-    sampling = sampling_defaults({**file_values_used, **model_config.override_generation_config},
-                                 "model.override_generation_config")
+    sampling = generation_sampling_defaults(model_folder, model_config)
+    file_values = _file_values(model_folder, setting)
+    source = _source(model_folder, setting)
     primary = config_eos_token_id(hf_config)
     candidates = [
         *eos_token_ids(getattr(hf_config, "eos_token_id", None), "config.json"),
@@ -77,6 +85,15 @@ def load_generation_defaults(
             continue
         extra.append(token_id)
     return GenerationDefaults(sampling=sampling, extra_eos_token_ids=extra)
+
+
+def _file_values(model_folder: str, setting: str) -> dict[str, Any]:
+    return read_generation_config(generation_config_folder(model_folder, setting),
+                                  required=setting not in ("auto", "vllm"))
+
+
+def _source(model_folder: str, setting: str) -> str:
+    return f"{generation_config_folder(model_folder, setting)}/{GENERATION_CONFIG_FILE}"
 
 
 

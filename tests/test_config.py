@@ -180,13 +180,14 @@ def test_from_flat_maps_vllm_names_to_sections(tmp_path: Path) -> None:
         max_num_batched_tokens=256, scheduling_policy="priority", attention_backend="torch_native",
         enabled_plugins=["a"], strict_plugins=True, load_format="pt", logits_processors="p1, p2",
         model_impl="transformers", revision="v1", tokenizer_revision="v2", download_dir="/hf",
-        trust_remote_code=True,
+        trust_remote_code=True, generation_config="vllm", override_generation_config={"top_p": 0.9},
     )
     d = c.to_dict()
     assert d["model"] == {"model": "/models/x", "tokenizer": None, "dtype": "float16", "max_model_len": 512,
                           "seed": 3, "architecture": None, "model_impl": "transformers", "quantization": None,
                           "load_format": "pt", "revision": "v1", "tokenizer_revision": "v2", "download_dir": "/hf",
-                          "logits_processors": ["p1", "p2"], "trust_remote_code": True}
+                          "logits_processors": ["p1", "p2"], "trust_remote_code": True,
+                          "generation_config": "vllm", "override_generation_config": {"top_p": 0.9}}
     cache = d["cache"]
     assert (cache["block_size"], cache["num_kv_blocks"], cache["enable_prefix_caching"]) == (32, 64, False)
     assert (d["scheduler"]["max_num_seqs"], d["scheduler"]["max_num_batched_tokens"]) == (4, 256)

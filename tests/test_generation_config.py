@@ -26,7 +26,7 @@ from pagedllm.core.config import EngineConfig, ModelConfig
 from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.cli import build_parser, serve_config
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pagedllm.model_registry.generation_config import load_generation_defaults
+from pagedllm.model_registry.generation_config import generation_sampling_defaults, load_generation_defaults
 
 PRIMARY_EOS = 1  # the shipped tokenizer's eos, config.json's first
 GENERATION_EOS = 4242  # generation_config.json's second eos id
@@ -137,8 +137,11 @@ def test_bad_sources_and_values_are_config_errors_naming_the_field(model_dir: Pa
     for override, key, value in [({"temperature": -1.0}, "temperature", -1.0), ({"top_k": "many"}, "top_k", "many"),
                                  ({"max_new_tokens": 0}, "max_new_tokens", 0)]:
         with pytest.raises(ConfigError) as bad:
-            EngineConfig.from_flat(override_generation_config=override)
+            generation_sampling_defaults(str(model_dir), ModelConfig(override_generation_config=override))
         assert (bad.value.key, bad.value.value) == (f"model.override_generation_config.{key}", value)
+    with pytest.raises(ConfigError) as before_start:  # checked before any engine starts
+        LLM(model=str(model_dir), override_generation_config={"top_p": 0.0})
+    assert before_start.value.key == "model.override_generation_config.top_p"
     for values, key in [({"top_p": 1.5}, "top_p"), ({"eos_token_id": ["x"]}, "eos_token_id")]:
         _write_json(tmp_path / "generation_config.json", values)
         with pytest.raises(ConfigError) as bad_file:

@@ -61,8 +61,6 @@ class OpenAIServing:
         self.served_model_names: list[str] = [self.model_name]
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.vocab_size
-        # The generation config's values for fields a request leaves unset (vLLM's name).
-        self.default_sampling_params: dict[str, float | int] = engine.input_processor.default_sampling_params
         engine_config = getattr(engine, "config", None)
         self.server_config: ServerConfig = engine_config.server if engine_config is not None else ServerConfig()
         aliases = self.server_config.served_model_name or []
@@ -82,6 +80,12 @@ class OpenAIServing:
         # unless the operator lets them act as special tokens.
         self.split_special_tokens = not self.server_config.parse_special_tokens_in_user_text
         self.user_text_specials = UserTextSpecials.of(self.tokenizer) if self.split_special_tokens else None
+
+    @property
+    def default_sampling_params(self) -> dict[str, float | int]:
+        """The generation config's values for the fields a request leaves unset (vLLM's name)."""
+        defaults: dict[str, float | int] = self.engine.input_processor.default_sampling_params
+        return defaults
 
     @property
     def max_token_bytes(self) -> int:
