@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -268,6 +269,7 @@ def test_chat_stops_at_end_of_turn_token() -> None:
     class Engine:
         tokenizer = AutoTokenizer.from_pretrained(str(get_tokenizer_dir()))
         model_name, max_model_len, vocab_size = MODEL_NAME, 512, 8192
+        input_processor = SimpleNamespace(default_sampling_params={})
 
     serving = OpenAIServingChat(Engine())  # type: ignore[arg-type]
     request = ChatCompletionRequest.model_validate({"messages": MESSAGES, "stop_token_ids": [7]})
