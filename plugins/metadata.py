@@ -183,13 +183,6 @@ class GrammarBackendInfo:
 
     kinds: tuple[str, ...] | None = parsed(names)  # spec kinds it compiles
     requires: tuple[str, ...] = parsed(names, ())  # import names of the packages it needs
-    # The checkpoint formats it reads (config.json quantization_config.quant_method
-    # values: "gptq", "awq", "compressed-tensors"; plugin API 1.14): a checkpoint in
-    # one of them is served by this method without `model.quantization`.
-    checkpoint_formats: tuple[str, ...] = parsed(names, ())
-    # Whether it quantizes a float checkpoint at load (`model.quantization` on a
-    # float checkpoint); False for a method that only reads its own format.
-    quantizes_float: bool = parsed(flag, True)
 
 
 @dataclass(frozen=True)
@@ -215,13 +208,6 @@ class ExecutorInfo:
     # Whether it runs parallel.tensor_parallel_size > 1 (several ranks).
     supports_tensor_parallel: bool = parsed(flag, False)
     requires: tuple[str, ...] = parsed(names, ())  # import names of the packages it needs
-    # The checkpoint formats it reads (config.json quantization_config.quant_method
-    # values: "gptq", "awq", "compressed-tensors"; plugin API 1.14): a checkpoint in
-    # one of them is served by this method without `model.quantization`.
-    checkpoint_formats: tuple[str, ...] = parsed(names, ())
-    # Whether it quantizes a float checkpoint at load (`model.quantization` on a
-    # float checkpoint); False for a method that only reads its own format.
-    quantizes_float: bool = parsed(flag, True)
 
 
 @dataclass(frozen=True)
