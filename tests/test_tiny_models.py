@@ -42,6 +42,7 @@ CODE_PROMPTS = [
     "class Stack:\n    def __init__(self):\n        self.",
 ]
 VAL_WINDOW = 256  # the training sequence length
+VAL_STRIDE = 4  # the perplexity tests score every 4th validation window
 
 
 # ------------------------------------------------------------------ names
@@ -226,8 +227,12 @@ def _perplexity(model_dir: Path, windows: list[torch.Tensor], bos_id: int) -> fl
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     total_nll, num_tokens = 0.0, 0
-    full = [w for w in windows if len(w) == VAL_WINDOW]
-    batches = [full[i : i + 16] for i in range(0, len(full), 16)] + [[w] for w in windows if len(w) != VAL_WINDOW]
+    # Every VAL_STRIDE-th full window, spread over every validation file: a
+    # quarter of the tokens (~75k), which keeps the suite's time and moves
+    # the figure by well under the margins below (training/tiny/evaluate.py
+    # reports the full split).
+    full = [w for w in windows if len(w) == VAL_WINDOW][::VAL_STRIDE]
+    batches = [full[i : i + 16] for i in range(0, len(full), 16)]
     with torch.inference_mode():
         for batch in batches:
             input_ids = torch.stack(batch)
