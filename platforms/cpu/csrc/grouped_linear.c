@@ -1,0 +1,183 @@
+/* Linear layers over grouped 8-bit and 4-bit weights (quantization/
+ * grouped_weight.py's layout) on the CPU: platforms/cpu/grouped_linear.py.
+ *
+ * grouped_linear: y [M, N] = x [M, K] @ W.T + bias for decode-sized M. A
+ * decode step is bound by how fast the weights stream from memory, and
+ * these weights are a quarter (W8) or an eighth (W4) of float32's bytes.
+ * Each output row's codes are read once per tile of MAX_TILE rows of x,
+ * 16 at a time: widened to float32, w = code * scale + offset with one FMA
+ * (the group's scale and offset broadcast; 16 inputs never straddle a
+ * group, since g is a multiple of 16), then one FMA per row of x. So the
+ * dequantization is shared by the tile's rows and an offset costs nothing
+ * extra. Sums are float32, the bias added before the one rounding to the
+ * output dtype. Parallel over output rows on torch's OpenMP team.
+ *
+ * x is float32 (the wrapper converts bfloat16 once per call); out is
+ * float32 (out_dtype 0) or bfloat16 (1); bias float32 or NULL; offsets
+ * NULL means none (W8 only).
+ *
+ * W4 codes are in the kernel's own order (grouped_linear.py's prepack):
+ * per row, per block of 32 inputs, byte j holds input j in its low nibble
+ * and input 16 + j in its high one, so one 16-byte load widens to inputs
+ * 0-15 (low nibbles) and 16-31 (high nibbles), both in element order.
+ *
+ * grouped_dequantize: W rows [n0, n1) into out [n1 - n0, K] (float32 or
+ * bfloat16, rounded once), for the batched path's GEMM; W4 codes in the
+ * canonical layout. Plain loops the compiler vectorises: no AVX-512 needed.
+ */
+#include <stdint.h>
+
+#include "cpu_kernel_math.h"
+
+#define ROW_BLOCK 16 /* output rows of one work item */
+#define MAX_TILE 8   /* rows of x sharing one pass over a weight row */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_KERNEL 1
+
+static inline __attribute__((always_inline)) void reduce_store(int tile, const __m512 *acc, const float *bias,
+                                                               int64_t n, int64_t ldo, int out_dtype, void *out) {
+    float b = bias ? bias[n] : 0.0f;
+    for (int j = 0; j < MAX_TILE; j++) {
+        if (j >= tile) break;
+        float sum = _mm512_reduce_add_ps(acc[j]) + b;
+        if (out_dtype)
+            ((uint16_t *)out)[j * ldo + n] = f32_to_bf16(sum);
+        else
+            ((float *)out)[j * ldo + n] = sum;
+    }
+}
+
+/* acc[j] += w * x[j][k .. k + 16) for the tile's rows. */
+#define FMA_TILE(w, k)                                                                   \
+    for (int j = 0; j < MAX_TILE; j++) {                                                 \
+        if (j >= tile) break;                                                            \
+        acc[j] = _mm512_fmadd_ps((w), _mm512_loadu_ps(x + j * ldx + (k)), acc[j]);      \
+    }
+
+/* One W8 row with `tile` rows of x; `tile` is a constant where inlined. */
+static inline __attribute__((always_inline)) void row_w8(int tile, const int8_t *codes, const float *scales,
+                                                         const float *offsets, int64_t group, int64_t K,
+                                                         const float *x, int64_t ldx, __m512 *acc) {
+    for (int j = 0; j < MAX_TILE; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < K / group; gi++) {
+        __m512 scale = _mm512_set1_ps(scales[gi]);
+        __m512 offset = offsets ? _mm512_set1_ps(offsets[gi]) : _mm512_setzero_ps();
+        for (int64_t k = gi * group; k < (gi + 1) * group; k += 16) {
+            __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + k)));
+            __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(wide), scale, offset);
+            FMA_TILE(w, k)
+        }
+    }
+}
+
+/* One W4 row (kernel order) with `tile` rows of x. */
+static inline __attribute__((always_inline)) void row_w4(int tile, const uint8_t *codes, const float *scales,
+                                                         const float *offsets, int64_t group, int64_t K,
+                                                         const float *x, int64_t ldx, __m512 *acc) {
+    const __m512i nibble = _mm512_set1_epi32(0xF);
+    for (int j = 0; j < MAX_TILE; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + k / 2)));
+        int64_t lo_group = k / group, hi_group = (k + 16) / group;
+        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble)),
+                                    _mm512_set1_ps(scales[lo_group]), _mm512_set1_ps(offsets[lo_group]));
+        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)),
+                                    _mm512_set1_ps(scales[hi_group]), _mm512_set1_ps(offsets[hi_group]));
+        FMA_TILE(lo, k)
+        FMA_TILE(hi, k + 16)
+    }
+}
+
+/* Output row n for rows [m0, m0 + tile) of x. */
+static inline __attribute__((always_inline)) void output_row(int tile, int bits, const void *codes,
+                                                             const float *scales, const float *offsets,
+                                                             int64_t group, int64_t K, int64_t N, int64_t n,
+                                                             const float *x, const float *bias, int out_dtype,
+                                                             void *out) {
+    __m512 acc[MAX_TILE];
+    int64_t groups = K / group;
+    const float *row_offsets = offsets ? offsets + n * groups : NULL;
+    if (bits == 8)
+        row_w8(tile, (const int8_t *)codes + n * K, scales + n * groups, row_offsets, group, K, x, K, acc);
+    else
+        row_w4(tile, (const uint8_t *)codes + n * (K / 2), scales + n * groups, row_offsets, group, K, x, K, acc);
+    reduce_store(tile, acc, bias, n, N, out_dtype, out);
+}
+
+/* The tile size as a constant in each case, so the loops over it unroll. */
+static void output_row_any(int tile, int bits, const void *codes, const float *scales, const float *offsets,
+                           int64_t group, int64_t K, int64_t N, int64_t n, const float *x, const float *bias,
+                           int out_dtype, void *out) {
+#define CASE(t) \
+    case t: output_row(t, bits, codes, scales, offsets, group, K, N, n, x, bias, out_dtype, out); break;
+    switch (tile) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
+#undef CASE
+}
+#else
+#define HAVE_KERNEL 0
+#endif
+
+/* 1 when grouped_linear runs here (built with AVX-512 F/BW/VL). */
+int grouped_linear_available(void) { return HAVE_KERNEL; }
+
+/* See the top. Returns 0, or 1 when unavailable or the shape is off the
+ * kernel's grid (the caller's torch path runs). */
+int grouped_linear(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scales,
+                   const float *offsets, int64_t group, const float *bias, int64_t N, int out_dtype, void *out) {
+#if HAVE_KERNEL
+    if (group % 16 || K % group || K % 32 || (bits == 4 && !offsets) || (bits != 4 && bits != 8)) return 1;
+    int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp parallel for schedule(static) if (blocks > 1 && N * K >= (1 << 16))
+    for (int64_t block = 0; block < blocks; block++) {
+        int64_t n1 = (block + 1) * ROW_BLOCK < N ? (block + 1) * ROW_BLOCK : N;
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
+            int tile = M - m0 < MAX_TILE ? (int)(M - m0) : MAX_TILE;
+            void *tile_out = out_dtype ? (void *)((uint16_t *)out + m0 * N) : (void *)((float *)out + m0 * N);
+            for (int64_t n = block * ROW_BLOCK; n < n1; n++)
+                output_row_any(tile, bits, codes, scales, offsets, group, K, N, n, x + m0 * K, bias, out_dtype,
+                               tile_out);
+        }
+    }
+    return 0;
+#else
+    (void)bits, (void)x, (void)M, (void)K, (void)codes, (void)scales, (void)offsets, (void)group, (void)bias;
+    (void)N, (void)out_dtype, (void)out;
+    return 1;
+#endif
+}
+
+/* Rows [n0, n1) of W as float32 (out_dtype 0) or bfloat16 (1), canonical codes. */
+void grouped_dequantize(int bits, const void *codes, const float *scales, const float *offsets, int64_t group,
+                        int64_t K, int64_t n0, int64_t n1, int out_dtype, void *out) {
+    int64_t groups = K / group;
+#pragma omp parallel for schedule(static) if ((n1 - n0) * K >= (1 << 16))
+    for (int64_t n = n0; n < n1; n++) {
+        float row[K];
+        if (bits == 8) {
+            const int8_t *c = (const int8_t *)codes + n * K;
+#pragma omp simd
+            for (int64_t k = 0; k < K; k++) row[k] = (float)c[k];
+        } else {
+            const uint8_t *c = (const uint8_t *)codes + n * (K / 2);
+#pragma omp simd
+            for (int64_t k = 0; k < K / 2; k++) {
+                row[2 * k] = (float)(c[k] & 0xF);
+                row[2 * k + 1] = (float)(c[k] >> 4);
+            }
+        }
+        for (int64_t gi = 0; gi < groups; gi++) {
+            float scale = scales[n * groups + gi], offset = offsets ? offsets[n * groups + gi] : 0.0f;
+#pragma omp simd
+            for (int64_t k = gi * group; k < (gi + 1) * group; k++) row[k] = row[k] * scale + offset;
+        }
+        if (out_dtype) {
+            uint16_t *o = (uint16_t *)out + (n - n0) * K;
+            for (int64_t k = 0; k < K; k++) o[k] = f32_to_bf16(row[k]);
+        } else {
+            float *o = (float *)out + (n - n0) * K;
+#pragma omp simd
+            for (int64_t k = 0; k < K; k++) o[k] = row[k];
+        }
+    }
+}
