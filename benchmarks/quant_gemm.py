@@ -17,6 +17,7 @@ channel) for comparison with W8 g=K.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -56,20 +57,28 @@ def best_time(run: Callable[[], object], reps: int) -> float:
     return best
 
 
+def variant_runs(x: torch.Tensor, weights: list[torch.Tensor], kernels: dict[str, list[GroupedLinearKernel]],
+                 int8: list[GroupedWeight]) -> dict[str, Callable[[], object]]:
+    """One pass through the layers' GEMMs per variant."""
+    int8_scales = [w.scales.view(-1).to(torch.bfloat16) for w in int8]
+    runs: dict[str, Callable[[], object]] = {"bf16": lambda: [F.linear(x, w) for w in weights]}
+    for variant, layer_kernels in kernels.items():
+        runs[variant] = functools.partial(lambda ks: [k(x) for k in ks], layer_kernels)
+    runs["int8pack_mm"] = lambda: [torch._weight_int8pack_mm(x, w.codes, s)
+                                   for w, s in zip(int8, int8_scales, strict=True)]
+    return runs
+
+
 def time_shape(num_out: int, num_in: int, rows: list[int], reps: int) -> dict[tuple[str, int], float]:
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(num_out, num_in, generator=generator) * 0.02).to(torch.bfloat16)
                for _ in range(NUM_LAYERS)]
     kernels = {variant: [GroupedLinearKernel(grouped_weight(variant, w)) for w in weights] for variant in VARIANTS}
-    int8 = [(grouped_weight("W8 g=K", w)) for w in weights]
-    int8_scales = [w.scales.view(-1).to(torch.bfloat16) for w in int8]
+    int8 = [grouped_weight("W8 g=K", w) for w in weights]
     times: dict[tuple[str, int], float] = {}
     for m in rows:
         x = torch.randn(m, num_in, generator=generator).to(torch.bfloat16)
-        runs: dict[str, Callable[[], object]] = {"bf16": lambda: [F.linear(x, w) for w in weights]}
-        for variant, layer_kernels in kernels.items():
-            runs[variant] = lambda ks=layer_kernels: [k(x) for k in ks]  # type: ignore[misc]
-        runs["int8pack_mm"] = lambda: [torch._weight_int8pack_mm(x, w.codes, s) for w, s in zip(int8, int8_scales)]
+        runs = variant_runs(x, weights, kernels, int8)
         for run in runs.values():
             run()  # warm-up: builds, oneDNN's primitive caches
         for _ in range(reps):  # interleaved: a slow moment of the machine hits every variant

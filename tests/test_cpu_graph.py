@@ -141,6 +141,7 @@ SETUP_CALLS = {
     "platforms/cpu/amx_linear.py:_pack",
 }
 KERNEL_WRAPPERS = {"platforms/cpu/fused_ops.py", "platforms/cpu/amx_linear.py", "platforms/cpu/fused_moe.py",
+                   "platforms/cpu/grouped_linear.py",
                    "attention_backends/cpu_decode_kernel.py", "attention_backends/cpu_prefill_kernel.py"}
 
 

@@ -31,6 +31,7 @@
 
 #define ROW_BLOCK 16 /* output rows of one work item */
 #define MAX_TILE 8   /* rows of x sharing one pass over a weight row */
+#define K_CHUNK 512  /* inputs per pass (a multiple of 32) */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_KERNEL 1
@@ -55,15 +56,17 @@ static inline __attribute__((always_inline)) void reduce_store(int tile, const _
         acc[j] = _mm512_fmadd_ps((w), _mm512_loadu_ps(x + j * ldx + (k)), acc[j]);      \
     }
 
-/* One W8 row with `tile` rows of x; `tile` is a constant where inlined. */
-static inline __attribute__((always_inline)) void row_w8(int tile, const int8_t *codes, const float *scales,
-                                                         const float *offsets, int64_t group, int64_t K,
-                                                         const float *x, int64_t ldx, __m512 *acc) {
-    for (int j = 0; j < MAX_TILE; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t gi = 0; gi < K / group; gi++) {
+/* Inputs [k0, k1) of one W8 row with `tile` rows of x, into acc; `tile`
+ * is a constant where inlined. Groups split the range, so each 16 codes
+ * share one broadcast scale and offset. */
+static inline __attribute__((always_inline)) void chunk_w8(int tile, const int8_t *codes, const float *scales,
+                                                           const float *offsets, int64_t group, int64_t k0,
+                                                           int64_t k1, const float *x, int64_t ldx, __m512 *acc) {
+    for (int64_t gi = k0 / group; gi * group < k1; gi++) {
+        int64_t start = gi * group > k0 ? gi * group : k0, end = (gi + 1) * group < k1 ? (gi + 1) * group : k1;
         __m512 scale = _mm512_set1_ps(scales[gi]);
         __m512 offset = offsets ? _mm512_set1_ps(offsets[gi]) : _mm512_setzero_ps();
-        for (int64_t k = gi * group; k < (gi + 1) * group; k += 16) {
+        for (int64_t k = start; k < end; k += 16) {
             __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + k)));
             __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(wide), scale, offset);
             FMA_TILE(w, k)
@@ -71,46 +74,69 @@ static inline __attribute__((always_inline)) void row_w8(int tile, const int8_t 
     }
 }
 
-/* One W4 row (kernel order) with `tile` rows of x. */
-static inline __attribute__((always_inline)) void row_w4(int tile, const uint8_t *codes, const float *scales,
-                                                         const float *offsets, int64_t group, int64_t K,
-                                                         const float *x, int64_t ldx, __m512 *acc) {
+/* 32 W4 codes (kernel order) at input k, dequantized with the scales and
+ * offsets of their low (inputs k..k+15) and high (k+16..k+31) halves. */
+#define W4_BLOCK(k, scale_lo, offset_lo, scale_hi, offset_hi)                                                 \
+    do {                                                                                                      \
+        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + (k) / 2)));            \
+        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble)), scale_lo, offset_lo); \
+        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale_hi, offset_hi);     \
+        FMA_TILE(lo, k)                                                                                       \
+        FMA_TILE(hi, (k) + 16)                                                                                \
+    } while (0)
+
+/* Inputs [k0, k1) of one W4 row (k0, k1 multiples of 32), as chunk_w8. */
+static inline __attribute__((always_inline)) void chunk_w4(int tile, const uint8_t *codes, const float *scales,
+                                                           const float *offsets, int64_t group, int64_t k0,
+                                                           int64_t k1, const float *x, int64_t ldx, __m512 *acc) {
     const __m512i nibble = _mm512_set1_epi32(0xF);
-    for (int j = 0; j < MAX_TILE; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + k / 2)));
-        int64_t lo_group = k / group, hi_group = (k + 16) / group;
-        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble)),
-                                    _mm512_set1_ps(scales[lo_group]), _mm512_set1_ps(offsets[lo_group]));
-        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)),
-                                    _mm512_set1_ps(scales[hi_group]), _mm512_set1_ps(offsets[hi_group]));
-        FMA_TILE(lo, k)
-        FMA_TILE(hi, k + 16)
+    if (group == 16) { /* the two halves of a block are two groups */
+        for (int64_t k = k0; k < k1; k += 32)
+            W4_BLOCK(k, _mm512_set1_ps(scales[k / 16]), _mm512_set1_ps(offsets[k / 16]),
+                     _mm512_set1_ps(scales[k / 16 + 1]), _mm512_set1_ps(offsets[k / 16 + 1]));
+        return;
+    }
+    for (int64_t gi = k0 / group; gi * group < k1; gi++) { /* group a multiple of 32 */
+        int64_t start = gi * group > k0 ? gi * group : k0, end = (gi + 1) * group < k1 ? (gi + 1) * group : k1;
+        __m512 scale = _mm512_set1_ps(scales[gi]), offset = _mm512_set1_ps(offsets[gi]);
+        for (int64_t k = start; k < end; k += 32) W4_BLOCK(k, scale, offset, scale, offset);
     }
 }
 
-/* Output row n for rows [m0, m0 + tile) of x. */
-static inline __attribute__((always_inline)) void output_row(int tile, int bits, const void *codes,
-                                                             const float *scales, const float *offsets,
-                                                             int64_t group, int64_t K, int64_t N, int64_t n,
-                                                             const float *x, const float *bias, int out_dtype,
-                                                             void *out) {
-    __m512 acc[MAX_TILE];
+/* Output rows [n0, n1) (at most ROW_BLOCK) for rows [0, tile) of x: the
+ * inputs in chunks of K_CHUNK, so that the tile's chunk of x (16 KiB) and
+ * the rows' chunk of codes stay in L1 while every row passes over them;
+ * the accumulators wait in memory between chunks. */
+static inline __attribute__((always_inline)) void row_block(int tile, int bits, const void *codes,
+                                                            const float *scales, const float *offsets,
+                                                            int64_t group, int64_t K, int64_t N, int64_t n0,
+                                                            int64_t n1, const float *x, const float *bias,
+                                                            int out_dtype, void *out) {
+    __m512 acc[ROW_BLOCK][MAX_TILE];
     int64_t groups = K / group;
-    const float *row_offsets = offsets ? offsets + n * groups : NULL;
-    if (bits == 8)
-        row_w8(tile, (const int8_t *)codes + n * K, scales + n * groups, row_offsets, group, K, x, K, acc);
-    else
-        row_w4(tile, (const uint8_t *)codes + n * (K / 2), scales + n * groups, row_offsets, group, K, x, K, acc);
-    reduce_store(tile, acc, bias, n, N, out_dtype, out);
+    for (int64_t n = n0; n < n1; n++)
+        for (int j = 0; j < MAX_TILE; j++) acc[n - n0][j] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+        int64_t k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
+        for (int64_t n = n0; n < n1; n++) {
+            const float *row_offsets = offsets ? offsets + n * groups : NULL;
+            if (bits == 8)
+                chunk_w8(tile, (const int8_t *)codes + n * K, scales + n * groups, row_offsets, group, k0, k1, x, K,
+                         acc[n - n0]);
+            else
+                chunk_w4(tile, (const uint8_t *)codes + n * (K / 2), scales + n * groups, row_offsets, group, k0,
+                         k1, x, K, acc[n - n0]);
+        }
+    }
+    for (int64_t n = n0; n < n1; n++) reduce_store(tile, acc[n - n0], bias, n, N, out_dtype, out);
 }
 
 /* The tile size as a constant in each case, so the loops over it unroll. */
-static void output_row_any(int tile, int bits, const void *codes, const float *scales, const float *offsets,
-                           int64_t group, int64_t K, int64_t N, int64_t n, const float *x, const float *bias,
-                           int out_dtype, void *out) {
+static void row_block_any(int tile, int bits, const void *codes, const float *scales, const float *offsets,
+                          int64_t group, int64_t K, int64_t N, int64_t n0, int64_t n1, const float *x,
+                          const float *bias, int out_dtype, void *out) {
 #define CASE(t) \
-    case t: output_row(t, bits, codes, scales, offsets, group, K, N, n, x, bias, out_dtype, out); break;
+    case t: row_block(t, bits, codes, scales, offsets, group, K, N, n0, n1, x, bias, out_dtype, out); break;
     switch (tile) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
 #undef CASE
 }
@@ -134,9 +160,8 @@ int grouped_linear(int bits, const float *x, int64_t M, int64_t K, const void *c
         for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
             int tile = M - m0 < MAX_TILE ? (int)(M - m0) : MAX_TILE;
             void *tile_out = out_dtype ? (void *)((uint16_t *)out + m0 * N) : (void *)((float *)out + m0 * N);
-            for (int64_t n = block * ROW_BLOCK; n < n1; n++)
-                output_row_any(tile, bits, codes, scales, offsets, group, K, N, n, x + m0 * K, bias, out_dtype,
-                               tile_out);
+            row_block_any(tile, bits, codes, scales, offsets, group, K, N, block * ROW_BLOCK, n1, x + m0 * K, bias,
+                          out_dtype, tile_out);
         }
     }
     return 0;
@@ -173,7 +198,11 @@ void grouped_dequantize(int bits, const void *codes, const float *scales, const 
         }
         if (out_dtype) {
             uint16_t *o = (uint16_t *)out + (n - n0) * K;
-            for (int64_t k = 0; k < K; k++) o[k] = f32_to_bf16(row[k]);
+            int64_t k = 0;
+#if HAVE_KERNEL
+            for (; k + 16 <= K; k += 16) _mm256_storeu_si256((__m256i *)(o + k), bf16x16(_mm512_loadu_ps(row + k)));
+#endif
+            for (; k < K; k++) o[k] = f32_to_bf16(row[k]);
         } else {
             float *o = (float *)out + (n - n0) * K;
 #pragma omp simd
