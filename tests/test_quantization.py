@@ -21,6 +21,7 @@ from pagedllm.kv_connectors.base import model_fingerprint
 from pagedllm.model_registry.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.cpu import amx_linear as cpu_amx_linear
+from pagedllm.platforms.cpu import grouped_linear as cpu_grouped_linear
 from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
 from pagedllm.quantization.base import QuantizationMethod
 from pagedllm.quantization.int8 import Int8WeightOnlyMethod, quantize_per_channel
@@ -46,8 +47,9 @@ def test_each_output_channel_is_rounded_to_int8_with_its_own_scale() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("layer_cls", [ColumnParallelLinear, RowParallelLinear])
-@pytest.mark.parametrize(("in_features", "num_rows"), [(32, 1), (32, 8), (32, 10), (24, 1)],
-                         ids=["packed-mm", "packed-mm-8-rows", "dequantized-gemm", "off-its-grid"])
+@pytest.mark.parametrize(("in_features", "num_rows"), [(32, 1), (32, 16), (32, 17), (48, 8), (24, 1)],
+                         ids=["grouped-kernel", "grouped-kernel-16-rows", "dequantized-gemm", "packed-mm",
+                              "off-its-grid"])
 def test_the_int8_gemm_is_x_times_the_dequantized_weight(
     layer_cls: type[nn.Linear], dtype: torch.dtype, in_features: int, num_rows: int,
     monkeypatch: pytest.MonkeyPatch,
@@ -58,6 +60,11 @@ def test_the_int8_gemm_is_x_times_the_dequantized_weight(
     amx_calls: list[int] = []
     amx_int8 = cpu_amx_linear.linear_int8
     monkeypatch.setattr(cpu_amx_linear, "linear_int8", lambda x, *args: amx_calls.append(len(x)) or amx_int8(x, *args))
+    grouped_calls: list[int] = []
+    grouped_call = cpu_grouped_linear.GroupedLinearKernel.__call__
+    monkeypatch.setattr(cpu_grouped_linear.GroupedLinearKernel, "__call__",
+                        lambda self, x, bias: grouped_calls.append(len(x.reshape(-1, x.shape[-1])))
+                        or grouped_call(self, x, bias))
     torch.manual_seed(1)
     layer = layer_cls(in_features, 16, bias=True).to(dtype)  # type: ignore[call-arg]
     q, scale = quantize_per_channel(layer.weight)
@@ -72,11 +79,17 @@ def test_the_int8_gemm_is_x_times_the_dequantized_weight(
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
     torch.testing.assert_close(layer(x).float(), reference, atol=tolerance, rtol=tolerance)
     # bfloat16 on an AMX CPU: the platform's AMX kernel (K a multiple of 32);
-    # else torch's packed kernel on its grid at decode-sized batches; the
-    # dequantized GEMM otherwise.
+    # else the grouped-weight decode kernel (K a multiple of 32, AVX-512) at
+    # decode-sized batches, torch's packed kernel for those on its grid;
+    # the dequantized GEMM otherwise.
     on_amx = dtype == torch.bfloat16 and in_features % 32 == 0 and cpu_amx_linear.load() is not None
+    library = cpu_grouped_linear.load()
+    on_grouped = (not on_amx and in_features % 32 == 0 and num_rows <= cpu_grouped_linear.DECODE_MAX_ROWS
+                  and library is not None and library.decode_kernel)
     assert amx_calls == ([num_rows] if on_amx else [])
-    assert packed_calls == ([num_rows] if in_features % 16 == 0 and num_rows <= 8 and not on_amx else [])
+    assert grouped_calls == ([num_rows] if on_grouped else [])
+    assert packed_calls == ([num_rows] if in_features % 16 == 0 and num_rows <= 8 and not (on_amx or on_grouped)
+                            else [])
 
 
 def _greedy_tokens(**engine: object) -> tuple[list[list[int]], LLM]:
