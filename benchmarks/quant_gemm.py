@@ -7,9 +7,11 @@ model's 12 layers hold it) and a cell is the time of one GEMM averaged over
 a pass through all of them, so the weights stream from memory rather than
 sitting in cache as one weight called in a loop would. Each cell is the
 fastest of --reps passes, the variants interleaved. x is bfloat16; ratios
-are bf16's time over the variant's (> 1: faster than bf16). Also printed:
-torch._weight_int8pack_mm (the int8 method's former decode GEMM, per
-channel) for comparison with W8 g=K.
+are bf16's time over the variant's (> 1: faster than bf16). Also printed,
+for comparison: torch._weight_int8pack_mm (the int8 method's former
+decode GEMM) on the W8 g=K weights, and torch._weight_int4pack_mm_for_cpu
+on the W4 g=32 ones (not used by the kernel: its scales and zeros are
+stored in x's dtype, which rounds the layout's float32 ones).
 
     .venv/bin/python benchmarks/quant_gemm.py [--rows 1,8,32,256] [--threads 2] [--reps 10]
 """
@@ -57,8 +59,18 @@ def best_time(run: Callable[[], object], reps: int) -> float:
     return best
 
 
+def int4pack(weight: GroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU int4 packing of a W4 weight: w = (q - 8) * scale + zero,
+    scales and zeros [K // g, N, 2] in x's dtype (here bfloat16: they round)."""
+    packed = torch._convert_weight_to_int4pack_for_cpu(weight.unpacked_codes().to(torch.int32), 1)
+    assert weight.offsets is not None
+    zeros = weight.offsets + 8 * weight.scales
+    return packed, torch.stack([weight.scales.t(), zeros.t()], dim=-1).contiguous().to(torch.bfloat16)
+
+
 def variant_runs(x: torch.Tensor, weights: list[torch.Tensor], kernels: dict[str, list[GroupedLinearKernel]],
-                 int8: list[GroupedWeight]) -> dict[str, Callable[[], object]]:
+                 int8: list[GroupedWeight], int4: list[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> dict[str, Callable[[], object]]:
     """One pass through the layers' GEMMs per variant."""
     int8_scales = [w.scales.view(-1).to(torch.bfloat16) for w in int8]
     runs: dict[str, Callable[[], object]] = {"bf16": lambda: [F.linear(x, w) for w in weights]}
@@ -66,6 +78,8 @@ def variant_runs(x: torch.Tensor, weights: list[torch.Tensor], kernels: dict[str
         runs[variant] = functools.partial(lambda ks: [k(x) for k in ks], layer_kernels)
     runs["int8pack_mm"] = lambda: [torch._weight_int8pack_mm(x, w.codes, s)
                                    for w, s in zip(int8, int8_scales, strict=True)]
+    runs["int4pack_mm"] = lambda: [torch._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)
+                                   for packed, scales_zeros in int4]
     return runs
 
 
@@ -75,10 +89,11 @@ def time_shape(num_out: int, num_in: int, rows: list[int], reps: int) -> dict[tu
                for _ in range(NUM_LAYERS)]
     kernels = {variant: [GroupedLinearKernel(grouped_weight(variant, w)) for w in weights] for variant in VARIANTS}
     int8 = [grouped_weight("W8 g=K", w) for w in weights]
+    int4 = [int4pack(kernels["W4 g=32"][i].weight) for i in range(NUM_LAYERS)]
     times: dict[tuple[str, int], float] = {}
     for m in rows:
         x = torch.randn(m, num_in, generator=generator).to(torch.bfloat16)
-        runs = variant_runs(x, weights, kernels, int8)
+        runs = variant_runs(x, weights, kernels, int8, int4)
         for run in runs.values():
             run()  # warm-up: builds, oneDNN's primitive caches
         for _ in range(reps):  # interleaved: a slow moment of the machine hits every variant
@@ -96,7 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
-    names = ("bf16", *VARIANTS, "int8pack_mm")
+    names = ("bf16", *VARIANTS, "int8pack_mm", "int4pack_mm")
     print(f"threads={args.threads}; us per GEMM (ratio: bf16 time / variant time)")
     print(f"{'shape':>16} {'M':>4} " + " ".join(f"{name:>17}" for name in names))
     for label, (num_out, num_in) in SHAPES.items():

@@ -5,11 +5,12 @@
  * decode step is bound by how fast the weights stream from memory, and
  * these weights are a quarter (W8) or an eighth (W4) of float32's bytes.
  * Each output row's codes are read once per tile of MAX_TILE rows of x,
- * 16 at a time: widened to float32, w = code * scale + offset with one FMA
- * (the group's scale and offset broadcast; 16 inputs never straddle a
- * group, since g is a multiple of 16), then one FMA per row of x. So the
- * dequantization is shared by the tile's rows and an offset costs nothing
- * extra. Sums are float32, the bias added before the one rounding to the
+ * 16 at a time, and dequantized in registers: W8 widened to float32, then
+ * w = code * scale + offset with one FMA (the group's scale and offset
+ * broadcast; 16 inputs never straddle a group, since g is a multiple of
+ * 16); W4 looked up in the group's table of its 16 values (one vpermps).
+ * Then one FMA per row of x. So the dequantization is shared by the tile's
+ * rows and an offset costs nothing extra. Sums are float32, the bias added before the one rounding to the
  * output dtype. Parallel over output rows on torch's OpenMP team.
  *
  * x is float32 (the wrapper converts bfloat16 once per call); out is
@@ -74,32 +75,38 @@ static inline __attribute__((always_inline)) void chunk_w8(int tile, const int8_
     }
 }
 
-/* 32 W4 codes (kernel order) at input k, dequantized with the scales and
- * offsets of their low (inputs k..k+15) and high (k+16..k+31) halves. */
-#define W4_BLOCK(k, scale_lo, offset_lo, scale_hi, offset_hi)                                                 \
-    do {                                                                                                      \
-        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + (k) / 2)));            \
-        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble)), scale_lo, offset_lo); \
-        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale_hi, offset_hi);     \
-        FMA_TILE(lo, k)                                                                                       \
-        FMA_TILE(hi, (k) + 16)                                                                                \
+/* The 16 values a W4 group's codes stand for: table[c] = c * scale +
+ * offset (one FMA on 0..15, the same rounding as dequantizing each code). */
+static inline __m512 w4_table(float scale, float offset) {
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_fmadd_ps(codes, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+}
+
+/* 32 W4 codes (kernel order) at input k, dequantized by looking each code
+ * up in its half's table: vpermps reads the low 4 bits of each 32-bit lane,
+ * so the low nibble needs no mask and the high one one shift. */
+#define W4_BLOCK(k, table_lo, table_hi)                                                           \
+    do {                                                                                          \
+        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + (k) / 2))); \
+        __m512 lo = _mm512_permutexvar_ps(bytes, table_lo);                                       \
+        __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table_hi);                 \
+        FMA_TILE(lo, k)                                                                           \
+        FMA_TILE(hi, (k) + 16)                                                                    \
     } while (0)
 
 /* Inputs [k0, k1) of one W4 row (k0, k1 multiples of 32), as chunk_w8. */
 static inline __attribute__((always_inline)) void chunk_w4(int tile, const uint8_t *codes, const float *scales,
                                                            const float *offsets, int64_t group, int64_t k0,
                                                            int64_t k1, const float *x, int64_t ldx, __m512 *acc) {
-    const __m512i nibble = _mm512_set1_epi32(0xF);
     if (group == 16) { /* the two halves of a block are two groups */
         for (int64_t k = k0; k < k1; k += 32)
-            W4_BLOCK(k, _mm512_set1_ps(scales[k / 16]), _mm512_set1_ps(offsets[k / 16]),
-                     _mm512_set1_ps(scales[k / 16 + 1]), _mm512_set1_ps(offsets[k / 16 + 1]));
+            W4_BLOCK(k, w4_table(scales[k / 16], offsets[k / 16]), w4_table(scales[k / 16 + 1], offsets[k / 16 + 1]));
         return;
     }
     for (int64_t gi = k0 / group; gi * group < k1; gi++) { /* group a multiple of 32 */
         int64_t start = gi * group > k0 ? gi * group : k0, end = (gi + 1) * group < k1 ? (gi + 1) * group : k1;
-        __m512 scale = _mm512_set1_ps(scales[gi]), offset = _mm512_set1_ps(offsets[gi]);
-        for (int64_t k = start; k < end; k += 32) W4_BLOCK(k, scale, offset, scale, offset);
+        __m512 table = w4_table(scales[gi], offsets[gi]);
+        for (int64_t k = start; k < end; k += 32) W4_BLOCK(k, table, table);
     }
 }
 
