@@ -116,7 +116,7 @@ def test_each_path_computes_the_reference(bits: int, group: int, with_offsets: b
     generator = torch.Generator().manual_seed(2)
     for dtype in (torch.float32, torch.bfloat16):
         bias = torch.randn(NUM_OUT, generator=generator).to(dtype)
-        for num_rows in (1, 3, 16, 40):
+        for num_rows in (1, 3, grouped_linear.DECODE_MAX_ROWS, 16, 40):
             x = torch.randn(num_rows, NUM_IN, generator=generator).to(dtype)
             for layer_bias in (None, bias):
                 kernel_calls.clear()
@@ -129,17 +129,17 @@ def test_each_path_computes_the_reference(bits: int, group: int, with_offsets: b
 @needs_decode_kernel
 def test_leading_dimensions_are_kept() -> None:
     weight = random_weight(8, 32, with_offsets=False)
-    x = torch.randn(2, 3, NUM_IN)
+    x = torch.randn(2, 3, NUM_IN, generator=torch.Generator().manual_seed(4))
     out = grouped_linear.GroupedLinearKernel(weight)(x)
     assert out.shape == (2, 3, NUM_OUT)
-    torch.testing.assert_close(out, reference_linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert_matches_reference(out, reference_linear(x, weight), batched=False)
 
 
 @pytest.mark.parametrize(("bits", "num_in", "group"), [(8, 48, 48), (4, 40, 8)], ids=["K%32", "g%16"])
 def test_a_shape_off_the_kernel_grid_runs_the_reference(bits: int, num_in: int, group: int,
                                                         kernel_calls: list[str]) -> None:
     weight = random_weight(bits, group, with_offsets=True, num_out=24, num_in=num_in)
-    x = torch.randn(3, num_in).to(torch.bfloat16)
+    x = torch.randn(3, num_in, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     out = grouped_linear.GroupedLinearKernel(weight)(x, None)
     assert kernel_calls == [] and torch.equal(out, reference_linear(x, weight))
 
@@ -174,6 +174,5 @@ def test_register_grouped_linear_offers_the_kernel_for_converted_layers_only() -
     assert (op, name, options["priority"]) == ("linear", "w4-test", 100)
     weight = random_weight(4, 32, with_offsets=True)
     assert options["supports"](_ConvertedLayer(weight)) and not options["supports"](_ConvertedLayer(None))
-    x = torch.randn(2, NUM_IN)
-    torch.testing.assert_close(build(_ConvertedLayer(weight))(x, None), reference_linear(x, weight),
-                               rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, NUM_IN, generator=torch.Generator().manual_seed(5))
+    assert_matches_reference(build(_ConvertedLayer(weight))(x, None), reference_linear(x, weight), batched=False)

@@ -4,7 +4,7 @@ and the int8 method all convert into it).
 
 Two paths, by the number of rows M of x:
 
-- Decode sizes (M <= DECODE_MAX_ROWS): a C kernel (csrc/grouped_linear.c)
+- Decode sizes (M <= DECODE_MAX_ROWS, 8): a C kernel (csrc/grouped_linear.c)
   that streams each weight row once per 8 rows of x, dequantizes 16 codes
   at a time in registers (one FMA applies scale and offset) and sums in
   float32: the reference to float32 rounding, in x's dtype. AVX-512 only;
@@ -52,9 +52,12 @@ CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-ma
           "-ffp-contract=off", "-shared", "-fPIC")
 ENV_SWITCH = "PAGEDLLM_CPU_GROUPED_LINEAR"
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# Batches of at most this many rows run on the decode kernel (the batched
-# path from there on: benchmarks/quant_gemm.py, docs/performance.md).
-DECODE_MAX_ROWS = 16
+# Batches of at most this many rows run on the decode kernel. Its float32
+# FMAs do 16 multiply-adds an instruction where a bfloat16 GEMM's
+# AVX512-BF16 dot products do 32, so once the rows make the GEMM compute-
+# bound the batched path wins: the two crossed at about 8-12 rows on the
+# ~100M model's shapes (2 threads, bfloat16; benchmarks/quant_gemm.py).
+DECODE_MAX_ROWS = 8
 K_MULTIPLE, GROUP_MULTIPLE = 32, 16  # the decode kernel's grid (csrc/grouped_linear.c)
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
