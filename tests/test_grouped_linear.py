@@ -26,8 +26,8 @@ needs_decode_kernel = pytest.mark.skipif(library is None or not library.decode_k
                                          reason="no C compiler or no AVX-512 for the decode kernel")
 needs_library = pytest.mark.skipif(library is None, reason="no C compiler for the CPU kernels")
 
-# K = 640: two passes of the kernel's 512-input chunks, a group of 128 across none,
-# g = K across both. N = 40: not a multiple of the kernel's 16-row blocks.
+# K = 640: 8 rows of x pass over it in two chunks of 512 inputs (csrc/grouped_linear.c), a
+# group of 128 across none, g = K across both. N = 40: not a multiple of the kernel's 16-row blocks.
 NUM_OUT, NUM_IN = 40, 640
 
 

@@ -32,7 +32,7 @@
 
 #define ROW_BLOCK 16 /* output rows of one work item */
 #define MAX_TILE 8   /* rows of x sharing one pass over a weight row */
-#define K_CHUNK 512  /* inputs per pass (a multiple of 32) */
+#define X_CHUNK 4096 /* floats of x per pass over the rows: 16 KiB, in L1 */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_KERNEL 1
@@ -111,9 +111,10 @@ static inline __attribute__((always_inline)) void chunk_w4(int tile, const uint8
 }
 
 /* Output rows [n0, n1) (at most ROW_BLOCK) for rows [0, tile) of x: the
- * inputs in chunks of K_CHUNK, so that the tile's chunk of x (16 KiB) and
- * the rows' chunk of codes stay in L1 while every row passes over them;
- * the accumulators wait in memory between chunks. */
+ * inputs in chunks of X_CHUNK / tile, so that the tile's chunk of x stays
+ * in L1 while every row passes over it; the accumulators wait in memory
+ * between chunks. (One row of x is a whole row of a model's weight: each
+ * weight row is then read in one run, which the prefetcher follows best.) */
 static inline __attribute__((always_inline)) void row_block(int tile, int bits, const void *codes,
                                                             const float *scales, const float *offsets,
                                                             int64_t group, int64_t K, int64_t N, int64_t n0,
@@ -123,8 +124,9 @@ static inline __attribute__((always_inline)) void row_block(int tile, int bits, 
     int64_t groups = K / group;
     for (int64_t n = n0; n < n1; n++)
         for (int j = 0; j < MAX_TILE; j++) acc[n - n0][j] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
-        int64_t k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
+    const int64_t chunk = (X_CHUNK / tile) & ~(int64_t)31;
+    for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+        int64_t k1 = k0 + chunk < K ? k0 + chunk : K;
         for (int64_t n = n0; n < n1; n++) {
             const float *row_offsets = offsets ? offsets + n * groups : NULL;
             if (bits == 8)
