@@ -17,6 +17,9 @@ A checkpoint whose config.json has a `quantization_config` loads only into a
 model class that lists its `quant_method` in `checkpoint_quant_methods`
 (GPT-OSS: "mxfp4", dequantized at load); any other is refused by name
 (`check_checkpoint_quantization`) rather than misread as float weights.
+A quantization method that reads the format gives the model the checkpoint's
+storage before loading; per-tensor fp8 KV-cache scales are matched to the
+attention layers by the names checkpoints give them (`kv_scale_aliases`).
 """
 
 from __future__ import annotations
@@ -281,22 +284,50 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
     return names
 
 
+# Per-tensor fp8 KV-cache scales as checkpoints name them beside an attention
+# module: compressed-tensors' `self_attn.k_scale`, vLLM's older
+# `self_attn.k_proj.output_scale`. A model without a parameter for them (no
+# quantization method loads them) accepts and ignores them.
+KV_SCALE_SUFFIXES = {"k_scale": ("k_scale", "k_proj.output_scale"), "v_scale": ("v_scale", "v_proj.output_scale")}
+
+
+def is_kv_scale_name(name: str) -> bool:
+    return name.endswith(tuple(f".{alias}" for aliases in KV_SCALE_SUFFIXES.values() for alias in aliases))
+
+
+def kv_scale_aliases(expected: Iterable[str]) -> dict[str, str]:
+    """Checkpoint name -> the expected KV-scale parameter it fills: for
+    `model.layers.0.self_attn.attn.k_scale`, `model.layers.0.self_attn.k_scale`
+    and `model.layers.0.self_attn.k_proj.output_scale`."""
+    aliases: dict[str, str] = {}
+    for name in expected:
+        module, _, local = name.rpartition(".")
+        if local not in KV_SCALE_SUFFIXES or not module:
+            continue
+        parent = module.rpartition(".")[0]
+        for alias in KV_SCALE_SUFFIXES[local]:
+            aliases[f"{parent}.{alias}" if parent else alias] = name
+    return aliases
+
+
 def load_weights_strict(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], model_path: str | Path) -> None:
     """Feed the expected weights to model.load_weights; raise ModelLoadError
     naming every missing and unexpected one."""
     expected = expected_checkpoint_names(model)
     is_ignored = getattr(model, "is_ignored_weight", lambda name: False)
     map_name = getattr(model, "map_checkpoint_name", None)  # absent on duck-typed (1.0) models
+    kv_scales = kv_scale_aliases(expected)
     seen: set[str] = set()
     unexpected: set[str] = set()
 
     def accepted() -> Iterator[tuple[str, torch.Tensor]]:
         for checkpoint_name, tensor in weights:
             name = checkpoint_name if map_name is None else map_name(checkpoint_name)
+            name = kv_scales.get(name, name)
             if name in expected:
                 seen.add(name)
                 yield name, tensor
-            elif not is_ignored(name):
+            elif not is_ignored(name) and not is_kv_scale_name(name):
                 unexpected.add(checkpoint_name)
 
     try:

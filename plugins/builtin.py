@@ -167,6 +167,7 @@ def register_routers(register: RegisterFn) -> None:
 def register_quantization_methods(register: RegisterFn) -> None:
     # Weight-only int8, per output channel, quantized from the float checkpoint at load.
     register("int8", "pagedllm.quantization.int8:Int8WeightOnlyMethod")
+    register("compressed-tensors", "pagedllm.quantization.compressed_tensors.method:CompressedTensorsMethod", checkpoint_formats=["compressed-tensors"], quantizes_float=False)  # noqa: E501
 
 
 @hookimpl

@@ -54,9 +54,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.core.errors import PagedLLMError
+
 if TYPE_CHECKING:
     from torch import nn
 
+
+class UnsupportedCheckpointError(PagedLLMError, ValueError):
+    """A quantized checkpoint a method cannot read (a scheme, a format, a
+    setting), raised from `from_checkpoint_config` or `create_weights`; the
+    worker reports it as the model's ModelLoadError, with the model's path."""
 
 
 class QuantizationMethod(ABC):
@@ -67,8 +74,8 @@ class QuantizationMethod(ABC):
     @classmethod
     def from_checkpoint_config(cls, quant_config: dict[str, Any]) -> QuantizationMethod:
         """The method for a checkpoint whose config.json `quantization_config`
-        is `quant_config` (a plain dict); ModelLoadError for settings it does
-        not read. Default: ``cls()``, the settings ignored."""
+        is `quant_config` (a plain dict); UnsupportedCheckpointError for
+        settings it does not read. Default: ``cls()``, the settings ignored."""
         return cls()
 
     def create_weights(self, layer: nn.Linear, prefix: str) -> bool:
@@ -81,7 +88,23 @@ class QuantizationMethod(ABC):
     def create_moe_weights(self, layer: nn.Module, prefix: str) -> bool:
         """`create_weights` for a ``FusedMoE`` layer's experts. Default: False,
         the experts load as float (a method whose checkpoints quantize them
-        and that cannot read them raises ModelLoadError naming the format)."""
+        and that cannot read them raises UnsupportedCheckpointError naming the format)."""
+        return False
+
+    def create_attention_weights(self, layer: nn.Module, prefix: str) -> bool:
+        """Before loading: give an attention layer (model_registry's
+        ``Attention``) the parameters the checkpoint stores for its KV cache,
+        such as per-tensor ``k_scale`` / ``v_scale`` (an fp8 KV cache's
+        scales), each with a ``weight_loader(param, tensor)``. The strict
+        loader also feeds them the names checkpoints use beside the attention
+        module (``self_attn.k_scale``, ``self_attn.k_proj.output_scale``).
+        Default: False, nothing stored (plugin API 1.15)."""
+        return False
+
+    def quantize_attention(self, layer: nn.Module, prefix: str) -> bool:
+        """After loading: hand what `create_attention_weights` loaded to the
+        layer's backend impl (``layer.impl.k_scale`` / ``v_scale``, floats);
+        True when it did. Default: False."""
         return False
 
     @abstractmethod
@@ -103,4 +126,4 @@ class QuantizationMethod(ABC):
         Default: nothing (the layers keep F.linear, or a GEMM the method set)."""
 
 
-__all__ = ["QuantizationMethod"]
+__all__ = ["QuantizationMethod", "UnsupportedCheckpointError"]

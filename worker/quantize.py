@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.model_registry.layers.attention import Attention
 from pagedllm.model_registry.layers.fused_moe import FusedMoE
 from pagedllm.model_registry.layers.linear import LinearBase
 from pagedllm.model_registry.layers.vocab_parallel_embedding import ParallelLMHead
-from pagedllm.model_registry.loader import check_checkpoint_quantization, checkpoint_quant_method
+from pagedllm.model_registry.loader import ModelLoadError, check_checkpoint_quantization, checkpoint_quant_method
 from pagedllm.platforms.interface import dtype_name
+from pagedllm.quantization.base import UnsupportedCheckpointError
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +48,7 @@ def load_quantization_method(
 class ConvertedLayers(NamedTuple):
     linear: int
     moe: int
+    attention: int = 0  # attention layers given the checkpoint's KV-cache scales
 
 
 class QuantizationPlan(NamedTuple):
@@ -56,10 +60,21 @@ class QuantizationPlan(NamedTuple):
     checkpoint_format: str | None = None
     checkpoint_config: dict[str, Any] | None = None  # config.json's quantization_config
 
-    def build(self, method_cls: type[QuantizationMethod]) -> QuantizationMethod:
+    def build(self, method_cls: type[QuantizationMethod], model_path: str = "") -> QuantizationMethod:
+        """The method; a checkpoint it cannot read is the model's ModelLoadError."""
         if self.checkpoint_format is None:
             return method_cls()
-        return method_cls.from_checkpoint_config(dict(self.checkpoint_config or {}))
+        with checkpoint_errors(model_path):
+            return method_cls.from_checkpoint_config(dict(self.checkpoint_config or {}))
+
+
+@contextlib.contextmanager
+def checkpoint_errors(model_path: str) -> Iterator[None]:
+    """A method's UnsupportedCheckpointError as ModelLoadError naming the model."""
+    try:
+        yield
+    except UnsupportedCheckpointError as err:
+        raise ModelLoadError(model_path, detail=str(err)) from err
 
 
 def plan_quantization(
@@ -92,16 +107,26 @@ def _as_dict(quant_config: Any) -> dict[str, Any]:
     return dict(quant_config.to_dict())  # transformers' QuantizationConfigMixin
 
 
-def create_checkpoint_weights(model: nn.Module, method: QuantizationMethod) -> ConvertedLayers:
+def create_checkpoint_weights(model: nn.Module, method: QuantizationMethod, model_path: str = "") -> ConvertedLayers:
     """Before loading a quantized checkpoint: the method replaces the storage of
-    every layer `quantize_model` would hand it with the checkpoint's tensors."""
+    every layer `quantize_model` would hand it with the checkpoint's tensors,
+    and gives attention layers what the checkpoint stores for their KV cache."""
     linear = moe = 0
-    for prefix, module in _quantizable_layers(model):
-        if isinstance(module, FusedMoE):
-            moe += bool(method.create_moe_weights(module, prefix))
-        else:
-            linear += bool(method.create_weights(module, prefix))
-    return ConvertedLayers(linear, moe)
+    with checkpoint_errors(model_path):
+        for prefix, module in _quantizable_layers(model):
+            if isinstance(module, FusedMoE):
+                moe += bool(method.create_moe_weights(module, prefix))
+            else:
+                linear += bool(method.create_weights(module, prefix))
+        attention = sum(bool(method.create_attention_weights(module, prefix))
+                        for prefix, module in _attention_layers(model))
+    return ConvertedLayers(linear, moe, attention)
+
+
+def _attention_layers(model: nn.Module) -> Iterator[tuple[str, Attention]]:
+    for prefix, module in model.named_modules():
+        if isinstance(module, Attention):
+            yield prefix, module
 
 
 def _quantizable_layers(model: nn.Module) -> Iterator[tuple[str, LinearBase | FusedMoE]]:
@@ -123,10 +148,11 @@ def quantize_model(model: nn.Module, method: QuantizationMethod) -> ConvertedLay
             moe += bool(method.quantize_moe(module, prefix))
         else:
             linear += bool(method.quantize_linear(module, prefix))
-    return ConvertedLayers(linear, moe)
+    attention = sum(bool(method.quantize_attention(module, prefix)) for prefix, module in _attention_layers(model))
+    return ConvertedLayers(linear, moe, attention)
 
 
 __all__ = [
-    "ConvertedLayers", "QuantizationPlan", "create_checkpoint_weights", "load_quantization_method",
+    "ConvertedLayers", "QuantizationPlan", "checkpoint_errors", "create_checkpoint_weights", "load_quantization_method",
     "plan_quantization", "quantize_model",
 ]

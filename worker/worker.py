@@ -337,10 +337,12 @@ class Worker:
         self.init_distributed()
         facts = self.model_facts
         model_cls = load_model_class(facts.impl(), self.plugin_manager)
-        quantization = None if self.quantization_cls is None else self.quantization.build(self.quantization_cls)
+        quantization = None if self.quantization_cls is None else self.quantization.build(
+            self.quantization_cls, facts.path)
         create_quantized_weights = None
         if quantization is not None and self.quantization.checkpoint_format is not None:
-            create_quantized_weights = functools.partial(create_checkpoint_weights, method=quantization)
+            create_quantized_weights = functools.partial(create_checkpoint_weights, method=quantization,
+                                                         model_path=facts.path)
         # load_model builds model_cls (a ModelForCausalLM, checked by the registry).
         model = cast("ModelForCausalLM", load_model(
             facts.path,
@@ -358,8 +360,8 @@ class Worker:
         if quantization is not None:
             converted = quantize_model(model, quantization)
             source = self.quantization.checkpoint_format or "float"
-            logger.info("quantization %s (%s checkpoint): %d linear and %d MoE layers converted",
-                        self.quantization.name, source, converted.linear, converted.moe)
+            logger.info("quantization %s (%s checkpoint): %d linear, %d MoE and %d attention layers converted",
+                        self.quantization.name, source, converted.linear, converted.moe, converted.attention)
         self.op_registry = build_op_registry(self.platform, quantization)
         bind_layer_ops(model, self.op_registry)
         self.platform.optimize_model(model)
