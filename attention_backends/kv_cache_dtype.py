@@ -9,8 +9,9 @@ float32 one), so the same memory holds twice (four times) the blocks.
 Like vLLM, an fp8 cache has a per-tensor scale for keys and one for values
 (`k_scale`, `v_scale`): the cache holds ``(x / scale)`` converted to fp8,
 saturated at the format's largest finite value, and attention reads
-``cache.to(compute dtype) * scale``. No checkpoint pagedllm loads carries
-scales yet, so both are 1.0 (vLLM's default for a checkpoint without them).
+``cache.to(compute dtype) * scale``. Both are 1.0 (vLLM's default) unless
+the checkpoint carries them (compressed-tensors' `kv_cache_scheme`: its
+quantization method sets the attention impl's `k_scale` / `v_scale`).
 
 A backend that stores an fp8 cache declares it (the ``kv_cache_dtypes``
 registration key); its impl writes with `quantize_kv` and reads with
@@ -34,7 +35,7 @@ from pagedllm.platforms.interface import (
 )
 
 # The per-tensor scale of an fp8 KV cache (vLLM's k_scale / v_scale) where
-# the checkpoint provides none: every checkpoint pagedllm loads today.
+# the checkpoint provides none.
 DEFAULT_KV_SCALE = 1.0
 
 

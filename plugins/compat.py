@@ -109,8 +109,9 @@ from packaging.version import Version
 #      `KVCacheLayout.block_shape`, the `MLAAttentionSpec` KV cache spec.
 # 1.14: quantized checkpoints: `QuantizationInfo.checkpoint_formats` /
 #      `quantizes_float`, `QuantizationMethod.from_checkpoint_config` /
-#      `create_weights` / `create_moe_weights` (defaults: the method reads no
-#      checkpoint format; 1.13 methods are unchanged).
+#      `create_weights` / `create_moe_weights` / `create_attention_weights` /
+#      `quantize_attention`, `UnsupportedCheckpointError` (defaults: the method
+#      reads no checkpoint format; 1.13 methods are unchanged).
 API_VERSION = "1.14.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"

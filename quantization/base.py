@@ -98,7 +98,7 @@ class QuantizationMethod(ABC):
         scales), each with a ``weight_loader(param, tensor)``. The strict
         loader also feeds them the names checkpoints use beside the attention
         module (``self_attn.k_scale``, ``self_attn.k_proj.output_scale``).
-        Default: False, nothing stored (plugin API 1.15)."""
+        Default: False, nothing stored (plugin API 1.14)."""
         return False
 
     def quantize_attention(self, layer: nn.Module, prefix: str) -> bool:
