@@ -185,16 +185,22 @@ def test_a_method_that_cannot_run_here_is_a_config_error_before_loading(quantiza
 
 
 def test_an_unknown_method_lists_the_registered_ones() -> None:
-    with pytest.raises(UnknownComponentError, match=r"no quantization_method named 'gptq'; registered: int8"):
-        LLM("tiny", dtype="float32", quantization="gptq")
+    registered = ", ".join(sorted(get_plugin_manager().quantization_methods.names()))
+    assert "int8" in registered
+    with pytest.raises(UnknownComponentError, match=rf"no quantization_method named 'int3'; registered: {registered}"):
+        LLM("tiny", dtype="float32", quantization="int3")
 
 
 def test_the_builtin_method_is_registered_and_serve_takes_the_flag() -> None:
     from pagedllm.entrypoints.cli import build_parser, serve_config
 
     registry = get_plugin_manager().quantization_methods
-    assert {name: registry.get(name).target for name in registry.names()} == {
-        "int8": "pagedllm.quantization.int8:Int8WeightOnlyMethod"}
+    builtins = {name: registry.get(name).target for name in registry.names()}
+    assert builtins["int8"] == "pagedllm.quantization.int8:Int8WeightOnlyMethod"
+    # The others read their own checkpoint format and quantize no float checkpoint.
+    readers = {name: registry.get(name).info for name in builtins if name != "int8"}
+    assert readers and all(info.checkpoint_formats and not info.quantizes_float for info in readers.values())
+    assert registry.get("int8").info.quantizes_float
     args = build_parser().parse_args(["serve", "tiny", "--quantization", "int8"])
     assert serve_config(args).model.quantization == "int8"
 
