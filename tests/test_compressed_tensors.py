@@ -12,74 +12,35 @@ each layer kind against a plain-torch reference."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-from compressed_tensors.quantization import QuantizationConfig
+from helpers.compressed_tensors_writer import (
+    FP8,
+    LIMIT,
+    LINEAR_SUFFIXES,
+    SCHEMES,
+    scheme_args,
+    write_compressed_tensors,
+)
 from helpers.tiny_models import cached_tiny_model
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_registry.loader import ModelLoadError
 from pagedllm.quantization.compressed_tensors.scaled_linear import ScaledWeight, scaled_linear
 
-LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[1, 5, 9, 14, 22, 7], [3, 3, 8]]
 MAX_TOKENS = 8
-FP8 = torch.float8_e4m3fn
-LIMIT = {"int": 127.0, "float": 448.0}
 
 
-def _args(kind: str, strategy: str, *, bits: int = 8, dynamic: bool = False, group_size: int | None = None,
-          symmetric: bool = True) -> dict[str, Any]:
-    return {"num_bits": bits, "type": kind, "symmetric": symmetric, "strategy": strategy, "dynamic": dynamic,
-            "group_size": group_size, "block_structure": None, "actorder": None, "observer": "minmax",
-            "observer_kwargs": {}}
-
-
-SCHEMES: dict[str, tuple[dict[str, Any], dict[str, Any] | None, str]] = {
-    "w8a16_channel": (_args("int", "channel"), None, "naive-quantized"),
-    "w8a16_group": (_args("int", "group", group_size=32), None, "pack-quantized"),
-    "w8a16_tensor": (_args("int", "tensor"), None, "naive-quantized"),
-    "w4a16_group": (_args("int", "group", bits=4, group_size=32), None, "pack-quantized"),
-    "w8a8_int8_dynamic": (_args("int", "channel"), _args("int", "token", dynamic=True), "int-quantized"),
-    "w8a8_int8_static": (_args("int", "channel"), _args("int", "tensor"), "int-quantized"),
-    "fp8_weight_only": (_args("float", "channel"), None, "float-quantized"),
-    "fp8_dynamic": (_args("float", "channel"), _args("float", "token", dynamic=True), "float-quantized"),
-    "fp8_static": (_args("float", "tensor"), _args("float", "tensor"), "float-quantized"),
-}
-
-
-def _quantize_weight(weight: torch.Tensor, args: dict[str, Any]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """(the checkpoint's tensors of one module, its dequantized weight)."""
-    num_out, num_in = weight.shape
-    w = weight.float()
-    qmax = LIMIT[args["type"]] if args["num_bits"] == 8 else 7.0
-    if args["strategy"] == "group":
-        grouped = w.view(num_out, num_in // args["group_size"], args["group_size"])
-        scale = grouped.abs().amax(dim=-1) / qmax  # [N, K // g]
-        expanded = scale.repeat_interleave(args["group_size"], dim=1)
-    elif args["strategy"] == "channel":
-        scale = w.abs().amax(dim=1, keepdim=True) / qmax  # [N, 1]
-        expanded = scale
-    else:
-        scale = (w.abs().amax() / qmax).reshape(1)
-        expanded = scale
-    if args["type"] == "float":
-        codes = (w / expanded).clamp(-448, 448).to(FP8)
-        return {"weight": codes, "weight_scale": scale}, codes.float() * expanded
-    codes = torch.round(w / expanded).clamp(-qmax - 1, qmax).to(torch.int8)
-    dequantized = codes.float() * expanded
-    if args["num_bits"] == 4 or args["strategy"] == "group":  # pack-quantized
-        packed = pack_to_int32(codes, args["num_bits"])
-        return {"weight_packed": packed, "weight_shape": torch.tensor([num_out, num_in]), "weight_scale": scale}, (
-            dequantized)
-    return {"weight": codes, "weight_scale": scale}, dequantized
+def write_checkpoint(tmp_path: Path, scheme: str, kv_scales: dict[int, tuple[float, float]] | None = None,
+                     **config_changes: Any) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """The tiny Llama in `scheme` (helpers/compressed_tensors_writer.py)."""
+    source = cached_tiny_model("llama", with_tokenizer=True)
+    return write_compressed_tensors(source, tmp_path, scheme, PROMPTS, kv_scales, **config_changes)
 
 
 def _fake_quantize_input(x: torch.Tensor, args: dict[str, Any], input_scale: torch.Tensor | None) -> torch.Tensor:
@@ -99,64 +60,6 @@ def _add_input_hooks(model: nn.Module, args: dict[str, Any] | None, input_scales
         if name.rpartition(".")[2] in LINEAR_SUFFIXES:
             scale = input_scales.get(name)
             module.register_forward_pre_hook(lambda _m, inputs, s=scale: (_fake_quantize_input(inputs[0], args, s),))
-
-
-def _calibrate_input_scales(source: Path, args: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Static per-tensor input scales: max |x| of each linear's input over the
-    prompts, on the float model (q/k/v see one x, so they share a scale)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
-    amax: dict[str, torch.Tensor] = {}
-    for name, module in model.named_modules():
-        if name.rpartition(".")[2] in LINEAR_SUFFIXES:
-            module.register_forward_pre_hook(
-                lambda _m, inputs, n=name: amax.__setitem__(n, torch.maximum(amax.get(n, torch.zeros(())),
-                                                                             inputs[0].abs().amax())))
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            model(torch.tensor([prompt]))
-    return {name: (value * 2 / LIMIT[args["type"]]).reshape(1) for name, value in amax.items()}  # 2x: headroom
-
-
-def write_checkpoint(tmp_path: Path, scheme: str, kv_scales: dict[int, tuple[float, float]] | None = None,
-                     **config_changes: Any) -> tuple[Path, Path, dict[str, torch.Tensor]]:
-    """(the compressed-tensors checkpoint, a float one of its dequantized
-    weights, the static input scales by module)."""
-    weight_args, input_args, fmt = SCHEMES[scheme]
-    source = cached_tiny_model("llama", with_tokenizer=True)
-    quantized, dequantized = tmp_path / scheme, tmp_path / f"{scheme}-dequantized"
-    shutil.copytree(source, quantized)
-    shutil.copytree(source, dequantized)
-    input_scales = _calibrate_input_scales(source, input_args) if input_args and not input_args["dynamic"] else {}
-    tensors = load_file(str(source / "model.safetensors"))
-    stored: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module.rpartition(".")[2] in LINEAR_SUFFIXES:
-            parts, tensors[name] = _quantize_weight(tensor, weight_args)
-            stored.update({f"{module}.{key}": value for key, value in parts.items()})
-            if module in input_scales:
-                stored[f"{module}.input_scale"] = input_scales[module]
-        else:
-            stored[name] = tensor
-    for layer, (k_scale, v_scale) in (kv_scales or {}).items():
-        stored[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor([k_scale])
-        stored[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([v_scale])
-    save_file(stored, str(quantized / "model.safetensors"))
-    save_file(tensors, str(dequantized / "model.safetensors"))
-    quant_config: dict[str, Any] = {
-        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weight_args,
-                                      "input_activations": input_args, "output_activations": None, "format": fmt}},
-        "ignore": ["lm_head"], "kv_cache_scheme": None if kv_scales is None else _args("float", "tensor"),
-    }
-    quant_config.update(config_changes)
-    QuantizationConfig.model_validate(quant_config)  # the package's own reading of it
-    config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = quant_config
-    (quantized / "config.json").write_text(json.dumps(config))
-    return quantized, dequantized, input_scales
 
 
 def _greedy(path: Path, **kwargs: Any) -> list[list[int]]:
@@ -202,7 +105,7 @@ def test_the_w8a8_gemm_is_the_plain_torch_reference(codes_dtype: torch.dtype, st
     codes = codes.round().to(torch.int8) if kind == "int" else codes.to(FP8)
     input_scale = x.abs().amax() / LIMIT[kind] if static else None
     out = scaled_linear(x, ScaledWeight(codes, scales, input_scale, True), bias)
-    args = _args(kind, "tensor" if static else "token")
+    args = scheme_args(kind, "tensor" if static else "token")
     expected = _fake_quantize_input(x, args, input_scale) @ (codes.float() * scales[:, None]).t() + bias
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -210,12 +113,13 @@ def test_the_w8a8_gemm_is_the_plain_torch_reference(codes_dtype: torch.dtype, st
 @pytest.mark.parametrize("changes, message", [
     ({"sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}}, "sparse-24-bitmask"),
     ({"config_groups": {"g": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
-                              "weights": _args("float", "tensor_group", bits=4, group_size=16)}}},
+                              "weights": scheme_args("float", "tensor_group", bits=4, group_size=16)}}},
      "format 'nvfp4-pack-quantized'"),
-    ({"config_groups": {"g": {"targets": ["Linear"], "weights": _args("int", "group", bits=4, group_size=32),
-                              "input_activations": _args("int", "token", dynamic=True), "format": "pack-quantized"}}},
+    ({"config_groups": {"g": {"targets": ["Linear"], "weights": scheme_args("int", "group", bits=4, group_size=32),
+                              "input_activations": scheme_args("int", "token", dynamic=True),
+                              "format": "pack-quantized"}}},
      r"scheme weights int4 group group_size=32, input_activations int8 token dynamic"),
-    ({"kv_cache_scheme": _args("int", "tensor")}, "kv_cache_scheme int8 tensor"),
+    ({"kv_cache_scheme": scheme_args("int", "tensor")}, "kv_cache_scheme int8 tensor"),
 ])
 def test_an_unsupported_scheme_is_a_model_load_error_naming_it(tmp_path: Path, changes: dict[str, Any],
                                                                 message: str) -> None:
