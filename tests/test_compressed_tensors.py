@@ -1,7 +1,7 @@
 """compressed-tensors checkpoints (llm-compressor's format): W8A16, W4A16,
 W8A8-INT8, FP8 weight-only and FP8 W8A8, and fp8 KV-cache scales.
 
-Checkpoints are written here from the tiny float Llama by hand, following
+Checkpoints are written from the tiny float Llama by hand (helpers/compressed_tensors_writer.py), following
 the format (config validated by the compressed-tensors package, int4
 packed by its own `pack_to_int32`), round-to-nearest with min-max scales
 and no calibration but the static input scales. Every greedy run is checked
