@@ -167,7 +167,12 @@ def register_routers(register: RegisterFn) -> None:
 def register_quantization_methods(register: RegisterFn) -> None:
     # Weight-only int8, per output channel, quantized from the float checkpoint at load.
     register("int8", "pagedllm.quantization.int8:Int8WeightOnlyMethod")
-    register("compressed-tensors", "pagedllm.quantization.compressed_tensors.method:CompressedTensorsMethod", checkpoint_formats=["compressed-tensors"], quantizes_float=False)  # noqa: E501
+    # Checkpoints quantized by their writers, each chosen by config.json's quant_method:
+    # GPTQ and AWQ (4-bit; GPTQ 8-bit too) and compressed-tensors (llm-compressor's INT8 / FP8 / W4A16).
+    register("gptq", "pagedllm.quantization.gptq:GPTQMethod", checkpoint_formats=["gptq"], quantizes_float=False)
+    register("awq", "pagedllm.quantization.awq:AWQMethod", checkpoint_formats=["awq"], quantizes_float=False)
+    register("compressed-tensors", "pagedllm.quantization.compressed_tensors.method:CompressedTensorsMethod",
+             checkpoint_formats=["compressed-tensors"], quantizes_float=False)
 
 
 @hookimpl

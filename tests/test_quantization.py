@@ -191,6 +191,12 @@ def test_an_unknown_method_lists_the_registered_ones() -> None:
         LLM("tiny", dtype="float32", quantization="int3")
 
 
+def test_a_checkpoint_format_reader_refuses_a_float_checkpoint() -> None:
+    with pytest.raises(ConfigError, match=r"model.quantization='gptq' is invalid; allowed: a method that quantizes "
+                                          r"a float checkpoint at load \(gptq only reads checkpoints"):
+        LLM("tiny", dtype="float32", quantization="gptq")
+
+
 def test_the_builtin_method_is_registered_and_serve_takes_the_flag() -> None:
     from pagedllm.entrypoints.cli import build_parser, serve_config
 
@@ -201,6 +207,8 @@ def test_the_builtin_method_is_registered_and_serve_takes_the_flag() -> None:
     readers = {name: registry.get(name).info for name in builtins if name != "int8"}
     assert readers and all(info.checkpoint_formats and not info.quantizes_float for info in readers.values())
     assert registry.get("int8").info.quantizes_float
+    assert registry.get("gptq").info.checkpoint_formats == ("gptq",)
+    assert registry.get("awq").info.checkpoint_formats == ("awq",)
     args = build_parser().parse_args(["serve", "tiny", "--quantization", "int8"])
     assert serve_config(args).model.quantization == "int8"
 

@@ -56,6 +56,9 @@ KIND_USES: Mapping[str, frozenset[str]] = {
     # Grammars are compiled against the model's tokenizer
     # (model_registry/tokenizer.py) and wait for the reasoning parser.
     "structured_output": frozenset({"model_registry", "reasoning"}),
+    # Checkpoint formats (GPTQ, AWQ) replace the layers' weights before
+    # loading: they read the linear layers' kinds and raise ModelLoadError.
+    "quantization": frozenset({"model_registry"}),
 }
 INTERFACE_MODULE_NAMES = frozenset({"base", "interface", "types"})
 # Folders of the repository root that are not part of the installed package.
