@@ -36,6 +36,7 @@ if [ "${1:-}" = "--cpu-dry-run" ]; then
         "$PYTHON" -m pytest -q tests/test_attention_triton_mla.py -k "float32"
     stage "fused-MoE kernel (interpreter, subset)" \
         "$PYTHON" -m pytest -q tests/test_triton_fused_moe.py -k "align or registers or (33-4 and float32)"
+    stage "GPTQ/AWQ W4 GEMM (interpreter)" "$PYTHON" -m pytest -q tests/test_gptq_awq.py -k triton
     stage "kernel benchmark (dry run)" "$PYTHON" benchmarks/attention_kernels.py --cpu-dry-run
     stage "MoE kernel benchmark (dry run)" "$PYTHON" benchmarks/moe_kernels.py --cpu-dry-run
     echo "gpu_check --cpu-dry-run: all stages passed"
@@ -81,6 +82,7 @@ assert runner is not None and runner.num_replays > 0
 PY
 stage "fused-MoE kernel tests (compiled)" "$PYTHON" -m pytest -q tests/test_triton_fused_moe.py
 stage "latent attention (MLA) kernel tests (compiled)" "$PYTHON" -m pytest -q tests/test_attention_triton_mla.py
+stage "GPTQ/AWQ W4 GEMM (compiled)" "$PYTHON" -m pytest -q tests/test_gptq_awq.py -k triton
 stage "MoE models on the GPU (Triton experts, CUDA graphs, greedy = transformers)" \
     "$PYTHON" -m pytest -q tests/test_moe_cuda.py
 stage "kernel benchmark" "$PYTHON" benchmarks/attention_kernels.py
