@@ -159,7 +159,7 @@ class WNA16Method(QuantizationMethod):
         return config.group_size, 1
 
     def create_moe_weights(self, layer: nn.Module, prefix: str) -> bool:
-        fmt = "the checkpoint" if self.config is None else self.config.fmt.upper()
+        fmt = "GPTQ/AWQ" if self.config is None else self.config.fmt.upper()
         raise ModelLoadError(f"the {fmt} checkpoint", detail=(
             f"{prefix}: mixture-of-experts layers in {fmt} checkpoints are not supported yet "
             "(GPTQ/AWQ experts); supported: dense models"))

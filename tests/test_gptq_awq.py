@@ -325,6 +325,15 @@ def test_a_checkpoint_with_an_unsupported_setting_fails_to_load(tmp_path: Path) 
         LLM(model=str(packed), dtype="float32", num_kv_blocks=32)
 
 
+def test_awq_modules_to_not_convert_load_as_float() -> None:
+    method = AWQMethod.from_checkpoint_config({"bits": 4, "group_size": 32, "modules_to_not_convert": ["down_proj"]})
+    kept, converted = torch.nn.Linear(64, 16), RowParallelLinear(64, 16)
+    assert not method.create_weights(kept, "model.layers.0.mlp.down_proj")
+    assert isinstance(kept.weight, torch.nn.Parameter) and kept.weight.dtype == torch.float32
+    assert method.create_weights(converted, "model.layers.0.self_attn.o_proj")
+    assert converted.qweight.shape == (16, 64) and not hasattr(converted, "g_idx")  # AWQ stores no g_idx
+
+
 def test_moe_experts_in_a_gptq_checkpoint_are_refused() -> None:
     method = GPTQMethod.from_checkpoint_config({"bits": 4, "group_size": 128})
     with pytest.raises(ModelLoadError, match=r"model.layers.0.mlp.experts: mixture-of-experts .* not supported yet"):
