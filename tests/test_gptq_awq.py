@@ -1,7 +1,7 @@
 """GPTQ and AWQ checkpoints (quantization/gptq.py, awq.py, wna16.py) and the
 CUDA platform's Triton W4 GEMM (platforms/cuda_grouped_linear.py).
 
-A test-only writer packs a tiny float Llama into each format with the
+A test-only writer (helpers/gptq_awq_writer.py) packs a tiny float Llama into each format with the
 format's own packing (round to nearest, no calibration) and writes a float
 checkpoint of the weights the format's formula dequantizes them to; greedy
 tokens of pagedllm on the packed checkpoint must equal transformers' on the
@@ -13,16 +13,22 @@ columns), so the readers are checked against an independent writer."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
-from typing import NamedTuple
 
-import numpy as np
 import pytest
 import torch
+from helpers.gptq_awq_writer import (
+    Case,
+    awq_pack,
+    pack_cols,
+    pack_rows,
+    quant_config,
+    round_to_nearest,
+    stored_tensors,
+    write_gptq_awq,
+)
 from helpers.tiny_models import cached_tiny_model
-from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_registry.layers import linear
@@ -33,141 +39,14 @@ from pagedllm.quantization.gptq import GPTQMethod
 from pagedllm.quantization.grouped_weight import GroupedWeight, pack_w4, reference_linear
 from pagedllm.quantization.wna16 import build_grouped_gemm, unpack_int32
 
-LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[1, 5, 9, 14], [3, 3, 8]]
 # K = 128 for every layer but down_proj (256): room for group_size 128.
 MODEL_SIZES = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
 
 
-# ---- the writer: vLLM's packing, copied (quant_utils.py) ---------------------------------------
-
-
-def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """vLLM's pack_rows: [K, N] codes -> int32 [K / f, N], row i*f + j in bits j*bits."""
-    factor = 32 // bits
-    codes = q.numpy().astype(np.uint32)
-    packed = np.zeros((codes.shape[0] // factor, codes.shape[1]), dtype=np.uint32)
-    for i in range(factor):
-        packed |= codes[i::factor, :] << bits * i
-    return torch.from_numpy(packed.astype(np.int32))
-
-
-def pack_cols(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """vLLM's pack_cols: [K, N] codes -> int32 [K, N / f], column i*f + j in bits j*bits."""
-    factor = 32 // bits
-    codes = q.numpy().astype(np.uint32)
-    packed = np.zeros((codes.shape[0], codes.shape[1] // factor), dtype=np.uint32)
-    for i in range(factor):
-        packed |= codes[:, i::factor] << bits * i
-    return torch.from_numpy(packed.astype(np.int32))
-
-
-def awq_pack(q: torch.Tensor) -> torch.Tensor:
-    """vLLM's awq_pack (AutoAWQ's order): columns interleaved [0, 2, 4, 6, 1, 3, 5, 7], then pack_cols."""
-    interleave = np.array([0, 2, 4, 6, 1, 3, 5, 7])
-    num_cols = q.shape[1]
-    codes = q.numpy().reshape(-1, 8)[:, interleave].reshape(-1, num_cols)
-    return pack_cols(torch.from_numpy(np.ascontiguousarray(codes)), 4)
-
-
-class Quantized(NamedTuple):
-    codes: torch.Tensor  # [N, K] integers
-    zeros: torch.Tensor  # [N, G] integers
-    scales: torch.Tensor  # [N, G] float32, fp16-representable
-    g_idx: torch.Tensor  # [K] int32
-
-    def dequantize(self) -> torch.Tensor:
-        """The formats' formula: w[n, k] = (q[n, k] - zero[n, g_idx[k]]) * scale[n, g_idx[k]]."""
-        index = self.g_idx.long()
-        return (self.codes.float() - self.zeros.float()[:, index]) * self.scales[:, index]
-
-
-def round_to_nearest(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
-                     order: torch.Tensor | None, min_zero: int = 0) -> Quantized:
-    """GPTQ's quantizer without the error feedback: inputs grouped in `order`
-    (act-order: g_idx[order[p]] = p // g), one scale and zero per group and row."""
-    num_out, num_in = weight.shape
-    group_size = num_in if group_size == -1 else group_size
-    order = torch.arange(num_in) if order is None else order
-    grouped = weight.float()[:, order].view(num_out, num_in // group_size, group_size)
-    max_code = 2**bits - 1
-    if sym:
-        scales = grouped.abs().amax(-1) * 2 / max_code
-        zeros = torch.full_like(scales, (max_code + 1) // 2)
-    else:
-        low, high = grouped.amin(-1).clamp(max=0), grouped.amax(-1).clamp(min=0)
-        scales = (high - low) / max_code
-    scales = scales.clamp(min=1e-6).half().float()
-    if not sym:
-        zeros = torch.round(-low / scales).clamp(min_zero, max_code)
-    codes = torch.clamp(torch.round(grouped / scales[..., None]) + zeros[..., None], 0, max_code)
-    in_order = torch.empty(num_out, num_in)
-    in_order[:, order] = codes.view(num_out, num_in)
-    g_idx = torch.empty(num_in, dtype=torch.int32)
-    g_idx[order] = (torch.arange(num_in) // group_size).to(torch.int32)
-    return Quantized(in_order.to(torch.int64), zeros.to(torch.int64), scales, g_idx)
-
-
-class Case(NamedTuple):
-    fmt: str  # "gptq" or "awq"
-    bits: int = 4
-    group_size: int = 32
-    sym: bool = True
-    desc_act: bool = False
-    checkpoint_format: str = "gptq"  # GPTQ: v1 stores zero - 1, gptq_v2 the zero
-
-
-def _stored(name: str, quantized: Quantized, case: Case) -> dict[str, torch.Tensor]:
-    prefix = name.removesuffix("weight")
-    scales = quantized.scales.t().half().contiguous()
-    if case.fmt == "awq":
-        return {prefix + "qweight": awq_pack(quantized.codes.t().contiguous()),
-                prefix + "qzeros": awq_pack(quantized.zeros.t().contiguous()), prefix + "scales": scales}
-    zero_shift = 1 if case.checkpoint_format == "gptq" else 0
-    mask = 2**case.bits - 1
-    stored_zeros = (quantized.zeros - zero_shift) & mask
-    return {prefix + "qweight": pack_rows(quantized.codes.t().contiguous(), case.bits),
-            prefix + "qzeros": pack_cols(stored_zeros.t().contiguous(), case.bits), prefix + "scales": scales,
-            prefix + "g_idx": quantized.g_idx}
-
-
-def _quant_config(case: Case) -> dict[str, object]:
-    if case.fmt == "awq":
-        return {"quant_method": "awq", "bits": 4, "group_size": case.group_size, "zero_point": True,
-                "version": "gemm"}
-    return {"quant_method": "gptq", "bits": case.bits, "group_size": case.group_size, "desc_act": case.desc_act,
-            "sym": case.sym, "checkpoint_format": case.checkpoint_format}
-
-
 def write_checkpoints(tmp_path: Path, case: Case) -> tuple[Path, Path]:
-    """(the packed checkpoint, a float checkpoint of its dequantized weights)."""
-    source = cached_tiny_model("llama", with_tokenizer=True, **MODEL_SIZES)
-    packed, dequantized = tmp_path / case.fmt, tmp_path / "dequantized"
-    shutil.copytree(source, packed)
-    shutil.copytree(source, dequantized)
-    tensors = load_file(str(source / "model.safetensors"))
-    stored: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        parts = name.split(".")
-        if not (name.endswith(".weight") and parts[-2] in LINEAR_SUFFIXES):
-            stored[name] = tensor
-            continue
-        # Act-order: layers that read one input (q/k/v, gate/up) share its permutation.
-        reader = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
-        order = None
-        if case.desc_act:
-            order = torch.randperm(tensor.shape[1], generator=torch.Generator().manual_seed(len(reader)))
-        # v1 cannot store a zero point of 0 (zero - 1 wraps to 15, read back as 16).
-        min_zero = 1 if case.fmt == "gptq" and case.checkpoint_format == "gptq" else 0
-        quantized = round_to_nearest(tensor, case.bits, case.group_size, case.sym, order, min_zero)
-        stored.update(_stored(name, quantized, case))
-        tensors[name] = quantized.dequantize().to(tensor.dtype)
-    save_file(stored, str(packed / "model.safetensors"))
-    save_file(tensors, str(dequantized / "model.safetensors"))
-    config = json.loads((packed / "config.json").read_text())
-    config["quantization_config"] = _quant_config(case)
-    (packed / "config.json").write_text(json.dumps(config))
-    return packed, dequantized
+    """The tiny Llama packed as `case` says (helpers/gptq_awq_writer.py)."""
+    return write_gptq_awq(cached_tiny_model("llama", with_tokenizer=True, **MODEL_SIZES), tmp_path, case)
 
 
 def _greedy(path: Path, **kwargs: object) -> list[list[int]]:
@@ -257,10 +136,10 @@ def test_a_row_parallel_rank_reads_the_whole_groups_of_its_inputs(
     _rank(monkeypatch, rank)
     case = Case("gptq", group_size=group_size, sym=False)
     quantized = round_to_nearest(torch.randn(16, 128), 4, group_size, sym=False, order=None, min_zero=1)
-    method = GPTQMethod.from_checkpoint_config(_quant_config(case))
+    method = GPTQMethod.from_checkpoint_config(quant_config(case))
     layer = RowParallelLinear(128, 16)  # 64 inputs per rank
     assert method.create_weights(layer, "down_proj")
-    _load(method, layer, _stored("down_proj.weight", quantized, case))
+    _load(method, layer, stored_tensors("down_proj.weight", quantized, case))
     assert method.quantize_linear(layer, "down_proj")
     x = torch.randn(3, 64)
     expected = x @ quantized.dequantize()[:, rank * 64:(rank + 1) * 64].t()
@@ -272,11 +151,11 @@ def test_a_column_parallel_rank_reads_its_rows_of_each_act_order_shard(monkeypat
     case = Case("gptq", group_size=16, desc_act=True)
     order = torch.randperm(64, generator=torch.Generator().manual_seed(0))  # gate and up read one input
     gate, up = (round_to_nearest(torch.randn(32, 64), 4, 16, sym=True, order=order) for _ in range(2))
-    method = GPTQMethod.from_checkpoint_config(_quant_config(case))
+    method = GPTQMethod.from_checkpoint_config(quant_config(case))
     layer = MergedColumnParallelLinear(64, [32, 32])  # 16 rows of each per rank
     assert method.create_weights(layer, "gate_up_proj")
     for shard_id, quantized in enumerate((gate, up)):
-        _load(method, layer, _stored("proj.weight", quantized, case), shard_id)
+        _load(method, layer, stored_tensors("proj.weight", quantized, case), shard_id)
     assert method.quantize_linear(layer, "gate_up_proj")
     x = torch.randn(3, 64)
     expected = x @ torch.cat([gate.dequantize()[16:], up.dequantize()[16:]]).t()
