@@ -10,7 +10,18 @@ the HF checkpoint name the model classes load (`GGUF_TENSOR_NAMES`).
 llama.cpp's converter permutes Llama's q_proj / k_proj rows so that rotary
 acts on interleaved pairs; `unpermute_rotary_rows` puts them back in HF's
 rotate-half order (any row-major tensor of those rows: a float weight, or
-the codes and scales of a quantized one).
+the raw blocks of a quantized one, whose rows are whole blocks).
+
+Linear weights of the types in `KEPT_QUANTIZED_TYPES` stay quantized: the
+config carries ``quantization_config = {"quant_method": "gguf",
+"tensor_types": {HF module name: GGUF type name}}`` naming them (so the
+"gguf" quantization method, quantization/gguf.py, serves the file), and
+`iterate_gguf` yields each as ``<module>.qweight``: its raw GGUF blocks,
+uint8 [out, bytes per row], rows unpermuted. A tensor stays quantized only
+together with the other shards of its stacked layer (q/k/v, gate/up), so a
+layer loads either quantized or float, never half of each. Everything else
+(F16/F32, other quant types, the embedding, the LM head, norms) is
+dequantized to float32 as it is read.
 """
 
 from __future__ import annotations
@@ -61,6 +72,12 @@ GGUF_LAYER_TENSOR_NAMES = {
 # Tensors llama.cpp writes that the model computes itself (llama3 rope's
 # frequency factors come from the config).
 IGNORED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})
+# NOTE: the types quantization/gguf_convert.py converts exactly to the
+# grouped 8/4-bit layout; a test holds the two lists together.
+KEPT_QUANTIZED_TYPES = frozenset({"Q8_0", "Q6_K", "Q4_K"})
+# A layer's linear tensors; those of one group load into one stacked layer.
+GGUF_LINEAR_GROUPS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+QUANTIZED_WEIGHT = "qweight"
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -117,6 +134,9 @@ def load_gguf_config(model_path: str | Path) -> PretrainedConfig:
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True,
                                         trust_remote_code=False)
     config.architectures = [GGUF_ARCHITECTURES[architecture]]
+    tensor_types = quantized_tensor_types(open_gguf(path))
+    if tensor_types:  # else a float file: stage A, and model.quantization may quantize it at load
+        config.quantization_config = {"quant_method": "gguf", "tensor_types": tensor_types}
     key_length = metadata.get(f"{architecture}.attention.key_length")
     if key_length is not None:  # transformers maps it only for some architectures (not qwen3)
         config.head_dim = int(key_length)
@@ -157,6 +177,23 @@ def check_gguf_tensor_types(reader: GGUFReader, model_path: str | Path) -> None:
         ))
 
 
+def quantized_tensor_types(reader: GGUFReader) -> dict[str, str]:
+    """HF module name -> GGUF type name of every linear weight `iterate_gguf`
+    yields quantized: one of `KEPT_QUANTIZED_TYPES` whose stacked siblings
+    (`GGUF_LINEAR_GROUPS`) all are too."""
+    types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors if len(tensor.shape) == 2}
+    kept: dict[str, str] = {}
+    for name, type_name in types.items():
+        match = _LAYER_TENSOR.fullmatch(name)
+        if match is None or match.group(3) != "weight":
+            continue
+        group = next((kinds for kinds in GGUF_LINEAR_GROUPS if match.group(2) in kinds), None)
+        siblings = [f"blk.{match.group(1)}.{kind}.weight" for kind in group or ()]
+        if siblings and all(types.get(sibling) in KEPT_QUANTIZED_TYPES for sibling in siblings):
+            kept[str(hf_tensor_name(name)).removesuffix(".weight")] = type_name
+    return kept
+
+
 def unpermute_rotary_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo convert_hf_to_gguf.py's q/k permutation along dim 0: per head,
     llama.cpp's interleaved (pair, half) rows back to HF's (half, pair)."""
@@ -190,19 +227,33 @@ def dequantize_tensor(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(values).reshape(shape)
 
 
-def iterate_gguf(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of a GGUF file, dequantized
-    one at a time as the loader asks for it; a tensor no table names keeps
-    its GGUF name (the strict loader reports it as unexpected)."""
+def raw_blocks(tensor: Any) -> torch.Tensor:
+    """A quantized GGUF tensor's blocks as stored: uint8 [rows, bytes per row]."""
+    data = np.array(tensor.data, dtype=np.uint8, copy=True)  # the map is read-only
+    return torch.from_numpy(data).reshape(int(tensor.shape[-1]), -1)
+
+
+def iterate_gguf(model_path: str | Path, keep_quantized: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of a GGUF file, read one at a time
+    as the loader asks for it: float32, dequantized, or (`keep_quantized`,
+    the tensors `quantized_tensor_types` names) ``<module>.qweight``, its raw
+    blocks. A tensor no table names keeps its GGUF name (the strict loader
+    reports it as unexpected)."""
     reader = open_gguf(model_path)
     architecture = gguf_architecture({"general.architecture": _field(reader, "general.architecture")}, model_path)
     check_gguf_tensor_types(reader, model_path)
     rotary_heads = _rotary_heads(reader, architecture)
+    quantized = quantized_tensor_types(reader) if keep_quantized else {}
     for tensor in reader.tensors:
         if tensor.name in IGNORED_GGUF_TENSORS:
             continue
-        weights = dequantize_tensor(tensor)
+        name = hf_tensor_name(tensor.name) or tensor.name
+        module = name.removesuffix(".weight")
+        if module in quantized:
+            name, weights = f"{module}.{QUANTIZED_WEIGHT}", raw_blocks(tensor)
+        else:
+            weights = dequantize_tensor(tensor)
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
         if kind in rotary_heads:
             weights = unpermute_rotary_rows(weights, rotary_heads[kind])
-        yield hf_tensor_name(tensor.name) or tensor.name, weights
+        yield name, weights

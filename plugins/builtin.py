@@ -173,6 +173,8 @@ def register_quantization_methods(register: RegisterFn) -> None:
     register("awq", "pagedllm.quantization.awq:AWQMethod", checkpoint_formats=["awq"], quantizes_float=False)
     register("compressed-tensors", "pagedllm.quantization.compressed_tensors.method:CompressedTensorsMethod",
              checkpoint_formats=["compressed-tensors"], quantizes_float=False)
+    # GGUF files (llama.cpp): Q8_0, Q6_K and Q4_K linear weights kept quantized; the rest dequantized at load.
+    register("gguf", "pagedllm.quantization.gguf:GGUFMethod", checkpoint_formats=["gguf"], quantizes_float=False)
 
 
 @hookimpl

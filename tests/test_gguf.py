@@ -2,7 +2,8 @@
 
 The files are written here from a tiny float Llama (tests/helpers/gguf_writer.py):
 F16, Q8_0 and Q4_K_M (Q4_K with Q6_K for output, attn_v and ffn_down of the
-last layer). The hidden size is 256 because K-quant super-blocks are 256 wide.
+last layer). Q8_0 / Q6_K / Q4_K linear weights stay quantized (the "gguf"
+quantization method on the grouped 8/4-bit layout). The hidden size is 256 because K-quant super-blocks are 256 wide.
 transformers' reference is its GGUF reader (`load_gguf_checkpoint`: dequantize,
 rename, undo the q/k permutation) into a model built from the file's config;
 `from_pretrained(gguf_file=...)` does the same but needs `accelerate`.
@@ -21,9 +22,12 @@ from helpers.gguf_writer import write_gguf
 from helpers.tiny_models import cached_tiny_model
 
 from pagedllm.engine.async_llm import served_name_of
-from pagedllm.model_registry.gguf_checkpoint import iterate_gguf
-from pagedllm.model_registry.loader import ModelLoadError, load_hf_config, resolve_load_format
+from pagedllm.model_registry.gguf_checkpoint import KEPT_QUANTIZED_TYPES, iterate_gguf
+from pagedllm.model_registry.loader import ModelLoadError, load_hf_config, load_model, resolve_load_format
 from pagedllm.model_registry.tokenizer import load_tokenizer
+from pagedllm.quantization.gguf import GGUFMethod
+from pagedllm.quantization.gguf_convert import convert_gguf_tensor
+from pagedllm.worker.quantize import create_checkpoint_weights, quantize_model
 
 PRESETS = ("F16", "Q8_0", "Q4_K_M")
 SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64)
@@ -64,7 +68,7 @@ def _load_reference(gguf_file: Path) -> tuple[Any, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_dequantized_tensors_equal_transformers_gguf_reader(preset: str, gguf_files: dict[str, Path]) -> None:
     _, expected = transformers_reference(gguf_files[preset])
-    ours = dict(iterate_gguf(gguf_files[preset]))
+    ours = dict(iterate_gguf(gguf_files[preset], keep_quantized=False))
     assert sorted(ours) == sorted(expected)
     for name, tensor in ours.items():
         assert torch.equal(tensor, expected[name]), name
@@ -79,9 +83,65 @@ def test_q4_k_m_file_mixes_q4_k_and_q6_k(gguf_files: dict[str, Path]) -> None:
     assert types["blk.0.attn_norm.weight"] == "F32"
 
 
-# One engine run (the mixed-precision file): the other presets' weights are
+def _load_quantized(gguf_file: Path) -> torch.nn.Module:
+    from pagedllm.attention_backends.torch_native import TorchNativeBackend
+    from pagedllm.model_registry.models.llama import LlamaForCausalLM
+
+    config = load_hf_config(gguf_file)
+    method = GGUFMethod.from_checkpoint_config(config.quantization_config)
+    model = load_model(gguf_file, model_cls=LlamaForCausalLM, attn_backend=TorchNativeBackend, dtype=torch.float32,
+                       device="cpu", hf_config=config,
+                       create_quantized_weights=lambda built: create_checkpoint_weights(built, method))
+    quantize_model(model, method)
+    return model
+
+
+# (layer, stacked module) -> (bits, group size, offsets) each preset keeps;
+# layer 1's q/k (Q4_K) and v (Q6_K) share one exact W8 layout.
+EXPECTED_LAYOUTS = {
+    "Q8_0": {(layer, module): (8, 32, False) for layer in (0, 1) for module in ("qkv", "o", "gate_up", "down")},
+    "Q4_K_M": {(0, "qkv"): (4, 32, True), (0, "o"): (4, 32, True), (0, "gate_up"): (4, 32, True),
+               (0, "down"): (4, 32, True), (1, "qkv"): (8, 16, True), (1, "o"): (4, 32, True),
+               (1, "gate_up"): (4, 32, True), (1, "down"): (8, 16, False)},
+}
+MODULES = {"qkv": ("self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+           "o": ("self_attn.o_proj", ["self_attn.o_proj"]),
+           "gate_up": ("mlp.gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"]),
+           "down": ("mlp.down_proj", ["mlp.down_proj"])}
+
+
+@pytest.mark.parametrize("preset", ["Q8_0", "Q4_K_M"])
+def test_quantized_layers_hold_grouped_weights_equal_to_transformers(preset: str, gguf_files: dict[str, Path]) -> None:
+    """Every linear layer keeps its GGUF storage in the grouped layout, and
+    that storage dequantizes bit for bit to transformers' tensors (the
+    stacked layers' shards in order, q/k rows unpermuted)."""
+    _, expected = transformers_reference(gguf_files[preset])
+    modules = dict(_load_quantized(gguf_files[preset]).named_modules())
+    for layer in (0, 1):
+        for module, (ours, shards) in MODULES.items():
+            weight = modules[f"model.layers.{layer}.{ours}"].gguf_weight
+            layout = (weight.bits, weight.group_size, weight.offsets is not None)
+            assert layout == EXPECTED_LAYOUTS[preset][layer, module], (layer, module)
+            reference = torch.cat([expected[f"model.layers.{layer}.{shard}.weight"] for shard in shards])
+            assert torch.equal(weight.dequantize(), reference), (layer, module)
+
+
+def test_kept_types_are_exactly_those_gguf_convert_converts() -> None:
+    from gguf import GGML_QUANT_SIZES
+
+    for tensor_type, (block_size, type_size) in GGML_QUANT_SIZES.items():
+        converted = convert_gguf_tensor(np.zeros((1, 256 // block_size * type_size), np.uint8), tensor_type, [1, 256])
+        assert (converted is not None) == (tensor_type.name in KEPT_QUANTIZED_TYPES), tensor_type.name
+
+
+def test_an_f16_file_is_a_float_checkpoint(gguf_files: dict[str, Path]) -> None:
+    assert getattr(load_hf_config(gguf_files["F16"]), "quantization_config", None) is None
+    assert load_hf_config(gguf_files["Q8_0"]).quantization_config["quant_method"] == "gguf"
+
+
+# The engine on the kept-quantized files: the float one's weights are
 # checked bit for bit above, and the model over paged attention in test_models.
-@pytest.mark.parametrize("preset", ["Q4_K_M"])
+@pytest.mark.parametrize("preset", ["Q8_0", "Q4_K_M"])
 def test_llm_greedy_tokens_equal_transformers_on_gguf(preset: str, gguf_files: dict[str, Path]) -> None:
     from pagedllm import LLM, SamplingParams
 
