@@ -157,6 +157,26 @@ def test_llm_greedy_tokens_equal_transformers_on_gguf(preset: str, gguf_files: d
         assert list(output.outputs[0].token_ids) == expected.tolist()
 
 
+@pytest.mark.slow  # two rank processes: ~30 s on two busy cores
+def test_q4_k_m_at_tensor_parallel_size_2_equals_transformers(gguf_files: dict[str, Path]) -> None:
+    """Each rank slices the kept codes, scales and offsets of its shards
+    (row-parallel layers along whole groups): the tokens stay transformers'."""
+    from pagedllm import LLM, SamplingParams
+
+    reference, _ = transformers_reference(gguf_files["Q4_K_M"])
+    llm = LLM(model=str(gguf_files["Q4_K_M"]), dtype="float32", num_kv_blocks=32, tensor_parallel_size=2,
+              distributed_executor_backend="mp")
+    try:
+        prompt_ids = llm.get_tokenizer().encode("The quick brown fox")
+        output = llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    finally:
+        llm.shutdown()
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(prompt_ids):]
+    assert list(output.outputs[0].token_ids) == expected.tolist()
+
+
 def test_tokenizer_from_gguf_metadata_matches_hf_tokenizer(hf_folder: Path, gguf_files: dict[str, Path]) -> None:
     from transformers import AutoTokenizer
 

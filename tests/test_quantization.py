@@ -209,6 +209,7 @@ def test_the_builtin_method_is_registered_and_serve_takes_the_flag() -> None:
     assert registry.get("int8").info.quantizes_float
     assert registry.get("gptq").info.checkpoint_formats == ("gptq",)
     assert registry.get("awq").info.checkpoint_formats == ("awq",)
+    assert registry.get("gguf").info.checkpoint_formats == ("gguf",)
     args = build_parser().parse_args(["serve", "tiny", "--quantization", "int8"])
     assert serve_config(args).model.quantization == "int8"
 
