@@ -139,6 +139,18 @@ def test_an_f16_file_is_a_float_checkpoint(gguf_files: dict[str, Path]) -> None:
     assert load_hf_config(gguf_files["Q8_0"]).quantization_config["quant_method"] == "gguf"
 
 
+def test_quantization_other_than_gguf_is_refused_for_a_quantized_file(gguf_files: dict[str, Path]) -> None:
+    from pagedllm import LLM
+    from pagedllm.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.quantization='int8' is invalid; allowed: a method that reads the "
+                                          r"checkpoint's 'gguf' format \(gguf\)"):
+        LLM(model=str(gguf_files["Q4_K_M"]), dtype="float32", quantization="int8")
+    with pytest.raises(ConfigError, match=r"model.quantization='gguf' is invalid; allowed: a method that quantizes "
+                                          r"a float checkpoint at load"):
+        LLM(model=str(cached_tiny_model("llama")), dtype="float32", quantization="gguf")
+
+
 # The engine on the kept-quantized files: the float one's weights are
 # checked bit for bit above, and the model over paged attention in test_models.
 @pytest.mark.parametrize("preset", ["Q8_0", "Q4_K_M"])
