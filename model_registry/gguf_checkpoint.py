@@ -27,6 +27,7 @@ dequantized to float32 as it is read.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -116,6 +117,8 @@ def read_gguf_metadata(model_path: str | Path) -> dict[str, Any]:
     path = Path(model_path)
     if not path.is_file():
         raise ModelLoadError(path, detail="no such GGUF file")
+    if importlib.util.find_spec("gguf") is None:  # transformers and the loader both read the file with it
+        raise ModelLoadError(path, detail="reading GGUF files needs the gguf package: pip install 'pagedllm[gguf]'")
     try:
         metadata, _ = read_metadata(str(path))
     except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError) as err:

@@ -247,3 +247,15 @@ def test_a_file_that_is_not_gguf_is_a_model_load_error(tmp_path: Path) -> None:
     path.write_bytes(b"not a gguf file at all")
     with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
         load_hf_config(path)
+
+
+def test_without_the_gguf_package_the_error_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    path = _write_small_gguf(tmp_path / "m.gguf", "llama", {"output_norm.weight": np.ones(4, np.float32)})
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+    with pytest.raises(ModelLoadError, match=r"needs the gguf package: pip install 'pagedllm\[gguf\]'"):
+        load_hf_config(path)
