@@ -51,7 +51,8 @@ the loaded tensors into its kernel's storage.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import PagedLLMError
@@ -70,6 +71,19 @@ class QuantizationMethod(ABC):
     """Built as ``MethodCls()`` (a float checkpoint quantized at load) or
     ``MethodCls.from_checkpoint_config(quantization_config)`` (a checkpoint
     in a format it reads); `quantize_linear` runs once per layer at load."""
+
+    # The checkpoint modules stacked into the model's layers, by the layer's
+    # local name ({"qkv_proj": ("q_proj", "k_proj", "v_proj"), ...}, in shard
+    # order): the model's `packed_modules_mapping`, which the worker sets
+    # before `create_weights` (plugin API 1.14).
+    stacked_modules: Mapping[str, tuple[str, ...]] = MappingProxyType({})
+
+    def checkpoint_modules(self, prefix: str) -> list[str]:
+        """The checkpoint modules whose tensors the layer `prefix` holds:
+        ``...q_proj``, ``...k_proj``, ``...v_proj`` for a stacked
+        ``...qkv_proj``; ``[prefix]`` for a layer that stacks nothing."""
+        head, _, local = prefix.rpartition(".")
+        return [f"{head}.{part}" if head else part for part in self.stacked_modules.get(local, (local,))]
 
     @classmethod
     def from_checkpoint_config(cls, quant_config: dict[str, Any]) -> QuantizationMethod:

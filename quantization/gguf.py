@@ -41,7 +41,6 @@ from pagedllm.quantization.grouped_weight import GroupedWeight, unpack_w4
 GGUF_PRIORITY = 100  # above any platform's float GEMM: it cannot read codes
 # Stacked layer -> the modules whose tensors it holds, in shard order (the
 # GGUF-served model classes' packed_modules_mapping).
-STACKED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class GGUFLayout(NamedTuple):
@@ -90,11 +89,8 @@ class GGUFMethod(QuantizationMethod):
 
     def shard_names(self, prefix: str) -> list[str] | None:
         """The modules whose GGUF tensors the layer `prefix` holds, when all are kept quantized."""
-        if prefix in self.tensor_types:
-            return [prefix]
-        parent, _, local = prefix.rpartition(".")
-        shards = [f"{parent}.{name}" for name in STACKED_SHARDS.get(local, ())]
-        return shards if shards and all(shard in self.tensor_types for shard in shards) else None
+        shards = self.checkpoint_modules(prefix)
+        return shards if all(shard in self.tensor_types for shard in shards) else None
 
     def create_weights(self, layer: nn.Linear, prefix: str) -> bool:
         shards = self.shard_names(prefix)
@@ -163,4 +159,4 @@ def check_whole_groups(layer: nn.Module, prefix: str, num_in: int, layout: GGUFL
     ))
 
 
-__all__ = ["STACKED_SHARDS", "TYPE_LAYOUTS", "GGUFLayout", "GGUFMethod", "to_layout", "unified_layout"]
+__all__ = ["TYPE_LAYOUTS", "GGUFLayout", "GGUFMethod", "to_layout", "unified_layout"]

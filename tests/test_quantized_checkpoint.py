@@ -37,6 +37,7 @@ class RowInt8Method(QuantizationMethod):
 
     built_with: ClassVar[dict[str, object] | None] = None
     created: ClassVar[list[str]] = []
+    modules: ClassVar[dict[str, list[str]]] = {}  # layer -> the checkpoint modules it holds
 
     @classmethod
     def from_checkpoint_config(cls, quant_config: dict[str, object]) -> QuantizationMethod:
@@ -52,6 +53,7 @@ class RowInt8Method(QuantizationMethod):
         for param in (layer.weight_q, layer.weight_s):
             param.weight_loader = loader  # type: ignore[attr-defined]  # [out, in] / [out]: the layer's own slicing
         RowInt8Method.created.append(prefix)
+        RowInt8Method.modules[prefix] = self.checkpoint_modules(prefix)
         return True
 
     def quantize_linear(self, layer: nn.Linear, prefix: str) -> bool:
@@ -72,7 +74,7 @@ class RowInt8Plugin:
 def rowint8_plugin() -> Iterator[None]:
     pm = get_plugin_manager()
     pm.register(RowInt8Plugin(), name="test-rowint8")
-    RowInt8Method.built_with, RowInt8Method.created = None, []
+    RowInt8Method.built_with, RowInt8Method.created, RowInt8Method.modules = None, [], {}
     yield
     pm.unregister(name="test-rowint8")
 
@@ -126,6 +128,11 @@ def test_a_checkpoint_in_a_registered_format_loads_through_its_method(
     assert RowInt8Method.built_with == {"quant_method": FORMAT, "bits": 8}
     assert len(RowInt8Method.created) == 2 * 4  # per layer: qkv, o, gate_up, down
     assert all(not prefix.endswith("lm_head") for prefix in RowInt8Method.created)
+    layer = "model.layers.1.self_attn"
+    assert RowInt8Method.modules[f"{layer}.qkv_proj"] == [f"{layer}.q_proj", f"{layer}.k_proj", f"{layer}.v_proj"]
+    assert RowInt8Method.modules["model.layers.1.mlp.gate_up_proj"] == [
+        "model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]
+    assert RowInt8Method.modules[f"{layer}.o_proj"] == [f"{layer}.o_proj"]
     hf = AutoModelForCausalLM.from_pretrained(str(dequantized), dtype=torch.float32)
     for prompt, got in zip(PROMPTS, tokens, strict=True):
         ids = torch.tensor([prompt])

@@ -112,6 +112,7 @@ def create_checkpoint_weights(model: nn.Module, method: QuantizationMethod, mode
     every layer `quantize_model` would hand it with the checkpoint's tensors,
     and gives attention layers what the checkpoint stores for their KV cache."""
     linear = moe = 0
+    method.stacked_modules = stacked_modules(model)
     with checkpoint_errors(model_path):
         for prefix, module in _quantizable_layers(model):
             if isinstance(module, FusedMoE):
@@ -121,6 +122,16 @@ def create_checkpoint_weights(model: nn.Module, method: QuantizationMethod, mode
         attention = sum(bool(method.create_attention_weights(module, prefix))
                         for prefix, module in _attention_layers(model))
     return ConvertedLayers(linear, moe, attention)
+
+
+def stacked_modules(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The model's packed_modules_mapping inverted: stacked layer -> its
+    checkpoint modules in shard order."""
+    packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules_mapping", {})
+    stacked: dict[str, list[tuple[int, str]]] = {}
+    for source, (target, shard_id) in packed.items():
+        stacked.setdefault(target, []).append((shard_id, source))
+    return {target: tuple(source for _, source in sorted(sources)) for target, sources in stacked.items()}
 
 
 def _attention_layers(model: nn.Module) -> Iterator[tuple[str, Attention]]:

@@ -61,7 +61,8 @@ class CompressedTensorsMethod(QuantizationMethod):
         return cls(CompressedTensorsConfig(quant_config))
 
     def create_weights(self, layer: nn.Linear, prefix: str) -> bool:
-        scheme = None if self.config is None else self.config.scheme_for(prefix, type(layer).__name__)
+        scheme = None if self.config is None else self.config.scheme_for(
+            prefix, self.checkpoint_modules(prefix), type(layer).__name__)
         if scheme is None:
             return False
         create_weights(layer, scheme)

@@ -37,7 +37,6 @@ from pagedllm.quantization.base import UnsupportedCheckpointError
 FORMAT = "compressed-tensors"
 STORED_FORMATS = ("int-quantized", "float-quantized", "naive-quantized", "pack-quantized")
 # A stacked layer's checkpoint modules (vLLM's default packed mapping).
-STACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 W8A16, W4A16, W8A8_INT8, FP8_W8A16, FP8_W8A8 = "W8A16", "W4A16", "W8A8-INT8", "FP8-W8A16", "FP8-W8A8"
 SCHEME_KINDS = (W8A16, W4A16, W8A8_INT8, FP8_W8A16, FP8_W8A8)
 
@@ -139,11 +138,10 @@ class CompressedTensorsConfig:
             raise UnsupportedCheckpointError(f"compressed-tensors kv_cache_scheme {self.kv_cache.describe()} is not "
                                              "supported; supported: float8 per tensor (k_scale / v_scale)")
 
-    def scheme_for(self, prefix: str, class_name: str) -> LayerScheme | None:
-        """The scheme of the linear layer `prefix` (None: it stays float);
-        UnsupportedCheckpointError when its stacked modules disagree."""
-        head, _, last = prefix.rpartition(".")
-        names = [f"{head}.{part}" if head else part for part in STACKED_MODULES.get(last, (last,))]
+    def scheme_for(self, prefix: str, names: list[str], class_name: str) -> LayerScheme | None:
+        """The scheme of the linear layer `prefix`, which holds the checkpoint
+        modules `names` (None: it stays float); UnsupportedCheckpointError
+        when those stacked modules disagree."""
         schemes = {name: self._scheme_of(name, class_name) for name in names}
         if len(set(schemes.values())) > 1:
             found = ", ".join(f"{name}: {scheme.kind if scheme else 'float'}" for name, scheme in schemes.items())
