@@ -122,7 +122,8 @@ def test_untied_model_requires_lm_head(tmp_path: Path) -> None:
 
 def test_checkpoint_quantization_the_model_cannot_read_is_refused_by_name(tmp_path: Path) -> None:
     """A config.json quantization_config names the format of the weights;
-    a model that does not list its quant_method refuses the checkpoint
+    a model that does not list its quant_method, and that no registered
+    quantization method reads (HQQ), refuses the checkpoint
     before reading a weight, at load_model and when the engine plans its
     ranks (float-named tensors would otherwise load as if they were float).
     Dummy weights read no file, so they build as float."""
@@ -130,11 +131,11 @@ def test_checkpoint_quantization_the_model_cannot_read_is_refused_by_name(tmp_pa
 
     from pagedllm import LLM
 
-    path = tmp_path / "llama-awq"
+    path = tmp_path / "llama-hqq"
     shutil.copytree(cached_tiny_model("llama"), path)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "AWQ"}}))
-    message = r"quant_method='awq' is not supported by LlamaForCausalLM; supported: none, float checkpoints only"
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "HQQ"}}))
+    message = r"quant_method='hqq' is not supported by LlamaForCausalLM; supported: none, float checkpoints only"
     with pytest.raises(ModelLoadError, match=message):
         load(path)
     with pytest.raises(ModelLoadError, match=message):

@@ -302,7 +302,9 @@ def test_a_config_that_needs_remote_code_is_refused(tmp_path: Path) -> None:
         "model_type": "my_custom_decoder", "architectures": ["MyCustomForCausalLM"],
         "auto_map": {"AutoConfig": "configuration_custom.MyConfig", "AutoModelForCausalLM": "modeling_custom.MyModel"},
     }))
-    with pytest.raises(ValueError, match="trust_remote_code"):
+    from pagedllm.model_registry.remote_code import RemoteCodeError
+
+    with pytest.raises(RemoteCodeError, match=r"imports only with --trust-remote-code"):
         _plan(path)
 
 
