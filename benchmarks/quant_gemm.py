@@ -104,7 +104,8 @@ def time_shape(num_out: int, num_in: int, rows: list[int], reps: int) -> dict[tu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--rows", default="1,8,32,256")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=10)
