@@ -176,3 +176,57 @@ def test_register_grouped_linear_offers_the_kernel_for_converted_layers_only() -
     assert options["supports"](_ConvertedLayer(weight)) and not options["supports"](_ConvertedLayer(None))
     x = torch.randn(2, NUM_IN, generator=torch.Generator().manual_seed(5))
     assert_matches_reference(build(_ConvertedLayer(weight))(x, None), reference_linear(x, weight), batched=False)
+
+
+needs_int8_kernel = pytest.mark.skipif(library is None or not library.int8_kernel,
+                                       reason="no C compiler or no AVX512-VNNI for the int8-activation kernel")
+
+
+def test_activations_quantize_per_block_of_32_rounding_half_to_even() -> None:
+    x = torch.zeros(1, 64)
+    x[0, :4] = torch.tensor([127.0, 2.5, 3.5, -0.5])  # block 0: scale 1
+    x[0, 32:34] = torch.tensor([0.1, -0.2])  # block 1: scale 0.2 / 127
+    q, scales = grouped_linear.quantize_activations(x)
+    assert scales[0, 0].item() == 1.0 and scales[0, 1].item() == pytest.approx(0.2 / 127)
+    assert q[0, :4].tolist() == [127.0, 2.0, 4.0, -0.0]
+    assert q[0, 32:34].tolist() == [64.0, -127.0]  # 0.1 / (0.2 / 127) = 63.5 -> 64
+    assert q[0, 34:].abs().sum().item() == 0.0
+    q_zero, scales_zero = grouped_linear.quantize_activations(torch.zeros(2, 32))
+    assert scales_zero.tolist() == [[0.0], [0.0]] and q_zero.abs().sum().item() == 0.0
+
+
+INT8_CASES = [(8, 16, True), (8, 32, False), (8, 128, True), (8, NUM_IN, False),
+              (4, 16, True), (4, 32, True), (4, 64, True), (4, NUM_IN, True)]
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize(("bits", "group", "with_offsets"), INT8_CASES,
+                         ids=[f"W{b}-g{g}-{'off' if o else 'nooff'}" for b, g, o in INT8_CASES])
+def test_int8_activations_compute_their_reference(bits: int, group: int, with_offsets: bool,
+                                                  kernel_calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(grouped_linear.INT8_ACTIVATIONS_SWITCH, "1")
+    weight = random_weight(bits, group, with_offsets)
+    kernel = grouped_linear.GroupedLinearKernel(weight)
+    generator = torch.Generator().manual_seed(3)
+    bias = torch.randn(NUM_OUT, generator=generator)
+    for num_rows in (1, 3, grouped_linear.DECODE_MAX_ROWS):
+        x = torch.randn(num_rows, NUM_IN, generator=generator) * torch.rand(NUM_IN, generator=generator) * 4
+        kernel_calls.clear()
+        out = kernel(x, bias)
+        assert kernel_calls == ["grouped_linear_q8a"]
+        reference = grouped_linear.reference_int8_activations(weight, x, bias)
+        assert_matches_reference(out, reference, batched=False)
+        assert (out - reference_linear(x, weight, bias)).abs().max() > 1e-4  # the quantization is visible
+    x16 = torch.randn(2, NUM_IN, generator=generator).to(torch.bfloat16)
+    assert_matches_reference(kernel(x16), grouped_linear.reference_int8_activations(weight, x16), batched=False)
+
+
+@needs_int8_kernel
+def test_int8_activations_off_their_grid_run_the_exact_kernel(kernel_calls: list[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(grouped_linear.INT8_ACTIVATIONS_SWITCH, "1")
+    weight = random_weight(8, 48, with_offsets=True, num_out=24, num_in=576)  # g = 48: not 16, 32 or 64k
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(7))
+    out = grouped_linear.GroupedLinearKernel(weight)(x)
+    assert kernel_calls == ["grouped_linear_q8a", "grouped_linear"]
+    assert_matches_reference(out, reference_linear(x, weight), batched=False)

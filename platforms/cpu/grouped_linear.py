@@ -14,6 +14,13 @@ Two paths, by the number of rows M of x:
   x's own GEMM (oneDNN through F.linear). In bfloat16 that rounds each
   weight to bfloat16, as a bfloat16 checkpoint is.
 
+With `PAGEDLLM_CPU_GROUPED_INT8_ACTIVATIONS=1` (off by default) decode
+batches quantize x to int8 first, in blocks of 32 as llama.cpp's Q8_0
+activations, and take integer dot products (AVX512-VNNI), where g is 16, 32
+or a multiple of 64 and K a multiple of 64 (else the exact kernel runs):
+faster, and no longer the reference to float32 rounding
+(`reference_int8_activations` is its reference).
+
 Off the kernel's grid (K not a multiple of 32, g not a multiple of 16), on
 another device, under torch.compile, without a compiler or with
 `PAGEDLLM_CPU_GROUPED_LINEAR=0`: the layout's `reference_linear`.
@@ -27,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -51,6 +59,7 @@ SOURCE = Path(__file__).parent / "csrc" / "grouped_linear.c"
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp",
           "-ffp-contract=off", "-shared", "-fPIC")
 ENV_SWITCH = "PAGEDLLM_CPU_GROUPED_LINEAR"
+INT8_ACTIVATIONS_SWITCH = "PAGEDLLM_CPU_GROUPED_INT8_ACTIVATIONS"
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Batches of at most this many rows run on the decode kernel. Its float32
 # FMAs do 16 multiply-adds an instruction where a bfloat16 GEMM's
@@ -66,6 +75,7 @@ _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 class Library(NamedTuple):
     cdll: ctypes.CDLL
     decode_kernel: bool  # grouped_linear runs here (AVX-512); grouped_dequantize always does
+    int8_kernel: bool  # grouped_linear_q8a runs here (AVX-512 and AVX512-VNNI)
 
 
 @functools.cache
@@ -77,12 +87,15 @@ def load() -> Library | None:
     library.grouped_linear_available.restype, library.grouped_linear_available.argtypes = _INT, []
     library.grouped_linear.restype = _INT
     library.grouped_linear.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _INT, _PTR]
+    library.grouped_linear_q8a_available.restype, library.grouped_linear_q8a_available.argtypes = _INT, []
+    library.grouped_linear_q8a.restype = _INT
+    library.grouped_linear_q8a.argtypes = library.grouped_linear.argtypes
     library.grouped_dequantize.restype = None
     library.grouped_dequantize.argtypes = [_INT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT, _PTR]
     decode_kernel = bool(library.grouped_linear_available())
     if not decode_kernel:
         logger.info("CPU grouped-weight decode kernel needs AVX-512: decode batches run the torch reference")
-    return Library(library, decode_kernel)
+    return Library(library, decode_kernel, bool(library.grouped_linear_q8a_available()))
 
 
 class PackedGroupedWeight(NamedTuple):
@@ -128,6 +141,7 @@ class GroupedLinearKernel:
         self.num_out, self.num_in = self.weight.out_features, self.weight.in_features
         self._bias_key: torch.Tensor | None = None  # the last bias seen, and its float32 copy
         self._bias_f32: torch.Tensor | None = None
+        self.int8_activations = int8_activations_enabled()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         library = None if torch.compiler.is_compiling() else load()
@@ -154,6 +168,13 @@ class GroupedLinearKernel:
         weight = self.weight
         x_f32 = rows.float().contiguous()
         out = torch.empty(rows.shape[0], self.num_out, dtype=rows.dtype)
+        status = 1
+        if self.int8_activations and library.int8_kernel:
+            status = kernel_call(library.cdll.grouped_linear_q8a, weight.bits, x_f32, rows.shape[0], self.num_in,
+                                 self.packed.kernel_codes, weight.scales, weight.offsets, weight.group_size,
+                                 self.float32_bias(bias), self.num_out, KERNEL_DTYPES[rows.dtype], out)
+        if status == 0:
+            return out
         status = kernel_call(library.cdll.grouped_linear, weight.bits, x_f32, rows.shape[0], self.num_in,
                              self.packed.kernel_codes, weight.scales, weight.offsets, weight.group_size,
                              self.float32_bias(bias), self.num_out, KERNEL_DTYPES[rows.dtype], out)
@@ -166,6 +187,33 @@ class GroupedLinearKernel:
         kernel_call(library.cdll.grouped_dequantize, weight.bits, weight.codes, weight.scales, weight.offsets,
                     weight.group_size, self.num_in, 0, self.num_out, KERNEL_DTYPES[rows.dtype], dense)
         return F.linear(rows, dense, None if bias is None else bias.to(rows.dtype))
+
+
+def int8_activations_enabled() -> bool:
+    """Whether decode batches quantize x to int8 (read when a kernel is made)."""
+    return os.environ.get(INT8_ACTIVATIONS_SWITCH, "0") == "1"
+
+
+def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (q [M, K] int8 values as float32, scales [M, K // block]):
+    scale = max|x| / 127 per block, q = round-half-even(x / scale), 0 where scale is 0."""
+    blocks = x.float().reshape(x.shape[0], -1, block)
+    scales = blocks.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(-1)
+    q = torch.where(scales.unsqueeze(-1) > 0, torch.round(blocks / safe), torch.zeros_like(blocks))
+    return q.reshape(x.shape), scales
+
+
+def reference_int8_activations(weight: GroupedWeight, x: torch.Tensor,
+                               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The int8-activation path's math in plain torch (float64 sums), in x's dtype."""
+    rows = x.reshape(-1, weight.in_features)
+    q, scales = quantize_activations(rows)
+    dequantized = (q.reshape(rows.shape[0], -1, 32) * scales.unsqueeze(-1)).reshape(rows.shape).double()
+    out = dequantized @ weight.dequantize(torch.float64).T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.out_features)
 
 
 def supports(weight: GroupedWeight) -> bool:

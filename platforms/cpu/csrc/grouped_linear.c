@@ -27,6 +27,7 @@
  * canonical layout. Plain loops the compiler vectorises: no AVX-512 needed.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cpu_kernel_math.h"
 
@@ -149,6 +150,102 @@ static void row_block_any(int tile, int bits, const void *codes, const float *sc
     switch (tile) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
 #undef CASE
 }
+
+/* ---- int8 activations (grouped_linear_q8a; PAGEDLLM_CPU_GROUPED_INT8_ACTIVATIONS=1) ----
+ * As llama.cpp's Q8_0 activations: each row of x quantized once per call in
+ * blocks of 32, scale s = max|x| / 127 (float32), q = round-half-even(x / s)
+ * (0 where s == 0). Each weight group's dot product is then an integer one
+ * (vpdpbusd, 4 byte products a 32-bit lane), scaled in float32 per lane of 4
+ * inputs: y += float(idot) * (s_w * s_a) + offset * s_a * sum(q). A 64-input
+ * chunk's 16 lanes each lie in one group and one activation block when g is
+ * 16, 32 or a multiple of 64 (K a multiple of 64); else the exact path runs.
+ * W8 codes are signed: q + 128 as unsigned bytes, the accumulator starting at
+ * -128 * sum(w) (one more vpdpbusd on ones, shared by the tile's rows). */
+#if defined(__AVX512VNNI__)
+#define HAVE_Q8A 1
+#define Q8_BLOCK 32
+
+typedef struct {
+    const uint8_t *q;     /* [M, K] q + 128 (W8) or q as int8 bits (W4) */
+    const float *scale;   /* [M, K / 4] the activation scale of each lane of 4 inputs */
+    const float *sum;     /* [M, K / 4] s_a * (sum of the lane's 4 q) */
+} Q8Rows;
+
+/* Quantizes rows of x into the buffers behind `rows` (bias 128 for W8). */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int bias, uint8_t *q, float *scale, float *sum) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < K; b += Q8_BLOCK) {
+            const float *xb = x + m * K + b;
+            float amax = 0.0f;
+            for (int i = 0; i < Q8_BLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            float s = amax / 127.0f;
+            for (int i = 0; i < Q8_BLOCK; i += 4) {
+                int lane_sum = 0;
+                for (int t = 0; t < 4; t++) {
+                    int v = s > 0.0f ? (int)nearbyintf(xb[i + t] / s) : 0;
+                    lane_sum += v;
+                    q[m * K + b + i + t] = (uint8_t)(v + bias);
+                }
+                scale[(m * K + b + i) / 4] = s;
+                sum[(m * K + b + i) / 4] = s * (float)lane_sum;
+            }
+        }
+}
+
+/* The 16 lanes' weight scales (or offsets) of the chunk at input k. */
+static inline __m512 lane_params(const float *p, int64_t group, int64_t k, __m512i idx) {
+    if (group >= 64) return _mm512_set1_ps(p[k / group]);
+    __mmask16 need = (__mmask16)((1u << (64 / group)) - 1);
+    return _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(need, p + k / group));
+}
+
+/* 64 codes at input k as 64 unsigned bytes in input order. */
+static inline __m512i chunk_bytes(int bits, const void *codes, int64_t k) {
+    if (bits == 8) return _mm512_loadu_si512((const uint8_t *)codes + k);
+    __m256i b = _mm256_loadu_si256((const __m256i *)((const uint8_t *)codes + k / 2));
+    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
+    both = _mm512_and_si512(both, _mm512_set1_epi8(0x0F)); /* [lo A, lo B, hi A, hi B] */
+    return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+static inline __attribute__((always_inline)) void q8a_row(int tile, int bits, const void *codes, const float *scales,
+                                                          const float *offsets, int64_t group, int64_t K,
+                                                          Q8Rows rows, __m512i idx, __m512 *acc) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int j = 0; j < MAX_TILE; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 64) {
+        __m512i w = chunk_bytes(bits, codes, k), start = _mm512_setzero_si512();
+        if (bits == 8) start = _mm512_sub_epi32(start, _mm512_slli_epi32(_mm512_dpbusd_epi32(start, ones, w), 7));
+        __m512 ws = lane_params(scales, group, k, idx);
+        __m512 wo = offsets ? lane_params(offsets, group, k, idx) : _mm512_setzero_ps();
+        for (int j = 0; j < MAX_TILE; j++) {
+            if (j >= tile) break;
+            __m512i qj = _mm512_loadu_si512(rows.q + j * K + k);
+            __m512i d = bits == 8 ? _mm512_dpbusd_epi32(start, qj, w) : _mm512_dpbusd_epi32(start, w, qj);
+            __m512 sa = _mm512_loadu_ps(rows.scale + (j * K + k) / 4);
+            acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), ws), sa, acc[j]);
+            if (offsets) acc[j] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(rows.sum + (j * K + k) / 4), acc[j]);
+        }
+    }
+}
+
+static void q8a_block(int tile, int bits, const void *codes, const float *scales, const float *offsets,
+                      int64_t group, int64_t K, int64_t N, int64_t n0, int64_t n1, Q8Rows rows, const float *bias,
+                      int out_dtype, void *out) {
+    int64_t groups = K / group, row_bytes = bits == 8 ? K : K / 2;
+    int32_t lane_group[16];
+    for (int l = 0; l < 16; l++) lane_group[l] = group >= 64 ? 0 : (int32_t)(4 * l / group);
+    __m512i idx = _mm512_loadu_si512(lane_group);
+    __m512 acc[MAX_TILE];
+    for (int64_t n = n0; n < n1; n++) {
+        q8a_row(tile, bits, (const uint8_t *)codes + n * row_bytes, scales + n * groups,
+                offsets ? offsets + n * groups : NULL, group, K, rows, idx, acc);
+        reduce_store(tile, acc, bias, n, N, out_dtype, out);
+    }
+}
+#else
+#define HAVE_Q8A 0
+#endif
 #else
 #define HAVE_KERNEL 0
 #endif
@@ -218,4 +315,42 @@ void grouped_dequantize(int bits, const void *codes, const float *scales, const 
             for (int64_t k = 0; k < K; k++) o[k] = row[k];
         }
     }
+}
+
+/* 1 when grouped_linear_q8a runs here (AVX-512 and AVX512-VNNI). */
+int grouped_linear_q8a_available(void) { return HAVE_KERNEL && HAVE_Q8A; }
+
+/* grouped_linear with int8 activations (see "int8 activations" above).
+ * Returns 0, or 1 when unavailable or off its grid (g not 16, 32 or a
+ * multiple of 64; K not a multiple of 64; M over MAX_TILE). */
+int grouped_linear_q8a(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scales,
+                       const float *offsets, int64_t group, const float *bias, int64_t N, int out_dtype,
+                       void *out) {
+#if HAVE_KERNEL && HAVE_Q8A
+    if (K % 64 || K % group || !(group == 16 || group == 32 || group % 64 == 0) || M > MAX_TILE || M < 1 ||
+        (bits == 4 && !offsets) || (bits != 4 && bits != 8))
+        return 1;
+    uint8_t *q = malloc((size_t)(M * K));
+    float *lanes = malloc(sizeof(float) * (size_t)(M * K / 2));
+    if (!q || !lanes) {
+        free(q), free(lanes);
+        return 1;
+    }
+    quantize_rows(x, M, K, bits == 8 ? 128 : 0, q, lanes, lanes + M * K / 4);
+    Q8Rows rows = {q, lanes, lanes + M * K / 4};
+    int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+    int tile = (int)M;
+#pragma omp parallel for schedule(static) if (blocks > 1 && N * K >= (1 << 16))
+    for (int64_t block = 0; block < blocks; block++) {
+        int64_t n1 = (block + 1) * ROW_BLOCK < N ? (block + 1) * ROW_BLOCK : N;
+        q8a_block(tile, bits, codes, scales, offsets, group, K, N, block * ROW_BLOCK, n1, rows, bias, out_dtype,
+                  out);
+    }
+    free(q), free(lanes);
+    return 0;
+#else
+    (void)bits, (void)x, (void)M, (void)K, (void)codes, (void)scales, (void)offsets, (void)group, (void)bias;
+    (void)N, (void)out_dtype, (void)out;
+    return 1;
+#endif
 }
