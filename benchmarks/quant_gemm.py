@@ -11,7 +11,9 @@ are bf16's time over the variant's (> 1: faster than bf16). Also printed,
 for comparison: torch._weight_int8pack_mm (the int8 method's former
 decode GEMM) on the W8 g=K weights, and torch._weight_int4pack_mm_for_cpu
 on the W4 g=32 ones (not used by the kernel: its scales and zeros are
-stored in x's dtype, which rounds the layout's float32 ones).
+stored in x's dtype, which rounds the layout's float32 ones). The "i8a"
+columns are the same weights on the int8-activation decode path
+(PAGEDLLM_CPU_GROUPED_INT8_ACTIVATIONS=1; its rows of M <= 8 only).
 
     .venv/bin/python benchmarks/quant_gemm.py [--rows 1,8,32,256] [--threads 2] [--reps 10]
 """
@@ -32,11 +34,12 @@ from pagedllm.quantization.grouped_weight import GroupedWeight, pack_w4
 SHAPES = {"qkv": (1280, 768), "o": (768, 768), "gate_up": (4096, 768), "down": (768, 2048)}
 NUM_LAYERS = 12
 VARIANTS = ("W8 g=32", "W8 g=K", "W4 g=32", "W4 g=128")
+INT8_ACTIVATIONS = tuple(f"{variant} i8a" for variant in VARIANTS)
 
 
 def grouped_weight(variant: str, weight: torch.Tensor) -> GroupedWeight:
     """`weight` [N, K] quantized (round to nearest) into the variant's layout."""
-    bits, group_text = variant[1], variant.split("g=")[1]
+    bits, group_text = variant[1], variant.split("g=")[1].split()[0]
     num_out, num_in = weight.shape
     group = num_in if group_text == "K" else int(group_text)
     grouped = weight.float().view(num_out, num_in // group, group)
@@ -88,6 +91,10 @@ def time_shape(num_out: int, num_in: int, rows: list[int], reps: int) -> dict[tu
     weights = [(torch.randn(num_out, num_in, generator=generator) * 0.02).to(torch.bfloat16)
                for _ in range(NUM_LAYERS)]
     kernels = {variant: [GroupedLinearKernel(grouped_weight(variant, w)) for w in weights] for variant in VARIANTS}
+    for variant, name in zip(VARIANTS, INT8_ACTIVATIONS, strict=True):
+        kernels[name] = [GroupedLinearKernel(kernel.packed) for kernel in kernels[variant]]
+        for kernel in kernels[name]:
+            kernel.int8_activations = True
     int8 = [grouped_weight("W8 g=K", w) for w in weights]
     int4 = [int4pack(kernels["W4 g=32"][i].weight) for i in range(NUM_LAYERS)]
     times: dict[tuple[str, int], float] = {}
@@ -112,7 +119,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
-    names = ("bf16", *VARIANTS, "int8pack_mm", "int4pack_mm")
+    names = ("bf16", *VARIANTS, *INT8_ACTIVATIONS, "int8pack_mm", "int4pack_mm")
     print(f"threads={args.threads}; us per GEMM (ratio: bf16 time / variant time)")
     print(f"{'shape':>16} {'M':>4} " + " ".join(f"{name:>17}" for name in names))
     for label, (num_out, num_in) in SHAPES.items():

@@ -229,7 +229,7 @@ static inline __attribute__((always_inline)) void q8a_row(int tile, int bits, co
     }
 }
 
-static void q8a_block(int tile, int bits, const void *codes, const float *scales, const float *offsets,
+static inline __attribute__((always_inline)) void q8a_block(int tile, int bits, const void *codes, const float *scales, const float *offsets,
                       int64_t group, int64_t K, int64_t N, int64_t n0, int64_t n1, Q8Rows rows, const float *bias,
                       int out_dtype, void *out) {
     int64_t groups = K / group, row_bytes = bits == 8 ? K : K / 2;
@@ -242,6 +242,16 @@ static void q8a_block(int tile, int bits, const void *codes, const float *scales
                 offsets ? offsets + n * groups : NULL, group, K, rows, idx, acc);
         reduce_store(tile, acc, bias, n, N, out_dtype, out);
     }
+}
+
+/* The tile size as a constant in each case, so the loops over it unroll. */
+static void q8a_block_any(int tile, int bits, const void *codes, const float *scales, const float *offsets,
+                          int64_t group, int64_t K, int64_t N, int64_t n0, int64_t n1, Q8Rows rows,
+                          const float *bias, int out_dtype, void *out) {
+#define CASE(t) \
+    case t: q8a_block(t, bits, codes, scales, offsets, group, K, N, n0, n1, rows, bias, out_dtype, out); break;
+    switch (tile) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
+#undef CASE
 }
 #else
 #define HAVE_Q8A 0
@@ -343,8 +353,8 @@ int grouped_linear_q8a(int bits, const float *x, int64_t M, int64_t K, const voi
 #pragma omp parallel for schedule(static) if (blocks > 1 && N * K >= (1 << 16))
     for (int64_t block = 0; block < blocks; block++) {
         int64_t n1 = (block + 1) * ROW_BLOCK < N ? (block + 1) * ROW_BLOCK : N;
-        q8a_block(tile, bits, codes, scales, offsets, group, K, N, block * ROW_BLOCK, n1, rows, bias, out_dtype,
-                  out);
+        q8a_block_any(tile, bits, codes, scales, offsets, group, K, N, block * ROW_BLOCK, n1, rows, bias,
+                      out_dtype, out);
     }
     free(q), free(lanes);
     return 0;
