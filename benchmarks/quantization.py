@@ -45,6 +45,7 @@ def _gguf(preset: str) -> Callable[[Path, Path], tuple[str, dict]]:
     def write(source: Path, out: Path) -> tuple[str, dict]:
         from helpers.gguf_writer import write_gguf
 
+        out.mkdir(parents=True, exist_ok=True)  # the first format written there may be this one
         return str(write_gguf(source, out / f"model.{preset}.gguf", preset)), {"tokenizer": str(source)}
     return write
 
