@@ -17,6 +17,8 @@ from pagedllm.core.errors import InvalidRequestError
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
+# The widest unsigned integer msgspec (the engine wire format) encodes.
+UINT64_MAX = (1 << 64) - 1
 # Longest echo of a client value in an error message.
 MAX_ECHO_CHARS = 80
 # Below this many bits an int's decimal text is short enough to build

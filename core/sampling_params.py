@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.core.int_limits import INT64_MAX, INT64_MIN, check_int, short_value
+from pagedllm.core.int_limits import INT64_MAX, INT64_MIN, UINT64_MAX, check_int, short_value
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.interface import StructuredOutputKind
@@ -90,6 +90,21 @@ STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", 
 # Largest structured_outputs.max_whitespace a request may ask for (as the
 # engine's structured_output.max_whitespace: a bound, never a need for more).
 MAX_WHITESPACE = 64
+
+
+def _int_past_64_bits(value: Any) -> int | None:
+    """The first integer in a JSON value (dicts and lists, walked without
+    recursion: the depth limit is checked later) outside what 64 bits hold."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, int) and not isinstance(item, bool) and not INT64_MIN <= item <= UINT64_MAX:
+            return item
+    return None
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -207,6 +222,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, forbid_unknown
             # No repr of the value: a list nested 10,000 deep would not repr().
             raise InvalidRequestError(f"structured_outputs.{name}", f"<{type(value).__name__}>",
                                       "must be a JSON object (dict or JSON text)")
+        wide = _int_past_64_bits(getattr(self, name))
+        if wide is not None:  # a dict travels to the engine core as it is: its wire format has 64-bit ints
+            raise InvalidRequestError(f"structured_outputs.{name}", short_value(wide, 60),
+                                      f"integers in a JSON object between {INT64_MIN} and {UINT64_MAX}")
 
     def grammar_spec(self) -> tuple[StructuredOutputKind, str]:
         """(kind, spec text): the same spec gives the same text (the cache key).

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -262,3 +263,17 @@ def test_extreme_but_valid_values_cross_the_engine_wire() -> None:
         assert rebuilt.priority == priority
         assert rebuilt.sampling_params == request.params
         assert rebuilt.sampling_params.seed == INT64_MIN  # INT64_MAX + 1 wrapped
+
+
+@pytest.mark.parametrize("field", ["json", "structural_tag"])
+def test_a_json_object_with_an_integer_past_64_bits_is_refused_by_name(field: str) -> None:
+    """The dict travels to the engine core as it is, and the wire holds 64-bit
+    integers: a wider one deep inside (a fuzzer's schema) is a 400 naming the
+    field, not a 500; the same number as JSON text stays text and passes."""
+    from pagedllm.core.sampling_params import StructuredOutputsParams
+
+    spec = {"type": "object", "properties": {"a": [{"x": -1910233140948104118272}]}}
+    with pytest.raises(InvalidRequestError, match=rf"structured_outputs.{field}=-1910233140948104118272 is invalid"):
+        StructuredOutputsParams(**{field: spec})
+    StructuredOutputsParams(**{field: {"type": "object", "maximum": (1 << 64) - 1, "minimum": -(1 << 63)}})
+    StructuredOutputsParams(**{field: json.dumps(spec)})
