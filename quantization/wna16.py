@@ -33,6 +33,7 @@ to groups of every rank); both are ModelLoadErrors naming the layer.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -112,11 +113,13 @@ class WNA16Method(QuantizationMethod):
         # No config: built for a float checkpoint (load_format dummy); it converts nothing.
         self.config = config
 
+    @abstractmethod
     def unpack_qweight(self, qweight: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The format's packed qweight as one code per element, [K, N]."""
 
+    @abstractmethod
     def unpack_qzeros(self, qzeros: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The format's packed qzeros as one zero point per element, [K / g, N]."""
 
     def create_weights(self, layer: nn.Linear, prefix: str) -> bool:
         config = self.config
