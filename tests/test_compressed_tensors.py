@@ -26,6 +26,7 @@ from helpers.compressed_tensors_writer import (
     write_compressed_tensors,
 )
 from helpers.tiny_models import cached_tiny_model
+from helpers.validation import greedy_token_ids
 from torch import nn
 
 from pagedllm import LLM, SamplingParams
@@ -63,13 +64,7 @@ def _add_input_hooks(model: nn.Module, args: dict[str, Any] | None, input_scales
 
 
 def _greedy(path: Path, **kwargs: Any) -> list[list[int]]:
-    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=32, **kwargs)
-    try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                               SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs]
-    finally:
-        llm.shutdown()
+    return greedy_token_ids(path, PROMPTS, MAX_TOKENS, **kwargs)
 
 
 def _hf_greedy(dequantized: Path, scheme: str, input_scales: dict[str, torch.Tensor]) -> list[list[int]]:

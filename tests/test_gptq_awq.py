@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -29,8 +30,9 @@ from helpers.gptq_awq_writer import (
     write_gptq_awq,
 )
 from helpers.tiny_models import cached_tiny_model
+from helpers.validation import greedy_token_ids
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.model_registry.layers import linear
 from pagedllm.model_registry.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.model_registry.loader import ModelLoadError
@@ -49,13 +51,8 @@ def write_checkpoints(tmp_path: Path, case: Case) -> tuple[Path, Path]:
     return write_gptq_awq(cached_tiny_model("llama", with_tokenizer=True, **MODEL_SIZES), tmp_path, case)
 
 
-def _greedy(path: Path, **kwargs: object) -> list[list[int]]:
-    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=32, **kwargs)
-    try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=8, temperature=0))
-        return [list(o.outputs[0].token_ids) for o in outputs]
-    finally:
-        llm.shutdown()
+def _greedy(path: Path, **kwargs: Any) -> list[list[int]]:
+    return greedy_token_ids(path, PROMPTS, 8, **kwargs)
 
 
 def _hf_greedy(path: Path) -> list[list[int]]:

@@ -14,15 +14,16 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
 from helpers.tiny_models import cached_tiny_model
+from helpers.validation import greedy_token_ids
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.core.errors import ConfigError
 from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
 from pagedllm.quantization.base import QuantizationMethod
@@ -105,13 +106,8 @@ def _write_rowint8(tmp_path: Path) -> tuple[Path, Path]:
     return quantized, dequantized
 
 
-def _greedy(path: Path, **kwargs: object) -> list[list[int]]:
-    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=32, **kwargs)
-    try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=8, temperature=0))
-        return [list(o.outputs[0].token_ids) for o in outputs]
-    finally:
-        llm.shutdown()
+def _greedy(path: Path, **kwargs: Any) -> list[list[int]]:
+    return greedy_token_ids(path, PROMPTS, 8, **kwargs)
 
 
 def test_a_checkpoint_in_a_registered_format_loads_through_its_method(

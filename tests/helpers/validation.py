@@ -5,7 +5,8 @@ are measured on."""
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from pagedllm import LLM, SamplingParams
 
@@ -39,3 +40,16 @@ def validation_score(llm: LLM, windows: list[list[int]], bos_id: int) -> Validat
                 count += 1
                 top1.append(next(t for t, logprob in entry.items() if logprob.rank == 1))
     return ValidationScore(math.exp(nll / count), top1)
+
+
+def greedy_token_ids(model: str | Path, prompts: list[list[int]], max_tokens: int = 8,
+                     **llm_kwargs: Any) -> list[list[int]]:
+    """pagedllm's greedy continuation of each prompt, in float32, one engine
+    built and shut down (the checkpoint-format tests compare it to transformers')."""
+    llm = LLM(model=str(model), dtype="float32", num_kv_blocks=32, **llm_kwargs)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+    finally:
+        llm.shutdown()
