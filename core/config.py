@@ -462,6 +462,37 @@ class ServerConfig(_Section):
         return [value] if isinstance(value, str) else value
 
 
+class LoRAConfig(_Section):
+    """Multi-LoRA serving (vLLM's --enable-lora family): adapters over the
+    base model, batched together; off unless `enable_lora`."""
+
+    enable_lora: bool = False
+    # Distinct adapters in one step (the adapter slots the layers hold);
+    # requests of other adapters wait, they are not preempted.
+    max_loras: int = Field(1, ge=1, le=256)
+    # The largest adapter rank accepted (the slots are this wide).
+    max_lora_rank: int = Field(16, ge=1, le=512)
+    # Adapters kept loaded in host memory (least recently used evicted);
+    # None = max_loras. At least max_loras.
+    max_cpu_loras: int | None = Field(None, ge=1)
+    # Adapters served from start-up: NAME=PATH, or vLLM's JSON form
+    # {"name": ..., "path": ..., "base_model_name": ...}; one word per item.
+    lora_modules: list[str] = Field(default_factory=list)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 turns this on too).
+    allow_runtime_lora_updating: bool = False
+    # An adapter's files (adapter_config.json + safetensors) may hold at most this many bytes.
+    max_lora_bytes: int = Field(1 << 30, ge=1)
+
+    @field_validator("max_cpu_loras")
+    @classmethod
+    def _cpu_loras_hold_a_batch(cls, value: int | None, info: Any) -> int | None:
+        max_loras = info.data.get("max_loras")
+        if value is not None and max_loras is not None and value < max_loras:
+            raise ValueError(f"must be >= max_loras ({max_loras})")
+        return value
+
+
 # vLLM's flat keyword names (LLM(model=..., block_size=...)) -> (section, key).
 # key None means the flat name takes the whole section (a dict or the model),
 # e.g. a later `speculative_config` -> ("speculative", None).
@@ -534,6 +565,11 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "served_model_name": ("server", "served_model_name"),
     "chat_template": ("server", "chat_template"),
     "trust_remote_code": ("model", "trust_remote_code"),
+    "enable_lora": ("lora", "enable_lora"),
+    "max_loras": ("lora", "max_loras"),
+    "max_lora_rank": ("lora", "max_lora_rank"),
+    "max_cpu_loras": ("lora", "max_cpu_loras"),
+    "lora_modules": ("lora", "lora_modules"),
 }
 
 # The parsed config file of the `EngineConfig.load` call in progress (settings
@@ -578,6 +614,7 @@ class EngineConfig(BaseSettings):
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
 
     def __init__(self, **values: Any) -> None:
         try:

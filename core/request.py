@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from pagedllm.core.lora import LoRARef
     from pagedllm.core.outputs import FinishReason
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.structured_output.interface import Grammar
@@ -68,7 +69,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        lora_name: str | None = None,
+        lora: LoRARef | None = None,
         group_id: str | None = None,
     ) -> None:
         self.request_id = request_id
@@ -82,7 +83,9 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
-        self.lora_name = lora_name
+        # The adapter it runs with (None: the base model); its digest is
+        # part of every block hash.
+        self.lora = lora
 
         # Structured output: the grammar compiles (WAITING_FOR_FSM) before the
         # request may be scheduled; the manager fills structured_output_request.

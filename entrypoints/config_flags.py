@@ -36,7 +36,7 @@ SHORT_FLAGS: dict[tuple[str, str], str] = {
 }
 # List fields whose flag takes its items as separate words, as vLLM's
 # (`--served-model-name A B`; a name may hold a comma).
-SPACE_SEPARATED_LISTS = frozenset({"server.served_model_name"})
+SPACE_SEPARATED_LISTS = frozenset({"server.served_model_name", "lora.lora_modules"})
 # A renamed field's old flag, still accepted beside the new one.
 ALIAS_FLAGS: dict[tuple[str, str], str] = {
     ("device", "graph_sizes"): "--cuda-graph-sizes",

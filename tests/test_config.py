@@ -83,7 +83,7 @@ def test_unknown_key_in_arguments_lists_the_sections_known_keys() -> None:
     assert info.value.key == "speculatve"
     assert info.value.allowed == (
         "known keys model, cache, scheduler, device, plugins, structured_output, speculative, kv_transfer, parallel, "
-        "server"
+        "server, lora"
     )
 
 

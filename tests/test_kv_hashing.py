@@ -17,6 +17,7 @@ from pagedllm.core.kv_cache.hashing import (
     get_request_block_hasher,
     hash_block_tokens,
 )
+from pagedllm.core.lora import LoRARef
 from pagedllm.core.request import Request
 
 SHA256 = get_hash_fn("sha256")
@@ -118,15 +119,30 @@ def test_salt_changes_the_whole_chain() -> None:
 def test_lora_key_on_every_block_and_never_equal_to_salt() -> None:
     hasher = get_request_block_hasher(4, SHA256)
     tokens = list(range(8))
-    lora_x, salt_x = make_request("a", tokens, lora_name="X"), make_request("b", tokens, cache_salt="X")
+    lora_x = make_request("a", tokens, lora=LoRARef("name", "X", "/p"))
+    salt_x = make_request("b", tokens, cache_salt="X")
     hasher(lora_x)
     hasher(salt_x)
     assert generate_block_hash_extra_keys(lora_x, 0) == (("lora", "X"),)
     assert generate_block_hash_extra_keys(lora_x, 1) == (("lora", "X"),)
     assert lora_x.block_hashes[0] != salt_x.block_hashes[0]
     assert lora_x.block_hashes[1] != salt_x.block_hashes[1]
-    both = make_request("c", tokens, lora_name="X", cache_salt="X")
+    both = make_request("c", tokens, lora=LoRARef("name", "X", "/p"), cache_salt="X")
     assert generate_block_hash_extra_keys(both, 0) == (("lora", "X"), ("salt", "X"))
+
+
+def test_lora_key_is_the_digest_not_the_name_or_path() -> None:
+    hasher = get_request_block_hasher(4, SHA256)
+    tokens = list(range(8))
+    first = make_request("a", tokens, lora=LoRARef("sql", "digest-1", "/adapters/sql"))
+    renamed = make_request("b", tokens, lora=LoRARef("other-name", "digest-1", "/elsewhere"))
+    reloaded = make_request("c", tokens, lora=LoRARef("sql", "digest-2", "/adapters/sql"))
+    base = make_request("d", tokens)
+    for request in (first, renamed, reloaded, base):
+        hasher(request)
+    assert first.block_hashes == renamed.block_hashes
+    assert not set(first.block_hashes) & set(reloaded.block_hashes)
+    assert not set(first.block_hashes) & set(base.block_hashes)
 
 
 def test_xxhash_is_xxh3_128_of_the_same_bytes() -> None:

@@ -100,22 +100,23 @@ def hash_block_tokens(
 
 def generate_block_hash_extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
     """Tagged extra keys of block `block_index` of `request`."""
-    return block_extra_keys(block_index, cache_salt=request.cache_salt, lora_name=request.lora_name)
+    lora_digest = None if request.lora is None else request.lora.digest
+    return block_extra_keys(block_index, cache_salt=request.cache_salt, lora_digest=lora_digest)
 
 
 def block_extra_keys(
-    block_index: int, *, cache_salt: str | None = None, lora_name: str | None = None
+    block_index: int, *, cache_salt: str | None = None, lora_digest: str | None = None
 ) -> tuple[Any, ...] | None:
     """Tagged extra keys of block `block_index` of a prompt (a router hashes
     prompts with it, without a Request).
 
     The salt goes on the first block only: the chain carries it to every later
-    block. The LoRA name goes on every block because a LoRA changes the K/V of
-    each position.
+    block. The adapter's content digest (core/lora.py; never its name or path)
+    goes on every block because an adapter changes the K/V of each position.
     """
     keys: list[tuple[str, Any]] = []
-    if lora_name is not None:
-        keys.append((LORA_KEY, lora_name))
+    if lora_digest is not None:
+        keys.append((LORA_KEY, lora_digest))
     if block_index == 0 and cache_salt is not None:
         keys.append((SALT_KEY, cache_salt))
     return tuple(keys) if keys else None

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.model_registry.layers.lora import LoRASlots
 from pagedllm.model_registry.layers.ops import LINEAR, OpLayer
 from pagedllm.model_registry.layers.tp_heads import divide, partition_heads
 
@@ -76,13 +77,19 @@ class LinearBase(nn.Linear, OpLayer, ABC):
         self.tp_size = self.tp_group.world_size
         for param in self.parameters():
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # A LoRA-enabled model's adapter slots (lora/ attaches them before
+        # the ops are bound); None: this layer is never adapted.
+        self.lora_slots: LoRASlots | None = None
 
     def apply_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """This rank's GEMM: the bound "linear" kernel, else F.linear."""
+        """This rank's GEMM: the bound "linear" kernel, else F.linear; plus
+        each row's adapter product when the layer has LoRA slots."""
         kernel = self.op_kernel
-        if kernel is None:
-            return F.linear(x, self.weight, bias)
-        return kernel(x, bias)
+        output = F.linear(x, self.weight, bias) if kernel is None else kernel(x, bias)
+        lora_slots = self.lora_slots
+        if lora_slots is not None:
+            lora_slots.add_lora(output, x)
+        return output
 
     @abstractmethod
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """The op registry: which implementation runs a layer's op.
 
 A layer that computes an op (linear, RMSNorm, SwiGLU's SiLU * mul, rotary
-embedding, MoE experts; later attention, LoRA) is an `OpLayer`. Its own
+embedding, MoE experts, LoRA; later attention) is an `OpLayer`. Its own
 torch code is the reference, and it runs until something better is bound.
 When a model is prepared for a platform and dtype (after its weights are
 loaded and quantized, before any forward), `bind_layer_ops` asks the
@@ -30,8 +30,11 @@ Op names and what `build(layer)` returns (the kernel the layer calls):
   [T, k]) -> [T, H] in x's dtype, this rank's sum over each token's experts
   (`FusedMoE.forward_reference`, layers/fused_moe.py); the router before it
   and the all-reduce after it stay in the layer
+- "lora": (y [T, out], x [T, in], token_slots int32 [T]) -> None, adds each
+  row's adapter product into y in place (`lora_reference`, layers/lora.py);
+  the layer is a `LoRASlots`, its stacked `lora_a` / `lora_b` the weights
 
-An elementwise kernel (all but "linear" and "fused_moe") returns None for inputs it does not
+An elementwise kernel (all but "linear", "fused_moe" and "lora") returns None for inputs it does not
 take (another layout, or while torch.compile traces), and the layer's torch
 code runs.
 """
@@ -53,7 +56,8 @@ RMS_NORM = "rms_norm"
 SILU_AND_MUL = "silu_and_mul"
 ROTARY_EMBEDDING = "rotary_embedding"
 FUSED_MOE = "fused_moe"
-OP_NAMES = (LINEAR, RMS_NORM, SILU_AND_MUL, ROTARY_EMBEDDING, FUSED_MOE)
+LORA = "lora"
+OP_NAMES = (LINEAR, RMS_NORM, SILU_AND_MUL, ROTARY_EMBEDDING, FUSED_MOE, LORA)
 # The name a layer reports while its own torch code runs.
 REFERENCE = "torch"
 
