@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 
 from pagedllm.core.custom_stats import FigureValue
+from pagedllm.core.lora import LoRARef, LoRASlotLoad
 from pagedllm.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ class NewRequestData(msgspec.Struct, array_like=True):
     # KV cache groups 1.. (core/kv_cache/kv_cache_interface.py): their block
     # tables, as `block_ids` is group 0's; empty with one group.
     other_group_block_ids: list[list[int]] = []
+    # Its LoRA adapter (None: the base model); the runner finds the adapter's
+    # slot from the slot loads it has applied (`SchedulerOutput.lora_loads`).
+    lora: LoRARef | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -168,6 +172,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Async scheduling: the next schedule() needs this step's sampled tokens
     # (a grammar advances on them), so this step's outputs are processed first.
     sync_required: bool = False
+    # LoRA adapter slots whose adapter changes from this step on (core/lora.py),
+    # applied before the forward; every adapter a request of this step uses
+    # is in a slot, loaded by this step's loads or an earlier step's.
+    lora_loads: list[LoRASlotLoad] = msgspec.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
