@@ -23,7 +23,9 @@ BF16_MIN_CAPABILITY = (8, 0)
 # The "fused_moe" op's name (model_registry/layers/ops.py), spelled here:
 # a platform does not import the model layers.
 FUSED_MOE = "fused_moe"
+LORA = "lora"
 TRITON_FUSED_MOE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TRITON_LORA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def triton_fused_moe_supports(layer: torch.nn.Module) -> bool:
@@ -37,6 +39,20 @@ def _build_triton_fused_moe(layer: torch.nn.Module) -> Callable[..., torch.Tenso
     from pagedllm.platforms import cuda_fused_moe  # imports triton: only once a layer takes it
 
     return cuda_fused_moe.build(layer)
+
+
+def triton_lora_supports(layer: torch.nn.Module) -> bool:
+    """A LoRASlots layer whose slot buffers are contiguous CUDA tensors."""
+    lora_a, lora_b = getattr(layer, "lora_a", None), getattr(layer, "lora_b", None)
+    return (isinstance(lora_a, torch.Tensor) and isinstance(lora_b, torch.Tensor) and lora_a.is_cuda
+            and lora_a.dtype in TRITON_LORA_DTYPES and lora_b.dtype == lora_a.dtype and lora_a.is_contiguous()
+            and lora_b.is_contiguous() and hasattr(layer, "output_sizes") and hasattr(layer, "max_rank"))
+
+
+def _build_triton_lora(layer: torch.nn.Module) -> Callable[..., None]:
+    from pagedllm.platforms import cuda_lora  # imports triton: only once a layer takes it
+
+    return cuda_lora.build(layer)
 
 
 class CudaPlatform(Platform):
@@ -93,12 +109,14 @@ class CudaPlatform(Platform):
 
     def register_layer_ops(self, register: Callable[..., None]) -> None:
         """The Triton fused-MoE kernel (cuda_fused_moe.py) for MoE layers
+        and the Triton LoRA shrink/expand (cuda_lora.py) for LoRA slots
         whose weights are on a CUDA device; without triton installed the
         layers keep their torch reference."""
         if importlib.util.find_spec("triton") is None:
-            logger.info("triton is not installed: MoE layers run their torch reference")
+            logger.info("triton is not installed: MoE and LoRA layers run their torch reference")
             return
         register(FUSED_MOE, "triton_fused_moe", _build_triton_fused_moe, supports=triton_fused_moe_supports)
+        register(LORA, "triton_lora", _build_triton_lora, supports=triton_lora_supports)
 
     def total_memory_bytes(self) -> int:
         return int(torch.cuda.mem_get_info(self.device_index)[1])

@@ -134,12 +134,14 @@ class CpuPlatform(Platform):
     def register_layer_ops(self, register: Callable[..., None]) -> None:
         """Prepacked oneDNN / MKL / AMX GEMMs for linear layers; fused C
         kernels for RMSNorm, SiLU * mul and rotary embedding; grouped GEMMs
-        and a decode kernel for MoE experts."""
-        from pagedllm.platforms.cpu import fused_moe, fused_ops, linear
+        and a decode kernel for MoE experts; the LoRA shrink/expand grouped
+        by adapter."""
+        from pagedllm.platforms.cpu import fused_moe, fused_ops, linear, lora
 
         linear.register_ops(register)
         fused_ops.register_ops(register)
         fused_moe.register_ops(register)
+        lora.register_ops(register)
 
     def optimize_model(self, model: torch.nn.Module) -> None:
         if not keep_freed_memory_in_process():

@@ -1,0 +1,164 @@
+"""The CPU platform's kernel for the "lora" op (a LoRASlots layer's
+shrink/expand, model_registry/layers/lora.py), float32 and bfloat16.
+
+Two paths, by the number of rows T:
+
+- Decode sizes (T <= DECODE_MAX_ROWS, and any T while a CPU graph is
+  captured): a C kernel (csrc/lora.c) that reads the slots from the tensor,
+  groups the rows by slot itself and streams each used adapter's A and B
+  once for all of its rows, reading only the rank block of each stacked
+  sub-matrix (q/k/v, gate/up) on the expand. Sums are float32, y rounded
+  once. Nothing is read on the host, so a decode graph records it and a
+  replay follows whatever slots the runner wrote into the tensor.
+- Larger batches (prefill, usually one or a few adapters): grouped in
+  torch: the slots present (token_slots is host memory: `.unique()` costs
+  no device sync), then per slot one shrink and one expand GEMM on its rows
+  (oneDNN, AVX512-BF16 / AMX in bfloat16) and one index_add_ (a plain add_
+  when the slot has every row).
+
+Without a C compiler or AVX-512, or with `PAGEDLLM_CPU_LORA_KERNEL=0`
+(logged once), decode batches take the grouped torch path too, and a graph
+capture the masked torch formulation (every slot over every row), which
+reads no host value.
+
+No model_registry import (the layers import platforms/): the layer is read
+by its attributes (lora_a, lora_b, max_rank, output_sizes, num_slots).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.platforms.cpu.graph import is_capturing, kernel_call
+from pagedllm.platforms.cpu.kernel_build import load_library, prebuild_in_background
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "lora.c"
+CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp", "-shared",
+          "-fPIC")
+ENV_SWITCH = "PAGEDLLM_CPU_LORA_KERNEL"
+IMPL_NAME = "cpu_lora"
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_RANK = 512  # the C kernel's largest rank block (csrc/lora.c MAX_RANK_PAD)
+# Batches of at most this many rows run on the C kernel outside capture.
+# benchmarks/lora_kernels.py (the ~100M model's projections, rank 16,
+# bfloat16, 2 threads): the C kernel beat the grouped GEMMs up to 256 rows
+# at 4-16 adapters and was close at one; at 2048 rows and one adapter the
+# GEMMs took well under its time.
+DECODE_MAX_ROWS = 256
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_SIGNATURE: list[Any] = [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR]
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; None when it cannot be or the
+    CPU lacks AVX-512 (logged once)."""
+    library = load_library(SOURCE, CFLAGS, ENV_SWITCH, "CPU LoRA kernel")
+    if library is None:
+        return None
+    library.lora_available.restype, library.lora_available.argtypes = _INT, []
+    library.lora_apply.restype, library.lora_apply.argtypes = _INT, _SIGNATURE
+    if not library.lora_available():
+        logger.info("CPU LoRA kernel needs AVX-512: decode batches group their adapters in torch")
+        return None
+    return library
+
+
+def supports(layer: nn.Module) -> bool:
+    """A LoRASlots layer whose slot buffers are float32 or bfloat16 CPU tensors."""
+    lora_a, lora_b = getattr(layer, "lora_a", None), getattr(layer, "lora_b", None)
+    return (isinstance(lora_a, torch.Tensor) and isinstance(lora_b, torch.Tensor) and lora_a.is_cpu
+            and lora_a.dtype in KERNEL_DTYPES and lora_b.dtype == lora_a.dtype
+            and hasattr(layer, "output_sizes") and hasattr(layer, "max_rank"))
+
+
+class CpuLoRAKernel:
+    """(y [T, out], x [T, in], token_slots int32 [T]) -> None: y += each
+    row's adapter product, reading the layer's slot buffers at each call
+    (the runner loads adapters into them in place)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+        self.max_rank = int(layer.max_rank)  # type: ignore[arg-type]
+        sizes = [int(size) for size in layer.output_sizes]  # type: ignore[union-attr]
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        self.out_offsets = torch.tensor(offsets, dtype=torch.int64)
+
+    def __call__(self, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor) -> None:
+        if x.shape[0] == 0:
+            return
+        library = None if torch.compiler.is_compiling() else load()
+        capturing = is_capturing()
+        if (library is not None and x.dtype in KERNEL_DTYPES and y.dtype == x.dtype and self.max_rank <= MAX_RANK
+                and (capturing or x.shape[0] <= DECODE_MAX_ROWS)):
+            self.c_kernel(library, y, x, token_slots)
+        elif capturing:
+            masked_lora(y, x, self.layer.lora_a, self.layer.lora_b, token_slots)
+        else:
+            grouped_lora(y, x, self.layer.lora_a, self.layer.lora_b, token_slots)
+
+    def c_kernel(self, library: ctypes.CDLL, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor) -> None:
+        lora_a, lora_b = self.layer.lora_a, self.layer.lora_b
+        num_slots, rank_total, num_in = lora_a.shape
+        rows = x.contiguous()
+        slots = token_slots if token_slots.dtype == torch.int32 else token_slots.to(torch.int32)
+        out = y if y.is_contiguous() else torch.zeros_like(y, memory_format=torch.contiguous_format)
+        shrunk = torch.empty(rows.shape[0], rank_total, dtype=torch.float32)
+        status = kernel_call(library.lora_apply, KERNEL_DTYPES[x.dtype], rows, rows.shape[0], num_in,
+                             slots.contiguous(), num_slots - 1, lora_a, lora_b, rank_total,
+                             len(self.out_offsets) - 1, self.max_rank, self.out_offsets, y.shape[1], shrunk, out)
+        if status != 0:  # out of memory in the kernel: the same product in torch
+            masked_lora(out, rows, lora_a, lora_b, slots) if is_capturing() else grouped_lora(
+                out, rows, lora_a, lora_b, slots)
+        if out is not y:
+            y.add_(out)
+
+
+def grouped_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 token_slots: torch.Tensor) -> None:
+    """Per slot present: its rows' shrink and expand GEMMs (reads the slots on the host)."""
+    num_rows = x.shape[0]
+    for slot in token_slots.unique().tolist():
+        if slot == 0:
+            continue
+        rows = (token_slots == slot).nonzero().squeeze(1)
+        if rows.shape[0] == num_rows:
+            y.addmm_(x @ lora_a[slot].T, lora_b[slot].T)
+        else:
+            y.index_add_(0, rows, (x.index_select(0, rows) @ lora_a[slot].T) @ lora_b[slot].T)
+
+
+def masked_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                token_slots: torch.Tensor) -> None:
+    """Every slot over every row, masked by the slots (reads no host value)."""
+    for slot in range(1, lora_a.shape[0]):
+        mask = (token_slots == slot).unsqueeze(1).to(x.dtype)
+        y.add_(((x @ lora_a[slot].T) @ lora_b[slot].T) * mask)
+
+
+def build(layer: nn.Module) -> Kernel:
+    prebuild_in_background(load)  # the compile overlaps the rest of the model's preparation
+    return CpuLoRAKernel(layer)
+
+
+def register_ops(register: Callable[..., None]) -> None:
+    """Offer the kernel as the "lora" op (model_registry/layers/ops.py)."""
+    register("lora", IMPL_NAME, build, supports=supports)
+
+
+__all__ = ["DECODE_MAX_ROWS", "CpuLoRAKernel", "grouped_lora", "masked_lora", "register_ops", "supports"]
