@@ -3,18 +3,19 @@ shrink/expand, model_registry/layers/lora.py), float32 and bfloat16.
 
 Two paths, by the number of rows T:
 
-- Decode sizes (T <= DECODE_MAX_ROWS, and any T while a CPU graph is
+- Decode sizes (T < GEMM_MIN_ROWS, and any T while a CPU graph is
   captured): a C kernel (csrc/lora.c) that reads the slots from the tensor,
   groups the rows by slot itself and streams each used adapter's A and B
   once for all of its rows, reading only the rank block of each stacked
   sub-matrix (q/k/v, gate/up) on the expand. Sums are float32, y rounded
   once. Nothing is read on the host, so a decode graph records it and a
   replay follows whatever slots the runner wrote into the tensor.
-- Larger batches (prefill, usually one or a few adapters): grouped in
-  torch: the slots present (token_slots is host memory: `.unique()` costs
-  no device sync), then per slot one shrink and one expand GEMM on its rows
-  (oneDNN, AVX512-BF16 / AMX in bfloat16) and one index_add_ (a plain add_
-  when the slot has every row).
+- Larger batches (prefill chunks, usually of one or a few adapters, and
+  decode rows): the slots present are counted on the host (token_slots is
+  host memory: no device sync); a slot with at least GEMM_MIN_ROWS rows
+  runs one shrink and one expand GEMM on its rows (oneDNN: AVX512-BF16 or
+  AMX in bfloat16) and one index_add_ (an addmm_ when it has every row),
+  and the other slots' rows the C kernel.
 
 Without a C compiler or AVX-512, or with `PAGEDLLM_CPU_LORA_KERNEL=0`
 (logged once), decode batches take the grouped torch path too, and a graph
@@ -32,7 +33,7 @@ import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -49,12 +50,12 @@ ENV_SWITCH = "PAGEDLLM_CPU_LORA_KERNEL"
 IMPL_NAME = "cpu_lora"
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_RANK = 512  # the C kernel's largest rank block (csrc/lora.c MAX_RANK_PAD)
-# Batches of at most this many rows run on the C kernel outside capture.
-# benchmarks/lora_kernels.py (the ~100M model's projections, rank 16,
-# bfloat16, 2 threads): the C kernel beat the grouped GEMMs up to 256 rows
-# at 4-16 adapters and was close at one; at 2048 rows and one adapter the
-# GEMMs took well under its time.
-DECODE_MAX_ROWS = 256
+# Outside capture, a slot with at least this many rows of the batch (a
+# prefill chunk's) runs as two GEMMs on its rows; smaller groups (decode
+# rows) go to the C kernel, and a batch of fewer rows goes there whole,
+# without reading the slots on the host. Measured with
+# benchmarks/lora_kernels.py (docs/performance.md).
+GEMM_MIN_ROWS = 64
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURE: list[Any] = [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR]
@@ -78,11 +79,11 @@ def load() -> ctypes.CDLL | None:
 
 
 def supports(layer: nn.Module) -> bool:
-    """A LoRASlots layer whose slot buffers are float32 or bfloat16 CPU tensors."""
+    """A LoRASlots layer whose slot buffers are contiguous float32 or bfloat16 CPU tensors."""
     lora_a, lora_b = getattr(layer, "lora_a", None), getattr(layer, "lora_b", None)
     return (isinstance(lora_a, torch.Tensor) and isinstance(lora_b, torch.Tensor) and lora_a.is_cpu
-            and lora_a.dtype in KERNEL_DTYPES and lora_b.dtype == lora_a.dtype
-            and hasattr(layer, "output_sizes") and hasattr(layer, "max_rank"))
+            and lora_a.dtype in KERNEL_DTYPES and lora_b.dtype == lora_a.dtype and lora_a.is_contiguous()
+            and lora_b.is_contiguous() and hasattr(layer, "output_sizes") and hasattr(layer, "max_rank"))
 
 
 class CpuLoRAKernel:
@@ -92,11 +93,10 @@ class CpuLoRAKernel:
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
-        self.max_rank = int(layer.max_rank)  # type: ignore[arg-type]
-        sizes = [int(size) for size in layer.output_sizes]  # type: ignore[union-attr]
+        self.max_rank = int(getattr(layer, "max_rank"))  # noqa: B009 - read by attribute (see the top)
         offsets = [0]
-        for size in sizes:
-            offsets.append(offsets[-1] + size)
+        for size in getattr(layer, "output_sizes"):  # noqa: B009
+            offsets.append(offsets[-1] + int(size))
         self.out_offsets = torch.tensor(offsets, dtype=torch.int64)
 
     def __call__(self, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor) -> None:
@@ -104,16 +104,38 @@ class CpuLoRAKernel:
             return
         library = None if torch.compiler.is_compiling() else load()
         capturing = is_capturing()
-        if (library is not None and x.dtype in KERNEL_DTYPES and y.dtype == x.dtype and self.max_rank <= MAX_RANK
-                and (capturing or x.shape[0] <= DECODE_MAX_ROWS)):
+        if library is None or x.dtype not in KERNEL_DTYPES or y.dtype != x.dtype or self.max_rank > MAX_RANK:
+            self.torch_path(y, x, token_slots)
+        elif capturing or x.shape[0] < GEMM_MIN_ROWS:
             self.c_kernel(library, y, x, token_slots)
-        elif capturing:
-            masked_lora(y, x, self.layer.lora_a, self.layer.lora_b, token_slots)
         else:
-            grouped_lora(y, x, self.layer.lora_a, self.layer.lora_b, token_slots)
+            self.mixed(library, y, x, token_slots)
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's lora_a and lora_b (read at each call: the runner loads adapters into them in place)."""
+        return cast(torch.Tensor, self.layer.lora_a), cast(torch.Tensor, self.layer.lora_b)
+
+    def torch_path(self, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor) -> None:
+        """The grouped GEMMs, or their masked form (no host read) under capture."""
+        (masked_lora if is_capturing() else grouped_lora)(y, x, *self.buffers, token_slots)
+
+    def mixed(self, library: ctypes.CDLL, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor) -> None:
+        """Slots with at least GEMM_MIN_ROWS rows (a prefill chunk's) as
+        GEMMs, the others' rows on the C kernel (reads the slots on the host)."""
+        slots, counts = token_slots.unique(return_counts=True)
+        present = [(slot, count) for slot, count in zip(slots.tolist(), counts.tolist(), strict=True) if slot != 0]
+        large = [slot for slot, count in present if count >= GEMM_MIN_ROWS]
+        rest = token_slots.clone() if large else token_slots
+        for slot in large:
+            rows = (token_slots == slot).nonzero().squeeze(1)
+            add_slot_rows(y, x, *self.buffers, slot, rows)
+            rest[rows] = 0
+        if len(large) < len(present):
+            self.c_kernel(library, y, x, rest)
 
     def c_kernel(self, library: ctypes.CDLL, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor) -> None:
-        lora_a, lora_b = self.layer.lora_a, self.layer.lora_b
+        lora_a, lora_b = self.buffers
         num_slots, rank_total, num_in = lora_a.shape
         rows = x.contiguous()
         slots = token_slots if token_slots.dtype == torch.int32 else token_slots.to(torch.int32)
@@ -123,8 +145,7 @@ class CpuLoRAKernel:
                              slots.contiguous(), num_slots - 1, lora_a, lora_b, rank_total,
                              len(self.out_offsets) - 1, self.max_rank, self.out_offsets, y.shape[1], shrunk, out)
         if status != 0:  # out of memory in the kernel: the same product in torch
-            masked_lora(out, rows, lora_a, lora_b, slots) if is_capturing() else grouped_lora(
-                out, rows, lora_a, lora_b, slots)
+            self.torch_path(out, rows, slots)
         if out is not y:
             y.add_(out)
 
@@ -132,15 +153,19 @@ class CpuLoRAKernel:
 def grouped_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  token_slots: torch.Tensor) -> None:
     """Per slot present: its rows' shrink and expand GEMMs (reads the slots on the host)."""
-    num_rows = x.shape[0]
     for slot in token_slots.unique().tolist():
-        if slot == 0:
-            continue
-        rows = (token_slots == slot).nonzero().squeeze(1)
-        if rows.shape[0] == num_rows:
-            y.addmm_(x @ lora_a[slot].T, lora_b[slot].T)
-        else:
-            y.index_add_(0, rows, (x.index_select(0, rows) @ lora_a[slot].T) @ lora_b[slot].T)
+        if slot != 0:
+            add_slot_rows(y, x, lora_a, lora_b, slot, (token_slots == slot).nonzero().squeeze(1))
+
+
+def add_slot_rows(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int,
+                  rows: torch.Tensor) -> None:
+    """y[rows] += (x[rows] @ lora_a[slot].T) @ lora_b[slot].T: two GEMMs, and
+    an index_add_ unless the rows are all of them."""
+    if rows.shape[0] == x.shape[0]:
+        y.addmm_(x @ lora_a[slot].T, lora_b[slot].T)
+    else:
+        y.index_add_(0, rows, (x.index_select(0, rows) @ lora_a[slot].T) @ lora_b[slot].T)
 
 
 def masked_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -161,4 +186,4 @@ def register_ops(register: Callable[..., None]) -> None:
     register("lora", IMPL_NAME, build, supports=supports)
 
 
-__all__ = ["DECODE_MAX_ROWS", "CpuLoRAKernel", "grouped_lora", "masked_lora", "register_ops", "supports"]
+__all__ = ["GEMM_MIN_ROWS", "CpuLoRAKernel", "grouped_lora", "masked_lora", "register_ops", "supports"]

@@ -12,8 +12,9 @@
  * whatever the slots hold then), so the rows of one adapter share every
  * read of its weights:
  *
- * - shrink: h [T, R] (float32, the caller's scratch) = x @ A[s].T, one A
- *   row at a time against up to MAX_TILE rows of the group;
+ * - shrink: the grouped rows of x gathered as float32 once, then h (float32,
+ *   the caller's scratch [T, R], in group order) = x @ A[s].T, one A row at
+ *   a time against up to MAX_TILE rows of the group;
  * - expand: per block of 16 output rows and its rank block, the [16, r]
  *   block of B is widened to float32 and transposed once (into columns of
  *   16 outputs), then each row of the group adds sum_r h[r] * column[r]:
@@ -42,21 +43,29 @@ static inline __m512 load16(const void *p, int bf16, int64_t i, __mmask16 m) {
     return bf16 ? load16_bf16((const uint16_t *)p + i, m) : _mm512_maskz_loadu_ps(m, (const float *)p + i);
 }
 
-/* h[rows[j], r] = A_row . x[rows[j]] for the tile's rows. */
-static void shrink_row(int bf16, const void *x, int64_t K, const void *a_row, const int32_t *rows, int tile,
-                       float *h, int64_t R, int64_t r) {
+/* h[j][r] = A_row . xf[j] for the tile's rows j (x's rows in group order, as floats). */
+static void shrink_row(int bf16, const float *xf, int64_t K, const void *a_row, int tile, float *h, int64_t R,
+                       int64_t r) {
     __m512 acc[MAX_TILE];
     for (int j = 0; j < tile; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
         __mmask16 m = mask16(K - k);
         __m512 w = load16(a_row, bf16, k, m);
-        for (int j = 0; j < tile; j++) {
-            const void *xr = bf16 ? (const void *)((const uint16_t *)x + rows[j] * K)
-                                  : (const void *)((const float *)x + rows[j] * K);
-            acc[j] = _mm512_fmadd_ps(w, load16(xr, bf16, k, m), acc[j]);
-        }
+        for (int j = 0; j < tile; j++) acc[j] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, xf + j * K + k), acc[j]);
     }
-    for (int j = 0; j < tile; j++) h[rows[j] * R + r] = _mm512_reduce_add_ps(acc[j]);
+    for (int j = 0; j < tile; j++) h[j * R + r] = _mm512_reduce_add_ps(acc[j]);
+}
+
+/* xf[j] = x[order[j]] as floats. */
+static void gather_rows(int bf16, const void *x, int64_t K, const int32_t *order, int64_t used, float *xf) {
+#pragma omp parallel for schedule(static) if (used * K >= (1 << 16))
+    for (int64_t j = 0; j < used; j++)
+        for (int64_t k = 0; k < K; k += 16) {
+            __mmask16 m = mask16(K - k);
+            const void *row = bf16 ? (const void *)((const uint16_t *)x + order[j] * K)
+                                   : (const void *)((const float *)x + order[j] * K);
+            _mm512_mask_storeu_ps(xf + j * K + k, m, load16(row, bf16, k, m));
+        }
 }
 
 /* The 16x16 float block in rows[0..15] transposed in place. */
@@ -96,6 +105,7 @@ static void transpose16(__m512 *rows) {
  * its product into y. */
 static void expand_block(int bf16, const void *b, int64_t R, int64_t n0, int count, int64_t c0, int64_t rank,
                          const int32_t *rows, int64_t num_rows, const float *h, int64_t N, void *y) {
+    /* rows[j]: y's row of the group's j-th row, whose h is h[j] */
     __m512 cols[MAX_RANK_PAD];
     for (int64_t r0 = 0; r0 < rank; r0 += 16) {
         __m512 block[16];
@@ -107,7 +117,7 @@ static void expand_block(int bf16, const void *b, int64_t R, int64_t n0, int cou
     }
     __mmask16 out_mask = mask16(count);
     for (int64_t j = 0; j < num_rows; j++) {
-        const float *hr = h + rows[j] * R + c0;
+        const float *hr = h + j * R + c0;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t r = 0; r < rank; r++) acc = _mm512_fmadd_ps(_mm512_set1_ps(hr[r]), cols[r], acc);
         if (bf16) {
@@ -156,9 +166,16 @@ int lora_apply(int dtype, const void *x, int64_t T, int64_t K, const int32_t *sl
         return 2;
     }
     group_rows(slots, T, num_slots, starts, order);
+    int64_t used = starts[num_slots + 1];
+    float *xf = malloc(sizeof(float) * (size_t)(used * K > 0 ? used * K : 1));
+    if (!xf) {
+        free(starts), free(order);
+        return 2;
+    }
+    gather_rows(bf16, x, K, order, used, xf);
     /* shrink: one work item per (slot, A row) */
     int64_t shrink_items = num_slots * R;
-#pragma omp parallel for schedule(dynamic, 4) if (starts[num_slots + 1] * R * K >= (1 << 16))
+#pragma omp parallel for schedule(dynamic, 4) if (used * R * K >= (1 << 16))
     for (int64_t item = 0; item < shrink_items; item++) {
         int64_t s = item / R + 1, r = item % R;
         int64_t first = starts[s], last = starts[s + 1];
@@ -166,12 +183,12 @@ int lora_apply(int dtype, const void *x, int64_t T, int64_t K, const int32_t *sl
         const char *a_row = (const char *)a + ((s * R + r) * K) * elem;
         for (int64_t j = first; j < last; j += MAX_TILE) {
             int tile = last - j < MAX_TILE ? (int)(last - j) : MAX_TILE;
-            shrink_row(bf16, x, K, a_row, order + j, tile, h, R, r);
+            shrink_row(bf16, xf + j * K, K, a_row, tile, h + j * R, R, r);
         }
     }
     /* expand: one work item per (slot, block of 16 output rows) */
     int64_t blocks = (N + 15) / 16, expand_items = num_slots * blocks;
-#pragma omp parallel for schedule(dynamic, 4) if (starts[num_slots + 1] * N * max_rank >= (1 << 16))
+#pragma omp parallel for schedule(dynamic, 4) if (used * N * max_rank >= (1 << 16))
     for (int64_t item = 0; item < expand_items; item++) {
         int64_t s = item / blocks + 1, n0 = (item % blocks) * 16;
         int64_t first = starts[s], last = starts[s + 1];
@@ -184,9 +201,10 @@ int lora_apply(int dtype, const void *x, int64_t T, int64_t K, const int32_t *sl
             int64_t hi = out_offsets[i + 1] < n1 ? out_offsets[i + 1] : n1;
             if (lo >= hi) continue;
             expand_block(bf16, b_slot, R, lo, (int)(hi - lo), i * max_rank, max_rank, order + first, last - first,
-                         h, N, y);
+                         h + first * R, N, y);
         }
     }
+    free(xf);
     free(starts), free(order);
     return 0;
 #else
