@@ -137,6 +137,7 @@ static void expand_block(int bf16, const void *b, int64_t R, int64_t n0, int cou
 /* 1 when lora_apply runs here (built with AVX-512 F/BW/VL). */
 int lora_available(void) { return HAVE_KERNEL; }
 
+#if HAVE_KERNEL
 /* Rows of each slot, slot by slot: order[starts[s] .. starts[s + 1]). */
 static void group_rows(const int32_t *slots, int64_t T, int64_t num_slots, int64_t *starts, int32_t *order) {
     memset(starts, 0, sizeof(int64_t) * (size_t)(num_slots + 2));
@@ -149,6 +150,59 @@ static void group_rows(const int32_t *slots, int64_t T, int64_t num_slots, int64
         if (slots[t] > 0 && slots[t] <= num_slots) order[fill[slots[t]]++] = (int32_t)t;
 }
 
+/* A layer's slot buffers and shape (see the top). */
+typedef struct {
+    int bf16;
+    const void *a, *b;
+    int64_t K, R, N, num_sub, max_rank;
+    const int64_t *out_offsets;
+} Slots;
+
+/* The grouped rows: slot s has rows order[starts[s] .. starts[s + 1]). */
+typedef struct {
+    const int64_t *starts;
+    const int32_t *order;
+    int64_t num_slots, used;
+} Groups;
+
+/* h[j] = xf[j] @ A[s].T for every grouped row j; one work item per (slot, A row). */
+static void shrink_all(const Slots *w, const Groups *g, const float *xf, float *h) {
+    int64_t R = w->R, K = w->K, items = g->num_slots * R;
+    size_t elem = w->bf16 ? 2 : 4;
+#pragma omp parallel for schedule(dynamic, 4) if (g->used * R * K >= (1 << 16))
+    for (int64_t item = 0; item < items; item++) {
+        int64_t s = item / R + 1, r = item % R;
+        int64_t first = g->starts[s], last = g->starts[s + 1];
+        const char *a_row = (const char *)w->a + ((s * R + r) * K) * elem;
+        for (int64_t j = first; j < last; j += MAX_TILE) {
+            int tile = last - j < MAX_TILE ? (int)(last - j) : MAX_TILE;
+            shrink_row(w->bf16, xf + j * K, K, a_row, tile, h + j * R, R, r);
+        }
+    }
+}
+
+/* y[order[j]] += h[j] @ B[s].T; one work item per (slot, block of 16
+ * output rows), split where the block straddles two sub-matrices. */
+static void expand_all(const Slots *w, const Groups *g, const float *h, void *y) {
+    int64_t R = w->R, N = w->N, blocks = (N + 15) / 16, items = g->num_slots * blocks;
+    size_t elem = w->bf16 ? 2 : 4;
+#pragma omp parallel for schedule(dynamic, 4) if (g->used * N * w->max_rank >= (1 << 16))
+    for (int64_t item = 0; item < items; item++) {
+        int64_t s = item / blocks + 1, n0 = (item % blocks) * 16, n1 = n0 + 16 < N ? n0 + 16 : N;
+        int64_t first = g->starts[s], last = g->starts[s + 1];
+        if (first == last) continue;
+        const char *b_slot = (const char *)w->b + (s * N * R) * elem;
+        for (int64_t i = 0; i < w->num_sub; i++) {
+            int64_t lo = w->out_offsets[i] > n0 ? w->out_offsets[i] : n0;
+            int64_t hi = w->out_offsets[i + 1] < n1 ? w->out_offsets[i + 1] : n1;
+            if (lo < hi)
+                expand_block(w->bf16, b_slot, R, lo, (int)(hi - lo), i * w->max_rank, w->max_rank,
+                             g->order + first, last - first, h + first * R, N, y);
+        }
+    }
+}
+#endif
+
 /* See the top. h: float32 scratch [T, R]; out_offsets: int64 [num_sub + 1].
  * Returns 0, 1 when unavailable or the rank block is over MAX_RANK_PAD, 2
  * when out of memory (the caller's torch path runs). */
@@ -157,56 +211,24 @@ int lora_apply(int dtype, const void *x, int64_t T, int64_t K, const int32_t *sl
                const int64_t *out_offsets, int64_t N, float *h, void *y) {
 #if HAVE_KERNEL
     if (max_rank > MAX_RANK_PAD || R != num_sub * max_rank) return 1;
-    int bf16 = dtype == 1;
-    size_t elem = bf16 ? 2 : 4;
+    Slots w = {dtype == 1, a, b, K, R, N, num_sub, max_rank, out_offsets};
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(2 * num_slots + 3));
     int32_t *order = malloc(sizeof(int32_t) * (size_t)(T > 0 ? T : 1));
-    if (!starts || !order) {
-        free(starts), free(order);
-        return 2;
-    }
-    group_rows(slots, T, num_slots, starts, order);
-    int64_t used = starts[num_slots + 1];
-    float *xf = malloc(sizeof(float) * (size_t)(used * K > 0 ? used * K : 1));
-    if (!xf) {
-        free(starts), free(order);
-        return 2;
-    }
-    gather_rows(bf16, x, K, order, used, xf);
-    /* shrink: one work item per (slot, A row) */
-    int64_t shrink_items = num_slots * R;
-#pragma omp parallel for schedule(dynamic, 4) if (used * R * K >= (1 << 16))
-    for (int64_t item = 0; item < shrink_items; item++) {
-        int64_t s = item / R + 1, r = item % R;
-        int64_t first = starts[s], last = starts[s + 1];
-        if (first == last) continue;
-        const char *a_row = (const char *)a + ((s * R + r) * K) * elem;
-        for (int64_t j = first; j < last; j += MAX_TILE) {
-            int tile = last - j < MAX_TILE ? (int)(last - j) : MAX_TILE;
-            shrink_row(bf16, xf + j * K, K, a_row, tile, h + j * R, R, r);
+    float *xf = NULL;
+    int status = 2;
+    if (starts && order) {
+        group_rows(slots, T, num_slots, starts, order);
+        Groups g = {starts, order, num_slots, starts[num_slots + 1]};
+        xf = malloc(sizeof(float) * (size_t)(g.used * K > 0 ? g.used * K : 1));
+        if (xf) {
+            gather_rows(w.bf16, x, K, order, g.used, xf);
+            shrink_all(&w, &g, xf, h);
+            expand_all(&w, &g, h, y);
+            status = 0;
         }
     }
-    /* expand: one work item per (slot, block of 16 output rows) */
-    int64_t blocks = (N + 15) / 16, expand_items = num_slots * blocks;
-#pragma omp parallel for schedule(dynamic, 4) if (used * N * max_rank >= (1 << 16))
-    for (int64_t item = 0; item < expand_items; item++) {
-        int64_t s = item / blocks + 1, n0 = (item % blocks) * 16;
-        int64_t first = starts[s], last = starts[s + 1];
-        if (first == last) continue;
-        const char *b_slot = (const char *)b + (s * N * R) * elem;
-        int64_t n1 = n0 + 16 < N ? n0 + 16 : N;
-        /* the block's rows may straddle sub-matrices: one pass per sub-matrix part */
-        for (int64_t i = 0; i < num_sub; i++) {
-            int64_t lo = out_offsets[i] > n0 ? out_offsets[i] : n0;
-            int64_t hi = out_offsets[i + 1] < n1 ? out_offsets[i + 1] : n1;
-            if (lo >= hi) continue;
-            expand_block(bf16, b_slot, R, lo, (int)(hi - lo), i * max_rank, max_rank, order + first, last - first,
-                         h + first * R, N, y);
-        }
-    }
-    free(xf);
-    free(starts), free(order);
-    return 0;
+    free(xf), free(starts), free(order);
+    return status;
 #else
     (void)dtype, (void)x, (void)T, (void)K, (void)slots, (void)num_slots, (void)a, (void)b, (void)R;
     (void)num_sub, (void)max_rank, (void)out_offsets, (void)N, (void)h, (void)y;
