@@ -105,6 +105,8 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tens
     """y [T, N] += each row's (x[t] @ lora_a[s].T) @ lora_b[s].T, s = token_slots[t] != 0."""
     num_rows, num_in = x.shape
     rank_total, num_out = lora_a.shape[1], lora_b.shape[1]
+    if token_slots.shape != (num_rows,) or y.shape != (num_rows, num_out):  # the kernels read T slots and rows
+        raise ValueError(f"LoRA rows: x {tuple(x.shape)}, y {tuple(y.shape)}, slots {tuple(token_slots.shape)}")
     if num_rows == 0:
         return
     if x.stride(-1) != 1:

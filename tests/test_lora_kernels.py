@@ -139,6 +139,13 @@ def test_cpu_op_without_the_library_groups_in_torch(monkeypatch: pytest.MonkeyPa
     check_against_both(out, y, x, layer, slots)
 
 
+def test_cpu_op_refuses_slots_that_do_not_match_the_rows() -> None:
+    layer = make_layer(SHAPES["stacked"], torch.float32)
+    x, y = make_rows(7, 40, torch.float32, seed=1), make_rows(7, 40, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="slots"):
+        cpu_lora.CpuLoRAKernel(layer)(y, x, make_slots(5))
+
+
 def capture_and_replay_with_new_slots(add: Any, layer: LoRASlots, num_rows: int, chunk: int) -> None:
     """Capture `add(y, x, slots)` on one batch, write other rows and slots
     into the same tensors, replay: the new batch's result."""
@@ -283,3 +290,16 @@ def test_the_cuda_platform_registers_the_triton_kernel_for_cuda_slots_only(monke
     layer = make_layer(SHAPES["stacked"], torch.float16)
     assert not triton_lora_supports(layer)  # host buffers: the reference runs
     assert bind_layer_ops(layer, registry) == {"torch": 1}
+    for name in ("lora_a", "lora_b"):
+        setattr(layer, name, torch.Tensor._make_subclass(_CudaLooking, getattr(layer, name)))
+    assert impl.supports(layer) and registry.select(LORA, layer) is impl
+    layer.lora_b = layer.lora_b.to(torch.float32)  # buffers of two dtypes are not ours
+    assert not triton_lora_supports(layer)
+
+
+class _CudaLooking(torch.Tensor):
+    """A host tensor that says it is on a CUDA device (there is none here)."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True

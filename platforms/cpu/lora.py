@@ -100,6 +100,8 @@ class CpuLoRAKernel:
         self.out_offsets = torch.tensor(offsets, dtype=torch.int64)
 
     def __call__(self, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor) -> None:
+        if token_slots.shape != x.shape[:1] or y.shape[0] != x.shape[0]:  # the C kernel reads T slots and rows
+            raise ValueError(f"LoRA rows: x {tuple(x.shape)}, y {tuple(y.shape)}, slots {tuple(token_slots.shape)}")
         if x.shape[0] == 0:
             return
         library = None if torch.compiler.is_compiling() else load()
