@@ -43,17 +43,36 @@ static inline __m512 load16(const void *p, int bf16, int64_t i, __mmask16 m) {
     return bf16 ? load16_bf16((const uint16_t *)p + i, m) : _mm512_maskz_loadu_ps(m, (const float *)p + i);
 }
 
-/* h[j][r] = A_row . xf[j] for the tile's rows j (x's rows in group order, as floats). */
-static void shrink_row(int bf16, const float *xf, int64_t K, const void *a_row, int tile, float *h, int64_t R,
-                       int64_t r) {
-    __m512 acc[MAX_TILE];
-    for (int j = 0; j < tile; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
+/* h[j][r] = A_row . xf[j] for the tile's rows j (x's rows in group order, as
+ * floats); `tile` is a constant where inlined, so acc stays in registers. */
+static inline __attribute__((always_inline)) void shrink_tile(int tile, int bf16, const float *xf, int64_t K,
+                                                              const void *a_row, float *h, int64_t R, int64_t r) {
+    /* two accumulators a row (even and odd 16-input steps): a group of one
+     * or two rows would otherwise wait on one FMA chain */
+    __m512 even[MAX_TILE], odd[MAX_TILE];
+    for (int j = 0; j < tile; j++) even[j] = odd[j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512 w0 = load16(a_row, bf16, k, 0xffff), w1 = load16(a_row, bf16, k + 16, 0xffff);
+        for (int j = 0; j < tile; j++) {
+            even[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + j * K + k), even[j]);
+            odd[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xf + j * K + k + 16), odd[j]);
+        }
+    }
+    for (; k < K; k += 16) {
         __mmask16 m = mask16(K - k);
         __m512 w = load16(a_row, bf16, k, m);
-        for (int j = 0; j < tile; j++) acc[j] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, xf + j * K + k), acc[j]);
+        for (int j = 0; j < tile; j++) even[j] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, xf + j * K + k), even[j]);
     }
-    for (int j = 0; j < tile; j++) h[j * R + r] = _mm512_reduce_add_ps(acc[j]);
+    for (int j = 0; j < tile; j++) h[j * R + r] = _mm512_reduce_add_ps(_mm512_add_ps(even[j], odd[j]));
+}
+
+static void shrink_row(int tile, int bf16, const float *xf, int64_t K, const void *a_row, float *h, int64_t R,
+                       int64_t r) {
+#define CASE(t) \
+    case t: shrink_tile(t, bf16, xf, K, a_row, h, R, r); break;
+    switch (tile) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
+#undef CASE
 }
 
 /* xf[j] = x[order[j]] as floats. */
@@ -118,8 +137,17 @@ static void expand_block(int bf16, const void *b, int64_t R, int64_t n0, int cou
     __mmask16 out_mask = mask16(count);
     for (int64_t j = 0; j < num_rows; j++) {
         const float *hr = h + j * R + c0;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t r = 0; r < rank; r++) acc = _mm512_fmadd_ps(_mm512_set1_ps(hr[r]), cols[r], acc);
+        /* four independent FMA chains over the rank */
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        int64_t r = 0;
+        for (; r + 4 <= rank; r += 4) {
+            acc0 = _mm512_fmadd_ps(_mm512_set1_ps(hr[r]), cols[r], acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(hr[r + 1]), cols[r + 1], acc1);
+            acc2 = _mm512_fmadd_ps(_mm512_set1_ps(hr[r + 2]), cols[r + 2], acc2);
+            acc3 = _mm512_fmadd_ps(_mm512_set1_ps(hr[r + 3]), cols[r + 3], acc3);
+        }
+        for (; r < rank; r++) acc0 = _mm512_fmadd_ps(_mm512_set1_ps(hr[r]), cols[r], acc0);
+        __m512 acc = _mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_add_ps(acc2, acc3));
         if (bf16) {
             uint16_t *yr = (uint16_t *)y + rows[j] * N + n0;
             __m512 sum = _mm512_add_ps(load16_bf16(yr, out_mask), acc);
@@ -176,7 +204,7 @@ static void shrink_all(const Slots *w, const Groups *g, const float *xf, float *
         const char *a_row = (const char *)w->a + ((s * R + r) * K) * elem;
         for (int64_t j = first; j < last; j += MAX_TILE) {
             int tile = last - j < MAX_TILE ? (int)(last - j) : MAX_TILE;
-            shrink_row(w->bf16, xf + j * K, K, a_row, tile, h + j * R, R, r);
+            shrink_row(tile, w->bf16, xf + j * K, K, a_row, h + j * R, R, r);
         }
     }
 }
