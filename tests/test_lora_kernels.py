@@ -117,10 +117,13 @@ def test_cpu_c_kernel_equals_the_reference(num_rows: int, chunk: int, dtype: tor
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
-@pytest.mark.parametrize("num_rows,chunk", ROWS)
+@pytest.mark.parametrize("num_rows,chunk", ROWS + [
+    (cpu_lora.GEMM_MIN_ROWS + 4, 0),  # past the switch, no large group: all on the C kernel
+    (cpu_lora.GEMM_MIN_ROWS + 4, cpu_lora.GEMM_MIN_ROWS + 4),  # one adapter only: all GEMMs
+])
 def test_cpu_op_equals_the_reference_on_every_path(num_rows: int, chunk: int, dtype: torch.dtype) -> None:
-    # As bound: the C kernel below GEMM_MIN_ROWS, GEMMs for the chunk's slot and
-    # the C kernel for the other rows above it (the grouped GEMMs without a library).
+    # As bound: the C kernel below GEMM_MIN_ROWS rows; above, GEMMs for a slot
+    # with that many rows and the C kernel for the other rows.
     layer = make_layer(SHAPES["stacked"], dtype, seed=3)
     x = make_rows(num_rows, 40, dtype, seed=4)
     y = make_rows(num_rows, 40, dtype, seed=5)

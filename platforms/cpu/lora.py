@@ -53,9 +53,11 @@ MAX_RANK = 512  # the C kernel's largest rank block (csrc/lora.c MAX_RANK_PAD)
 # Outside capture, a slot with at least this many rows of the batch (a
 # prefill chunk's) runs as two GEMMs on its rows; smaller groups (decode
 # rows) go to the C kernel, and a batch of fewer rows goes there whole,
-# without reading the slots on the host. Measured with
-# benchmarks/lora_kernels.py (docs/performance.md).
-GEMM_MIN_ROWS = 64
+# without reading the slots on the host. benchmarks/lora_kernels.py, one
+# adapter on the ~100M model's projections (bfloat16, one thread): the
+# kernel was faster up to 70 rows, the two equal at 84, the GEMMs faster
+# from 98 (docs/performance.md).
+GEMM_MIN_ROWS = 96
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURE: list[Any] = [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR]
@@ -125,15 +127,19 @@ class CpuLoRAKernel:
     def mixed(self, library: ctypes.CDLL, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor) -> None:
         """Slots with at least GEMM_MIN_ROWS rows (a prefill chunk's) as
         GEMMs, the others' rows on the C kernel (reads the slots on the host)."""
-        slots, counts = token_slots.unique(return_counts=True)
-        present = [(slot, count) for slot, count in zip(slots.tolist(), counts.tolist(), strict=True) if slot != 0]
-        large = [slot for slot, count in present if count >= GEMM_MIN_ROWS]
-        rest = token_slots.clone() if large else token_slots
+        counts = torch.bincount(token_slots, minlength=self.buffers[0].shape[0])[1:].tolist()
+        large = [slot for slot, count in enumerate(counts, start=1) if count >= GEMM_MIN_ROWS]
+        if not large:
+            self.c_kernel(library, y, x, token_slots)
+            return
+        # the small groups' slots, the large ones' rows set to 0 (None: no small group)
+        rest = token_slots.clone() if any(0 < count < GEMM_MIN_ROWS for count in counts) else None
         for slot in large:
             rows = (token_slots == slot).nonzero().squeeze(1)
             add_slot_rows(y, x, *self.buffers, slot, rows)
-            rest[rows] = 0
-        if len(large) < len(present):
+            if rest is not None:
+                rest[rows] = 0
+        if rest is not None:
             self.c_kernel(library, y, x, rest)
 
     def c_kernel(self, library: ctypes.CDLL, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor) -> None:
