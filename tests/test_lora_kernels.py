@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
+from pagedllm.model_registry.layers.linear import ColumnParallelLinear
 from pagedllm.model_registry.layers.lora import LoRABatchState, LoRASlots, lora_reference
 from pagedllm.model_registry.layers.ops import LORA, OpRegistry, bind_layer_ops
 from pagedllm.platforms.cpu import lora as cpu_lora
@@ -209,6 +210,40 @@ def test_the_reference_captured_in_a_graph_equals_its_eager_form() -> None:
         captured = CpuGraph.capture(forward)
     assert captured.output is not None
     torch.testing.assert_close(captured.output, eager, atol=1e-5, rtol=1e-6)
+
+
+@needs_c_kernel
+def test_a_captured_forward_of_adapted_linear_layers_follows_the_step_slots() -> None:
+    # Two linear layers sharing one LoRABatchState, bound on the CPU platform
+    # (prepacked GEMMs and the LoRA kernel), captured as a decode graph with a
+    # persistent slots buffer; the runner then writes a new step into it.
+    state = LoRABatchState()
+    model = torch.nn.Sequential(ColumnParallelLinear(40, 40), ColumnParallelLinear(40, 40))
+    for seed, linear in enumerate(model):
+        slots_layer = make_layer(SHAPES["stacked"], torch.float32, seed=30 + seed)
+        slots_layer.state = state
+        linear.lora_slots = slots_layer
+        linear.weight.data = make_rows(40, 40, torch.float32, seed=40 + seed) / 8
+    registry = OpRegistry()
+    CpuPlatform().register_layer_ops(registry.register)
+    assert bind_layer_ops(model, registry)[cpu_lora.IMPL_NAME] == 2
+    x, state.token_slots = make_rows(9, 40, torch.float32, seed=50), make_slots(9)
+
+    def expected() -> torch.Tensor:
+        h = x.double()
+        for linear in model:
+            h = per_row_loop(h @ linear.weight.double().T, h, linear.lora_slots, state.token_slots)
+        return h
+
+    with torch.inference_mode():
+        graph = CpuGraph.capture(lambda: model(x))
+    assert graph.output is not None
+    torch.testing.assert_close(graph.output.double(), expected(), atol=1e-3, rtol=1e-5)
+    state.token_slots.copy_(make_slots(9).roll(4))
+    x.copy_(make_rows(9, 40, torch.float32, seed=51))
+    with torch.inference_mode():
+        graph.replay()
+    torch.testing.assert_close(graph.output.double(), expected(), atol=1e-3, rtol=1e-5)
 
 
 # -------------------------------------------------------------- the op registry
