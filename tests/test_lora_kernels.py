@@ -284,19 +284,33 @@ needs_triton = pytest.mark.skipif(
 TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 
 
+def run_triton(form: str, layer: LoRASlots, y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+    from pagedllm.platforms import cuda_lora
+
+    if form == "rows":
+        sub_of_row = cuda_lora.sub_matrix_of_rows(layer.output_sizes, y.device)
+        cuda_lora.lora_shrink_expand(y, x, slots, layer.lora_a, layer.lora_b, sub_of_row, layer.max_rank)
+    elif form == "segments":
+        cuda_lora.lora_shrink_expand_segments(y, x, slots, layer.lora_a, layer.lora_b)
+    else:  # as bound: by the number of rows
+        cuda_lora.build(layer)(y, x, slots)
+
+
 @needs_triton
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
-@pytest.mark.parametrize("num_rows", [1, 7, 33])
-def test_triton_kernels_equal_the_reference(num_rows: int, dtype: torch.dtype, shape: Shape) -> None:
-    from pagedllm.platforms import cuda_lora
-
+@pytest.mark.parametrize("num_rows,chunk,form", [
+    (1, 0, "rows"), (7, 0, "rows"), (33, 0, "rows"), (1, 0, "segments"), (7, 0, "segments"), (33, 0, "segments"),
+    (70, 40, "built"),  # past SEGMENT_MIN_ROWS: segments, a slot with three row tiles
+])
+def test_triton_kernels_equal_the_reference(num_rows: int, chunk: int, form: str, dtype: torch.dtype,
+                                            shape: Shape) -> None:
     layer = make_layer(shape, dtype, device=DEVICE)
     x = make_rows(num_rows, shape.input_size, dtype, seed=23).to(DEVICE)
     y = make_rows(num_rows, sum(shape.output_sizes), dtype, seed=24).to(DEVICE)
-    slots = make_slots(num_rows).to(DEVICE)
+    slots = make_slots(num_rows, chunk).to(DEVICE)
     out = y.clone()
-    cuda_lora.build(layer)(out, x, slots)
+    run_triton(form, layer, out, x, slots)
     host = make_layer(shape, torch.float32)  # the loop's weights: the same values, in float32 on the host
     host.lora_a.copy_(layer.lora_a.float().cpu())
     host.lora_b.copy_(layer.lora_b.float().cpu())
@@ -308,6 +322,16 @@ def test_triton_kernels_equal_the_reference(num_rows: int, dtype: torch.dtype, s
         reference = y.clone()
         lora_reference(reference, x, layer.lora_a, layer.lora_b, slots)
         torch.testing.assert_close(out, reference, **TOLERANCE[dtype])
+
+
+@needs_triton
+def test_triton_rows_are_grouped_by_slot_on_the_device() -> None:
+    from pagedllm.platforms import cuda_lora
+
+    sorted_rows, counts, starts = cuda_lora.group_rows_by_slot(torch.tensor([2, 0, 1, 2, 4, 0, 2]).to(DEVICE), 5)
+    assert sorted_rows.tolist() == [1, 5, 2, 0, 3, 6, 4]  # stable: each slot's rows in order
+    assert counts.tolist() == [2, 1, 3, 0, 1]
+    assert starts.tolist() == [0, 2, 3, 6, 6]
 
 
 _real_find_spec = importlib.util.find_spec
