@@ -23,7 +23,7 @@ capture the masked torch formulation (every slot over every row), which
 reads no host value.
 
 No model_registry import (the layers import platforms/): the layer is read
-by its attributes (lora_a, lora_b, max_rank, output_sizes, num_slots).
+by its attributes (lora_a, lora_b, max_rank, output_sizes).
 """
 
 from __future__ import annotations
