@@ -83,9 +83,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
-        # The adapter it runs with (None: the base model); its digest is
-        # part of every block hash.
-        self.lora = lora
+        self.lora = lora  # its adapter (None: the base model), in every block hash
 
         # Structured output: the grammar compiles (WAITING_FOR_FSM) before the
         # request may be scheduled; the manager fills structured_output_request.
