@@ -483,6 +483,12 @@ class LoRAConfig(_Section):
     allow_runtime_lora_updating: bool = False
     # An adapter's files (adapter_config.json + safetensors) may hold at most this many bytes.
     max_lora_bytes: int = Field(1 << 30, ge=1)
+    # LoRA resolver plugins asked, in order, for an unknown adapter name a
+    # request uses (needs runtime updating allowed); built-in: filesystem.
+    lora_resolvers: list[str] = Field(default_factory=list)
+    # The filesystem resolver's folder (<dir>/<name>/adapter_config.json);
+    # None = VLLM_LORA_RESOLVER_CACHE_DIR.
+    lora_resolver_cache_dir: str | None = None
 
     @field_validator("max_cpu_loras")
     @classmethod

@@ -195,3 +195,9 @@ def register_stat_loggers(register: RegisterFn) -> None:
     # collectors, and the periodic throughput line (both run by default).
     register("prometheus", "pagedllm.stat_loggers.prometheus:PrometheusStatLogger")
     register("logging", "pagedllm.stat_loggers.log_line:LoggingStatLogger")
+
+
+@hookimpl
+def register_lora_resolvers(register: RegisterFn) -> None:
+    # <lora.lora_resolver_cache_dir>/<name>/ (vLLM's VLLM_LORA_RESOLVER_CACHE_DIR).
+    register("filesystem", "pagedllm.lora.resolver:FilesystemResolver")

@@ -112,7 +112,9 @@ from packaging.version import Version
 #      `create_weights` / `create_moe_weights` / `create_attention_weights` /
 #      `quantize_attention`, `UnsupportedCheckpointError` (defaults: the method
 #      reads no checkpoint format; 1.13 methods are unchanged).
-API_VERSION = "1.14.0"
+# 1.15: the LoRA-resolver kind (`register_lora_resolvers`, `LoRAResolver`,
+#      `LoRAResolverInfo`, `pm.lora_resolvers`, `lora.lora_resolvers`).
+API_VERSION = "1.15.0"
 # The module attribute a plugin declares its supported range in.
 API_VERSION_ATTR = "PAGEDLLM_API_VERSION"
 

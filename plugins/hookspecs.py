@@ -40,7 +40,7 @@ Each kind is a :class:`pagedllm.plugins.kinds.PluginKind`; its registry is
 ``.attention_backends``, ``.models``, ``.drafters``, ``.spec_policies``, ``.grammar_backends``,
 ``.kv_connectors``, ``.model_sources``, ``.executors``, ``.routers``,
 ``.quantization_methods``, ``.tool_parsers``, ``.reasoning_parsers``, ``.logits_processors``,
-``.stat_loggers``.
+``.stat_loggers``, ``.lora_resolvers``.
 
 None of these hooks is ``firstresult``: every plugin gets called, and the
 return value is ignored.
@@ -436,6 +436,32 @@ def register_stat_loggers(register: RegisterFn) -> None:
     in the caller's process when ``stat_loggers`` is set), ``pagedllm plugins
     list``. Built-ins: ``prometheus`` (the ``/metrics`` collectors) and
     ``logging`` (the periodic throughput line), the server's default.
+    """
+
+
+@hookspec
+def register_lora_resolvers(register: RegisterFn) -> None:
+    """Register LoRA resolvers (kind ``lora_resolver``, plugin API 1.15):
+    where the server finds an adapter by name on a request's first use of it
+    (vLLM's ``LoRAResolver``: a folder, a hub repo).
+
+    :param register: call ``register(name, "pkg.mod:ResolverCls")``; ``name``
+        is what ``lora.lora_resolvers`` (``--lora-resolvers a b``) selects.
+        The target must be a subclass of
+        :class:`pagedllm.lora.resolver.LoRAResolver`, built once per server
+        as ``ResolverCls(lora_config)``; its ``resolve_lora(base_model_name,
+        lora_name)`` returns the adapter's local folder or None (a plain
+        function or a coroutine). The folder is then loaded and validated as
+        ``POST /v1/load_lora_adapter`` loads one. No metadata keys
+        (:class:`pagedllm.plugins.metadata.LoRAResolverInfo`).
+    :return: nothing; the return value is ignored.
+
+    Called lazily when the resolver registry is first needed: the API
+    process of ``pagedllm serve`` starting with ``lora.lora_resolvers`` set,
+    ``pagedllm plugins list``. The server asks the resolvers only with
+    ``--enable-lora`` and runtime updating allowed
+    (``lora.allow_runtime_lora_updating``). Built-in: ``filesystem``
+    (``<lora.lora_resolver_cache_dir>/<name>/``).
     """
 
 

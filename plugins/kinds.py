@@ -32,6 +32,7 @@ class PluginKind(enum.StrEnum):
     REASONING_PARSER = "reasoning_parser"
     LOGITS_PROCESSOR = "logits_processor"
     STAT_LOGGER = "stat_logger"
+    LORA_RESOLVER = "lora_resolver"
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,12 @@ KIND_SPECS: dict[PluginKind, KindSpec] = {
             "register_stat_loggers",
             "pagedllm.stat_loggers.base:StatLoggerBase",
             f"{_METADATA}:StatLoggerInfo",
+        ),
+        KindSpec(
+            PluginKind.LORA_RESOLVER,
+            "register_lora_resolvers",
+            "pagedllm.lora.resolver:LoRAResolver",
+            f"{_METADATA}:LoRAResolverInfo",
         ),
     )
 }

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from pagedllm.executors.base import Executor
     from pagedllm.kv_connectors.base import KVConnectorBase
     from pagedllm.logits_processors.interface import LogitsProcessor
+    from pagedllm.lora.resolver import LoRAResolver
     from pagedllm.model_registry.interface import ModelForCausalLM
     from pagedllm.model_registry.source import ModelSource
     from pagedllm.platforms.interface import Platform
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
         GrammarBackendInfo,
         KVConnectorInfo,
         LogitsProcessorInfo,
+        LoRAResolverInfo,
         ModelInfo,
         ModelSourceInfo,
         PlatformInfo,
@@ -390,6 +392,10 @@ class PluginManager:
     @property
     def stat_loggers(self) -> Registry[StatLoggerBase, StatLoggerInfo]:
         return self.registry(PluginKind.STAT_LOGGER)
+
+    @property
+    def lora_resolvers(self) -> Registry[LoRAResolver, LoRAResolverInfo]:
+        return self.registry(PluginKind.LORA_RESOLVER)
 
     def _collect(self, spec: KindSpec) -> Registry[Any, Any]:
         registry: Registry[Any, Any] = Registry(spec.kind, spec.interface)

@@ -256,11 +256,17 @@ class StatLoggerInfo:
     """``register_stat_loggers`` metadata: none (the logger's class is all)."""
 
 
+@dataclass(frozen=True)
+class LoRAResolverInfo:
+    """``register_lora_resolvers`` metadata: none (the resolver's class is all)."""
+
+
 __all__ = [
     "DrafterInfo",
     "ExecutorInfo",
     "GrammarBackendInfo",
     "KVConnectorInfo",
+    "LoRAResolverInfo",
     "LogitsProcessorInfo",
     "MetadataError",
     "ModelInfo",

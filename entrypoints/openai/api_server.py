@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
@@ -36,6 +37,7 @@ from pagedllm.entrypoints.openai.errors import (
     internal_error_message,
     invalid_request_message,
 )
+from pagedllm.entrypoints.openai.lora_models import LoRAModels
 from pagedllm.entrypoints.openai.middleware import AuthMiddleware, BodySizeLimitMiddleware, HeadAsGetMiddleware
 from pagedllm.entrypoints.openai.openapi_limits import state_server_limits
 from pagedllm.entrypoints.openai.protocol import (
@@ -47,19 +49,23 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     KVEventsResponse,
+    LoadLoRAAdapterRequest,
     MemoryUsageResponse,
     ModelCard,
     ModelList,
     ServerInfoResponse,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 from pagedllm.entrypoints.openai.request_body import add_model_schemas, body_openapi, parse_body
+from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool, shared_request_pool
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tool_calls import load_tool_parser
+from pagedllm.lora.resolver import load_lora_resolvers
 
 if TYPE_CHECKING:
 
@@ -151,8 +157,10 @@ def _add_exception_handlers(app: FastAPI) -> None:
         return _error_response(500, internal_error_message(exc, "in a request handler"))
 
 
-def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
-    """The FastAPI app serving `engine`; shutting the app down shuts the engine down."""
+def build_app(engine: AsyncLLM, config: EngineConfig, lora_models: LoRAModels | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (and the adapters of `lora_models`,
+    loaded already: see `start_lora_models`); shutting the app down shuts
+    the engine down."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -179,6 +187,10 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
     chat = OpenAIServingChat(engine)
     tokenization = OpenAIServingTokenization(engine)
     model_name = completion.model_name
+    if lora_models is None:
+        lora_models = LoRAModels(config.lora, completion.served_model_names, completion.pool.run)
+    for handler in (completion, chat, tokenization):
+        handler.lora_models = lora_models
 
     @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
     async def health() -> Response:
@@ -243,9 +255,17 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList)
     async def show_models() -> ModelList:
-        # NOTE: root is the served name, never the model folder's path on this host.
-        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=engine.max_model_len)
-                               for name in completion.served_model_names])
+        # NOTE: root is the served name, never the model folder's path on this
+        # host; an adapter's root is the folder the operator gave (vLLM's).
+        cards = [ModelCard(id=name, root=name, max_model_len=engine.max_model_len)
+                 for name in completion.served_model_names]
+        cards += [ModelCard(id=lora.ref.name, root=lora.ref.path, parent=lora.parent,
+                            max_model_len=engine.max_model_len, lora_digest=lora.ref.digest)
+                  for lora in lora_models]
+        return ModelList(data=cards)
+
+    if lora_models.runtime_updating:
+        _add_lora_routes(app, lora_models, completion.pool)
 
     # NOTE: the bodies are parsed by parse_body (off the event loop when large),
     # not by FastAPI; body_openapi documents them.
@@ -285,6 +305,45 @@ def build_app(engine: AsyncLLM, config: EngineConfig) -> FastAPI:
     return app
 
 
+def _add_lora_routes(app: FastAPI, lora_models: LoRAModels, pool: RequestWorkerPool) -> None:
+    """vLLM's runtime adapter routes (mounted only when the operator allows
+    runtime updates: a 404 otherwise, as in vLLM)."""
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=BODY_ERROR_RESPONSES,
+              openapi_extra=body_openapi(LoadLoRAAdapterRequest))
+    async def load_lora_adapter(raw_request: Request) -> Response:
+        """Load a PEFT adapter folder under a name requests can use as `model`
+        (validated, off the event loop); a bad adapter is a 400 and changes nothing."""
+        request = await parse_body(raw_request, LoadLoRAAdapterRequest, pool)
+        _, loaded = await lora_models.load(request.lora_name, request.lora_path)
+        if not loaded:
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' is already loaded.")
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=BODY_ERROR_RESPONSES,
+              openapi_extra=body_openapi(UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(raw_request: Request) -> Response:
+        """Stop serving an adapter name (requests already running finish); 404 if unknown."""
+        request = await parse_body(raw_request, UnloadLoRAAdapterRequest, pool)
+        lora_models.unload(request.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
+
+
+async def start_lora_models(engine: AsyncLLM, config: EngineConfig) -> LoRAModels:
+    """The server's adapter registry with every `--lora-modules` adapter
+    loaded (in worker threads); ConfigError naming the first bad one."""
+    from pagedllm.model_registry.model_source import resolve_model_path
+
+    served = [engine.model_name] + [n for n in config.server.served_model_name or [] if n != engine.model_name]
+    pool = shared_request_pool(engine, config.server.request_worker_threads)
+    lora_models = LoRAModels(
+        config.lora, served, pool.run, base_model_path=str(resolve_model_path(config.model.model)),
+        resolvers=load_lora_resolvers(config.lora),
+    )
+    await lora_models.load_startup_modules()
+    return lora_models
+
+
 def _open_paths(config: EngineConfig) -> frozenset[str]:
     """Paths that answer without the API key."""
     return ALWAYS_OPEN_PATHS | ({"/metrics"} if config.server.allow_unauthenticated_metrics else frozenset())
@@ -315,7 +374,11 @@ def _openapi_schema(
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {})
-        add_model_schemas(components, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+        body_models: list[type[BaseModel]] = [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                                              DetokenizeRequest]
+        if "/v1/load_lora_adapter" in schema.get("paths", {}):
+            body_models += [LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest]
+        add_model_schemas(components, body_models)
         state_server_limits(components["schemas"], vocab_size, trust_request_chat_template)
         for unused in ("HTTPValidationError", "ValidationError"):
             components.get("schemas", {}).pop(unused, None)
@@ -384,7 +447,7 @@ async def serve(config: EngineConfig, engine_core: Any = None) -> None:
     engine = await _start_engine(AsyncLLM, config, engine_core)
     server: DrainingServer | None = None
     try:
-        app = build_app(engine, config)
+        app = build_app(engine, config, await start_lora_models(engine, config))
         server_config = uvicorn.Config(
             app, host=config.server.host, port=config.server.port, log_level=_uvicorn_log_level(),
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,

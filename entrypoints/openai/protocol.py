@@ -479,6 +479,20 @@ class TokenizeRequest(OpenAIBaseModel):
     _empty_kwargs = field_validator("chat_template_kwargs")(empty_template_kwargs_as_none)
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's body; lora_int_id is accepted and unused)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     # Checked against the vocabulary by the route; bounded here for the schema.
@@ -644,6 +658,9 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    # A LoRA adapter's content digest (its KV identity): what a router hashes
+    # an adapter request's prompt blocks with. None for the base model.
+    lora_digest: str | None = None
 
 
 class ModelList(BaseModel):

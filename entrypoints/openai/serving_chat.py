@@ -69,7 +69,7 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser_cls = load_tool_parser(self.server_config)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        self.check_model(request.model)
+        lora = await self.model_lora(request.model)
         self.check_stream_options(request.stream, request.stream_options)
         self.check_chat_template_allowed(request.chat_template, request.chat_template_kwargs)
         try:
@@ -85,7 +85,7 @@ class OpenAIServingChat(OpenAIServing):
         generator = self.engine.generate(
             token_ids, params, request_id, prompt_text=text, priority=request.priority,
             cache_salt=request.cache_salt, output_kind=request.output_kind(), validated=True,
-            compiled_grammar=compiled_grammar,
+            compiled_grammar=compiled_grammar, **self.lora_kwargs(lora),
         )
         if request.stream:
             first, rest = await first_and_rest(generator)
@@ -184,7 +184,7 @@ class OpenAIServingChat(OpenAIServing):
         """The ChatCompletionResponse as JSON fragments. Blocking: runs in the pool."""
         num_generated = sum(len(c.token_ids) for c in final.outputs)
         envelope = ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=[],
+            id=request_id, model=self.response_model(request.model), choices=[],
             usage=usage_info(len(final.prompt_token_ids), num_generated, final.num_cached_tokens),
         )
         choices = stop_when(cancelled, self._choices(request, final, tools))
@@ -213,9 +213,10 @@ class OpenAIServingChat(OpenAIServing):
         first: RequestOutput | None, rest: AsyncGenerator[RequestOutput, None], tools: ToolCallPlan,
     ) -> AsyncGenerator[str, None]:
         include_usage = request.stream_options is not None and request.stream_options.include_usage
+        model = self.response_model(request.model)
         # The role goes in the first delta of every choice, before any content.
         for index in range(request.n):
-            yield self._chunk(request_id, ChatCompletionStreamChoice(
+            yield self._chunk(request_id, model, ChatCompletionStreamChoice(
                 index=index, delta=DeltaMessage(role="assistant", content="")
             ))
         num_generated = 0
@@ -246,7 +247,7 @@ class OpenAIServingChat(OpenAIServing):
                 deltas = deltas or [DeltaMessage()]
                 for position, delta in enumerate(deltas):
                     last = position == len(deltas) - 1
-                    yield self._chunk(request_id, ChatCompletionStreamChoice(
+                    yield self._chunk(request_id, model, ChatCompletionStreamChoice(
                         index=completion.index,
                         delta=delta,
                         logprobs=self._logprobs(request, completion.token_ids, completion.logprobs)
@@ -256,7 +257,7 @@ class OpenAIServingChat(OpenAIServing):
                     ))
         if include_usage:
             usage_chunk = ChatCompletionStreamResponse(
-                id=request_id, model=self.model_name, choices=[],
+                id=request_id, model=self.response_model(request.model), choices=[],
                 usage=usage_info(num_prompt_tokens, num_generated, num_cached),
             )
             yield f"data: {usage_chunk.model_dump_json()}\n\n"
@@ -274,8 +275,8 @@ class OpenAIServingChat(OpenAIServing):
         message.reasoning_content = reasoning_content
         return message, finish_reason
 
-    def _chunk(self, request_id: str, choice: ChatCompletionStreamChoice) -> str:
-        chunk = ChatCompletionStreamResponse(id=request_id, model=self.model_name, choices=[choice])
+    def _chunk(self, request_id: str, model: str, choice: ChatCompletionStreamChoice) -> str:
+        chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice])
         # OpenAI sends only the delta keys that are set ("delta": {} at the end).
         body = chunk.model_dump_json(exclude={"choices": {0: {"delta": set(_unset_delta_keys(choice.delta))}}})
         return f"data: {body}\n\n"

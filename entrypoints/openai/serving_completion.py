@@ -57,7 +57,7 @@ MIN_LOGPROB = -9999.0
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
-        self.check_model(request.model)
+        lora = await self.model_lora(request.model)
         self.check_stream_options(request.stream, request.stream_options)
         # All prompts x n at once, or a 400 / 503, before any prompt is tokenized.
         # NOTE: the schema makes prompt non-empty; its first item says its form.
@@ -78,7 +78,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.engine.generate(
                 token_ids, params, f"{request_id}-{index}", prompt_text=text, priority=request.priority,
                 cache_salt=request.cache_salt, output_kind=request.output_kind(), admission=admission,
-                validated=True, compiled_grammar=compiled_grammar,
+                validated=True, compiled_grammar=compiled_grammar, **self.lora_kwargs(lora),
             )
             for index, (text, token_ids) in enumerate(prompts)
         ]
@@ -186,7 +186,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_generated = sum(len(c.token_ids) for output in finals.values() for c in output.outputs)
         usage = usage_info(sum(len(token_ids) for _, token_ids in prompts), num_generated,
                            sum(output.num_cached_tokens for output in finals.values()))
-        envelope = CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
+        envelope = CompletionResponse(id=request_id, model=self.response_model(request.model), choices=[], usage=usage)
         choices = stop_when(cancelled, self._choices(request, prompts, finals))
         out: list[bytes] = []
         encode_model(envelope, out, {"choices": lambda _, out: encode_each(choices, out, _encode_choice)})
@@ -263,7 +263,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     if logprobs.tokens:
                         text_offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                 chunk = CompletionStreamResponse(
-                    id=request_id, model=self.model_name,
+                    id=request_id, model=self.response_model(request.model),
                     choices=[CompletionResponseChoice(
                         index=index, text=delta_text, logprobs=logprobs,
                         finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
@@ -273,7 +273,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if include_usage:
             num_prompt_tokens = sum(len(token_ids) for _, token_ids in prompts)
             usage_chunk = CompletionStreamResponse(
-                id=request_id, model=self.model_name, choices=[],
+                id=request_id, model=self.response_model(request.model), choices=[],
                 usage=usage_info(num_prompt_tokens, sum(num_generated), sum(num_cached)),
             )
             yield f"data: {usage_chunk.model_dump_json()}\n\n"

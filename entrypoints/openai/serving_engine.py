@@ -37,8 +37,10 @@ from pagedllm.structured_output.validator import CompileQueueFullError
 if TYPE_CHECKING:
     from fastapi import Request
 
+    from pagedllm.core.lora import LoRARef
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.entrypoints.openai.lora_models import LoRAModels
     from pagedllm.structured_output.validator import GrammarCheck
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,8 @@ class OpenAIServing:
         # Every name a request may send (--served-model-name A B ...); the first is model_name.
         self.served_model_names: list[str] = [self.model_name]
         self.max_model_len: int = engine.max_model_len
+        # The served adapters (build_app sets them; None: no LoRA).
+        self.lora_models: LoRAModels | None = None
         self.vocab_size: int = engine.vocab_size
         engine_config = getattr(engine, "config", None)
         self.server_config: ServerConfig = engine_config.server if engine_config is not None else ServerConfig()
@@ -95,10 +99,36 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> None:
         # NOTE: an omitted model means the served one (vLLM does the same).
-        if model is not None and model not in self.served_model_names:
+        lora_models = self.lora_models
+        if model is not None and model not in self.served_model_names and (
+            lora_models is None or lora_models.get(model) is None
+        ):
             served = ", ".join(f"`{name}`" for name in self.served_model_names)
             raise OpenAIServingError(404, f"The model `{echo(model)}` does not exist; this server serves "
                                      f"{served}.", "model")
+
+    async def model_lora(self, model: str | None) -> LoRARef | None:
+        """The adapter a request's `model` names (None: the base model),
+        asking the LoRA resolvers for a name not yet loaded; 404 when the
+        name is neither served nor found."""
+        lora_models = self.lora_models
+        if model is None or model in self.served_model_names or lora_models is None:
+            self.check_model(model)
+            return None
+        served = await lora_models.resolve(model)
+        if served is None:
+            self.check_model(model)
+        return None if served is None else served.ref
+
+    @staticmethod
+    def lora_kwargs(lora: LoRARef | None) -> dict[str, Any]:
+        """What `engine.generate` takes for an adapter (nothing for the base model)."""
+        return {} if lora is None else {"lora_request": lora}
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response names, given the request's (checked already):
+        an adapter's name, else the served model's (vLLM does the same)."""
+        return self.model_name if model is None or model in self.served_model_names else model
 
     @staticmethod
     def check_stream_options(stream: bool, stream_options: Any) -> None:
