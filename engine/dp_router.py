@@ -131,7 +131,9 @@ class ReplicaRouter:
         return chosen.index
 
     def _states(self, request: EngineCoreRequest) -> list[ReplicaState]:
-        hashes = [] if self.hasher is None else self.hasher(request.prompt_token_ids, request.cache_salt)
+        lora = getattr(request, "lora", None)  # the adapter's LoRARef (EngineCoreRequest.lora)
+        lora_digest = None if lora is None else lora.digest
+        hashes = [] if self.hasher is None else self.hasher(request.prompt_token_ids, request.cache_salt, lora_digest)
         block_size = 0 if self.hasher is None else self.hasher.block_size
         return [
             ReplicaState(

@@ -2,7 +2,8 @@
 how much of a prompt it holds.
 
 A prompt's full blocks are hashed the way the engines hash them (chained
-from the first block, the cache salt in the first), so a replica holds a
+from the first block, the cache salt in the first, an adapter request's
+content digest in every one), so a replica holds a
 prefix of k blocks exactly when it holds the first k hashes. As in the
 engine, the prompt's last token is always computed: a prompt of whole blocks
 can hit all blocks but its last.
@@ -48,14 +49,22 @@ class PromptHasher:
         self.block_size = block_size
         self.hash_fn = get_hash_fn(hash_algo)
 
-    def __call__(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+    def __call__(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None, lora_digest: str | None = None
+    ) -> list[BlockHash]:
+        """`lora_digest`: the adapter's content digest (core/lora.py), which
+        enters every block hash as in the engines; None for the base model.
+        NOTE: never the adapter's name: the same name may stand for other
+        weights after a reload, and then shares no block."""
         # The engine computes a prompt's last token whatever it holds.
         num_blocks = (len(prompt_token_ids) - 1) // self.block_size if prompt_token_ids else 0
         hashes: list[BlockHash] = []
         parent: BlockHash | None = None
         for index in range(num_blocks):
             tokens = prompt_token_ids[index * self.block_size : (index + 1) * self.block_size]
-            parent = hash_block_tokens(self.hash_fn, parent, tokens, block_extra_keys(index, cache_salt=cache_salt))
+            parent = hash_block_tokens(
+                self.hash_fn, parent, tokens, block_extra_keys(index, cache_salt=cache_salt, lora_digest=lora_digest)
+            )
             hashes.append(parent)
         return hashes
 

@@ -125,14 +125,36 @@ class Router:
             return None  # the request's own problem: its backend will say so
         return None
 
+    async def lora_digest(self, model: Any) -> str | None:
+        """The content digest of the adapter `model` names (the backends list
+        it in /v1/models as `lora_digest`), which their prefix caches hash
+        its blocks with; None for the base model or when no backend says.
+
+        NOTE: asked per request, never cached by name: a name reloaded with
+        other weights has another digest. A wrong answer only misroutes: hits
+        are decided by each engine's own hashes."""
+        if not isinstance(model, str):
+            return None
+        for backend in self.pool.live():
+            try:
+                response = await self.pool.client.get(backend.url + "/v1/models", headers=self.pool.headers)
+            except httpx.HTTPError:
+                continue
+            if response.status_code != 200:
+                return None
+            cards = response.json().get("data") or []
+            digest = next((card.get("lora_digest") for card in cards if card.get("id") == model), None)
+            return digest if isinstance(digest, str) else None
+        return None
+
     def choose(self, request_id: str, tokens: list[int] | None, cache_salt: str | None,
-               exclude: set[int]) -> Routed:
+               exclude: set[int], lora_digest: str | None = None) -> Routed:
         live = [backend for backend in self.pool.live() if backend.index not in exclude]
         if not live:
             raise RetryElsewhere("no backend is available")
         states = [
             ReplicaState(backend.index, backend.in_flight, backend.in_flight, 0,
-                         self._cached_tokens(backend, tokens, cache_salt), backend.num_routed)
+                         self._cached_tokens(backend, tokens, cache_salt, lora_digest), backend.num_routed)
             for backend in live
         ]
         decision = self.policy.route(RouteRequest(request_id, len(tokens or ())), states)
@@ -146,26 +168,29 @@ class Router:
             self.metrics.prefix_routed.labels(backend.url).inc()
         return Routed(backend, chosen.num_cached_tokens)
 
-    def _cached_tokens(self, backend: Backend, tokens: list[int] | None, cache_salt: str | None) -> int:
+    def _cached_tokens(
+        self, backend: Backend, tokens: list[int] | None, cache_salt: str | None, lora_digest: str | None = None
+    ) -> int:
         if tokens is None or backend.block_size is None or backend.hash_algo is None:
             return 0
         key = (backend.block_size, backend.hash_algo)
         hasher = self._hashers.get(key)
         if hasher is None:
             hasher = self._hashers[key] = PromptHasher(*key)
-        return backend.mirror.num_cached_blocks(hasher(tokens, cache_salt)) * backend.block_size
+        return backend.mirror.num_cached_blocks(hasher(tokens, cache_salt, lora_digest)) * backend.block_size
 
     # --------------------------------------------------------- forwarding
 
     async def forward(self, path: str, body: dict[str, Any]) -> Response:
         tokens = await self.prompt_tokens(path, body)
         cache_salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        lora_digest = await self.lora_digest(body.get("model")) if tokens is not None else None
         send = self._stream if body.get("stream") else self._post
         request_id = f"router-{next(self._request_ids)}"
         tried: set[int] = set()
         while True:
             try:
-                routed = self.choose(request_id, tokens, cache_salt, tried)
+                routed = self.choose(request_id, tokens, cache_salt, tried, lora_digest)
             except RetryElsewhere as exc:
                 return _error(503, f"{exc} (tried {len(tried)} of {len(self.pool.backends)} backends)")
             tried.add(routed.backend.index)
