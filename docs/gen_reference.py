@@ -294,7 +294,8 @@ def openapi_document() -> dict[str, Any]:
     from pagedllm.model_registry.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(get_tokenizer_dir()))
-    config = EngineConfig()
+    # The runtime LoRA routes are mounted only when allowed: document them too.
+    config = EngineConfig.model_validate({"lora": {"enable_lora": True, "allow_runtime_lora_updating": True}})
     engine = SimpleNamespace(
         tokenizer=tokenizer, model_name=TARGET_MODEL_NAME, max_model_len=2048, vocab_size=len(tokenizer),
         config=config, shutdown=lambda: None,

@@ -336,11 +336,15 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.core_start import start_async_engine_core
     from pagedllm.engine.metrics import stat_logger_names
+    from pagedllm.entrypoints.openai.lora_models import parse_lora_modules
+    from pagedllm.lora.resolver import load_lora_resolvers
     from pagedllm.model_registry.chat_template import load_chat_template
     from pagedllm.model_registry.model_source import resolve_hub_models
 
     config = serve_config(args)
     stat_logger_names(config)  # an unknown stat logger fails before the engine core starts
+    parse_lora_modules(config.lora)  # so does a malformed --lora-modules, or one without --enable-lora
+    load_lora_resolvers(config.lora)  # and an unknown --lora-resolvers name
     load_chat_template(config.server.chat_template)  # so does a --chat-template path that is not there
     # Downloaded here, once: the engine core and the API process get folders.
     config = resolve_hub_models(config)

@@ -446,7 +446,7 @@ def register_lora_resolvers(register: RegisterFn) -> None:
     (vLLM's ``LoRAResolver``: a folder, a hub repo).
 
     :param register: call ``register(name, "pkg.mod:ResolverCls")``; ``name``
-        is what ``lora.lora_resolvers`` (``--lora-resolvers a b``) selects.
+        is what ``lora.lora_resolvers`` (``--lora-resolvers a,b``) selects.
         The target must be a subclass of
         :class:`pagedllm.lora.resolver.LoRAResolver`, built once per server
         as ``ResolverCls(lora_config)``; its ``resolve_lora(base_model_name,

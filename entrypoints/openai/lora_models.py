@@ -37,8 +37,6 @@ RunInThread = Callable[..., Awaitable[Any]]
 # vLLM's switch for the runtime routes, and pagedllm's plain-env spelling of it.
 RUNTIME_UPDATING_ENV_VARS = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING")
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
-# File suffixes that are pickles (code on load): never read as weights.
-PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".ckpt"})
 
 
 @dataclass(frozen=True)
@@ -105,24 +103,6 @@ def _parse_lora_module(item: str) -> LoRAModulePath:
     return LoRAModulePath(name, path, base)
 
 
-def check_adapter_dir(path: str, field: str = "lora_path") -> Path:
-    """The adapter folder `path`, resolved: an existing directory holding
-    adapter_config.json and a .safetensors file (pickle formats refused);
-    InvalidRequestError naming `field` otherwise."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise InvalidRequestError(field, path, "must be an existing adapter folder (adapter_config.json + safetensors)")
-    folder = folder.resolve()
-    names = {entry.name for entry in folder.iterdir()}
-    if "adapter_config.json" not in names:
-        raise InvalidRequestError(field, path, "the folder has no adapter_config.json (PEFT format expected)")
-    if not any(name.endswith(".safetensors") for name in names):
-        pickles = sorted(name for name in names if Path(name).suffix in PICKLE_SUFFIXES)
-        detail = f" ({', '.join(pickles)} are pickle files, never loaded)" if pickles else ""
-        raise InvalidRequestError(field, path, f"the folder has no .safetensors weights{detail}")
-    return folder
-
-
 class LoRAModels:
     """name -> ServedLoRA for one server. `run` executes blocking loads
     off the event loop; `base_model_path` is the base checkpoint folder the
@@ -140,6 +120,7 @@ class LoRAModels:
         self.runtime_updating = runtime_updating_allowed(lora)
         self._adapters: dict[str, ServedLoRA] = {}
         self._base_modules: dict[str, tuple[int, int]] | None = None
+        self._base_modules_read = False
         # NOTE: one load at a time: two loads of one name cannot both register.
         self._lock = asyncio.Lock()
 
@@ -214,12 +195,13 @@ class LoRAModels:
     def _load_blocking(self, name: str, path: str, base_model_name: str | None) -> ServedLoRA:
         from pagedllm.lora.adapter import base_model_modules, load_lora_adapter
 
-        folder = check_adapter_dir(path)
-        if self._base_modules is None and self.base_model_path is not None:
+        if not self._base_modules_read and self.base_model_path is not None:
+            # None for a checkpoint without float safetensors: the shapes are then unchecked here.
             self._base_modules = base_model_modules(self.base_model_path)
+            self._base_modules_read = True
         adapter = load_lora_adapter(
-            folder, name=name, max_rank=self.config.max_lora_rank, max_bytes=self.config.max_lora_bytes,
-            base_modules=self._base_modules,
+            Path(path).expanduser(), name=name, max_rank=self.config.max_lora_rank,
+            max_bytes=self.config.max_lora_bytes, base_modules=self._base_modules,
         )
         parent = base_model_name or self.served_model_names[0]
         return ServedLoRA(adapter.ref, parent, adapter.num_bytes)
