@@ -1,8 +1,9 @@
 """LoRA adapters through the HTTP server: --lora-modules at start-up, vLLM's
 runtime load/unload routes, resolver plugins, and the adapter's LoRARef
 (its content digest) reaching the engine. The app runs in-process over a
-recording engine stand-in (the HTTP layer alone); the digests are the real
-loader's, over random PEFT adapters of a tiny base checkpoint."""
+recording engine stand-in (the HTTP layer alone), which sees the
+`lora_request` each request carries; the digests are the real loader's,
+over random PEFT adapters of a tiny base checkpoint."""
 
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import ConfigError
-from pagedllm.core.lora import LoRARef
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.lora_models import LoRAModels, parse_lora_modules
 from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool
 from pagedllm.lora.adapter import base_model_modules, load_lora_adapter
+from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.resolver import FilesystemResolver, LoRAResolver
 from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
 from pagedllm.testing import run_suite
@@ -164,7 +165,7 @@ def test_models_list_each_adapter_with_parent_path_and_digest(
     assert models["fake"]["lora_digest"] is None and models["fake"]["parent"] is None
 
 
-def test_request_naming_an_adapter_reaches_the_engine_with_its_ref(
+def test_request_naming_an_adapter_reaches_the_engine_as_its_lora_request(
     served: tuple[Client, RecordingEngine], base: Path, adapters: dict[str, Path]
 ) -> None:
     client, engine = served
@@ -180,10 +181,10 @@ def test_request_naming_an_adapter_reaches_the_engine_with_its_ref(
     assert client.request("POST", "/tokenize", {"model": "sql", "prompt": "hi"}).status_code == 200
     base_response = client.complete("fake")
     assert base_response.json()["model"] == "fake"
-    sql_ref = LoRARef("sql", _digest(base, adapters["sql"], "sql"), str(adapters["sql"].resolve()))
-    assert engine.calls[0]["lora_request"] == sql_ref
-    assert "lora_request" not in engine.calls[-1]  # the base model: no adapter
-    assert engine.calls[1]["lora_request"].digest == _digest(base, adapters["chat"], "chat")
+    sql = LoRARequest("sql", 1, str(adapters["sql"].resolve()), "fake")
+    assert [call.get("lora_request") for call in engine.calls] == [
+        sql, LoRARequest("chat", 2, str(adapters["chat"].resolve()), "llama-base"), sql, None
+    ]
 
 
 def test_unknown_model_is_404(served: tuple[Client, RecordingEngine]) -> None:
@@ -204,7 +205,8 @@ def test_runtime_load_use_unload_and_reload_other_weights(
     assert other.status_code == 400 and other.json()["error"]["param"] == "lora_name"
     engine.calls.clear()
     assert client.complete("tmp").status_code == 200
-    first_digest = engine.calls[0]["lora_request"].digest
+    assert engine.calls[0]["lora_request"].lora_path == str(adapters["chat"].resolve())
+    first_digest = client.models()["tmp"]["lora_digest"]
     assert first_digest == _digest(base, adapters["chat"], "tmp")
     assert client.request("POST", "/v1/unload_lora_adapter", {"lora_name": "tmp"}).status_code == 200
     assert client.complete("tmp").status_code == 404
@@ -216,7 +218,8 @@ def test_runtime_load_use_unload_and_reload_other_weights(
     assert client.request("POST", "/v1/load_lora_adapter",
                           {"lora_name": "tmp", "lora_path": str(retrained)}).status_code == 200
     assert client.complete("tmp").status_code == 200
-    assert engine.calls[-1]["lora_request"].digest not in (first_digest, None)
+    assert engine.calls[-1]["lora_request"].lora_path == str(retrained.resolve())
+    assert client.models()["tmp"]["lora_digest"] not in (first_digest, None)
     client.request("POST", "/v1/unload_lora_adapter", {"lora_name": "tmp"})
 
 
@@ -302,7 +305,8 @@ def test_resolver_plugin_finds_an_unknown_name_on_first_use(
     app, engine = _app(base, config, resolvers=load_lora_resolvers(config.lora))
     client = Client(app)
     assert client.complete("found").status_code == 200
-    assert engine.calls[-1]["lora_request"].digest == _digest(base, adapters["sql"], "found")
+    assert engine.calls[-1]["lora_request"].lora_path == str(adapters["sql"].resolve())
+    assert client.models()["found"]["lora_digest"] == _digest(base, adapters["sql"], "found")
     assert client.complete("found").status_code == 200
     assert FolderResolver.asked == [("fake", "found")]  # later requests find it loaded
     assert client.complete("nowhere").status_code == 404

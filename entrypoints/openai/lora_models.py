@@ -1,12 +1,13 @@
-"""The adapters this server serves: name -> LoRARef (vLLM's OpenAIServingModels).
+"""The adapters this server serves: name -> ServedLoRA (vLLM's OpenAIServingModels).
 
 Adapters come from `--lora-modules` at start-up, from `POST
 /v1/load_lora_adapter` when the operator allows runtime updates, and from
 the LoRA resolver plugins on a request's first use of an unknown name. Each
 is loaded once here (`load_lora_adapter`: validated against the base
 checkpoint, its digest computed) in a worker thread, never on the event
-loop; requests then carry its `LoRARef` to the engine core, which loads it
-again and checks the digest.
+loop; requests then name it to the engine (`lora_request`), whose front
+end turns it into the `LoRARef` the engine core gets (the same digest, the
+same loader; the engine core loads the files again and checks it).
 
 NOTE: a name maps to one digest while it is registered; unloading and
 loading different files under it gives a new digest, so a new KV identity.
@@ -15,6 +16,8 @@ loading different files under it gives a new digest, so a new KV identity.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -29,6 +32,7 @@ from pagedllm.entrypoints.openai.errors import OpenAIServingError, echo
 
 if TYPE_CHECKING:
     from pagedllm.core.config import LoRAConfig
+    from pagedllm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,15 @@ class ServedLoRA:
     # The model /v1/models names as its parent (base_model_name, else the served model).
     parent: str
     num_bytes: int
+    # vLLM's positive adapter id, one per registration (identity is `ref.digest`).
+    lora_int_id: int = 1
+
+    @property
+    def lora_request(self) -> LoRARequest:
+        """What `engine.generate(lora_request=...)` takes for this adapter."""
+        from pagedllm.lora.request import LoRARequest
+
+        return LoRARequest(self.ref.name, self.lora_int_id, self.ref.path, self.parent)
 
 
 def runtime_updating_allowed(lora: LoRAConfig) -> bool:
@@ -121,6 +134,7 @@ class LoRAModels:
         self._adapters: dict[str, ServedLoRA] = {}
         self._base_modules: dict[str, tuple[int, int]] | None = None
         self._base_modules_read = False
+        self._next_int_id = itertools.count(1)
         # NOTE: one load at a time: two loads of one name cannot both register.
         self._lock = asyncio.Lock()
 
@@ -152,7 +166,7 @@ class LoRAModels:
                     return existing, False
                 raise InvalidRequestError("lora_name", name, "an adapter with other content is loaded under this "
                                           "name; unload it first")
-            self._adapters[name] = served
+            self._adapters[name] = served = dataclasses.replace(served, lora_int_id=next(self._next_int_id))
         logger.info("LoRA adapter %s loaded from %s (digest %s)", name, path, served.ref.digest[:12])
         return served, True
 

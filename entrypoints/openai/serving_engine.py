@@ -37,10 +37,9 @@ from pagedllm.structured_output.validator import CompileQueueFullError
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from pagedllm.core.lora import LoRARef
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.engine.async_llm import AsyncLLM
-    from pagedllm.entrypoints.openai.lora_models import LoRAModels
+    from pagedllm.entrypoints.openai.lora_models import LoRAModels, ServedLoRA
     from pagedllm.structured_output.validator import GrammarCheck
 
 logger = logging.getLogger(__name__)
@@ -107,7 +106,7 @@ class OpenAIServing:
             raise OpenAIServingError(404, f"The model `{echo(model)}` does not exist; this server serves "
                                      f"{served}.", "model")
 
-    async def model_lora(self, model: str | None) -> LoRARef | None:
+    async def model_lora(self, model: str | None) -> ServedLoRA | None:
         """The adapter a request's `model` names (None: the base model),
         asking the LoRA resolvers for a name not yet loaded; 404 when the
         name is neither served nor found."""
@@ -118,12 +117,12 @@ class OpenAIServing:
         served = await lora_models.resolve(model)
         if served is None:
             self.check_model(model)
-        return None if served is None else served.ref
+        return served
 
     @staticmethod
-    def lora_kwargs(lora: LoRARef | None) -> dict[str, Any]:
+    def lora_kwargs(lora: ServedLoRA | None) -> dict[str, Any]:
         """What `engine.generate` takes for an adapter (nothing for the base model)."""
-        return {} if lora is None else {"lora_request": lora}
+        return {} if lora is None else {"lora_request": lora.lora_request}
 
     def response_model(self, model: str | None) -> str:
         """The `model` a response names, given the request's (checked already):
