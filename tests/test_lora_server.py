@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -18,6 +20,7 @@ import httpx
 import pytest
 from helpers.fake_engine import FakeEngine
 from helpers.lora_adapters import write_peft_adapter
+from helpers.server import free_port
 from safetensors.torch import load_file, save_file
 
 from pagedllm.core.config import EngineConfig
@@ -323,3 +326,20 @@ def test_filesystem_resolver_serves_its_folder_only(adapters: dict[str, Path], t
     for name in ("chat", "escape", "..", "../chat", "", "sql/../sql"):
         assert resolver.resolve_lora("base", name) is None, name
     assert run_suite("lora_resolver", "filesystem") == []
+
+
+def test_serve_exits_1_naming_a_bad_startup_adapter(base: Path, adapters: dict[str, Path]) -> None:
+    """`pagedllm serve` itself: the adapter is checked in the API process
+    after the engine core started; the server stops both and exits 1.
+    Adapters without --enable-lora fail before the engine core starts."""
+    def serve(*flags: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(base), "--num-kv-blocks", "16",
+                   "--max-lora-rank", str(MAX_RANK), "--host", "127.0.0.1", "--port", str(free_port()), *flags]
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+
+    modules = ["--lora-modules", f"ok={adapters['sql']}", f"wide={adapters['too_wide']}"]
+    bad = serve("--enable-lora", *modules, timeout_s=120)
+    assert bad.returncode == 1
+    assert "lora.lora_modules[wide]" in bad.stderr and "max_lora_rank=8" in bad.stderr
+    unflagged = serve(*modules, timeout_s=60)
+    assert unflagged.returncode == 1 and "adapters need --enable-lora" in unflagged.stderr
