@@ -3,7 +3,8 @@ carry the adapter's content digest exactly as the engine's block hashes
 do, so a prefix match for an adapter request counts only blocks of the
 same digest (never the base model's, never another adapter's or another
 version's under the same name); the HTTP router learns the digest from a
-backend's /v1/models per request."""
+backend's /v1/models per request; the conformance kit's connector rule
+catches a connector that looks blocks up by tokens alone."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import asyncio
 from types import SimpleNamespace
 
 import httpx
+import pytest
 
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.kv_cache.events import BlockStored
+from pagedllm.core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.lora import LoRARef
 from pagedllm.core.request import Request
@@ -21,7 +24,10 @@ from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.dp_router import ReplicaRouter
 from pagedllm.engine.wire import EngineCoreOutputs
 from pagedllm.entrypoints.router.app import build_app
+from pagedllm.kv_connectors.cpu_offload import CpuOffloadConnector
+from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
 from pagedllm.routers.cache_mirror import PromptHasher, ReplicaCacheMirror
+from pagedllm.testing.suite import ConformanceError, load_suite
 
 BLOCK = 4
 TOKENS = list(range(3, 3 + 3 * BLOCK + 1))  # three hittable blocks
@@ -90,3 +96,33 @@ def test_the_http_router_asks_a_backend_for_the_digest_each_time() -> None:
 
     assert asyncio.run(lookups()) == [SQL_V1.digest, SQL_V2.digest, None, None]
     assert asked == ["/v1/models"] * 3
+
+
+class TokenKeyedConnector(CpuOffloadConnector):
+    """A connector that looks blocks up by tokens alone (the adapter
+    ignored): what the kit's identity rule exists to catch."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        if request.lora is None:
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        as_base = Request(request.request_id, list(request.prompt_token_ids), request.sampling_params, None)
+        get_request_block_hasher(self.context.block_size, get_hash_fn("sha256"))(as_base)
+        return super().get_num_new_matched_tokens(as_base, num_computed_tokens)
+
+
+class TokenKeyedPlugin:
+    @hookimpl
+    def register_kv_connectors(self, register: RegisterFn) -> None:
+        register("token_keyed", TokenKeyedConnector, roles=["both"])
+
+
+def test_the_kit_catches_a_connector_serving_base_blocks_to_an_adapter() -> None:
+    manager = get_plugin_manager()
+    name = manager.register(TokenKeyedPlugin(), name="token-keyed-connector")
+    try:
+        with pytest.raises(ConformanceError) as failure:
+            load_suite("kv_connector").get("adapter-blocks-kept-apart").check("token_keyed")
+    finally:
+        manager.unregister(name=name)
+    # (cpu_offload itself keeps the rule: test_conformance_kit runs it on every connector.)
+    assert failure.value.rule == "adapter-blocks-kept-apart" and "adapter-a" in str(failure.value)

@@ -171,6 +171,50 @@ def check_round_trip(name: str) -> None:
         )
 
 
+@SUITE.rule("adapter-blocks-kept-apart")
+def check_adapter_identity(name: str) -> None:
+    """Blocks stored for the base model are never offered to a request of a
+    LoRA adapter with the same tokens (nor, so, blocks of one adapter digest
+    to another): a connector names blocks by the request's block hashes,
+    which carry the adapter's content digest (core/kv_cache/hashing.py),
+    never by tokens alone. Probed on the scheduler side
+    (`get_num_new_matched_tokens`) for two adapter digests after the base
+    model's blocks were saved and evicted locally."""
+    rule = "adapter-blocks-kept-apart"
+    first, second = random_prompts(3, PROMPT_LEN, seed=6), random_prompts(3, PROMPT_LEN, seed=7)
+    with _debug_kv(), _connector_config(rule, name) as kv_config:
+        llm = _engine(rule, kv_config)
+        limit_steps(rule, llm, MAX_STEPS)
+        _generate(rule, llm, first, _reference(first), "the base model's prompts")
+        _generate(rule, llm, second, _reference(second), "other prompts (evicting the first from the pool)")
+        scheduler = engine_core(llm).scheduler
+        offered = {
+            label: _matched_tokens(scheduler, f"conformance-{label}", first[0], digest)
+            for label, digest in (("base", None), ("adapter-a", "a" * 64), ("adapter-b", "b" * 64))
+        }
+    if not offered["base"]:
+        raise RuleSkipped(rule, f"{name} offered none of the base model's saved blocks back ({offered['base']!r})")
+    for label in ("adapter-a", "adapter-b"):
+        if offered[label]:
+            raise ConformanceError(
+                rule, f"a request of {label} was offered {offered[label]} tokens of blocks stored for the base model"
+            )
+
+
+def _matched_tokens(scheduler: Any, request_id: str, tokens: list[int], lora_digest: str | None) -> int | None:
+    """What the connector's scheduler side offers a fresh request of `tokens`
+    (of the adapter with `lora_digest`; None: the base model)."""
+    from pagedllm.core.lora import LoRARef
+    from pagedllm.core.request import Request
+    from pagedllm.core.sampling_params import SamplingParams
+
+    lora = None if lora_digest is None else LoRARef(request_id, lora_digest, "/conformance/adapter")
+    request = Request(request_id, list(tokens), SamplingParams(max_tokens=1), None, lora=lora)
+    scheduler.kv_cache_manager.ensure_block_hashes(request)
+    found: int | None = scheduler.kv_connector.get_num_new_matched_tokens(request, 0)
+    return found
+
+
 @SUITE.rule("corrupted-blocks-reported")
 def check_corrupted(name: str) -> None:
     """Blocks stored under ``extra.path`` with a flipped byte are not loaded
