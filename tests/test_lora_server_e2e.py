@@ -50,7 +50,7 @@ def adapters(base: Path) -> dict[str, Path]:
 def server(base: Path, adapters: dict[str, Path]) -> Iterator[ServerProcess]:
     with start_server(
         base, "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64", "--enable-lora",
-        "--max-loras", "2", "--max-lora-rank", "8", "--allow-runtime-lora-updating",
+        "--max-loras", "3", "--max-lora-rank", "8", "--allow-runtime-lora-updating",
         "--lora-modules", f"sql={adapters['sql']}", api_key=API_KEY,
     ) as srv:
         yield srv
