@@ -2,9 +2,10 @@
 carry the adapter's content digest exactly as the engine's block hashes
 do, so a prefix match for an adapter request counts only blocks of the
 same digest (never the base model's, never another adapter's or another
-version's under the same name); the HTTP router learns the digest from a
-backend's /v1/models per request; the conformance kit's connector rule
-catches a connector that looks blocks up by tokens alone."""
+version's under the same name); the HTTP router learns the digests from a
+backend's /v1/models (asked again every few seconds); the conformance
+kit's connector rule catches a connector that looks blocks up by tokens
+alone."""
 
 from __future__ import annotations
 
@@ -76,8 +77,10 @@ def test_the_data_parallel_router_reads_the_requests_adapter() -> None:
     assert predicted == {"adapter": 3 * BLOCK, "base": 0, "v2": 0}
 
 
-def test_the_http_router_asks_a_backend_for_the_digest_each_time() -> None:
-    digests = iter([SQL_V1.digest, SQL_V2.digest, SQL_V2.digest])
+def test_the_http_router_learns_digests_from_a_backends_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm.entrypoints.router import app as router_app
+
+    digests = iter([SQL_V1.digest, SQL_V2.digest])
     asked: list[str] = []
 
     def backend(request: httpx.Request) -> httpx.Response:
@@ -90,12 +93,16 @@ def test_the_http_router_asks_a_backend_for_the_digest_each_time() -> None:
     router.pool.client = httpx.AsyncClient(transport=httpx.MockTransport(backend))
     for replica in router.pool.backends:
         replica.alive, replica.error = True, None
+    clock = [100.0]
+    monkeypatch.setattr(router_app.time, "monotonic", lambda: clock[0])
 
     async def lookups() -> list[str | None]:
-        return [await router.lora_digest(model) for model in ("sql", "sql", "base", 7)]
+        found = [await router.lora_digest(model) for model in ("sql", "base", 7, "sql")]
+        clock[0] += router_app.LORA_DIGESTS_TTL_S  # the name was reloaded meanwhile: asked again
+        return [*found, await router.lora_digest("sql")]
 
-    assert asyncio.run(lookups()) == [SQL_V1.digest, SQL_V2.digest, None, None]
-    assert asked == ["/v1/models"] * 3
+    assert asyncio.run(lookups()) == [SQL_V1.digest, None, None, SQL_V1.digest, SQL_V2.digest]
+    assert asked == ["/v1/models"] * 2
 
 
 class TokenKeyedConnector(CpuOffloadConnector):

@@ -33,7 +33,7 @@ def _app(handlers: dict[str, Handler], **options: Any) -> FastAPI:
 
     def dispatch(request: httpx.Request) -> httpx.Response:
         backend = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
-        if request.url.path == "/v1/kv_events":
+        if request.url.path in ("/v1/kv_events", "/v1/models"):
             return httpx.Response(404)
         return handlers[backend](request)
 

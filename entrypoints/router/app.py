@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ ROUTES = ("/v1/completions", "/v1/chat/completions")
 OPEN_PATHS = frozenset({"/health"})
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a server's default (server.max_body_bytes)
 # Fields of a chat request that shape its prompt (what /tokenize takes).
+# Seconds the backends' adapter digests (their /v1/models) are reused before asked again.
+LORA_DIGESTS_TTL_S = 2.0
 _CHAT_PROMPT_FIELDS = ("messages", "add_generation_prompt", "chat_template", "chat_template_kwargs")
 
 
@@ -96,6 +99,9 @@ class Router:
         pool.on_health_change = lambda backend: self.metrics.healthy.labels(backend.url).set(int(backend.alive))
         self._hashers: dict[tuple[int, str], PromptHasher] = {}
         self._request_ids = itertools.count()
+        # Adapter name -> content digest, as a backend's /v1/models said (lora_digest).
+        self._lora_digests: dict[str, str] = {}
+        self._lora_digests_at = float("-inf")
 
     # ------------------------------------------------------------ routing
 
@@ -130,22 +136,30 @@ class Router:
         it in /v1/models as `lora_digest`), which their prefix caches hash
         its blocks with; None for the base model or when no backend says.
 
-        NOTE: asked per request, never cached by name: a name reloaded with
-        other weights has another digest. A wrong answer only misroutes: hits
-        are decided by each engine's own hashes."""
+        NOTE: the list is asked again once it is LORA_DIGESTS_TTL_S old: a
+        name reloaded with other weights is predicted with its old digest
+        for at most that long, which can only misroute (hits are decided by
+        each engine's own hashes), never serve other KV."""
         if not isinstance(model, str):
             return None
+        now = time.monotonic()
+        if now - self._lora_digests_at >= LORA_DIGESTS_TTL_S:
+            self._lora_digests, self._lora_digests_at = await self._fetch_lora_digests(), now
+        return self._lora_digests.get(model)
+
+    async def _fetch_lora_digests(self) -> dict[str, str]:
         for backend in self.pool.live():
             try:
                 response = await self.pool.client.get(backend.url + "/v1/models", headers=self.pool.headers)
-            except httpx.HTTPError:
+                cards = response.json().get("data") if response.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError):
                 continue
-            if response.status_code != 200:
-                return None
-            cards = response.json().get("data") or []
-            digest = next((card.get("lora_digest") for card in cards if card.get("id") == model), None)
-            return digest if isinstance(digest, str) else None
-        return None
+            if not isinstance(cards, list):
+                return {}
+            return {card["id"]: card["lora_digest"] for card in cards
+                    if isinstance(card, dict) and isinstance(card.get("id"), str)
+                    and isinstance(card.get("lora_digest"), str)}
+        return {}
 
     def choose(self, request_id: str, tokens: list[int] | None, cache_salt: str | None,
                exclude: set[int], lora_digest: str | None = None) -> Routed:
