@@ -336,8 +336,7 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.core_start import start_async_engine_core
     from pagedllm.engine.metrics import stat_logger_names
-    from pagedllm.entrypoints.openai.lora_models import parse_lora_modules
-    from pagedllm.lora.resolver import load_lora_resolvers
+    from pagedllm.entrypoints.openai.lora_models import load_lora_resolvers, parse_lora_modules
     from pagedllm.model_registry.chat_template import load_chat_template
     from pagedllm.model_registry.model_source import resolve_hub_models
 

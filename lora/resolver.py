@@ -60,15 +60,4 @@ class FilesystemResolver(LoRAResolver):
         return str(folder)
 
 
-def load_lora_resolvers(config: LoRAConfig) -> list[LoRAResolver]:
-    """The resolvers `config.lora_resolvers` names, built, in order
-    (UnknownComponentError lists the registered names)."""
-    if not config.lora_resolvers:
-        return []
-    from pagedllm.plugins import get_plugin_manager
-
-    registry = get_plugin_manager().lora_resolvers
-    return [registry.load(name)(config) for name in config.lora_resolvers]
-
-
-__all__ = ["RESOLVER_CACHE_DIR_ENV", "FilesystemResolver", "LoRAResolver", "load_lora_resolvers"]
+__all__ = ["RESOLVER_CACHE_DIR_ENV", "FilesystemResolver", "LoRAResolver"]

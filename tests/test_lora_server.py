@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.openai.api_server import build_app
-from pagedllm.entrypoints.openai.lora_models import LoRAModels, parse_lora_modules
+from pagedllm.entrypoints.openai.lora_models import LoRAModels, load_lora_resolvers, parse_lora_modules
 from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool
 from pagedllm.lora.adapter import base_model_modules, load_lora_adapter
 from pagedllm.lora.request import LoRARequest
@@ -300,8 +300,6 @@ def resolver_plugin() -> Iterator[None]:
 def test_resolver_plugin_finds_an_unknown_name_on_first_use(
     resolver_plugin: None, base: Path, adapters: dict[str, Path]
 ) -> None:
-    from pagedllm.lora.resolver import load_lora_resolvers
-
     config = _config(allow_runtime_lora_updating=True, lora_resolvers=["test-folders"])
     FolderResolver.folders = {"found": str(adapters["sql"])}
     FolderResolver.asked = []

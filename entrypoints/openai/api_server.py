@@ -37,7 +37,7 @@ from pagedllm.entrypoints.openai.errors import (
     internal_error_message,
     invalid_request_message,
 )
-from pagedllm.entrypoints.openai.lora_models import LoRAModels
+from pagedllm.entrypoints.openai.lora_models import LoRAModels, load_lora_resolvers
 from pagedllm.entrypoints.openai.middleware import AuthMiddleware, BodySizeLimitMiddleware, HeadAsGetMiddleware
 from pagedllm.entrypoints.openai.openapi_limits import state_server_limits
 from pagedllm.entrypoints.openai.protocol import (
@@ -65,7 +65,6 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tool_calls import load_tool_parser
-from pagedllm.lora.resolver import load_lora_resolvers
 
 if TYPE_CHECKING:
 

@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.errors import OpenAIServingError, echo
 if TYPE_CHECKING:
     from pagedllm.core.config import LoRAConfig
     from pagedllm.lora.request import LoRARequest
+    from pagedllm.lora.resolver import LoRAResolver
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,17 @@ def runtime_updating_allowed(lora: LoRAConfig) -> bool:
     return lora.allow_runtime_lora_updating or any(
         os.environ.get(var, "").strip().lower() in TRUE_WORDS for var in RUNTIME_UPDATING_ENV_VARS
     )
+
+
+def load_lora_resolvers(lora: LoRAConfig) -> list[LoRAResolver]:
+    """The resolvers `lora.lora_resolvers` names, built, in order
+    (UnknownComponentError lists the registered names)."""
+    if not lora.lora_resolvers:
+        return []
+    from pagedllm.plugins import get_plugin_manager
+
+    registry = get_plugin_manager().lora_resolvers
+    return [registry.load(name)(lora) for name in lora.lora_resolvers]
 
 
 def parse_lora_modules(lora: LoRAConfig) -> list[LoRAModulePath]:
@@ -123,7 +135,7 @@ class LoRAModels:
 
     def __init__(
         self, lora: LoRAConfig, served_model_names: list[str], run: RunInThread,
-        base_model_path: str | None = None, resolvers: list[Any] | None = None,
+        base_model_path: str | None = None, resolvers: list[LoRAResolver] | None = None,
     ) -> None:
         self.config = lora
         self.served_model_names = served_model_names
@@ -192,7 +204,7 @@ class LoRAModels:
                 return served
         return None
 
-    async def _ask(self, resolver: Any, base_model_name: str, name: str) -> str | Path | None:
+    async def _ask(self, resolver: LoRAResolver, base_model_name: str, name: str) -> str | Path | None:
         found = resolver.resolve_lora(base_model_name, name)
         if asyncio.iscoroutine(found):
             found = await found
