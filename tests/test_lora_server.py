@@ -280,6 +280,8 @@ class FolderResolver(LoRAResolver):
 
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> str | None:
         self.asked.append((base_model_name, lora_name))
+        if lora_name == "raises":
+            raise RuntimeError("the artifact store is down")
         return self.folders.get(lora_name)
 
 
@@ -311,6 +313,7 @@ def test_resolver_plugin_finds_an_unknown_name_on_first_use(
     assert client.complete("found").status_code == 200
     assert FolderResolver.asked == [("fake", "found")]  # later requests find it loaded
     assert client.complete("nowhere").status_code == 404
+    assert client.complete("raises").status_code == 404  # a failing resolver knows nothing
     assert "found" in client.models()
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import itertools
 import json
 import logging
@@ -205,11 +206,20 @@ class LoRAModels:
         return None
 
     async def _ask(self, resolver: LoRAResolver, base_model_name: str, name: str) -> str | Path | None:
-        found = resolver.resolve_lora(base_model_name, name)
-        if asyncio.iscoroutine(found):
-            found = await found
-        elif found is not None and not isinstance(found, (str, Path)):
-            raise TypeError(f"{type(resolver).__name__}.resolve_lora returned {type(found).__name__}")
+        """The resolver's folder for `name`; a resolver that raises or answers
+        something else is logged and counts as not knowing the name (one
+        broken plugin must not fail every unknown `model`)."""
+        try:
+            found = resolver.resolve_lora(base_model_name, name)
+            if inspect.isawaitable(found):
+                found = await found
+        except Exception:
+            logger.exception("LoRA resolver %s failed for %r", type(resolver).__name__, name)
+            return None
+        if found is not None and not isinstance(found, (str, Path)):
+            logger.error("LoRA resolver %s answered %s for %r, not a folder", type(resolver).__name__,
+                         type(found).__name__, name)
+            return None
         return found
 
     def _check_name(self, name: str) -> None:
