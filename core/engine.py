@@ -154,10 +154,13 @@ class EngineCore:
 
     def wait_for_work(self, timeout_s: float = GRAMMAR_WAIT_S) -> None:
         """For the loop that calls step(), after a step that made no progress
-        (`StepResult.made_progress` false: only grammars compiling): wait up
-        to `timeout_s` for a compile to finish instead of spinning."""
+        (`StepResult.made_progress` false: only grammars compiling or
+        adapters loading): wait up to `timeout_s` for a compile or a load to
+        finish instead of spinning."""
         if self.structured_output_manager is not None:
             self.structured_output_manager.wait_for_compiles(timeout_s)
+        if self.scheduler.lora_slots is not None:
+            self.scheduler.lora_slots.store.wait_for_loads(timeout_s)
 
     def check_invariants(self) -> None:
         self.kv_cache_manager.check_invariants(self.scheduler.requests_holding_blocks())

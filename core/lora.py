@@ -62,7 +62,15 @@ class LoRAAdapterStore(Protocol):
     request whose adapter is still loading waiting, without stalling others."""
 
     def request_load(self, ref: LoRARef) -> None:
-        """Start loading `ref` if it is not loaded or loading; returns at once."""
+        """A request (or a slot) wants `ref`: start loading it if it is not
+        loaded or loading; returns at once. NOTE: each call holds the adapter
+        (it is never evicted while held) until its matching `release`."""
+        ...
+
+    def release(self, digest: str) -> None:
+        """One holder of `digest` (a finished request, a slot given to
+        another adapter) lets go: once none holds it, it may be evicted (a
+        failed load is forgotten, so a later request tries again)."""
         ...
 
     def state(self, digest: str) -> str | None:
@@ -71,4 +79,17 @@ class LoRAAdapterStore(Protocol):
 
     def weights(self, digest: str) -> dict[str, Tensor]:
         """A ready adapter's tensors, as `LoRASlotLoad.weights` carries them."""
+        ...
+
+    def num_loaded(self) -> int:
+        """Adapters loaded now (ready ones, in memory)."""
+        ...
+
+    def take_load_times(self) -> list[float]:
+        """Seconds each load took, for loads finished since the last call."""
+        ...
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Block until a load finishes or `timeout_s` passes (an engine whose
+        every request waits for an adapter must not spin)."""
         ...

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from pagedllm.core.errors import ConfigError, InvalidRequestError, KVTransferError
 from pagedllm.core.fair_share import FairShare
 from pagedllm.core.kv_transfer_tracker import KVTransferTracker
+from pagedllm.core.lora_slots import LOADING
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from pagedllm.core.grammar import GrammarManager
     from pagedllm.core.kv_cache.block_pool import KVCacheBlock
     from pagedllm.core.kv_cache.manager import KVCacheManager
+    from pagedllm.core.lora_slots import LoRASlotTable
     from pagedllm.core.scheduler_output import KVConnectorStats, SpecStepTimes
     from pagedllm.kv_connectors.base import KVConnectorBase
 
@@ -108,8 +110,11 @@ class Scheduler:
         num_spec_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         kv_connector: KVConnectorBase | None = None,
+        lora_slots: LoRASlotTable | None = None,
     ) -> None:
         self.config = scheduler_config
+        # The LoRA adapters' slots and store (core/lora_slots.py); None unless lora.enable_lora.
+        self.lora_slots = lora_slots
         # KV transfer (kv_connectors/): the connector's scheduler side, and its
         # bookkeeping (external prefix hits past the local cache, loads and
         # saves handed to the runner with each step, delayed frees).
@@ -171,6 +176,10 @@ class Scheduler:
     # ---------------------------------------------------------------- intake
 
     def add_request(self, request: Request) -> None:
+        if request.lora is not None and self.lora_slots is None:
+            raise InvalidRequestError(
+                "lora", request.lora.name, "this engine serves no LoRA adapters (start it with --enable-lora)"
+            )
         if request.use_structured_output:
             if self.structured_output_manager is None:
                 raise InvalidRequestError(
@@ -179,6 +188,8 @@ class Scheduler:
                 )
             # Compiles on the manager's threads; WAITING_FOR_FSM until done.
             self.structured_output_manager.grammar_init(request)
+        if request.lora is not None and self.lora_slots is not None:
+            self.lora_slots.add_request(request)  # its adapter loads in the background
         self.requests[request.request_id] = request
         self._count_in_group(request, +1)
         self.waiting.add(request)
@@ -346,6 +357,8 @@ class Scheduler:
         share steps aside while a starved group waits."""
         # Requests not ready yet (or stepping aside) keep their place, for this step only.
         not_ready: list[Request] = []
+        if self.lora_slots is not None:
+            self.lora_slots.begin_step(self.running)
         while self.waiting and batch.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if fair is not None and fair.steps_aside(request):
@@ -377,6 +390,12 @@ class Scheduler:
             if so_request.error is not None:
                 return Admission(AdmitDecision.FAIL, error=so_request.error)
             request.status = RequestStatus.WAITING
+        if request.lora is not None and self.lora_slots is not None:
+            blocker = self.lora_slots.blocker(request.lora)
+            if blocker == LOADING:  # loading, or max_loras other adapters run this step
+                return Admission(AdmitDecision.DEFER_NOT_READY)
+            if blocker is not None:
+                return Admission(AdmitDecision.FAIL, error=blocker)
         computed_blocks: list[KVCacheBlock] = []
         num_computed_tokens = request.num_computed_tokens
         num_external_tokens = 0
@@ -415,6 +434,8 @@ class Scheduler:
             request.num_cached_tokens = num_computed_tokens
         if request.first_scheduled_time is None:
             request.first_scheduled_time = batch.now
+        if request.lora is not None and self.lora_slots is not None:
+            self.lora_slots.admit(request.lora)
         self.running.append(request)
         block_ids = self.kv_cache_manager.get_block_ids(request_id)
         other_group_block_ids = self.kv_cache_manager.get_other_group_block_ids(request_id)
@@ -436,6 +457,7 @@ class Scheduler:
                     num_computed_tokens=num_computed_tokens,
                     eos_token_id=request.eos_token_id,
                     other_group_block_ids=other_group_block_ids,
+                    lora=request.lora,
                 )
             )
         batch.add(request_id, admission.num_new_tokens)
@@ -463,6 +485,7 @@ class Scheduler:
             # NOTE: a request still reasoning needs this step's tokens too:
             # they say whether its next step samples under its grammar.
             sync_required=self._samples_under_grammar(num_scheduled_tokens),
+            lora_loads=self.lora_slots.take_loads() if self.lora_slots is not None else [],
         )
         if self.kv_transfer is not None:
             self.kv_transfer.attach_metadata(scheduler_output)
@@ -506,9 +529,10 @@ class Scheduler:
         for request_id, num_new_tokens in num_scheduled_tokens.items():
             request = self.requests[request_id]
             if request.num_computed_tokens < request.num_prompt_tokens:
-                self.num_prompt_tokens_computed += min(
-                    num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens
-                )
+                num_prompt_tokens = min(num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens)
+                self.num_prompt_tokens_computed += num_prompt_tokens
+                if request.lora is not None and self.lora_slots is not None:
+                    self.lora_slots.count_tokens(request, num_prompt_tokens, 0)
             request.num_computed_tokens += num_new_tokens
             if async_scheduling:
                 # It samples this step: its token and its drafts (all of them
@@ -588,6 +612,8 @@ class Scheduler:
             # gets that step's token (it was computed from its own KV).
             preempted = request.status == RequestStatus.PREEMPTED
             num_new_tokens, stopped = self._append_sampled_tokens(request, sampled)
+            if num_new_tokens and request.lora is not None and self.lora_slots is not None:
+                self.lora_slots.count_tokens(request, 0, num_new_tokens)
             if sampled:
                 # The drafts the next step verifies (none while prefilling).
                 request.spec_token_ids = [] if stopped else self._usable_drafts(request, runner_output)
@@ -718,6 +744,8 @@ class Scheduler:
             self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         self._preempted_in_flight.discard(request.request_id)
+        if self.lora_slots is not None:
+            self.lora_slots.free_request(request)
         del self.requests[request.request_id]
         self._count_in_group(request, -1)
 
@@ -740,6 +768,9 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             spec_decoding_stats=self._take_spec_decoding_stats(),
             kv_connector_stats=None if self.kv_transfer is None else self.kv_transfer.take_stats(),
+            lora_stats=(
+                None if self.lora_slots is None else self.lora_slots.make_stats(self.running, self.waiting)
+            ),
         )
 
     @property

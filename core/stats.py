@@ -103,6 +103,26 @@ class SpecDecodingStats(msgspec.Struct, array_like=True):
         )
 
 
+class LoRAStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Multi-LoRA figures (core/lora_slots.py): the adapters now (vLLM's
+    `vllm:lora_requests_info` labels), and counts by adapter name since the
+    previous stats."""
+
+    max_lora: int
+    # Names of the adapters of running / waiting requests, sorted.
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
+    # Adapters the engine core holds loaded (at most lora.max_cpu_loras
+    # unless more are in use).
+    num_loaded_adapters: int = 0
+    # Deltas: each finished load's seconds; requests added, prompt tokens
+    # computed and tokens generated, by adapter name.
+    load_times_s: list[float] = []
+    requests: dict[str, int] = {}
+    prompt_tokens: dict[str, int] = {}
+    generation_tokens: dict[str, int] = {}
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """The scheduler's figures after a step, as the core sends them with the
     step's outputs (and with its idle heartbeat); the stat loggers and
@@ -124,6 +144,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # since the last stats, gauges' value, histograms' new observations; None
     # when no component reported any.
     custom_stats: dict[str, FigureValue] | None = None
+    # Multi-LoRA serving's figures; None unless lora.enable_lora.
+    lora_stats: LoRAStats | None = None
 
 
 class RequestTimes(Protocol):

@@ -10,8 +10,9 @@ of typed structs: nothing is pickled, so no frame can run code in a worker.
 The SchedulerOutput and the ModelRunnerOutput travel as themselves (msgspec
 Structs, core/scheduler_output.py), with their SamplingParams: validated where
 the user's values entered, decoded on the rank without validating again
-(`trusted_values`). Two fields need a codec: the grammar bitmask (a tensor)
-travels as a msgpack extension (dtype, shape, raw bytes), and a KV
+(`trusted_values`). Two fields need a codec: the grammar bitmask and the
+LoRA slot loads' weights (tensors) travel as msgpack extensions (dtype,
+shape, raw bytes), and a KV
 connector's metadata as msgpack of its dataclass, decoded on the rank into
 its connector's `metadata_cls` (`WorkerInputDecoder`). With a KV connector
 every rank answers a step: its connector's report (`KVConnectorOutput`) rides
@@ -94,8 +95,9 @@ TENSOR_EXT = 1
 
 
 def encode_step(scheduler_output: SchedulerOutput) -> bytes:
-    """The `ExecuteModel` frame of one step, its grammar bitmask a tensor extension."""
-    step_encoder = msgspec.msgpack.Encoder(enc_hook=partial(_encode_bitmask, scheduler_output.grammar_bitmask))
+    """The `ExecuteModel` frame of one step, its grammar bitmask and LoRA
+    weights tensor extensions."""
+    step_encoder = msgspec.msgpack.Encoder(enc_hook=partial(_encode_tensor, _step_tensors(scheduler_output)))
     try:
         return step_encoder.encode(ExecuteModel(scheduler_output))
     except TypeError as exc:
@@ -108,14 +110,24 @@ def encode_step(scheduler_output: SchedulerOutput) -> bytes:
         ) from None
 
 
-def _encode_bitmask(bitmask: torch.Tensor | None, obj: Any) -> msgspec.msgpack.Ext:
-    # NOTE: only the step's own bitmask: a tensor anywhere else (a connector's
+def _step_tensors(scheduler_output: SchedulerOutput) -> set[int]:
+    """The ids of the tensors a step may carry: its bitmask and its LoRA loads' weights."""
+    tensors = [tensor for load in scheduler_output.lora_loads for tensor in load.weights.values()]
+    if scheduler_output.grammar_bitmask is not None:
+        tensors.append(scheduler_output.grammar_bitmask)
+    return {id(tensor) for tensor in tensors}
+
+
+def _encode_tensor(allowed: set[int], obj: Any) -> msgspec.msgpack.Ext:
+    # NOTE: only the step's own tensors: a tensor anywhere else (a connector's
     # metadata) is refused, as every rank would get a copy of it.
-    if bitmask is None or obj is not bitmask:
+    if not isinstance(obj, torch.Tensor) or id(obj) not in allowed:
         raise TypeError(f"{type(obj).__name__} is not msgpack data")
-    tensor = bitmask.contiguous()
+    tensor = obj.detach().cpu().contiguous()
     header = encoder.encode((str(tensor.dtype).removeprefix("torch."), list(tensor.shape)))
-    return msgspec.msgpack.Ext(TENSOR_EXT, len(header).to_bytes(4, "little") + header + tensor.numpy().tobytes())
+    # As bytes (numpy has no bfloat16).
+    payload = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return msgspec.msgpack.Ext(TENSOR_EXT, len(header).to_bytes(4, "little") + header + payload)
 
 
 def _decode_tensor(code: int, data: memoryview) -> torch.Tensor:
@@ -125,6 +137,8 @@ def _decode_tensor(code: int, data: memoryview) -> torch.Tensor:
     dtype, shape = msgspec.msgpack.decode(data[4:4 + header_len], type=tuple[str, list[int]])
     # bytearray: a writable buffer, so the tensor owns its memory.
     payload = bytearray(data[4 + header_len:])
+    if not payload:
+        return torch.empty(shape, dtype=getattr(torch, dtype))
     return torch.frombuffer(payload, dtype=getattr(torch, dtype)).view(*shape)
 
 

@@ -1,0 +1,305 @@
+"""Multi-LoRA serving in the engine core: the scheduler's adapter slots and
+admission (max_loras, loading adapters, failed ones), the engine core's
+adapter store, the step codec carrying slot loads, and the front end's
+registration and refusals."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from pagedllm.core.config import LoRAConfig, SchedulerConfig
+from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.kv_cache.manager import KVCacheManager
+from pagedllm.core.lora import LoRARef, LoRASlotLoad
+from pagedllm.core.lora_slots import LOADING, LoRASlotTable
+from pagedllm.core.request import Request
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executors.messages import ExecuteModel, WorkerInputDecoder, encode_step
+from pagedllm.lora.store import LoRAStore
+from tests.helpers.scheduler_utils import FakeRunner, prompt
+
+ADAPTER_A = LoRARef("a", "a" * 64, "/adapters/a")
+ADAPTER_B = LoRARef("b", "b" * 64, "/adapters/b")
+ADAPTER_C = LoRARef("c", "c" * 64, "/adapters/c")
+
+
+@dataclass
+class FakeStore:
+    """A LoRAAdapterStore whose adapters are ready unless `states` says
+    otherwise; it counts who holds what."""
+
+    states: dict[str, str | None] = field(default_factory=dict)
+    holders: Counter[str] = field(default_factory=Counter)
+
+    def request_load(self, ref: LoRARef) -> None:
+        self.holders[ref.digest] += 1
+
+    def release(self, digest: str) -> None:
+        self.holders[digest] -= 1
+
+    def state(self, digest: str) -> str | None:
+        return self.states.get(digest)
+
+    def weights(self, digest: str) -> dict[str, object]:
+        return {"model.layers.0.self_attn.q_proj.lora_A": f"tensor-of-{digest[:1]}"}
+
+    def num_loaded(self) -> int:
+        return len(self.holders)
+
+    def take_load_times(self) -> list[float]:
+        return []
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        pass
+
+
+class LoRARunner(FakeRunner):
+    """The fake runner, plus the runner's share of LoRA: it applies each
+    step's slot loads and checks that every scheduled request's adapter is
+    in a slot, and that a step uses at most max_loras adapters."""
+
+    def __init__(self, scheduler: Scheduler, max_loras: int) -> None:
+        super().__init__(scheduler)
+        self.max_loras = max_loras
+        self.slots: dict[int, str] = {}
+        self.request_loras: dict[str, LoRARef | None] = {}
+        self.loads: list[list[tuple[int, str]]] = []
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.loads.append([(load.slot, load.digest[:1]) for load in scheduler_output.lora_loads])
+        for load in scheduler_output.lora_loads:
+            assert 1 <= load.slot <= self.max_loras
+            self.slots[load.slot] = load.digest
+        for new_data in scheduler_output.scheduled_new_reqs:
+            self.request_loras[new_data.req_id] = new_data.lora
+        step_digests = set()
+        for request_id in scheduler_output.num_scheduled_tokens:
+            lora = self.request_loras[request_id]
+            if lora is not None:
+                assert lora.digest in self.slots.values(), f"{request_id}: adapter {lora.name} in no slot"
+                step_digests.add(lora.digest)
+        assert len(step_digests) <= self.max_loras
+        return super().execute(scheduler_output)
+
+
+def lora_scheduler(
+    store: FakeStore | LoRAStore | None, max_loras: int = 2, num_blocks: int = 64, **config: object
+) -> Scheduler:
+    manager = KVCacheManager(num_blocks, 4, enable_caching=True, debug_checks=True)
+    slots = None if store is None else LoRASlotTable(max_loras, store)
+    return Scheduler(SchedulerConfig(**config), manager, 256, lora_slots=slots)  # type: ignore[arg-type]
+
+
+def lora_request(request_id: str, lora: LoRARef | None, start: int, max_tokens: int = 3) -> Request:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return Request(request_id, prompt(start, 6), params, eos_token_id=None, lora=lora)
+
+
+def run_all(runner: LoRARunner, max_steps: int = 100) -> list[dict[str, int]]:
+    """Step until nothing is left; each step's scheduled requests."""
+    scheduled = []
+    for _ in range(max_steps):
+        if not runner.scheduler.has_unfinished_requests():
+            return scheduled
+        scheduled.append(dict(runner.step().scheduled))
+    raise AssertionError("requests left unfinished")
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+def test_a_third_adapter_waits_for_a_slot_while_a_base_request_runs() -> None:
+    store = FakeStore()
+    scheduler = lora_scheduler(store, max_loras=2)
+    runner = LoRARunner(scheduler, max_loras=2)
+    for request in (
+        lora_request("a", ADAPTER_A, 100, max_tokens=2),
+        lora_request("b", ADAPTER_B, 200, max_tokens=4),
+        lora_request("c", ADAPTER_C, 300),
+        lora_request("base", None, 400),
+    ):
+        scheduler.add_request(request)
+    scheduled = run_all(runner)
+    assert list(scheduled[0]) == ["a", "b", "base"]  # c waits: a and b hold both slots
+    # a finishes after its 2nd token (step 2); c runs from step 3, in a's slot.
+    assert [("c" in step) for step in scheduled[:3]] == [False, False, True]
+    assert runner.loads[:3] == [[(1, "a"), (2, "b")], [], [(1, "c")]]
+    assert all(len(step) > 0 for step in scheduled)
+    # Every hold was let go: the requests' and, for slots, none but the two kept.
+    assert store.holders == Counter({ADAPTER_A.digest: 0, ADAPTER_B.digest: 1, ADAPTER_C.digest: 1})
+
+
+def test_an_adapter_still_loading_waits_without_blocking_a_base_request() -> None:
+    store = FakeStore(states={ADAPTER_A.digest: LOADING})
+    scheduler = lora_scheduler(store)
+    runner = LoRARunner(scheduler, max_loras=2)
+    scheduler.add_request(lora_request("a", ADAPTER_A, 100))
+    scheduler.add_request(lora_request("base", None, 200))
+    assert list(runner.step().scheduled) == ["base"]
+    assert list(runner.step().scheduled) == ["base"]
+    store.states[ADAPTER_A.digest] = None  # loaded
+    step = runner.step()
+    assert list(step.scheduled) == ["base", "a"]
+    assert step.scheduler_output.lora_loads == [
+        LoRASlotLoad(1, ADAPTER_A.digest, store.weights(ADAPTER_A.digest))
+    ]
+    assert step.scheduler_output.scheduled_new_reqs[0].lora == ADAPTER_A
+
+
+def test_an_unused_adapter_stays_in_its_slot_until_the_least_recently_used_slot_is_needed() -> None:
+    store = FakeStore()
+    scheduler = lora_scheduler(store, max_loras=2)
+    runner = LoRARunner(scheduler, max_loras=2)
+    for request_id, lora, start in (("a1", ADAPTER_A, 100), ("b1", ADAPTER_B, 200), ("a2", ADAPTER_A, 300),
+                                    ("c1", ADAPTER_C, 400)):
+        scheduler.add_request(lora_request(request_id, lora, start, max_tokens=1))
+        run_all(runner)
+    # a1 -> slot 1, b1 -> slot 2, a2 finds a in slot 1 (no copy), c1 takes
+    # slot 2 (b's: least recently used) and a stays.
+    assert [loads for loads in runner.loads if loads] == [[(1, "a")], [(2, "b")], [(2, "c")]]
+    assert runner.slots == {1: ADAPTER_A.digest, 2: ADAPTER_C.digest}
+    assert store.holders == Counter({ADAPTER_A.digest: 1, ADAPTER_B.digest: 0, ADAPTER_C.digest: 1})
+
+
+def test_a_failed_adapter_finishes_its_request_with_the_error_and_others_run() -> None:
+    error = "LoRA adapter 'a' (/adapters/a): its files changed since it was registered"
+    store = FakeStore(states={ADAPTER_A.digest: error})
+    scheduler = lora_scheduler(store)
+    runner = LoRARunner(scheduler, max_loras=2)
+    scheduler.add_request(lora_request("a", ADAPTER_A, 100))
+    scheduler.add_request(lora_request("b", ADAPTER_B, 200))
+    first = runner.step()
+    assert list(first.scheduled) == ["b"]
+    failed = first.outputs["a"]
+    assert (failed.finish_reason, failed.stop_reason, failed.new_token_ids) == ("abort", error, [])
+    assert "a" not in scheduler.requests and store.holders[ADAPTER_A.digest] == 0
+
+
+def test_adapters_keep_their_slots_through_preemption() -> None:
+    store = FakeStore()
+    # 10 blocks of 4 tokens: three 6-token prompts growing to 16 tokens cannot all stay.
+    scheduler = lora_scheduler(store, max_loras=2, num_blocks=10)
+    runner = LoRARunner(scheduler, max_loras=2)
+    for request_id, lora, start in (("a", ADAPTER_A, 100), ("b", ADAPTER_B, 200), ("base", None, 300)):
+        scheduler.add_request(lora_request(request_id, lora, start, max_tokens=10))
+    run_all(runner)  # LoRARunner checks every step's adapters are in slots
+    assert scheduler.num_preemptions > 0
+    assert store.holders[ADAPTER_A.digest] == 1 and store.holders[ADAPTER_B.digest] == 1  # the slots' holds
+
+
+def test_lora_stats_count_requests_and_tokens_per_adapter_name() -> None:
+    store = FakeStore()
+    scheduler = lora_scheduler(store, max_loras=1)
+    runner = LoRARunner(scheduler, max_loras=1)
+    same_files_other_name = LoRARef("a-too", ADAPTER_A.digest, ADAPTER_A.path)
+    scheduler.add_request(lora_request("a", ADAPTER_A, 100, max_tokens=2))
+    scheduler.add_request(lora_request("a2", same_files_other_name, 200, max_tokens=2))
+    scheduler.add_request(lora_request("b", ADAPTER_B, 300, max_tokens=2))
+    runner.step()
+    stats = scheduler.make_stats().lora_stats
+    assert stats is not None
+    assert (stats.max_lora, stats.running_lora_adapters, stats.waiting_lora_adapters) == (1, ["a", "a-too"], ["b"])
+    assert (stats.requests, stats.prompt_tokens, stats.generation_tokens) == (
+        {"a": 1, "a-too": 1, "b": 1}, {"a": 6, "a-too": 6}, {"a": 1, "a-too": 1},
+    )
+    run_all(runner)
+    stats = scheduler.make_stats().lora_stats
+    assert stats is not None
+    assert (stats.requests, stats.prompt_tokens, stats.generation_tokens) == (
+        {}, {"b": 6}, {"a": 1, "a-too": 1, "b": 2},
+    )
+
+
+def test_a_request_with_an_adapter_is_refused_without_enable_lora() -> None:
+    scheduler = lora_scheduler(None)
+    with pytest.raises(InvalidRequestError, match="enable-lora"):
+        scheduler.add_request(lora_request("a", ADAPTER_A, 100))
+    assert not scheduler.requests
+
+
+# -------------------------------------------------------------------- store
+
+
+class FakeLoader:
+    """Loads adapters by digest from `files`; `gate` holds loads back."""
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self.files = files
+        self.gate = threading.Event()
+        self.gate.set()
+        self.loaded: list[str] = []
+
+    def __call__(self, ref: LoRARef) -> tuple[str, dict[str, torch.Tensor]]:
+        self.gate.wait(5)
+        self.loaded.append(ref.name)
+        return self.files[ref.path], {"m.lora_A": torch.full((1, 2), float(len(self.loaded)))}
+
+
+def wait_ready(store: LoRAStore, digest: str) -> str | None:
+    for _ in range(500):
+        state = store.state(digest)
+        if state != LOADING:
+            return state
+        store.wait_for_loads(0.01)
+    raise AssertionError("load did not finish")
+
+
+def test_store_fails_an_adapter_whose_files_changed_since_it_was_registered() -> None:
+    loader = FakeLoader({ADAPTER_A.path: "f" * 64})
+    store = LoRAStore(LoRAConfig(enable_lora=True), loader=loader)
+    store.request_load(ADAPTER_A)
+    state = wait_ready(store, ADAPTER_A.digest)
+    assert state is not None and "'a'" in state and "files changed since it was registered" in state
+    store.release(ADAPTER_A.digest)
+    # Forgotten once no one holds it: a later request loads it again.
+    loader.files[ADAPTER_A.path] = ADAPTER_A.digest
+    store.request_load(ADAPTER_A)
+    assert wait_ready(store, ADAPTER_A.digest) is None
+    assert loader.loaded == ["a", "a"] and len(store.take_load_times()) == 1
+
+
+def test_store_keeps_held_adapters_and_evicts_the_least_recently_used_free_one() -> None:
+    loader = FakeLoader({ref.path: ref.digest for ref in (ADAPTER_A, ADAPTER_B, ADAPTER_C)})
+    store = LoRAStore(LoRAConfig(enable_lora=True, max_loras=1, max_cpu_loras=2), loader=loader)
+    store.request_load(ADAPTER_A)
+    store.request_load(ADAPTER_B)
+    assert wait_ready(store, ADAPTER_A.digest) is None and wait_ready(store, ADAPTER_B.digest) is None
+    store.request_load(ADAPTER_C)  # both places are held: C waits
+    assert store.state(ADAPTER_C.digest) == LOADING and loader.loaded == ["a", "b"]
+    store.release(ADAPTER_B.digest)  # b is free: C takes its place
+    assert wait_ready(store, ADAPTER_C.digest) is None
+    assert store.state(ADAPTER_A.digest) is None and store.state(ADAPTER_B.digest) != LOADING
+    assert store.state(ADAPTER_B.digest) is not None  # evicted: no longer held
+    assert store.num_loaded() == 2
+    store.shutdown()
+
+
+# -------------------------------------------------------------------- codec
+
+
+def test_step_codec_carries_lora_weights_to_the_ranks() -> None:
+    weights = {
+        "model.layers.0.self_attn.q_proj.lora_A": torch.randn(4, 8),
+        "model.layers.0.self_attn.q_proj.lora_B": torch.randn(8, 4).to(torch.bfloat16),
+    }
+    step = SchedulerOutput([], [], {}, 0, lora_loads=[LoRASlotLoad(2, ADAPTER_A.digest, weights)])
+    message = WorkerInputDecoder().decode(encode_step(step))
+    assert isinstance(message, ExecuteModel)
+    (load,) = message.step.lora_loads
+    assert (load.slot, load.digest, sorted(load.weights)) == (2, ADAPTER_A.digest, sorted(weights))
+    for name, tensor in weights.items():
+        assert load.weights[name].dtype == tensor.dtype and torch.equal(load.weights[name], tensor)
+
+
+def test_step_codec_still_refuses_a_tensor_outside_the_bitmask_and_the_loads() -> None:
+    stray = SchedulerOutput([], [], {}, 0, lora_loads=[LoRASlotLoad(1, ADAPTER_A.digest, {})])
+    stray.finished_req_ids = {torch.ones(1)}  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not msgpack data"):
+        encode_step(stray)
