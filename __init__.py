@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.engine.llm import LLM
     from pagedllm.engine.outputs import CompletionOutput, RequestOutput
+    from pagedllm.lora.request import LoRARequest
 
 # Lazy so that `import pagedllm.plugins` (done by every plugin) stays cheap.
 _EXPORTS = {
@@ -19,9 +20,12 @@ _EXPORTS = {
     "EngineConfig": "pagedllm.core.config",
     "RequestOutput": "pagedllm.engine.outputs",
     "CompletionOutput": "pagedllm.engine.outputs",
+    "LoRARequest": "pagedllm.lora.request",
 }
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM", "CompletionOutput", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams", "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -43,15 +43,18 @@ from pagedllm.engine.kv_event_log import KVEventLog
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from pagedllm.lora.registry import LoRARegistry
 from pagedllm.model_registry.generation_config import log_generation_defaults
 from pagedllm.model_registry.model_source import model_display_name, resolve_hub_models, resolve_model_path
 from pagedllm.model_registry.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from pagedllm.core.config import EngineConfig
+    from pagedllm.core.lora import LoRARef
     from pagedllm.core.sampling_params import SamplingParams
     from pagedllm.core.stats import SchedulerStats
     from pagedllm.engine.wire import EngineCoreOutputs
+    from pagedllm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,8 @@ class _RequestStream:
         self.prompt_token_ids = prompt_token_ids
         self.n = n
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        # Its adapter, which each of its RequestOutputs names.
+        self.lora_request: LoRARequest | None = None
 
     def aborted_output(self) -> RequestOutput:
         completions = [
@@ -167,8 +172,11 @@ class AsyncLLM:
         )
         self.ready = ready = self.engine_core.wait_for_ready(startup_timeout_s)
         self.input_processor = InputProcessor(
-            self.tokenizer, ready, config.structured_output, config.model.logits_processors
+            self.tokenizer, ready, config.structured_output, config.model.logits_processors,
+            enable_lora=config.lora.enable_lora,
         )
+        # Adapters are registered (loaded, checked, hashed) on first use, off the event loop.
+        self.lora_registry = LoRARegistry(ready.model_path, config.lora) if config.lora.enable_lora else None
         log_generation_defaults(config.model, self.input_processor.default_sampling_params)
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
@@ -349,6 +357,7 @@ class AsyncLLM:
         admission: RequestReservation | None = None,
         validated: bool = False,
         compiled_grammar: bytes | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's RequestOutputs as the core produces them.
 
@@ -362,13 +371,17 @@ class AsyncLLM:
         run again here, on the event loop. NOTE: the engine core does not
         validate the params again (its decode checks their types only).
         `compiled_grammar`: what the validator lane returned for its spec.
+        `lora_request`: the adapter to run with (registered on first use, in a
+        worker thread; LoRAAdapterError for an adapter not valid for this model).
         """
         self._check_accepting()
         await self.start()
+        lora = None if lora_request is None else await asyncio.to_thread(self.register_lora, lora_request)
         stream = self._add_request(
             prompt, sampling_params, request_id, prompt_text, priority, cache_salt, output_kind, admission, validated,
-            compiled_grammar,
+            compiled_grammar, lora,
         )
+        stream.lora_request = lora_request
         finished = False
         try:
             while not finished:
@@ -394,6 +407,7 @@ class AsyncLLM:
         admission: RequestReservation | None = None,
         validated: bool = False,
         compiled_grammar: bytes | None = None,
+        lora: LoRARef | None = None,
     ) -> _RequestStream:
         n = sampling_params.n
         if admission is None or not admission.take(n):
@@ -402,7 +416,7 @@ class AsyncLLM:
             raise InvalidRequestError("request_id", request_id, "a request with this id is still running")
         request = self.input_processor.process(
             request_id, prompt, sampling_params, prompt_text=prompt_text, priority=priority,
-            cache_salt=cache_salt, validated=validated, compiled_grammar=compiled_grammar,
+            cache_salt=cache_salt, validated=validated, compiled_grammar=compiled_grammar, lora=lora,
         )
         self.output_processor.add_request(request, output_kind)
         group_id = admission.group_id if admission is not None else request_id
@@ -415,6 +429,16 @@ class AsyncLLM:
             self.output_processor.abort_requests([request_id])
             raise
         return stream
+
+    def register_lora(self, lora_request: LoRARequest) -> LoRARef:
+        """The LoRARef of `lora_request`'s adapter (blocking: it may read and
+        hash the weights; the server calls it off the event loop)."""
+        if self.lora_registry is None:
+            raise InvalidRequestError(
+                "lora_request", lora_request.lora_name,
+                "this engine serves no LoRA adapters (start it with --enable-lora)",
+            )
+        return self.lora_registry.ref_for(lora_request)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its generate() ends with a finish_reason "abort" output."""
@@ -532,6 +556,7 @@ class AsyncLLM:
                 stream = self._streams.get(request_output.request_id)
                 if stream is None:
                     continue
+                request_output.lora_request = stream.lora_request
                 stream.queue.put_nowait(request_output)
                 if request_output.finished:
                     del self._streams[request_output.request_id]

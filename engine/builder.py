@@ -30,10 +30,12 @@ from pagedllm.core.engine import EngineCore
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.generation_config import GenerationDefaults
 from pagedllm.core.kv_cache.hybrid_manager import make_kv_cache_manager
+from pagedllm.core.lora_slots import LoRASlotTable
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.custom_stats_sources import build_custom_stats
 from pagedllm.kv_connectors.base import KVConnectorContext, KVConnectorRole, KVConnectorShard
 from pagedllm.kv_connectors.factory import build_kv_connector
+from pagedllm.lora.store import LoRAStore
 from pagedllm.model_registry.generation_config import load_generation_defaults
 from pagedllm.model_registry.tokenizer import config_eos_token_id
 from pagedllm.plugins import get_plugin_manager
@@ -235,6 +237,7 @@ def _build_engine_core(
         num_spec_tokens=num_spec_tokens,
         num_lookahead_tokens=num_spec_tokens if drafter_cls is not None and drafter_cls.needs_lookahead_slots else 0,
         kv_connector=kv_connector,
+        lora_slots=build_lora_slots(config),
     )
     return EngineCore(
         config,
@@ -246,6 +249,14 @@ def _build_engine_core(
         vocab_size=vocab_size,
         custom_stats=build_custom_stats(config, kv_connector, plugin_manager, model_custom_metrics(executor)),
     )
+
+
+def build_lora_slots(config: EngineConfig) -> LoRASlotTable | None:
+    """The adapters' slots and store (None unless lora.enable_lora): the
+    store loads adapters in its own thread, as requests name them."""
+    if not config.lora.enable_lora:
+        return None
+    return LoRASlotTable(config.lora.max_loras, LoRAStore(config.lora))
 
 
 def model_custom_metrics(executor: Executor) -> list[MetricSpec]:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.engine import validate_prompt
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.int_limits import check_priority
+from pagedllm.core.lora import LoRARef
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.bad_words import bad_words_token_ids
 from pagedllm.engine.wire import EngineCoreRequest
@@ -64,6 +65,8 @@ class ProcessedRequest:
     eos_token_id: int | None = None
     # The validator's compiled grammar for the spec (see EngineCoreRequest).
     compiled_grammar: bytes | None = None
+    # Its LoRA adapter (None: the base model), every sample's.
+    lora: LoRARef | None = None
 
     def engine_requests(self, group_id: str | None = None) -> list[EngineCoreRequest]:
         """The samples as engine requests, in one fair-sharing group: `group_id`
@@ -83,6 +86,7 @@ class ProcessedRequest:
                 # NOTE: the first sample only: the core compiles (or loads)
                 # a spec once for all requests that arrive with it.
                 compiled_grammar=self.compiled_grammar if index == 0 else None,
+                lora=self.lora,
             )
             for index, (sample_id, sample_params) in enumerate(self.samples)
         ]
@@ -99,6 +103,7 @@ def make_request(
     cache_salt: str | None = None,
     eos_token_id: int | None = None,
     compiled_grammar: bytes | None = None,
+    lora: LoRARef | None = None,
 ) -> ProcessedRequest:
     """Fan a request out into its samples; no checks (`InputProcessor.process` runs them first)."""
     if params.n == 1:
@@ -107,7 +112,7 @@ def make_request(
         samples = [(child_request_id(index, request_id), params.for_child(index)) for index in range(params.n)]
     return ProcessedRequest(
         request_id, prompt, list(prompt_token_ids), params, time.time() if arrival_time is None else arrival_time,
-        samples, priority, cache_salt, eos_token_id, compiled_grammar,
+        samples, priority, cache_salt, eos_token_id, compiled_grammar, lora,
     )
 
 
@@ -120,9 +125,12 @@ class InputProcessor:
         ready: Ready,
         structured_output: StructuredOutputConfig,
         logits_processors: Sequence[str] = (),
+        enable_lora: bool = False,
     ) -> None:
         """`logits_processors`: the names the engine loads (model.logits_processors),
-        whose `validate_params` check every request's extra_args."""
+        whose `validate_params` check every request's extra_args. `enable_lora`:
+        the engine serves LoRA adapters (lora.enable_lora), so requests may name one."""
+        self.enable_lora = enable_lora
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
@@ -229,11 +237,17 @@ class InputProcessor:
         cache_salt: str | None = None,
         validated: bool = False,
         compiled_grammar: bytes | None = None,
+        lora: LoRARef | None = None,
     ) -> ProcessedRequest:
         """Check, tokenize, validate (unless the caller just ran `validate` on
         these very token ids and params, and passes the validator's
-        `compiled_grammar`) and fan out one request."""
+        `compiled_grammar`) and fan out one request; `lora`: its registered
+        adapter (lora/registry.py)."""
         check_priority(priority)
+        if lora is not None and not self.enable_lora:
+            raise InvalidRequestError(
+                "lora_request", lora.name, "this engine serves no LoRA adapters (start it with enable_lora=True)"
+            )
         text, prompt_token_ids, prompt_salt = self.tokenize(prompt)
         prompt_token_ids = self.truncate(prompt_token_ids, params)
         cache_salt = prompt_salt if cache_salt is None else cache_salt
@@ -248,7 +262,7 @@ class InputProcessor:
         return make_request(
             request_id, text if prompt_text is None else prompt_text, prompt_token_ids, params,
             priority=priority, cache_salt=cache_salt, eos_token_id=self.eos_token_id,
-            compiled_grammar=compiled_grammar,
+            compiled_grammar=compiled_grammar, lora=lora,
         )
 
 

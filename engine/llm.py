@@ -16,6 +16,7 @@ from pagedllm.engine.dp_client import SyncDPClient
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.output_processor import OutputProcessor, ProcessedOutputs
+from pagedllm.lora.registry import LoRARegistry
 from pagedllm.model_registry.chat_template import MissingChatTemplateError, has_own_chat_template, load_chat_template
 from pagedllm.model_registry.generation_config import generation_sampling_defaults, log_generation_defaults
 from pagedllm.model_registry.model_source import model_display_name, resolve_hub_models, resolve_model_path
@@ -23,8 +24,10 @@ from pagedllm.model_registry.tokenizer import load_tokenizer
 from pagedllm.plugins import get_plugin_manager
 
 if TYPE_CHECKING:
+    from pagedllm.core.lora import LoRARef
     from pagedllm.core.stats import SchedulerStats
     from pagedllm.engine.outputs import RequestOutput
+    from pagedllm.lora.request import LoRARequest
 
 ChatMessages = list[dict[str, Any]]
 
@@ -70,8 +73,12 @@ class LLM:
             self.config.model.tokenizer or ready.model_path, self.config.model.trust_remote_code
         )
         self.input_processor = InputProcessor(
-            self.tokenizer, ready, self.config.structured_output, self.config.model.logits_processors
+            self.tokenizer, ready, self.config.structured_output, self.config.model.logits_processors,
+            enable_lora=self.config.lora.enable_lora,
         )
+        # Adapters are registered (loaded, checked, hashed) here on first use.
+        self.lora_registry = LoRARegistry(ready.model_path, self.config.lora) if self.config.lora.enable_lora else None
+        self._lora_requests: dict[str, LoRARequest] = {}
         log_generation_defaults(self.config.model, self.input_processor.default_sampling_params)
         self.eos_token_id = self.input_processor.eos_token_id
         self.max_model_len = ready.max_model_len
@@ -102,16 +109,21 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`, each finished."""
+        """Outputs in the order of `prompts`, each finished; `lora_request`:
+        the adapter of every prompt, or one per prompt (None: the base model)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise InvalidRequestError("priority", len(priority), f"one value per prompt ({len(prompt_list)})")
+        lora_list = self._loras_per_prompt(lora_request, len(prompt_list))
         request_ids = []
         try:
             for index, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
-                request_ids.append(self._add_request(prompt, params, priority[index] if priority else 0))
+                request_ids.append(
+                    self._add_request(prompt, params, priority[index] if priority else 0, lora_list[index])
+                )
         except Exception:
             self._abort(request_ids)
             raise
@@ -125,6 +137,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with `chat_template` (else LLM's
         `chat_template`, else the tokenizer's), then generate."""
@@ -143,7 +156,7 @@ class LLM:
             # The template already holds every special token it wants.
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams holding the generation config's defaults (engine
@@ -181,9 +194,44 @@ class LLM:
             )
         return params_list
 
-    def _add_request(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
+    def _loras_per_prompt(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+    ) -> list[tuple[LoRARequest, LoRARef] | None]:
+        """Each prompt's adapter and its registration (LoRAAdapterError, before anything
+        reaches the core, for an adapter that is not valid for this model)."""
+        if lora_request is None or not isinstance(lora_request, Sequence):
+            requests: list[LoRARequest | None] = [lora_request] * num_prompts
+        else:
+            requests = list(lora_request)
+            if len(requests) != num_prompts:
+                raise InvalidRequestError("lora_request", f"<{len(requests)} items>", f"one per prompt ({num_prompts})")
+        refs: dict[int, LoRARef] = {}  # one registration per LoRARequest object
+        for request in requests:
+            if request is not None and id(request) not in refs:
+                refs[id(request)] = self._register_lora(request)
+        return [None if request is None else (request, refs[id(request)]) for request in requests]
+
+    def _register_lora(self, lora_request: LoRARequest) -> LoRARef:
+        if self.lora_registry is None:
+            raise InvalidRequestError(
+                "lora_request", lora_request.lora_name,
+                "this LLM serves no LoRA adapters (create it with enable_lora=True)",
+            )
+        return self.lora_registry.ref_for(lora_request)
+
+    def _add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int,
+        lora: tuple[LoRARequest, LoRARef] | None = None,
+    ) -> str:
         request_id = str(next(self._request_counter))
-        request = self.input_processor.process(request_id, prompt, params, priority=priority)
+        request = self.input_processor.process(
+            request_id, prompt, params, priority=priority, lora=None if lora is None else lora[1]
+        )
+        if lora is not None:
+            self._lora_requests[request_id] = lora[0]
         self.output_processor.add_request(request)
         try:
             self.engine_core.add_requests(request.engine_requests())
@@ -205,6 +253,7 @@ class LLM:
                 self.engine_core.abort_requests(processed.reqs_to_abort)
                 for request_output in processed.request_outputs:
                     if request_output.finished:
+                        request_output.lora_request = self._lora_requests.pop(request_output.request_id, None)
                         finished[request_output.request_id] = request_output
                         if progress is not None:
                             progress.update(1)
@@ -232,6 +281,8 @@ class LLM:
         return processed
 
     def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._lora_requests.pop(request_id, None)
         iteration_stats = IterationStats() if self.stat_logger is not None else None
         engine_request_ids = self.output_processor.abort_requests(request_ids, iteration_stats)
         if self.stat_logger is not None and iteration_stats is not None and iteration_stats.finished_requests:

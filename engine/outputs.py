@@ -141,3 +141,5 @@ class RequestOutput:
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # The adapter it ran with (a lora.request.LoRARequest; None: the base model).
+    lora_request: Any = None

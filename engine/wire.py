@@ -25,6 +25,7 @@ import msgspec
 from pagedllm.core.custom_stats import MetricSpec
 from pagedllm.core.generation_config import GenerationDefaults
 from pagedllm.core.kv_cache.events import KVCacheEvent
+from pagedllm.core.lora import LoRARef
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams, trusted_values
@@ -52,6 +53,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # The API side's compiled grammar for this request's spec (the grammar
     # backend's `serialize`), so the core loads it instead of compiling again.
     compiled_grammar: bytes | None = None
+    # Its LoRA adapter as the front end registered it (None: the base model).
+    lora: LoRARef | None = None
 
 
 class AddRequests(msgspec.Struct, tag="add", array_like=True):
@@ -186,6 +189,7 @@ def from_engine_core_request(wire: EngineCoreRequest) -> Request:
         priority=wire.priority,
         cache_salt=wire.cache_salt,
         group_id=wire.group_id,
+        lora=wire.lora,
     )
     request.compiled_grammar = wire.compiled_grammar
     return request

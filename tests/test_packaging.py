@@ -57,6 +57,7 @@ def test_every_public_name_resolves_to_its_defining_class() -> None:
         "EngineConfig": "pagedllm.core.config",
         "RequestOutput": "pagedllm.engine.outputs",
         "CompletionOutput": "pagedllm.engine.outputs",
+        "LoRARequest": "pagedllm.lora.request",
     }
     assert sorted(pagedllm.__all__) == sorted([*expected, "__version__"])
     for name, module_name in expected.items():
