@@ -63,6 +63,8 @@ BUILTIN_METRIC_NAMES = frozenset({
     "cache_config_info", "executor_rank_healthy",
     "router_requests", "router_prefix_routed_requests", "router_predicted_hit_tokens",
     "router_actual_hit_tokens", "replica_healthy",
+    "lora_requests_info", "lora_requests", "lora_prompt_tokens", "lora_generation_tokens",
+    "lora_adapters_loaded", "lora_load_time_seconds",
 })  # fmt: skip
 
 METRIC_NAME_PATTERN = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")

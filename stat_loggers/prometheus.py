@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedllm.core.custom_stats import MetricSpec, MetricType
 from pagedllm.stat_loggers.base import METRIC_PREFIX, StatLoggerBase, StatLoggerContext
+from pagedllm.stat_loggers.lora_metrics import LoRAMetrics
 
 if TYPE_CHECKING:
     from pagedllm.core.stats import IterationStats, SchedulerStats
@@ -102,6 +103,8 @@ class PrometheusStatLogger(StatLoggerBase):
         self.custom_collectors = self._add_custom_metrics(context.custom_metrics)
         # The engine's preemption count is cumulative; the counter gets deltas.
         self._last_num_preemptions = 0
+        # Multi-LoRA collectors, made with the first LoRA figures.
+        self.lora_metrics: LoRAMetrics | None = None
 
     # ---- StatLoggerBase -------------------------------------------------
 
@@ -122,6 +125,10 @@ class PrometheusStatLogger(StatLoggerBase):
             self.record_scheduler_stats(scheduler_stats, cumulative - base)
             if scheduler_stats.custom_stats:
                 self.record_custom_stats(scheduler_stats.custom_stats)
+            if scheduler_stats.lora_stats is not None:
+                if self.lora_metrics is None:
+                    self.lora_metrics = LoRAMetrics(self.registry, self.model_name)
+                self.lora_metrics.record(scheduler_stats.lora_stats)
         if iteration_stats is not None:
             self.record_iteration_stats(iteration_stats)
         if num_scheduled_tokens is not None:

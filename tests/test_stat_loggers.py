@@ -29,7 +29,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.custom_stats import CustomStatsCollector, MetricSpec, MetricType
 from pagedllm.core.errors import ConfigError, PluginError
-from pagedllm.core.stats import IterationStats, SchedulerStats
+from pagedllm.core.stats import IterationStats, LoRAStats, SchedulerStats
 from pagedllm.engine.metrics import StatLoggerManager, stat_logger_names
 from pagedllm.engine.wire import CoreOutputDecoder, CoreOutputEncoder, EngineCoreOutputs, Ready
 from pagedllm.entrypoints.cli import build_parser
@@ -400,8 +400,37 @@ def test_the_builtin_metric_names_are_exactly_what_prometheus_registers() -> Non
     prometheus = PrometheusStatLogger(context)
     prometheus.log_engine_initialized()
     prometheus.add_router_metrics(2)
+    prometheus.record(SchedulerStats(0, 0, 0.0, 0, 0, 0, lora_stats=LoRAStats(max_lora=1)), None)
     names = {metric.name.removeprefix("pagedllm:") for metric in registry.collect()}
     assert names == BUILTIN_METRIC_NAMES
+
+
+def test_lora_stats_become_per_adapter_counters_and_vllms_info_gauge() -> None:
+    registry = CollectorRegistry()
+    prometheus = PrometheusStatLogger(StatLoggerContext("m", EngineConfig(), registry, 1024))
+    no_lora = SchedulerStats(1, 0, 0.0, 0, 0, 0)
+    prometheus.record(no_lora, None)
+    assert registry.get_sample_value("pagedllm:lora_adapters_loaded", {"model_name": "m"}) is None
+    for requests in ({"sql": 2, "fr": 1}, {"sql": 1}):
+        lora = LoRAStats(
+            max_lora=4, running_lora_adapters=["fr", "sql"], waiting_lora_adapters=["de"], num_loaded_adapters=3,
+            load_times_s=[0.2], requests=requests, prompt_tokens={"sql": 10}, generation_tokens={"fr": 4},
+        )
+        prometheus.record(SchedulerStats(1, 0, 0.0, 0, 0, 0, lora_stats=lora), None)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value("pagedllm:" + name, {"model_name": "m", **labels})
+
+    assert value("lora_requests_total", lora_name="sql") == 3.0
+    assert value("lora_requests_total", lora_name="fr") == 1.0
+    assert value("lora_prompt_tokens_total", lora_name="sql") == 20.0
+    assert value("lora_generation_tokens_total", lora_name="fr") == 8.0
+    assert value("lora_adapters_loaded") == 3.0
+    assert value("lora_load_time_seconds_count") == 2.0
+    info = next(s for s in registry.collect() if s.name == "pagedllm:lora_requests_info").samples
+    assert [sample.labels for sample in info] == [{
+        "model_name": "m", "max_lora": "4", "waiting_lora_adapters": "de", "running_lora_adapters": "fr,sql",
+    }]
 
 
 # ---- conformance ---------------------------------------------------------------
