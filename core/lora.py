@@ -62,15 +62,15 @@ class LoRAAdapterStore(Protocol):
     request whose adapter is still loading waiting, without stalling others."""
 
     def request_load(self, ref: LoRARef) -> None:
-        """A request (or a slot) wants `ref`: start loading it if it is not
+        """A request wants `ref`: start loading it if it is not
         loaded or loading; returns at once. NOTE: each call holds the adapter
         (it is never evicted while held) until its matching `release`."""
         ...
 
     def release(self, digest: str) -> None:
-        """One holder of `digest` (a finished request, a slot given to
-        another adapter) lets go: once none holds it, it may be evicted (a
-        failed load is forgotten, so a later request tries again)."""
+        """One holder of `digest` (a finished request) lets go: once none
+        holds it, it may be evicted (a failed load is forgotten, so a later
+        request tries again)."""
         ...
 
     def state(self, digest: str) -> str | None:

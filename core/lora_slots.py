@@ -9,9 +9,12 @@ again. A step uses at most `max_loras` distinct adapters: the running
 requests' count first, and a waiting request whose adapter would be one
 too many waits (it is never a reason to preempt).
 
-Every adapter in a slot, and every adapter a waiting or running request
-names, is held in the store (`LoRAAdapterStore.request_load` / `release`),
-so the store never evicts an adapter that a slot or a request still needs.
+Every adapter a waiting or running request names is held in the store
+(`LoRAAdapterStore.request_load` / `release`), so the store never evicts
+an adapter a request still needs. A slot does not hold its adapter there:
+the runner keeps the slot's weights on the device, so an adapter found in
+a slot needs no store copy, and a store of `max_cpu_loras == max_loras`
+can still load a new adapter while unused ones sit in every slot.
 """
 
 from __future__ import annotations
@@ -75,12 +78,12 @@ class LoRASlotTable:
         """Why a request with `lora` cannot run this step: LOADING (its
         adapter is loading, or the step has `max_loras` other adapters
         already: it waits), an error (its adapter failed to load), or None."""
-        state = self.store.state(lora.digest)
-        if state is not None:
-            return state
-        if lora.digest in self._step_adapters or len(self._step_adapters) < self.max_loras:
+        if lora.digest in self._step_adapters:
             return None
-        return LOADING
+        if len(self._step_adapters) >= self.max_loras:
+            return LOADING
+        # In a slot already: its weights are on the device, whatever the store holds.
+        return None if lora.digest in self._slot_of else self.store.state(lora.digest)
 
     def admit(self, lora: LoRARef) -> None:
         """The request runs this step: its adapter gets a slot (a load for
@@ -112,9 +115,6 @@ class LoRASlotTable:
         old_digest = self._digest_in_slot.get(slot)
         if old_digest is not None:
             del self._slot_of[old_digest]
-            self.store.release(old_digest)
-        # The slot holds the adapter in the store for as long as it has it.
-        self.store.request_load(lora)
         self._digest_in_slot[slot] = lora.digest
         self._slot_of[lora.digest] = slot
         self._loads.append(LoRASlotLoad(slot, lora.digest, self.store.weights(lora.digest)))

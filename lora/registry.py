@@ -30,7 +30,9 @@ class LoRARegistry:
     def __init__(self, model_path: str, config: LoRAConfig) -> None:
         self.model_path = model_path
         self.config = config
+        # The base model's modules -> (out, in), read on first use (None: no checks).
         self._base_modules: dict[str, tuple[int, int]] | None = None
+        self._base_modules_read = False
         # Folder (real path) -> (its files' stamp, the digest read from them).
         self._digests: dict[str, tuple[FilesStamp, str]] = {}
         self._lock = threading.Lock()
@@ -57,8 +59,9 @@ class LoRARegistry:
     def _load_digest(self, name: str, folder: str) -> str:
         from pagedllm.lora.adapter import base_model_modules, load_lora_adapter
 
-        if self._base_modules is None:
+        if not self._base_modules_read:
             self._base_modules = base_model_modules(self.model_path)
+            self._base_modules_read = True
         adapter = load_lora_adapter(
             folder, name=name, max_rank=self.config.max_lora_rank, max_bytes=self.config.max_lora_bytes,
             base_modules=self._base_modules,

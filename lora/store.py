@@ -8,9 +8,11 @@ front end computed it): if the files changed in between, every request
 naming the old digest fails with an error that says so, and nothing of the
 new files is served under the old identity.
 
-An adapter that a request or a slot holds (`request_load` .. `release`) is
-never evicted; when every place is held, a new load waits (its requests
-stay waiting) until a holder lets go.
+An adapter that a waiting or running request holds (`request_load` ..
+`release`) is never evicted; when every place is held, a new load waits
+(its requests stay waiting) until a holder lets go. Adapters sitting in the
+device's slots are not held (core/lora_slots.py): the slots keep their own
+copy.
 """
 
 from __future__ import annotations

@@ -5,25 +5,31 @@ registration and refusals."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from helpers.lora_adapters import peft_greedy, write_peft_adapter
+from helpers.scheduler_utils import FakeRunner, prompt
 
+from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.core.config import LoRAConfig, SchedulerConfig
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.lora import LoRARef, LoRASlotLoad
 from pagedllm.core.lora_slots import LOADING, LoRASlotTable
 from pagedllm.core.request import Request
-from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executors.messages import ExecuteModel, WorkerInputDecoder, encode_step
+from pagedllm.lora.adapter import LoRAAdapterError
 from pagedllm.lora.store import LoRAStore
-from tests.helpers.scheduler_utils import FakeRunner, prompt
+from pagedllm.testing.checkpoints import config_json, save_random_checkpoint
 
 ADAPTER_A = LoRARef("a", "a" * 64, "/adapters/a")
 ADAPTER_B = LoRARef("b", "b" * 64, "/adapters/b")
@@ -103,12 +109,16 @@ def lora_request(request_id: str, lora: LoRARef | None, start: int, max_tokens: 
 
 
 def run_all(runner: LoRARunner, max_steps: int = 100) -> list[dict[str, int]]:
-    """Step until nothing is left; each step's scheduled requests."""
+    """Step until nothing is left; each step's scheduled requests (an empty
+    step waits for a load, as the engine loop does)."""
     scheduled = []
+    slots = runner.scheduler.lora_slots
     for _ in range(max_steps):
         if not runner.scheduler.has_unfinished_requests():
             return scheduled
         scheduled.append(dict(runner.step().scheduled))
+        if not scheduled[-1] and slots is not None:
+            slots.store.wait_for_loads(1.0)
     raise AssertionError("requests left unfinished")
 
 
@@ -132,8 +142,8 @@ def test_a_third_adapter_waits_for_a_slot_while_a_base_request_runs() -> None:
     assert [("c" in step) for step in scheduled[:3]] == [False, False, True]
     assert runner.loads[:3] == [[(1, "a"), (2, "b")], [], [(1, "c")]]
     assert all(len(step) > 0 for step in scheduled)
-    # Every hold was let go: the requests' and, for slots, none but the two kept.
-    assert store.holders == Counter({ADAPTER_A.digest: 0, ADAPTER_B.digest: 1, ADAPTER_C.digest: 1})
+    # Every request let go of its adapter (slots hold none in the store).
+    assert set(store.holders.values()) == {0}
 
 
 def test_an_adapter_still_loading_waits_without_blocking_a_base_request() -> None:
@@ -165,7 +175,7 @@ def test_an_unused_adapter_stays_in_its_slot_until_the_least_recently_used_slot_
     # slot 2 (b's: least recently used) and a stays.
     assert [loads for loads in runner.loads if loads] == [[(1, "a")], [(2, "b")], [(2, "c")]]
     assert runner.slots == {1: ADAPTER_A.digest, 2: ADAPTER_C.digest}
-    assert store.holders == Counter({ADAPTER_A.digest: 1, ADAPTER_B.digest: 0, ADAPTER_C.digest: 1})
+    assert set(store.holders.values()) == {0}
 
 
 def test_a_failed_adapter_finishes_its_request_with_the_error_and_others_run() -> None:
@@ -191,7 +201,7 @@ def test_adapters_keep_their_slots_through_preemption() -> None:
         scheduler.add_request(lora_request(request_id, lora, start, max_tokens=10))
     run_all(runner)  # LoRARunner checks every step's adapters are in slots
     assert scheduler.num_preemptions > 0
-    assert store.holders[ADAPTER_A.digest] == 1 and store.holders[ADAPTER_B.digest] == 1  # the slots' holds
+    assert set(store.holders.values()) == {0}
 
 
 def test_lora_stats_count_requests_and_tokens_per_adapter_name() -> None:
@@ -251,6 +261,19 @@ def wait_ready(store: LoRAStore, digest: str) -> str | None:
     raise AssertionError("load did not finish")
 
 
+def test_a_store_of_max_loras_adapters_loads_a_new_one_while_unused_ones_sit_in_every_slot() -> None:
+    loader = FakeLoader({ref.path: ref.digest for ref in (ADAPTER_A, ADAPTER_B, ADAPTER_C)})
+    store = LoRAStore(LoRAConfig(enable_lora=True, max_loras=2), loader=loader)  # max_cpu_loras = 2
+    scheduler = lora_scheduler(store, max_loras=2)
+    runner = LoRARunner(scheduler, max_loras=2)
+    for request_id, lora, start in (("a", ADAPTER_A, 100), ("b", ADAPTER_B, 200), ("c", ADAPTER_C, 300)):
+        scheduler.add_request(lora_request(request_id, lora, start))
+    steps = run_all(runner)
+    assert [request_id for step in steps for request_id in step if step[request_id] == 6] == ["a", "b", "c"]
+    assert loader.loaded == ["a", "b", "c"] and store.num_loaded() == 2
+    store.shutdown()
+
+
 def test_store_fails_an_adapter_whose_files_changed_since_it_was_registered() -> None:
     loader = FakeLoader({ADAPTER_A.path: "f" * 64})
     store = LoRAStore(LoRAConfig(enable_lora=True), loader=loader)
@@ -303,3 +326,172 @@ def test_step_codec_still_refuses_a_tensor_outside_the_bitmask_and_the_loads() -
     stray.finished_req_ids = {torch.ones(1)}  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="not msgpack data"):
         encode_step(stray)
+
+
+# --------------------------------------------------------- end to end (LLM)
+
+# NOTE: the model runner's share (slots in the layers, per-row adapter ids)
+# is another change; until it is in, the tests comparing tokens with PEFT
+# must fail (the runner ignores the adapters). Flip this when it lands.
+RUNNER_APPLIES_LORA = False
+pending_runner = pytest.mark.xfail(
+    not RUNNER_APPLIES_LORA, strict=True, reason="the model runner does not apply LoRA slots yet"
+)
+
+# Prompts past one 16-token block, so a repeat hits the prefix cache.
+E2E_PROMPTS = [[5 + (7 * i + 3 * j) % 200 for j in range(20)] for i in range(2)]
+MAX_TOKENS = 5
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_random_checkpoint(config_json("LlamaForCausalLM"), tmp_path_factory.mktemp("lora-e2e") / "base")
+
+
+@pytest.fixture(scope="module")
+def adapters(base_model: Path) -> dict[str, Path]:
+    """Three adapters of different ranks and targets (fused q/k/v and gate/up included)."""
+    shapes = {"q_v_down": (4, ["q_proj", "v_proj", "down_proj"]), "attention": (8, ["q_proj", "k_proj", "v_proj",
+              "o_proj"]), "gate_up": (2, ["gate_proj", "up_proj"])}
+    return {
+        name: write_peft_adapter(base_model, base_model.parent / name, rank=rank, target_modules=targets, seed=seed)
+        for seed, (name, (rank, targets)) in enumerate(shapes.items(), start=1)
+    }
+
+
+@pytest.fixture(scope="module")
+def references(base_model: Path, adapters: dict[str, Path]) -> dict[str | None, list[list[int]]]:
+    """transformers + PEFT greedy tokens per adapter (None: the base model), float32."""
+    refs: dict[str | None, list[list[int]]] = {None: peft_greedy(base_model, None, E2E_PROMPTS, MAX_TOKENS)}
+    for name, path in adapters.items():
+        refs[name] = peft_greedy(base_model, path, E2E_PROMPTS, MAX_TOKENS)
+    return refs
+
+
+def lora_llm(base_model: Path, **engine_args: Any) -> LLM:
+    args: dict[str, Any] = {"dtype": "float32", "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
+                            "num_kv_blocks": 64, "enforce_eager": True, **engine_args}
+    return LLM(str(base_model), **args)
+
+
+def generate_mixed(
+    llm: LLM, adapters: dict[str, Path], names: list[str | None]
+) -> tuple[list[list[int]], list[int]]:
+    """Every prompt with each of `names` (None: the base model) in ONE
+    generate call; the tokens and the cached prompt tokens of each."""
+    lora_requests = {name: LoRARequest(name, index + 1, str(path)) for index, (name, path) in
+                     enumerate(adapters.items())}
+    prompts, loras = [], []
+    for name in names:
+        for prompt_ids in E2E_PROMPTS:
+            prompts.append(prompt_ids)
+            loras.append(None if name is None else lora_requests[name])
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                           use_tqdm=False, lora_request=loras)
+    for output, lora in zip(outputs, loras, strict=True):
+        assert output.lora_request == lora
+    return [output.outputs[0].token_ids for output in outputs], [output.num_cached_tokens for output in outputs]
+
+
+def expected(references: dict[str | None, list[list[int]]], names: list[str | None]) -> list[list[int]]:
+    return [tokens for name in names for tokens in references[name]]
+
+
+ALL = ["q_v_down", None, "attention", "gate_up"]
+
+
+@pending_runner
+def test_three_adapters_and_the_base_in_one_batch_match_peft_with_prefix_hits(
+    base_model: Path, adapters: dict[str, Path], references: dict[str | None, list[list[int]]]
+) -> None:
+    llm = lora_llm(base_model)
+    try:
+        tokens, cached = generate_mixed(llm, adapters, ALL)
+        assert tokens == expected(references, ALL)
+        assert references["q_v_down"] != references[None]  # the adapters change the output
+        again, cached = generate_mixed(llm, adapters, ALL)
+        assert again == tokens and all(count == 16 for count in cached)
+    finally:
+        llm.shutdown()
+
+
+@pending_runner
+def test_adapters_match_peft_through_preemption_and_decode_graphs(
+    base_model: Path, adapters: dict[str, Path], references: dict[str | None, list[list[int]]]
+) -> None:
+    # 11 blocks of 4 tokens: two 20-token prompts fill 10, and both need a
+    # 6th block for their 21st position: one is preempted.
+    llm = lora_llm(base_model, block_size=4, num_kv_blocks=11, max_model_len=40, enforce_eager=False,
+                   enable_prefix_caching=False)
+    try:
+        tokens, _ = generate_mixed(llm, adapters, ALL)
+        stats = llm.get_stats()
+        assert stats is not None and stats.num_preemptions > 0
+        assert tokens == expected(references, ALL)
+    finally:
+        llm.shutdown()
+
+
+def identity_scenario(
+    base_model: Path, adapters: dict[str, Path], folder: Path
+) -> list[tuple[str, list[int], int]]:
+    """One prompt, in turn: adapter "mine" from `folder`, the same files as
+    "other-name", the base model, then "mine" with new weights written to
+    `folder`; (what ran, its tokens, its cached prompt tokens) of each."""
+    llm = lora_llm(base_model)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    shutil.copytree(adapters["q_v_down"], folder)
+    runs = [("q_v_down", LoRARequest("mine", 1, str(folder))), ("q_v_down", LoRARequest("other-name", 2, str(folder))),
+            (None, None), ("attention", LoRARequest("mine", 1, str(folder)))]
+    results = []
+    try:
+        for index, (weights, lora) in enumerate(runs):
+            if index == 3:  # new weights under the same name and folder
+                shutil.rmtree(folder)
+                shutil.copytree(adapters["attention"], folder)
+            (output,) = llm.generate([E2E_PROMPTS[0]], params, use_tqdm=False, lora_request=lora)
+            results.append((str(weights), output.outputs[0].token_ids, output.num_cached_tokens))
+    finally:
+        llm.shutdown()
+    return results
+
+
+def test_cache_identity_is_the_adapters_content_not_its_name(
+    base_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    results = identity_scenario(base_model, adapters, tmp_path / "mine")
+    # Two names for the same files share the prefix; the base model never
+    # hits the adapter's blocks; new weights under the old name and folder
+    # never hit the old weights' blocks.
+    assert [cached for _, _, cached in results] == [0, 16, 0, 0]
+
+
+@pending_runner
+def test_new_weights_under_an_old_name_give_the_new_adapters_tokens(
+    base_model: Path, adapters: dict[str, Path], references: dict[str | None, list[list[int]]], tmp_path: Path
+) -> None:
+    results = identity_scenario(base_model, adapters, tmp_path / "mine")
+    assert [tokens for _, tokens, _ in results] == [
+        references["q_v_down"][0], references["q_v_down"][0], references[None][0], references["attention"][0]
+    ]
+
+
+def test_adapter_errors_come_before_the_engine_core(base_model: Path, adapters: dict[str, Path]) -> None:
+    params = SamplingParams(max_tokens=2)
+    llm = lora_llm(base_model, max_lora_rank=4)
+    try:
+        with pytest.raises(LoRAAdapterError, match="attention"):  # rank 8 > max_lora_rank 4
+            llm.generate([E2E_PROMPTS[0]], params, use_tqdm=False,
+                         lora_request=LoRARequest("attention", 1, str(adapters["attention"])))
+        with pytest.raises(InvalidRequestError, match="one per prompt"):
+            llm.generate([E2E_PROMPTS[0]], params, use_tqdm=False, lora_request=[None, None])
+        assert not llm.output_processor.has_unfinished_requests()
+    finally:
+        llm.shutdown()
+    plain = LLM(str(base_model), dtype="float32", num_kv_blocks=64, enforce_eager=True)
+    try:
+        with pytest.raises(InvalidRequestError, match="enable_lora=True"):
+            plain.generate([E2E_PROMPTS[0]], params, use_tqdm=False,
+                           lora_request=LoRARequest("q", 1, str(adapters["q_v_down"])))
+    finally:
+        plain.shutdown()
