@@ -5,6 +5,7 @@ registration and refusals."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import threading
 from collections import Counter
@@ -18,7 +19,7 @@ from helpers.lora_adapters import peft_greedy, write_peft_adapter
 from helpers.scheduler_utils import FakeRunner, prompt
 
 from pagedllm import LLM, LoRARequest, SamplingParams
-from pagedllm.core.config import LoRAConfig, SchedulerConfig
+from pagedllm.core.config import EngineConfig, LoRAConfig, SchedulerConfig
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.lora import LoRARef, LoRASlotLoad
@@ -26,8 +27,11 @@ from pagedllm.core.lora_slots import LOADING, LoRASlotTable
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.outputs import RequestOutput
 from pagedllm.executors.messages import ExecuteModel, WorkerInputDecoder, encode_step
 from pagedllm.lora.adapter import LoRAAdapterError
+from pagedllm.lora.registry import LoRARegistry
 from pagedllm.lora.store import LoRAStore
 from pagedllm.testing.checkpoints import config_json, save_random_checkpoint
 
@@ -432,6 +436,19 @@ def test_adapters_match_peft_through_preemption_and_decode_graphs(
         llm.shutdown()
 
 
+@pending_runner
+def test_adapters_match_peft_at_tensor_parallel_2(
+    base_model: Path, adapters: dict[str, Path], references: dict[str | None, list[list[int]]]
+) -> None:
+    # The mp executor: the slot loads reach rank 1 through the step codec.
+    llm = lora_llm(base_model, tensor_parallel_size=2)
+    try:
+        tokens, _ = generate_mixed(llm, adapters, ALL)
+        assert tokens == expected(references, ALL)
+    finally:
+        llm.shutdown()
+
+
 def identity_scenario(
     base_model: Path, adapters: dict[str, Path], folder: Path
 ) -> list[tuple[str, list[int], int]]:
@@ -495,3 +512,56 @@ def test_adapter_errors_come_before_the_engine_core(base_model: Path, adapters: 
                            lora_request=LoRARequest("q", 1, str(adapters["q_v_down"])))
     finally:
         plain.shutdown()
+
+
+def test_async_llm_runs_a_lora_request_and_counts_it_per_adapter(base_model: Path, adapters: dict[str, Path]) -> None:
+    config = EngineConfig.from_flat(model=str(base_model), dtype="float32", num_kv_blocks=64, enforce_eager=True,
+                                    enable_lora=True)
+    lora = LoRARequest("sql", 1, str(adapters["q_v_down"]))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def run() -> list[RequestOutput]:
+        llm = AsyncLLM(config, in_process=True)
+        try:
+            return [output async for output in llm.generate(E2E_PROMPTS[0], params, "r0", lora_request=lora)]
+        finally:
+            await llm.get_stats()  # the core's last stats reach the stat loggers
+            prometheus = llm.stat_logger.prometheus
+            assert prometheus is not None
+            labels = {"model_name": llm.model_name, "lora_name": "sql"}
+            counts.extend(
+                prometheus.registry.get_sample_value(f"pagedllm:lora_{name}_total", labels)
+                for name in ("requests", "prompt_tokens", "generation_tokens")
+            )
+            llm.shutdown()
+
+    counts: list[float | None] = []
+    outputs = asyncio.run(run())
+    assert all(output.lora_request == lora for output in outputs) and outputs[-1].finished
+    assert counts == [1.0, len(E2E_PROMPTS[0]), MAX_TOKENS]
+
+
+def test_registration_reads_a_folder_again_only_when_its_files_changed(
+    base_model: Path, adapters: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pagedllm.lora.adapter as adapter_module
+
+    loads: list[str] = []
+    real_load = adapter_module.load_lora_adapter
+
+    def counting_load(path: str, **kwargs: Any) -> Any:
+        loads.append(kwargs["name"])
+        return real_load(path, **kwargs)
+
+    monkeypatch.setattr(adapter_module, "load_lora_adapter", counting_load)
+    registry = LoRARegistry(str(base_model), LoRAConfig(enable_lora=True, max_lora_rank=8))
+    folder = tmp_path / "adapter"
+    shutil.copytree(adapters["q_v_down"], folder)
+    first = registry.ref_for(LoRARequest("a", 1, str(folder)))
+    assert registry.ref_for(LoRARequest("b", 2, str(folder))) == LoRARef("b", first.digest, first.path)
+    assert loads == ["a"]  # the second name was not hashed again
+    shutil.rmtree(folder)
+    shutil.copytree(adapters["gate_up"], folder)
+    changed = registry.ref_for(LoRARequest("a", 1, str(folder)))
+    assert loads == ["a", "a"] and changed.digest != first.digest
+    assert changed.digest == real_load(adapters["gate_up"], name="x", max_rank=8, max_bytes=1 << 30).ref.digest
