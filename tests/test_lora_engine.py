@@ -21,6 +21,7 @@ from helpers.scheduler_utils import FakeRunner, prompt
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.core.config import EngineConfig, LoRAConfig, SchedulerConfig
 from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.lora import LoRARef, LoRASlotLoad
 from pagedllm.core.lora_slots import LOADING, LoRASlotTable
@@ -33,6 +34,7 @@ from pagedllm.executors.messages import ExecuteModel, WorkerInputDecoder, encode
 from pagedllm.lora.adapter import LoRAAdapterError
 from pagedllm.lora.registry import LoRARegistry
 from pagedllm.lora.store import LoRAStore
+from pagedllm.routers.cache_mirror import PromptHasher
 from pagedllm.testing.checkpoints import config_json, save_random_checkpoint
 
 ADAPTER_A = LoRARef("a", "a" * 64, "/adapters/a")
@@ -236,6 +238,15 @@ def test_a_request_with_an_adapter_is_refused_without_enable_lora() -> None:
     with pytest.raises(InvalidRequestError, match="enable-lora"):
         scheduler.add_request(lora_request("a", ADAPTER_A, 100))
     assert not scheduler.requests
+
+
+def test_the_routers_prompt_hashes_name_the_adapters_blocks_as_the_engine_does() -> None:
+    hasher = PromptHasher(4, "sha256")
+    engine_hasher = get_request_block_hasher(4, get_hash_fn("sha256"))
+    for lora in (ADAPTER_A, None):
+        request = lora_request("r", lora, 100)  # 6 tokens: one hittable block
+        assert hasher(request.prompt_token_ids, None, None if lora is None else lora.digest) == engine_hasher(request)
+    assert hasher(prompt(100, 6), None, ADAPTER_A.digest) != hasher(prompt(100, 6), None)
 
 
 # -------------------------------------------------------------------- store
