@@ -576,3 +576,28 @@ def test_registration_reads_a_folder_again_only_when_its_files_changed(
     changed = registry.ref_for(LoRARequest("a", 1, str(folder)))
     assert loads == ["a", "a"] and changed.digest != first.digest
     assert changed.digest == real_load(adapters["gate_up"], name="x", max_rank=8, max_bytes=1 << 30).ref.digest
+
+
+def test_files_changed_after_registration_fail_the_request_in_the_engine_core(
+    base_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    folder = tmp_path / "changing"
+    shutil.copytree(adapters["q_v_down"], folder)
+    llm = lora_llm(base_model)
+    try:
+        lora = LoRARequest("changing", 1, str(folder))
+        assert llm.lora_registry is not None
+        registered = llm.lora_registry.ref_for(lora)
+        shutil.rmtree(folder)  # other weights before the engine core reads them
+        shutil.copytree(adapters["gate_up"], folder)
+        request_id = llm._add_request(E2E_PROMPTS[0], SamplingParams(max_tokens=2), 0, (lora, registered))
+        (output,) = llm._run_engine([request_id], use_tqdm=False)
+        completion = output.outputs[0]
+        assert (completion.finish_reason, completion.token_ids) == ("abort", [])
+        error = completion.stop_reason
+        assert isinstance(error, str) and "'changing'" in error and "files changed since it was registered" in error
+        # Generating again registers the new files: a new digest, and it runs.
+        (again,) = llm.generate([E2E_PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=lora)
+        assert again.outputs[0].finish_reason == "length"
+    finally:
+        llm.shutdown()
