@@ -59,6 +59,8 @@ KIND_USES: Mapping[str, frozenset[str]] = {
     # Checkpoint formats (GPTQ, AWQ) replace the layers' weights before
     # loading: they read the linear layers' kinds and raise ModelLoadError.
     "quantization": frozenset({"model_registry"}),
+    # Adapters attach slots to a loaded model's linear layers (layers/lora.py).
+    "lora": frozenset({"model_registry"}),
 }
 INTERFACE_MODULE_NAMES = frozenset({"base", "interface", "types"})
 # Folders of the repository root that are not part of the installed package.
