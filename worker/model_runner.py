@@ -32,6 +32,7 @@ from pagedllm.spec_decode.measurements import SpecMeasurements
 from pagedllm.worker.draft_placeholders import DraftPlaceholders
 from pagedllm.worker.draft_verification import verify_drafts
 from pagedllm.worker.logits_processor_rows import LogitsProcessorRows
+from pagedllm.worker.lora_batch import LoRABatch
 from pagedllm.worker.persistent_batch import CachedRequestState, PersistentBatch
 from pagedllm.worker.sampler import (
     SampledTokens,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from pagedllm.attention_backends.base import AttentionBackend
     from pagedllm.kv_connectors.base import KVConnectorBase, KVConnectorMetadata
     from pagedllm.logits_processors.interface import LogitsProcessor
+    from pagedllm.lora.model import LoRAModelSlots
     from pagedllm.model_registry.interface import ModelForCausalLM
     from pagedllm.spec_decode.interface import Drafter
     from pagedllm.spec_decode.policy import SpeculationPolicy
@@ -71,9 +73,11 @@ class ModelRunner:
         graph_runner: DecodeGraphRunner | None = None,
         logits_processors: Sequence[LogitsProcessor] = (),
         num_kv_cache_groups: int = 1,
+        lora: LoRAModelSlots | None = None,
     ) -> None:
         """`kv_caches`: the per-layer KV tensors, already bound to the model's
-        attention layers (model_registry/kv_cache.py: allocate_kv_caches)."""
+        attention layers (model_registry/kv_cache.py: allocate_kv_caches);
+        `lora`: the model's adapter slots when LoRA is enabled."""
         self.model = model
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches
@@ -96,6 +100,8 @@ class ModelRunner:
         self._reported_connector_stats = KVConnectorStats()
         # Replays captured graphs for uniform decode steps.
         self.graph_runner = graph_runner
+        # Adapter slots: loaded as the scheduler says, each row's set per step.
+        self.lora_batch = None if lora is None else LoRABatch(lora, device)
         self.sampler = Sampler()
         # The loaded logits processors (plugins) and the rows they were last told.
         self.logits_processor_rows = LogitsProcessorRows(logits_processors)
@@ -113,6 +119,8 @@ class ModelRunner:
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         input_batch = self.input_batch
+        if self.lora_batch is not None:
+            self.lora_batch.update(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             input_batch.remove_request(req_id)
@@ -199,6 +207,8 @@ class ModelRunner:
         batch, input_ids = self.input_batch.prepare(
             list(num_scheduled), np.fromiter(num_scheduled.values(), dtype=np.int64, count=len(states)), drafts
         )
+        if self.lora_batch is not None:
+            self.lora_batch.prepare_step([state.req_id for state in states], batch.query_lens)
         return batch, torch.from_numpy(input_ids).to(self.device)
 
     def _forward_with_kv_transfer(
@@ -238,11 +248,13 @@ class ModelRunner:
         return None if get is None else get()
 
     def _forward(self, input_ids: torch.Tensor, batch: InputBatch) -> torch.Tensor:
-        graphs = self.graph_runner
+        graphs, lora_batch = self.graph_runner, self.lora_batch
         if graphs is not None:
             if graphs.can_run(batch):
-                return graphs.run_model(input_ids, batch)
+                return graphs.run_model(input_ids, batch, None if lora_batch is None else lora_batch.step_slots)
             graphs.replayed_aux = None  # this step's are the model's own
+            if lora_batch is not None:
+                lora_batch.activate()  # a capture in can_run pointed the layers at its buffer
         return self.model(input_ids, *batch.to_device(self.attn_backend, self.block_size, self.device))
 
     def _sampling_batch(

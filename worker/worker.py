@@ -32,6 +32,7 @@ from pagedllm.distributed.parallel_state import (
 from pagedllm.kv_connectors.base import KVConnectorContext, KVConnectorRole, KVConnectorShard, model_fingerprint
 from pagedllm.kv_connectors.factory import build_kv_connector, check_kv_connector_supports
 from pagedllm.logits_processors.factory import build_logits_processors
+from pagedllm.lora.model import LoRAModelSlots, attach_lora_slots
 from pagedllm.model_registry.interface import attention_requirements_of
 from pagedllm.model_registry.kv_cache import allocate_kv_caches, get_model_kv_cache_config
 from pagedllm.model_registry.layers.expert_parallel import EP_FIELD, num_routed_experts, place_experts
@@ -229,6 +230,8 @@ class Worker:
 
     # The model's KV cache groups, once `kv_cache_config()` has grouped its layers.
     _kv_cache_config: KVCacheConfig | None = None
+    # The target model's adapter slots (config.lora.enable_lora), once load_model has attached them.
+    lora_slots: LoRAModelSlots | None = None
 
     def __init__(
         self,
@@ -362,12 +365,24 @@ class Worker:
             source = self.quantization.checkpoint_format or "float"
             logger.info("quantization %s (%s checkpoint): %d linear, %d MoE and %d attention layers converted",
                         self.quantization.name, source, converted.linear, converted.moe, converted.attention)
+        # NOTE: after quantization (the slots read the layers' final shapes),
+        # before the ops are bound (the slots are op layers too).
+        self.lora_slots = self._attach_lora_slots(model)
         self.op_registry = build_op_registry(self.platform, quantization)
         bind_layer_ops(model, self.op_registry)
         self.platform.optimize_model(model)
         if self.config.device.compile_model:
             compile_outside_attention(model)
         self._model = model
+
+    def _attach_lora_slots(self, model: ModelForCausalLM) -> LoRAModelSlots | None:
+        """The target model's adapter slots when LoRA is enabled (a model
+        drafter's layers get none: drafts come from the base model)."""
+        lora = self.config.lora
+        if not lora.enable_lora:
+            return None
+        return attach_lora_slots(model, max_loras=lora.max_loras, max_rank=lora.max_lora_rank,
+                                 dtype=self.model_facts.dtype, device=self.device)
 
     def kv_cache_config(self) -> KVCacheConfig:
         """This model's KV cache groups (core/kv_cache/kv_cache_interface.py);
@@ -482,6 +497,7 @@ class Worker:
             graph_runner=self._capture_decode_graphs(max_model_len),
             logits_processors=build_logits_processors(self.config, self.plugin_manager, self.device),
             num_kv_cache_groups=self.kv_cache_config().num_groups,
+            lora=self.lora_slots,
         )
         # After the graph captures: the MoE layers' counts start from zero here.
         self.custom_stats = self._build_custom_stats()
@@ -634,6 +650,7 @@ class Worker:
             device=self.device,
             query_lens=self._verify_query_lens(block_size),
             num_kv_cache_groups=self.kv_cache_config().num_groups,
+            lora_state=None if self.lora_slots is None else self.lora_slots.state,
         )
         try:
             runner.capture()
