@@ -129,8 +129,9 @@ def test_runner_steps_mix_adapters_and_base_as_peft_does(adapters: dict[str, Any
 
 def test_an_engine_with_lora_enabled_serves_the_base_model_as_one_without() -> None:
     """The worker attaches slots to the target (every projection of every
-    layer), profiles and captures its decode graphs with the adapter
-    products, and base requests replay them with the plain engine's tokens."""
+    layer), captures its decode graphs with the adapter products, and base
+    requests replay them with the plain engine's tokens; the memory
+    profile's forward runs with adapters active."""
     from pagedllm import LLM
 
     common: dict[str, Any] = dict(model="tiny", dtype="float32", num_kv_blocks=64, max_num_seqs=4)
@@ -142,5 +143,7 @@ def test_an_engine_with_lora_enabled_serves_the_base_model_as_one_without() -> N
     assert worker.lora_slots is not None and len(worker.lora_slots.supported_modules()) == 7 * num_layers
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert worker.model_runner.graph_runner.num_replays == 5
+    worker._profile_run()  # the memory profile's forward, every row in slot 1
+    assert worker.lora_slots.state.token_slots is None
     plain = LLM(**common)
     assert tokens == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]

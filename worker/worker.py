@@ -441,20 +441,33 @@ class Worker:
         return num_blocks
 
     def _profile_run(self) -> None:
-        """The largest batch the scheduler may send, on a throwaway cache."""
+        """The largest batch the scheduler may send, on a throwaway cache
+        (with LoRA, every row in an adapter slot: the adapter products'
+        activations count too; the slots hold zeros or adapters, the
+        outputs are thrown away)."""
         scheduler, facts = self.config.scheduler, self.model_facts
         position_limit = self.config.model.max_model_len or facts.position_limit or 1 << 30
-        profile_run(
-            self.model,
-            self.attn_backend,
-            num_tokens=min(scheduler.max_num_batched_tokens, position_limit),
-            num_logit_rows=scheduler.max_num_seqs,
-            block_size=self.config.cache.block_size,
-            num_kv_heads=self.num_kv_heads,
-            head_size=facts.head_size,
-            kv_cache_dtype=facts.kv_cache_dtype,
-            device=self.device,
-        )
+        num_tokens = min(scheduler.max_num_batched_tokens, position_limit)
+        lora_state = None if self.lora_slots is None else self.lora_slots.state
+        if lora_state is not None:
+            import torch
+
+            lora_state.token_slots = torch.ones(num_tokens, dtype=torch.int32, device=self.device)
+        try:
+            profile_run(
+                self.model,
+                self.attn_backend,
+                num_tokens=num_tokens,
+                num_logit_rows=scheduler.max_num_seqs,
+                block_size=self.config.cache.block_size,
+                num_kv_heads=self.num_kv_heads,
+                head_size=facts.head_size,
+                kv_cache_dtype=facts.kv_cache_dtype,
+                device=self.device,
+            )
+        finally:
+            if lora_state is not None:
+                lora_state.token_slots = None
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate `num_blocks` KV blocks per layer (the same on every rank)
