@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from pagedllm.core.errors import InvalidRequestError
+from pagedllm.lora.adapter import LoRAAdapterError
 from pagedllm.lora.targets import LoRATarget, full_columns, full_rows, stacked_output_sizes
 from pagedllm.model_registry.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.model_registry.layers.lora import LoRABatchState, LoRASlots
@@ -61,8 +61,8 @@ class LoRAModelSlots:
         for module in sorted(name.removesuffix(".lora_A") for name in weights if name.endswith(".lora_A")):
             target = self.targets.get(module)
             if target is None:
-                raise InvalidRequestError("lora.target_modules", module,
-                                          "a linear projection of the base model's attention or MLP")
+                raise LoRAAdapterError("target_modules", module,
+                                       "a linear projection of the base model's attention or MLP blocks")
             lora_a, lora_b = weights[f"{module}.lora_A"], weights[f"{module}.lora_B"]
             self._check_shapes(module, target, lora_a, lora_b)
             target.load(slot, lora_a, lora_b)
@@ -74,12 +74,13 @@ class LoRAModelSlots:
     def _check_shapes(self, module: str, target: LoRATarget, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         rank = lora_a.shape[0]
         if rank > self.max_rank:
-            raise InvalidRequestError(f"{module}.lora_A rank", rank, f"at most max_lora_rank={self.max_rank}")
+            raise LoRAAdapterError("r", rank, f"module {module}: at most max_lora_rank={self.max_rank}")
         out_size, in_size = target.full_shape
         if tuple(lora_a.shape) != (rank, in_size) or tuple(lora_b.shape) != (out_size, rank):
-            raise InvalidRequestError(
-                f"{module} lora_A/lora_B shapes", (tuple(lora_a.shape), tuple(lora_b.shape)),
-                f"({rank}, {in_size}) and ({out_size}, {rank}): the base model's {module} is {out_size}x{in_size}",
+            raise LoRAAdapterError(
+                "weights", module, f"lora_A [{rank}, {in_size}] and lora_B [{out_size}, {rank}]: this model's "
+                f"{module} is [out={out_size}, in={in_size}], the adapter's lora_A {tuple(lora_a.shape)} and "
+                f"lora_B {tuple(lora_b.shape)}",
             )
 
 

@@ -13,18 +13,18 @@ products that sum to the full one.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
 import torch
+from helpers.lora_adapters import ATTENTION, MLP, write_peft_adapter
 from helpers.tiny_models import cached_tiny_model
 from test_models import PagedBatchRunner
 
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
-from pagedllm.core.errors import InvalidRequestError
+from pagedllm.lora.adapter import LoRAAdapter, LoRAAdapterError, base_model_modules, load_lora_adapter
 from pagedllm.lora.model import LoRAModelSlots, attach_lora_slots
 from pagedllm.model_registry.layers import linear
 from pagedllm.model_registry.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -32,40 +32,24 @@ from pagedllm.model_registry.loader import load_model
 from pagedllm.model_registry.models.llama import LlamaForCausalLM
 from pagedllm.model_registry.models.phi3 import Phi3ForCausalLM
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
 # slot -> (rank, alpha, target modules, seed): loaded out of slot order on purpose
 LLAMA_ADAPTERS = {2: (4, 8, ("q_proj", "v_proj"), 1), 3: (8, 16, ATTENTION + MLP, 2), 1: (2, 6, MLP, 3)}
 MAX_RANK = 8
 
 
-def write_peft_adapter(model_dir: Path, out_dir: Path, *, rank: int, alpha: float,
-                       target_modules: tuple[str, ...], seed: int) -> Any:
-    """A random PEFT adapter (non-zero B) of the checkpoint, saved in PEFT's
-    format; returns the PEFT model (the reference)."""
-    from peft import LoraConfig, get_peft_model
+def peft_reference(model_dir: Path, adapter_dir: Path) -> Any:
+    """transformers + PEFT with the adapter applied, over a fresh base model (float32)."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager",
                                                 local_files_only=True)
-    torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), init_lora_weights=False)
-    peft_model = get_peft_model(base, config).eval()
-    peft_model.save_pretrained(str(out_dir))
-    return peft_model
+    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
 
 
-def read_peft_weights(adapter_dir: Path) -> dict[str, torch.Tensor]:
-    """"<module>.lora_A" / "<module>.lora_B" (scaled) as a slot load carries them."""
-    from safetensors.torch import load_file
-
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    scaling = config["lora_alpha"] / config["r"]
-    weights: dict[str, torch.Tensor] = {}
-    for key, tensor in load_file(str(adapter_dir / "adapter_model.safetensors")).items():
-        module, _, kind = key.removeprefix("base_model.model.").removesuffix(".weight").rpartition(".")
-        weights[f"{module}.{kind}"] = tensor * scaling if kind == "lora_B" else tensor
-    return weights
+def load_adapter(model_dir: Path, adapter_dir: Path, name: str) -> LoRAAdapter:
+    return load_lora_adapter(adapter_dir, name=name, max_rank=MAX_RANK, max_bytes=1 << 30,
+                             base_modules=base_model_modules(model_dir))
 
 
 def load_with_slots(path: Path, model_cls: type, max_loras: int) -> tuple[Any, LoRAModelSlots]:
@@ -119,10 +103,10 @@ def build_references(path: Path, tmp_path: Path, adapters: dict[int, tuple[Any, 
 
     references: dict[int, Any] = {0: hf_model(path)}
     for slot, (rank, alpha, targets, seed) in adapters.items():
-        adapter_dir = tmp_path / f"adapter{slot}"
-        references[slot] = write_peft_adapter(path, adapter_dir, rank=rank, alpha=alpha, target_modules=targets,
-                                              seed=seed)
-        lora.load_slot(slot, read_peft_weights(adapter_dir))
+        adapter_dir = write_peft_adapter(path, tmp_path / f"adapter{slot}", rank=rank, alpha=alpha,
+                                         target_modules=targets, seed=seed)
+        lora.load_slot(slot, load_adapter(path, adapter_dir, f"adapter{slot}").weights)
+        references[slot] = peft_reference(path, adapter_dir)
     return references
 
 
@@ -147,6 +131,19 @@ def test_phi3_fused_qkv_and_gate_up_modules_match_peft(tmp_path: Path) -> None:
     adapters = {1: (4, 8, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), 4), 2: (8, 8, ("qkv_proj",), 5)}
     references = build_references(path, tmp_path, adapters, lora)
     assert_rows_match_peft(run_mixed_batch(model, lora, [1, 0, 2]), references)
+
+
+@pytest.mark.parametrize(("arch", "projections"), [
+    ("llama", ATTENTION + MLP), ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))])
+def test_every_projection_is_adaptable_under_its_checkpoint_name_and_shape(arch: str,
+                                                                         projections: tuple[str, ...]) -> None:
+    path = cached_tiny_model(arch, pad_token_id=0)
+    _, lora = load_with_slots(path, Phi3ForCausalLM if arch == "phi3" else LlamaForCausalLM, max_loras=1)
+    checkpoint = base_model_modules(path)
+    assert checkpoint is not None
+    assert lora.supported_modules() == {
+        module: shape for module, shape in checkpoint.items() if module.rpartition(".")[2] in projections
+    }
 
 
 def test_reloading_a_slot_replaces_the_adapter_and_clearing_restores_the_base() -> None:
@@ -177,12 +174,12 @@ def test_reloading_a_slot_replaces_the_adapter_and_clearing_restores_the_base() 
     ({"model.layers.0.mlp.up_proj.lora_A": torch.zeros(9, 64),
       "model.layers.0.mlp.up_proj.lora_B": torch.zeros(128, 9)}, "max_lora_rank=8"),
     ({"model.layers.0.mlp.up_proj.lora_A": torch.zeros(2, 64),
-      "model.layers.0.mlp.up_proj.lora_B": torch.zeros(64, 2)}, "128x64"),
+      "model.layers.0.mlp.up_proj.lora_B": torch.zeros(64, 2)}, r"out=128, in=64"),
 ])
 def test_an_adapter_module_the_slots_cannot_hold_is_a_clear_error(weights: dict[str, torch.Tensor],
                                                                    message: str) -> None:
     _, lora = load_with_slots(cached_tiny_model("llama"), LlamaForCausalLM, max_loras=1)
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises(LoRAAdapterError, match=message):
         lora.load_slot(1, weights)
 
 

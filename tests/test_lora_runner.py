@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.lora_adapters import ATTENTION, MLP, write_peft_adapter
 from helpers.tiny_models import cached_tiny_model
-from test_lora_model import ATTENTION, MLP, read_peft_weights, write_peft_adapter
+from test_lora_model import load_adapter, peft_reference
 from test_models import hf_model
 
 from pagedllm.attention_backends.torch_native import TorchNativeBackend
@@ -96,10 +97,10 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[LoRARe
     path = cached_tiny_model("llama")
     found = {}
     for name, (rank, alpha, targets, seed) in ADAPTERS.items():
-        adapter_dir = tmp_path_factory.mktemp(f"adapter-{name}")
-        reference = write_peft_adapter(path, adapter_dir, rank=rank, alpha=alpha, target_modules=targets, seed=seed)
-        ref = LoRARef(name, f"digest-{name}", str(adapter_dir))
-        found[name] = (ref, read_peft_weights(adapter_dir), reference)
+        adapter_dir = write_peft_adapter(path, tmp_path_factory.mktemp(f"adapter-{name}"), rank=rank, alpha=alpha,
+                                         target_modules=targets, seed=seed)
+        adapter = load_adapter(path, adapter_dir, name)
+        found[name] = (adapter.ref, adapter.weights, peft_reference(path, adapter_dir))
     return found
 
 
