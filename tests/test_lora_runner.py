@@ -148,3 +148,43 @@ def test_an_engine_with_lora_enabled_serves_the_base_model_as_one_without() -> N
     assert worker.lora_slots.state.token_slots is None
     plain = LLM(**common)
     assert tokens == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+
+
+def test_a_padded_verify_graph_replays_each_rows_adapter(adapters: dict[str, Any]) -> None:
+    """Requests scoring 3, 1 and 2 tokens (adapter, base, adapter) replay the
+    q = 3 graph, each request's rows padded at its end: every row's output
+    equals the eager forward's with the same slots."""
+    import numpy as np
+
+    from pagedllm.model_registry.input_batch import InputBatch
+
+    model = load_model(cached_tiny_model("llama"), model_cls=LlamaForCausalLM, attn_backend=TorchNativeBackend,
+                       dtype=torch.float32, device="cpu")
+    lora = attach_lora_slots(model, max_loras=2, max_rank=8, dtype=torch.float32, device="cpu")
+    allocate_kv_caches(model, TorchNativeBackend, num_blocks=8, block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16,
+                       dtype=torch.float32, device=torch.device("cpu"))
+    device = torch.device("cpu")
+    graphs = DecodeGraphRunner(model, TorchNativeBackend, CpuPlatform(), sizes=[1, 2, 4], max_model_len=MAX_MODEL_LEN,
+                               block_size=BLOCK_SIZE, device=device, query_lens=[2, 3], lora_state=lora.state)
+    graphs.capture()
+    lora.load_slot(1, adapters["a"][1])
+    lora.load_slot(2, adapters["b"][1])
+    block_table = np.array([[1], [2], [3]], dtype=np.int32)
+    gen = torch.Generator().manual_seed(5)
+
+    def eager(batch: InputBatch, request_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        input_ids = torch.randint(512, (batch.num_tokens,), generator=gen)
+        slots = torch.tensor(request_slots, dtype=torch.int32).repeat_interleave(torch.from_numpy(batch.query_lens))
+        lora.state.token_slots = slots
+        with torch.inference_mode():  # as the model runner runs it
+            return input_ids, slots, model(input_ids, *batch.to_device(TorchNativeBackend, BLOCK_SIZE, device))
+
+    eager(InputBatch.from_computed(np.zeros(3, dtype=np.int64), np.array([6, 5, 7]), block_table, BLOCK_SIZE),
+          [1, 0, 2])  # the context, prefilled
+    verify = InputBatch.from_computed(np.array([6, 5, 7]), np.array([3, 1, 2]), block_table, BLOCK_SIZE)
+    input_ids, slots, expected = eager(verify, [1, 0, 2])
+    assert graphs.can_run(verify)
+    with torch.inference_mode():
+        replayed = graphs.run_model(input_ids, verify, slots)
+    assert graphs.num_padded_replays == 1
+    torch.testing.assert_close(replayed, expected, atol=1e-5, rtol=1e-5)
