@@ -146,6 +146,25 @@ def test_every_projection_is_adaptable_under_its_checkpoint_name_and_shape(arch:
     }
 
 
+def test_moe_experts_and_routers_get_no_slots_but_the_shared_expert_does(tmp_path: Path) -> None:
+    from test_models_moe import build_moe
+
+    from pagedllm.model_registry.models.qwen2_moe import Qwen2MoeForCausalLM
+
+    path = build_moe("Qwen2MoeForCausalLM", tmp_path / "model")
+    _, lora = load_with_slots(path, Qwen2MoeForCausalLM, max_loras=1)
+    checkpoint = base_model_modules(path)
+    assert checkpoint is not None
+    assert lora.supported_modules() == {
+        module: shape for module, shape in checkpoint.items()
+        if module.rpartition(".")[2] in ATTENTION or ".shared_expert." in module
+    }
+    expert = "model.layers.0.mlp.experts.0.up_proj"
+    with pytest.raises(LoRAAdapterError, match=expert):
+        lora.load_slot(1, {f"{expert}.lora_A": torch.zeros(2, checkpoint[expert][1]),
+                           f"{expert}.lora_B": torch.zeros(checkpoint[expert][0], 2)})
+
+
 def test_reloading_a_slot_replaces_the_adapter_and_clearing_restores_the_base() -> None:
     path = cached_tiny_model("llama")
     model, lora = load_with_slots(path, LlamaForCausalLM, max_loras=1)

@@ -141,7 +141,8 @@ def test_an_engine_with_lora_enabled_serves_the_base_model_as_one_without() -> N
     llm = LLM(**common, enable_lora=True, max_loras=2, max_lora_rank=8)
     worker = llm.engine_core.engine_core.model_executor.driver_worker
     num_layers = worker.model.config.num_hidden_layers
-    assert worker.lora_slots is not None and len(worker.lora_slots.supported_modules()) == 7 * num_layers
+    supported = worker.lora_supported_modules()
+    assert supported is not None and len(supported) == 7 * num_layers
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert worker.model_runner.graph_runner.num_replays == 5
     worker._profile_run()  # the memory profile's forward, every row in slot 1

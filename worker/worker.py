@@ -384,6 +384,13 @@ class Worker:
         return attach_lora_slots(model, max_loras=lora.max_loras, max_rank=lora.max_lora_rank,
                                  dtype=self.model_facts.dtype, device=self.device)
 
+    def lora_supported_modules(self) -> dict[str, tuple[int, int]] | None:
+        """The checkpoint modules an adapter may adapt on this model, with
+        their full (out, in) (None: LoRA is off): what adapters must be
+        checked against when registered (MoE experts, routers, embeddings
+        and the LM head are in the checkpoint but get no slots)."""
+        return None if self.lora_slots is None else self.lora_slots.supported_modules()
+
     def kv_cache_config(self) -> KVCacheConfig:
         """This model's KV cache groups (core/kv_cache/kv_cache_interface.py);
         the builder asks rank 0 for them to build the KV cache manager."""
