@@ -4,8 +4,10 @@ Three PEFT adapters of different ranks and target modules (q and v only;
 all seven projections; the MLP only) and base-model rows run in ONE paged
 batch (prefills together, then decodes and a chunked prefill beside them),
 and every logit row equals PEFT's for that request's sequence; Phi-3's
-fused checkpoint modules (qkv_proj, gate_up_proj) likewise. Tensor
-parallelism: each rank's slots (built as rank r of 2) give exactly its
+fused checkpoint modules (qkv_proj, gate_up_proj) likewise. The adaptable
+modules are the checkpoint's projections with its shapes (an MoE model's
+shared expert, not its experts or routers). Tensor parallelism (in one
+process; tests/test_lora_tp.py runs 2 gloo ranks): each rank's slots (built as rank r of 2) give exactly its
 share of the full adapter product: its rows of a column-parallel (stacked,
 QKV with a replicated KV head, fused) layer's, and row-parallel partial
 products that sum to the full one.
