@@ -1,8 +1,9 @@
 """The model runner with LoRA slots, through SchedulerOutputs as the
 scheduler sends them: slot loads applied before the forward, each request's
 adapter named once when it is new, rows of two adapters and of the base in
-every step, greedy tokens equal to transformers + PEFT's (float32), eagerly
-and with CPU decode graphs replayed (captured with the adapter products;
+every step, greedy tokens equal to transformers + PEFT's (float32), with
+the CPU platform's layer ops bound as the worker binds them, eagerly and
+with CPU decode graphs replayed (captured with the adapter products;
 padding rows slot 0). Then a slot changes adapter for new requests while
 the base model keeps running.
 """
@@ -29,6 +30,7 @@ from pagedllm.model_registry.loader import load_model
 from pagedllm.model_registry.models.llama import LlamaForCausalLM
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.worker.decode_graphs import DecodeGraphRunner
+from pagedllm.worker.layer_ops import prepare_layer_ops
 from pagedllm.worker.model_runner import ModelRunner
 
 BLOCK_SIZE, MAX_MODEL_LEN, NUM_NEW_TOKENS = 16, 64, 5
@@ -41,6 +43,7 @@ def build_runner(path: Path, with_graphs: bool) -> ModelRunner:
     model = load_model(path, model_cls=LlamaForCausalLM, attn_backend=TorchNativeBackend, dtype=torch.float32,
                        device="cpu")
     lora = attach_lora_slots(model, max_loras=2, max_rank=8, dtype=torch.float32, device="cpu")
+    prepare_layer_ops(model, CpuPlatform())  # as the worker binds them: the CPU platform's "lora" kernel
     kv_caches = allocate_kv_caches(model, TorchNativeBackend, num_blocks=32, block_size=BLOCK_SIZE, num_kv_heads=2,
                                    head_size=16, dtype=torch.float32, device=torch.device("cpu"))
     graphs = None
@@ -162,6 +165,7 @@ def test_a_padded_verify_graph_replays_each_rows_adapter(adapters: dict[str, Any
     model = load_model(cached_tiny_model("llama"), model_cls=LlamaForCausalLM, attn_backend=TorchNativeBackend,
                        dtype=torch.float32, device="cpu")
     lora = attach_lora_slots(model, max_loras=2, max_rank=8, dtype=torch.float32, device="cpu")
+    prepare_layer_ops(model, CpuPlatform())
     allocate_kv_caches(model, TorchNativeBackend, num_blocks=8, block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16,
                        dtype=torch.float32, device=torch.device("cpu"))
     device = torch.device("cpu")
