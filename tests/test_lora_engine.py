@@ -345,14 +345,6 @@ def test_step_codec_still_refuses_a_tensor_outside_the_bitmask_and_the_loads() -
 
 # --------------------------------------------------------- end to end (LLM)
 
-# NOTE: the model runner's share (slots in the layers, per-row adapter ids)
-# is another change; until it is in, the tests comparing tokens with PEFT
-# must fail (the runner ignores the adapters). Flip this when it lands.
-RUNNER_APPLIES_LORA = False
-pending_runner = pytest.mark.xfail(
-    not RUNNER_APPLIES_LORA, strict=True, reason="the model runner does not apply LoRA slots yet"
-)
-
 # Prompts past one 16-token block, so a repeat hits the prefix cache.
 E2E_PROMPTS = [[5 + (7 * i + 3 * j) % 200 for j in range(20)] for i in range(2)]
 MAX_TOKENS = 5
@@ -415,7 +407,6 @@ def expected(references: dict[str | None, list[list[int]]], names: list[str | No
 ALL = ["q_v_down", None, "attention", "gate_up"]
 
 
-@pending_runner
 def test_three_adapters_and_the_base_in_one_batch_match_peft_with_prefix_hits(
     base_model: Path, adapters: dict[str, Path], references: dict[str | None, list[list[int]]]
 ) -> None:
@@ -430,7 +421,6 @@ def test_three_adapters_and_the_base_in_one_batch_match_peft_with_prefix_hits(
         llm.shutdown()
 
 
-@pending_runner
 def test_adapters_match_peft_through_preemption_and_decode_graphs(
     base_model: Path, adapters: dict[str, Path], references: dict[str | None, list[list[int]]]
 ) -> None:
@@ -447,7 +437,6 @@ def test_adapters_match_peft_through_preemption_and_decode_graphs(
         llm.shutdown()
 
 
-@pending_runner
 def test_adapters_match_peft_at_tensor_parallel_2(
     base_model: Path, adapters: dict[str, Path], references: dict[str | None, list[list[int]]]
 ) -> None:
@@ -494,7 +483,6 @@ def test_cache_identity_is_the_adapters_content_not_its_name(
     assert [cached for _, _, cached in results] == [0, 16, 0, 0]
 
 
-@pending_runner
 def test_new_weights_under_an_old_name_give_the_new_adapters_tokens(
     base_model: Path, adapters: dict[str, Path], references: dict[str | None, list[list[int]]], tmp_path: Path
 ) -> None:
