@@ -59,6 +59,8 @@ _SPECIAL_ARGV: dict[tuple[str, str], tuple[list[str], Any]] = {
     ("plugins", "config"): (["--plugin-config", 'p={"a": 1}'], {"p": {"a": 1}}),
     # vLLM's nargs="+": one word per name.
     ("server", "served_model_name"): (["--served-model-name", "alpha", "beta"], ["alpha", "beta"]),
+    ("lora", "lora_modules"): (["--lora-modules", "sql=/a", '{"name": "b", "path": "/b"}'],
+                               ["sql=/a", '{"name": "b", "path": "/b"}']),
     # auto, vllm or a folder that holds a generation_config.json.
     ("model", "generation_config"): (["--generation-config", "vllm"], "vllm"),
 }
