@@ -176,7 +176,9 @@ class AsyncLLM:
             enable_lora=config.lora.enable_lora,
         )
         # Adapters are registered (loaded, checked, hashed) on first use, off the event loop.
-        self.lora_registry = LoRARegistry(ready.model_path, config.lora) if config.lora.enable_lora else None
+        self.lora_registry = (
+            LoRARegistry(ready.model_path, config.lora, ready.lora_modules) if config.lora.enable_lora else None
+        )
         log_generation_defaults(config.model, self.input_processor.default_sampling_params)
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size

@@ -237,7 +237,7 @@ def _build_engine_core(
         num_spec_tokens=num_spec_tokens,
         num_lookahead_tokens=num_spec_tokens if drafter_cls is not None and drafter_cls.needs_lookahead_slots else 0,
         kv_connector=kv_connector,
-        lora_slots=build_lora_slots(config),
+        lora_slots=build_lora_slots(config, executor),
     )
     return EngineCore(
         config,
@@ -251,12 +251,14 @@ def _build_engine_core(
     )
 
 
-def build_lora_slots(config: EngineConfig) -> LoRASlotTable | None:
+def build_lora_slots(config: EngineConfig, executor: Executor) -> LoRASlotTable | None:
     """The adapters' slots and store (None unless lora.enable_lora): the
-    store loads adapters in its own thread, as requests name them."""
+    store loads adapters in its own thread, as requests name them, checked
+    against the modules the ranks hold slots for."""
     if not config.lora.enable_lora:
         return None
-    return LoRASlotTable(config.lora.max_loras, LoRAStore(config.lora))
+    store = LoRAStore(config.lora, adaptable_modules=executor.lora_supported_modules())
+    return LoRASlotTable(config.lora.max_loras, store)
 
 
 def model_custom_metrics(executor: Executor) -> list[MetricSpec]:

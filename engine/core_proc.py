@@ -321,6 +321,7 @@ def ready_message(parts: EngineParts) -> Ready:
         communicator=parts.platform.describe_communicator(),
         custom_metrics=engine_core.custom_stats.metrics if engine_core.custom_stats is not None else [],
         generation=parts.generation,
+        lora_modules=parts.executor.lora_supported_modules() if engine_core.config.lora.enable_lora else None,
     )
 
 

@@ -77,7 +77,8 @@ class LLM:
             enable_lora=self.config.lora.enable_lora,
         )
         # Adapters are registered (loaded, checked, hashed) here on first use.
-        self.lora_registry = LoRARegistry(ready.model_path, self.config.lora) if self.config.lora.enable_lora else None
+        lora = self.config.lora
+        self.lora_registry = LoRARegistry(ready.model_path, lora, ready.lora_modules) if lora.enable_lora else None
         self._lora_requests: dict[str, LoRARequest] = {}
         log_generation_defaults(self.config.model, self.input_processor.default_sampling_params)
         self.eos_token_id = self.input_processor.eos_token_id

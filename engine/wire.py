@@ -101,6 +101,9 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     custom_metrics: list[MetricSpec] = []
     # The generation config's sampling defaults and every other EOS id.
     generation: GenerationDefaults = msgspec.field(default_factory=GenerationDefaults)
+    # With LoRA on: the checkpoint modules that hold adapter slots, with their
+    # full (out, in); adapters are checked against them when registered.
+    lora_modules: dict[str, tuple[int, int]] | None = None
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):

@@ -70,7 +70,8 @@ class Executor(ABC):
     # utility call names a method, never code to run.
     RPC_METHODS: ClassVar[frozenset[str]] = frozenset(
         {"load_model", "determine_num_kv_blocks", "initialize_cache", "execute_model", "check_health", "shutdown",
-         "memory_usage", "collective_stats", "kv_connector_shard", "kv_cache_config", "model_custom_metrics"}
+         "memory_usage", "collective_stats", "kv_connector_shard", "kv_cache_config", "model_custom_metrics",
+         "lora_supported_modules"}
     )
 
     def __init__(self, config: EngineConfig) -> None:
@@ -156,6 +157,13 @@ class Executor(ABC):
         """The model's KV cache groups (every rank groups its layers alike: rank 0's)."""
         # NOTE: a rank in another process answers with the struct's fields.
         return msgspec.convert(self.collective_rpc("kv_cache_config")[0], KVCacheConfig)
+
+    def lora_supported_modules(self) -> dict[str, tuple[int, int]] | None:
+        """The checkpoint modules that hold adapter slots, with their full
+        (out, in) (None: LoRA is off); every rank holds the same: rank 0's."""
+        modules = self.collective_rpc("lora_supported_modules")[0]
+        # NOTE: a rank in another process answers with lists for the tuples.
+        return None if modules is None else {name: (int(out), int(inp)) for name, (out, inp) in modules.items()}
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate `num_blocks` KV blocks on every rank and build what reads them."""

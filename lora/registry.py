@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from pagedllm.core.lora import LoRARef
@@ -27,12 +28,17 @@ FilesStamp = tuple[tuple[str, int, int, int], ...]
 
 
 class LoRARegistry:
-    def __init__(self, model_path: str, config: LoRAConfig) -> None:
+    def __init__(
+        self, model_path: str, config: LoRAConfig, adaptable_modules: Mapping[str, tuple[int, int]] | None = None
+    ) -> None:
+        """`adaptable_modules`: the modules the model holds adapter slots for,
+        with their (out, in) (the engine's READY); None: the checkpoint's
+        linear modules, read on first use."""
         self.model_path = model_path
         self.config = config
-        # The base model's modules -> (out, in), read on first use (None: no checks).
-        self._base_modules: dict[str, tuple[int, int]] | None = None
-        self._base_modules_read = False
+        # The base model's modules -> (out, in) (None: no checks).
+        self._base_modules: Mapping[str, tuple[int, int]] | None = adaptable_modules
+        self._base_modules_read = adaptable_modules is not None
         # Folder (real path) -> (its files' stamp, the digest read from them).
         self._digests: dict[str, tuple[FilesStamp, str]] = {}
         self._lock = threading.Lock()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,9 +50,18 @@ class _Entry:
 class LoRAStore:
     """The engine core's adapters; thread-safe (loads finish on a pool thread)."""
 
-    def __init__(self, config: LoRAConfig, loader: AdapterLoader | None = None, max_load_threads: int = 1) -> None:
+    def __init__(
+        self,
+        config: LoRAConfig,
+        loader: AdapterLoader | None = None,
+        max_load_threads: int = 1,
+        adaptable_modules: Mapping[str, tuple[int, int]] | None = None,
+    ) -> None:
+        """`adaptable_modules`: the model's modules that hold adapter slots,
+        with their (out, in) (the worker's `lora_supported_modules`): an
+        adapter for any other module fails its requests here, never a step."""
         self.capacity = config.max_cpu_loras or config.max_loras
-        self._loader = loader if loader is not None else _peft_loader(config)
+        self._loader = loader if loader is not None else _peft_loader(config, adaptable_modules)
         self._lock = threading.Lock()
         # Least recently used first.
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
@@ -167,14 +176,16 @@ class LoRAStore:
             self._start_queued()
 
 
-def _peft_loader(config: LoRAConfig) -> AdapterLoader:
-    """Load with lora/adapter.py's checks (rank, size), as registered."""
+def _peft_loader(config: LoRAConfig, adaptable_modules: Mapping[str, tuple[int, int]] | None) -> AdapterLoader:
+    """Load with lora/adapter.py's checks (rank, size, and the modules the
+    model holds slots for: the front end checked only the checkpoint's)."""
 
     def load(ref: LoRARef) -> tuple[str, dict[str, torch.Tensor]]:
         from pagedllm.lora.adapter import load_lora_adapter
 
         adapter = load_lora_adapter(
-            ref.path, name=ref.name, max_rank=config.max_lora_rank, max_bytes=config.max_lora_bytes
+            ref.path, name=ref.name, max_rank=config.max_lora_rank, max_bytes=config.max_lora_bytes,
+            base_modules=adaptable_modules,
         )
         return adapter.ref.digest, adapter.weights
 

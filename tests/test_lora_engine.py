@@ -6,6 +6,7 @@ registration and refusals."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import threading
 from collections import Counter
@@ -17,6 +18,7 @@ import pytest
 import torch
 from helpers.lora_adapters import peft_greedy, write_peft_adapter
 from helpers.scheduler_utils import FakeRunner, prompt
+from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.core.config import EngineConfig, LoRAConfig, SchedulerConfig
@@ -511,6 +513,39 @@ def test_adapter_errors_come_before_the_engine_core(base_model: Path, adapters: 
                            lora_request=LoRARequest("q", 1, str(adapters["q_v_down"])))
     finally:
         plain.shutdown()
+
+
+def with_lm_head(adapter: Path, folder: Path, vocab_size: int) -> Path:
+    """A copy of `adapter` that also adapts the LM head: in the checkpoint, but no layer holds slots for it."""
+    shutil.copytree(adapter, folder)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.randn(2, 64)
+    tensors["base_model.model.lm_head.lora_B.weight"] = torch.randn(vocab_size, 2)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    return folder
+
+
+def test_a_module_the_model_holds_no_slots_for_is_refused_up_front_and_in_the_core(
+    base_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    vocab_size = json.loads((base_model / "config.json").read_text())["vocab_size"]
+    folder = with_lm_head(adapters["gate_up"], tmp_path / "lm_head", vocab_size)
+    llm = lora_llm(base_model)
+    try:
+        with pytest.raises(LoRAAdapterError, match="lm_head"):
+            llm.generate([E2E_PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False,
+                         lora_request=LoRARequest("head", 1, str(folder)))
+        assert llm.lora_registry is not None
+        adaptable = llm.engine_core.ready.lora_modules  # the ranks' answer, which the core's store checks too
+    finally:
+        llm.shutdown()
+    assert adaptable is not None and "lm_head" not in adaptable and "model.layers.0.mlp.gate_proj" in adaptable
+    store = LoRAStore(LoRAConfig(enable_lora=True, max_lora_rank=8), adaptable_modules=adaptable)
+    ref = LoRARef("head", "0" * 64, str(folder))
+    store.request_load(ref)
+    state = wait_ready(store, ref.digest)
+    assert state is not None and "lm_head" in state and "has no such module" in state
+    store.shutdown()
 
 
 def test_async_llm_runs_a_lora_request_and_counts_it_per_adapter(base_model: Path, adapters: dict[str, Path]) -> None:

@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.lora_models import LoRAModels, load_lora_resolvers, parse_lora_modules
 from pagedllm.entrypoints.openai.request_pool import RequestWorkerPool
 from pagedllm.lora.adapter import base_model_modules, load_lora_adapter
+from pagedllm.lora.registry import LoRARegistry
 from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.resolver import FilesystemResolver, LoRAResolver
 from pagedllm.plugins import RegisterFn, get_plugin_manager, hookimpl
@@ -108,8 +109,8 @@ def _app(base: Path, config: EngineConfig, resolvers: list[Any] | None = None) -
     """build_app over a RecordingEngine, with config's --lora-modules loaded."""
     engine = RecordingEngine(config)
     pool = RequestWorkerPool(2)
-    lora_models = LoRAModels(config.lora, [engine.model_name], pool.run, base_model_path=str(base),
-                             resolvers=resolvers)
+    lora_models = LoRAModels(config.lora, [engine.model_name], pool.run,
+                             register=LoRARegistry(str(base), config.lora).register, resolvers=resolvers)
     asyncio.run(lora_models.load_startup_modules())
     return build_app(engine, config, lora_models), engine  # type: ignore[arg-type]
 

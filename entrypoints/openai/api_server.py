@@ -187,7 +187,9 @@ def build_app(engine: AsyncLLM, config: EngineConfig, lora_models: LoRAModels | 
     tokenization = OpenAIServingTokenization(engine)
     model_name = completion.model_name
     if lora_models is None:
-        lora_models = LoRAModels(config.lora, completion.served_model_names, completion.pool.run)
+        registry = getattr(engine, "lora_registry", None)
+        lora_models = LoRAModels(config.lora, completion.served_model_names, completion.pool.run,
+                                 register=None if registry is None else registry.register)
     for handler in (completion, chat, tokenization):
         handler.lora_models = lora_models
 
@@ -331,12 +333,11 @@ def _add_lora_routes(app: FastAPI, lora_models: LoRAModels, pool: RequestWorkerP
 async def start_lora_models(engine: AsyncLLM, config: EngineConfig) -> LoRAModels:
     """The server's adapter registry with every `--lora-modules` adapter
     loaded (in worker threads); ConfigError naming the first bad one."""
-    from pagedllm.model_registry.model_source import resolve_model_path
-
     served = [engine.model_name] + [n for n in config.server.served_model_name or [] if n != engine.model_name]
     pool = shared_request_pool(engine, config.server.request_worker_threads)
+    registry = engine.lora_registry
     lora_models = LoRAModels(
-        config.lora, served, pool.run, base_model_path=str(resolve_model_path(config.model.model)),
+        config.lora, served, pool.run, register=None if registry is None else registry.register,
         resolvers=load_lora_resolvers(config.lora),
     )
     await lora_models.load_startup_modules()

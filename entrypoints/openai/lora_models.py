@@ -61,7 +61,6 @@ class ServedLoRA:
     ref: LoRARef
     # The model /v1/models names as its parent (base_model_name, else the served model).
     parent: str
-    num_bytes: int
     # vLLM's positive adapter id, one per registration (identity is `ref.digest`).
     lora_int_id: int = 1
 
@@ -130,23 +129,22 @@ def _parse_lora_module(item: str) -> LoRAModulePath:
 
 
 class LoRAModels:
-    """name -> ServedLoRA for one server. `run` executes blocking loads
-    off the event loop; `base_model_path` is the base checkpoint folder the
-    adapters are checked against (None: not checked here)."""
+    """name -> ServedLoRA for one server. `run` executes blocking loads off
+    the event loop; `register(name, folder)` loads and checks an adapter
+    and returns its LoRARef (the engine's `LoRARegistry.register`: the
+    engine front end then knows the files and does not hash them again)."""
 
     def __init__(
         self, lora: LoRAConfig, served_model_names: list[str], run: RunInThread,
-        base_model_path: str | None = None, resolvers: list[LoRAResolver] | None = None,
+        register: Callable[[str, str], LoRARef] | None = None, resolvers: list[LoRAResolver] | None = None,
     ) -> None:
         self.config = lora
         self.served_model_names = served_model_names
         self.run = run
-        self.base_model_path = base_model_path
+        self.register = register
         self.resolvers = resolvers or []
         self.runtime_updating = runtime_updating_allowed(lora)
         self._adapters: dict[str, ServedLoRA] = {}
-        self._base_modules: dict[str, tuple[int, int]] | None = None
-        self._base_modules_read = False
         self._next_int_id = itertools.count(1)
         # NOTE: one load at a time: two loads of one name cannot both register.
         self._lock = asyncio.Lock()
@@ -229,15 +227,7 @@ class LoRAModels:
             raise InvalidRequestError("lora_name", name, "must be non-empty and differ from the base model's names")
 
     def _load_blocking(self, name: str, path: str, base_model_name: str | None) -> ServedLoRA:
-        from pagedllm.lora.adapter import base_model_modules, load_lora_adapter
-
-        if not self._base_modules_read and self.base_model_path is not None:
-            # None for a checkpoint without float safetensors: the shapes are then unchecked here.
-            self._base_modules = base_model_modules(self.base_model_path)
-            self._base_modules_read = True
-        adapter = load_lora_adapter(
-            Path(path).expanduser(), name=name, max_rank=self.config.max_lora_rank,
-            max_bytes=self.config.max_lora_bytes, base_modules=self._base_modules,
-        )
-        parent = base_model_name or self.served_model_names[0]
-        return ServedLoRA(adapter.ref, parent, adapter.num_bytes)
+        if self.register is None:
+            raise InvalidRequestError("lora_name", name, "LoRA adapters are off on this server (--enable-lora)")
+        ref = self.register(name, str(Path(path).expanduser()))
+        return ServedLoRA(ref, base_model_name or self.served_model_names[0])
