@@ -451,6 +451,25 @@ def test_adapters_match_peft_at_tensor_parallel_2(
         llm.shutdown()
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_keeps_each_adapters_greedy_tokens(
+    method: str, base_model: Path, adapters: dict[str, Path], references: dict[str | None, list[list[int]]]
+) -> None:
+    # The draft model is the base model itself, run without the adapters
+    # (docs/lora.md): its drafts are the base's, and verification keeps the adapter's tokens.
+    speculative = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                   **({"model": str(base_model)} if method == "draft_model" else {})}
+    llm = lora_llm(base_model, speculative_config=speculative, max_loras=3)
+    try:
+        tokens, _ = generate_mixed(llm, adapters, ALL)
+        stats = llm.get_stats()
+        assert stats is not None and stats.spec_decoding_stats is not None
+        assert stats.spec_decoding_stats.num_draft_tokens > 0
+    finally:
+        llm.shutdown()
+    assert tokens == expected(references, ALL)
+
+
 def identity_scenario(
     base_model: Path, adapters: dict[str, Path], folder: Path
 ) -> list[tuple[str, list[int], int]]:
