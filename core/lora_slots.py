@@ -52,10 +52,8 @@ class LoRASlotTable:
 
     # ------------------------------------------------------------- requests
 
-    def add_request(self, request: Request) -> None:
-        """A request with an adapter arrives: the store starts loading it."""
-        lora = request.lora
-        assert lora is not None
+    def add_request(self, lora: LoRARef) -> None:
+        """A request with adapter `lora` arrives: the store starts loading it."""
         self.store.request_load(lora)
         _count(self._requests, lora.name, 1)
 
@@ -121,12 +119,11 @@ class LoRASlotTable:
 
     # --------------------------------------------------------------- stats
 
-    def count_tokens(self, request: Request, num_prompt_tokens: int, num_generation_tokens: int) -> None:
-        assert request.lora is not None
+    def count_tokens(self, lora: LoRARef, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         if num_prompt_tokens:
-            _count(self._prompt_tokens, request.lora.name, num_prompt_tokens)
+            _count(self._prompt_tokens, lora.name, num_prompt_tokens)
         if num_generation_tokens:
-            _count(self._generation_tokens, request.lora.name, num_generation_tokens)
+            _count(self._generation_tokens, lora.name, num_generation_tokens)
 
     def make_stats(self, running: Iterable[Request], waiting: Iterable[Request]) -> LoRAStats:
         stats = LoRAStats(

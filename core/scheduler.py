@@ -189,7 +189,7 @@ class Scheduler:
             # Compiles on the manager's threads; WAITING_FOR_FSM until done.
             self.structured_output_manager.grammar_init(request)
         if request.lora is not None and self.lora_slots is not None:
-            self.lora_slots.add_request(request)  # its adapter loads in the background
+            self.lora_slots.add_request(request.lora)  # its adapter loads in the background
         self.requests[request.request_id] = request
         self._count_in_group(request, +1)
         self.waiting.add(request)
@@ -532,7 +532,7 @@ class Scheduler:
                 num_prompt_tokens = min(num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens)
                 self.num_prompt_tokens_computed += num_prompt_tokens
                 if request.lora is not None and self.lora_slots is not None:
-                    self.lora_slots.count_tokens(request, num_prompt_tokens, 0)
+                    self.lora_slots.count_tokens(request.lora, num_prompt_tokens, 0)
             request.num_computed_tokens += num_new_tokens
             if async_scheduling:
                 # It samples this step: its token and its drafts (all of them
@@ -613,7 +613,7 @@ class Scheduler:
             preempted = request.status == RequestStatus.PREEMPTED
             num_new_tokens, stopped = self._append_sampled_tokens(request, sampled)
             if num_new_tokens and request.lora is not None and self.lora_slots is not None:
-                self.lora_slots.count_tokens(request, 0, num_new_tokens)
+                self.lora_slots.count_tokens(request.lora, 0, num_new_tokens)
             if sampled:
                 # The drafts the next step verifies (none while prefilling).
                 request.spec_token_ids = [] if stopped else self._usable_drafts(request, runner_output)

@@ -205,7 +205,8 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tens
         return
     if x.stride(-1) != 1:
         x = x.contiguous()
-    assert y.stride(-1) == 1 and lora_a.is_contiguous() and lora_b.is_contiguous()
+    if y.stride(-1) != 1 or not (lora_a.is_contiguous() and lora_b.is_contiguous()):  # the kernels' addressing
+        raise ValueError("LoRA kernels need y's rows and the slot buffers contiguous")
     slots = token_slots if token_slots.dtype == torch.int32 else token_slots.to(torch.int32)
     shrunk = torch.empty(num_rows, rank_total, dtype=torch.float32, device=x.device)
     _lora_shrink_kernel[(num_rows, triton.cdiv(rank_total, BLOCK_R))](
@@ -242,7 +243,8 @@ def lora_shrink_expand_segments(y: torch.Tensor, x: torch.Tensor, token_slots: t
         return
     if x.stride(-1) != 1:
         x = x.contiguous()
-    assert y.stride(-1) == 1 and lora_a.is_contiguous() and lora_b.is_contiguous()
+    if y.stride(-1) != 1 or not (lora_a.is_contiguous() and lora_b.is_contiguous()):  # the kernels' addressing
+        raise ValueError("LoRA kernels need y's rows and the slot buffers contiguous")
     sorted_rows, counts, starts = group_rows_by_slot(token_slots, num_slots)
     shrunk = torch.empty(num_rows, rank_total, dtype=torch.float32, device=x.device)
     ieee = x.dtype == torch.float32

@@ -26,6 +26,7 @@ class FakeScheduler:
         self.outputs = outputs
         self.scheduled: list[SchedulerOutput] = []
         self.kv_connector = None
+        self.lora_slots = None
         self.async_scheduling = async_scheduling
         # The steps scheduled from now on need their outputs processed first.
         self.sync_required = False
