@@ -439,6 +439,18 @@ def test_adapters_match_peft_through_preemption_and_decode_graphs(
         llm.shutdown()
 
 
+def test_adapters_match_peft_under_async_scheduling_with_graphs(
+    base_model: Path, adapters: dict[str, Path], references: dict[str | None, list[list[int]]]
+) -> None:
+    # Step k + 1 is scheduled while step k runs: slot loads must not overtake a step in flight.
+    llm = lora_llm(base_model, async_scheduling=True, enforce_eager=False, max_loras=1)
+    try:
+        tokens, _ = generate_mixed(llm, adapters, ALL)
+    finally:
+        llm.shutdown()
+    assert tokens == expected(references, ALL)
+
+
 def test_adapters_match_peft_at_tensor_parallel_2(
     base_model: Path, adapters: dict[str, Path], references: dict[str | None, list[list[int]]]
 ) -> None:
