@@ -11,7 +11,7 @@ ones. The table gives tokens/s, the fraction of the same engine's base-model
 throughput (the issue's target: at least 0.7 with 16 adapters), and
 pagedllm/vLLM.
 
-    .venv/bin/python benchmarks/peer/lora.py [--adapters 0,1,4,16] [--engines pagedllm,vllm] [--runs 2]
+    .venv/bin/python benchmarks/peer/lora.py [--adapters 0,-1,1,4,16] [--engines pagedllm,vllm] [--runs 2]
         [--num-prompts 32] [--num-new-tokens 64] [--cores 0-1] [--kv-cache-gib 1]
 """
 
@@ -82,6 +82,7 @@ def adapter_dirs(model_path: Path) -> list[str]:
 
 
 def build_llm(engine: str, model_path: str, num_adapters: int, kv_cache_gib: int):  # type: ignore[no-untyped-def]
+    # -1: LoRA on, every request on the base model (what enabling LoRA alone costs).
     lora = dict(enable_lora=True, max_loras=MAX_ADAPTERS, max_lora_rank=RANK) if num_adapters else {}
     if engine == "vllm":
         from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
@@ -99,7 +100,7 @@ def build_llm(engine: str, model_path: str, num_adapters: int, kv_cache_gib: int
 
 def run_child(args: argparse.Namespace) -> dict:
     prompts = json.loads(Path(args.prompts_file).read_text())
-    adapters = json.loads(args.adapter_dirs)[: args.num_adapters]
+    adapters = json.loads(args.adapter_dirs)[: max(args.num_adapters, 0)]
     llm, sampling_params_cls, lora_request_cls = build_llm(args.child, args.model_path, args.num_adapters,
                                                            args.kv_cache_gib)
     params = sampling_params_cls(temperature=0.0, max_tokens=args.num_new_tokens, ignore_eos=True)
@@ -125,7 +126,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
-    parser.add_argument("--adapters", default="0,1,4,16", help="distinct adapter counts; 0 = the base model")
+    parser.add_argument("--adapters", default="0,-1,1,4,16",
+                        help="distinct adapter counts; 0 = the base model, -1 = the base model with LoRA on")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -163,7 +165,7 @@ def main() -> None:
                 log(f"{engine} {count} adapters: " + ", ".join(f"{t:.2f}" for t in answer["times"]) + " s")
     rows = []
     for count in counts:
-        row = [str(count) if count else "base model"]
+        row = [{0: "base model", -1: "base model, LoRA on"}.get(count, str(count))]
         for engine in engines:
             base = tok_s.get((engine, 0))
             row += [fmt(tok_s[(engine, count)]), fmt(tok_s[(engine, count)] / base, 2) if base else "-"]
