@@ -1,12 +1,13 @@
 """LoRA adapters through a real `pagedllm serve` (127.0.0.1, a free port,
 stopped by pid): greedy tokens of start-up and runtime-loaded adapters
-equal transformers + PEFT in float32, and other weights loaded under a
-name used before never hit the old weights' cached KV."""
+equal transformers + PEFT in float32, also three adapters and the base
+model at once, and other weights loaded under a name used before never
+hit the old weights' cached KV."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +16,7 @@ import pytest
 from helpers.lora_adapters import peft_greedy, write_peft_adapter
 from helpers.server import ServerProcess, start_server
 
-from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.testing.checkpoints import config_json, save_random_checkpoint
-
-# NOTE: until the engine's generate() takes an adapter, this module cannot run.
-pytestmark = pytest.mark.skipif(
-    "lora_request" not in inspect.signature(AsyncLLM.generate).parameters,
-    reason="AsyncLLM.generate takes no lora_request yet",
-)
 
 API_KEY = "e2e-key"
 BLOCK_SIZE = 4
@@ -107,6 +101,21 @@ def test_reloading_other_weights_under_a_name_never_hits_the_old_kv(
     reloaded = _complete(server, "tmp")
     assert _cached(reloaded) == 0
     assert _text(reloaded) == _peft_text(base, adapters["retrained"])
+
+
+def test_three_adapters_and_the_base_at_once_match_peft(
+    server: ServerProcess, base: Path, adapters: dict[str, Path]
+) -> None:
+    for name in ("chat-c", "retrained-c"):
+        path = adapters[name.removesuffix("-c")]
+        assert _post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}).is_success
+    models = ["sql", "chat-c", "retrained-c", server_model(server)]
+    with ThreadPoolExecutor(len(models)) as pool:  # concurrent: the engine batches them together
+        texts = list(pool.map(lambda model: _text(_complete(server, model)), models))
+    assert texts == [_peft_text(base, adapters["sql"]), _peft_text(base, adapters["chat"]),
+                     _peft_text(base, adapters["retrained"]), _peft_text(base, None)]
+    for name in ("chat-c", "retrained-c"):
+        assert _post(server, "/v1/unload_lora_adapter", {"lora_name": name}).is_success
 
 
 def server_model(server: ServerProcess) -> str:
