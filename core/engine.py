@@ -162,6 +162,12 @@ class EngineCore:
         if self.scheduler.lora_slots is not None:
             self.scheduler.lora_slots.store.wait_for_loads(timeout_s)
 
+    def shutdown(self) -> None:
+        """Release the threads the core itself holds (the adapter store's
+        loader); the executor is its owner's to stop."""
+        if self.scheduler.lora_slots is not None:
+            self.scheduler.lora_slots.store.shutdown()
+
     def check_invariants(self) -> None:
         self.kv_cache_manager.check_invariants(self.scheduler.requests_holding_blocks())
 

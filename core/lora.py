@@ -93,3 +93,7 @@ class LoRAAdapterStore(Protocol):
         """Block until a load finishes or `timeout_s` passes (an engine whose
         every request waits for an adapter must not spin)."""
         ...
+
+    def shutdown(self) -> None:
+        """Stop the loading thread (loads not started are dropped)."""
+        ...

@@ -139,6 +139,7 @@ class InprocClient(EngineCoreClient):
 
     def shutdown(self) -> None:
         """Stop the executor's workers (the in-process `uni` releases its rank)."""
+        self.engine_core.shutdown()
         self.executor.shutdown()
 
 

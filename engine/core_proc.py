@@ -290,6 +290,7 @@ def _serve(
             output_socket.send(encoder.encode(dead), flags=zmq.NOBLOCK)
         return True
     finally:
+        parts.engine_core.shutdown()
         parts.executor.shutdown()
     return False
 

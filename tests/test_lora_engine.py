@@ -9,6 +9,7 @@ import asyncio
 import json
 import shutil
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,9 @@ class FakeStore:
         return []
 
     def wait_for_loads(self, timeout_s: float) -> None:
+        pass
+
+    def shutdown(self) -> None:
         pass
 
 
@@ -577,6 +581,19 @@ def test_a_module_the_model_holds_no_slots_for_is_refused_up_front_and_in_the_co
     state = wait_ready(store, ref.digest)
     assert state is not None and "lm_head" in state and "has no such module" in state
     store.shutdown()
+
+
+def test_shutdown_stops_the_engine_cores_adapter_loader(base_model: Path, adapters: dict[str, Path]) -> None:
+    llm = lora_llm(base_model)
+    llm.generate([E2E_PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False,
+                 lora_request=LoRARequest("q", 1, str(adapters["q_v_down"])))
+    assert any(thread.name.startswith("lora-load") for thread in threading.enumerate())
+    llm.shutdown()
+    for _ in range(100):
+        if not any(thread.name.startswith("lora-load") for thread in threading.enumerate()):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the adapter loader thread outlived the engine")
 
 
 def test_async_llm_runs_a_lora_request_and_counts_it_per_adapter(base_model: Path, adapters: dict[str, Path]) -> None:
