@@ -157,6 +157,13 @@ class SchedulerConfig(_Section):
     long_prefill_token_threshold: int = Field(0, ge=0)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     enable_chunked_prefill: bool = True
+    # Latency-bounded steps (core/step_budget.py): while decodes run, prompt
+    # chunks get only the tokens that keep the step within this many
+    # milliseconds, as the step cost model fitted on the running steps
+    # predicts. None: the automatic target (2x the decodes' own step, at
+    # least 50 ms); 0: off (every step may take max_num_batched_tokens).
+    # Needs enable_chunked_prefill. Offline `LLM` turns it off unless given.
+    max_step_latency_ms: float | None = Field(None, ge=0.0)
     # vLLM's async scheduling: step k+1 is scheduled and launched while step
     # k's forward runs, and step k's outputs are processed after that. Steps
     # holding a request that needs its previous token first (a grammar) run
@@ -527,6 +534,7 @@ FLAT_KEYS: dict[str, tuple[str, str | None]] = {
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "prefix_caching_hash_algo": ("cache", "prefix_caching_hash_algo"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "max_step_latency_ms": ("scheduler", "max_step_latency_ms"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "long_prefill_token_threshold": ("scheduler", "long_prefill_token_threshold"),
     "scheduling_policy": ("scheduler", "scheduling_policy"),

@@ -32,7 +32,9 @@ from pagedllm.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagedllm.core.stats import SchedulerStats, SpecDecodingStats
+from pagedllm.core.stats import SchedulerStats, SpecDecodingStats, StepCostStats
+from pagedllm.core.step_budget import LatencyBoundedBudget, StepBudget
+from pagedllm.core.step_cost import StepShape, attention_pairs
 
 if TYPE_CHECKING:
     from pagedllm.core.config import SchedulerConfig
@@ -78,6 +80,9 @@ class _ScheduledBatch:
 
     token_budget: int
     now: float
+    # Of token_budget, what prompt tokens (chunks, admissions) may take
+    # beside the running decodes (core/step_budget.py).
+    prefill_budget: int
     # Insertion order is the batch order.
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -88,8 +93,14 @@ class _ScheduledBatch:
     preempted_for_blocks: bool = False
 
     def add(self, request_id: str, num_new_tokens: int) -> None:
+        """An admitted request's prompt tokens (or a preempted one's recompute)."""
         self.num_scheduled_tokens[request_id] = num_new_tokens
         self.token_budget -= num_new_tokens
+        self.prefill_budget -= num_new_tokens
+
+    @property
+    def admission_budget(self) -> int:
+        return min(self.token_budget, self.prefill_budget)
 
     def remove(self, request_id: str) -> None:
         """A request preempted after it was scheduled gives its tokens back."""
@@ -120,21 +131,20 @@ class Scheduler:
         # saves handed to the runner with each step, delayed frees).
         self.kv_connector = kv_connector
         self.kv_transfer = None if kv_connector is None else KVTransferTracker(kv_connector, kv_cache_manager)
-        # Speculative decoding: k drafts per request at most; a model drafter
-        # writes KV past the scheduled tokens, into `num_lookahead_tokens`
-        # extra slots reserved per request.
+        # Speculative decoding: k drafts per request at most; a model drafter writes
+        # KV past the scheduled tokens, into `num_lookahead_tokens` extra slots.
         self.num_spec_tokens = num_spec_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
+        # This interval's (make_stats takes them) and since start.
         self.spec_decoding_stats = SpecDecodingStats.new(num_spec_tokens) if num_spec_tokens else None
+        self.total_spec_decoding_stats = SpecDecodingStats.new(num_spec_tokens) if num_spec_tokens else None
         # A request may be scheduled before its last step's output is seen
         # (with a drafter, its drafts are placeholders the runner fills); not
         # with a KV connector (it needs each step's results first).
         self.async_scheduling = scheduler_config.async_scheduling and kv_connector is None
-        # Async scheduling: requests preempted while a step of theirs ran; that
-        # step's rejected drafts no longer count against num_computed_tokens.
+        # Async scheduling: requests preempted while a step of theirs ran (its
+        # rejected drafts no longer count against num_computed_tokens).
         self._preempted_in_flight: set[str] = set()
-        # Since start (the interval stats above are taken by make_stats).
-        self.total_spec_decoding_stats = SpecDecodingStats.new(num_spec_tokens) if num_spec_tokens else None
         self.structured_output_manager = structured_output_manager
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
@@ -145,7 +155,8 @@ class Scheduler:
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.fair_share = scheduler_config.fair_share
         self._check_budget_fits_a_sequence(max_model_len)
-
+        # Latency-bounded steps: prompts get what fits beside the running decodes.
+        self.step_budget = LatencyBoundedBudget.from_config(scheduler_config)
         self.requests: dict[str, Request] = {}
         # Unfinished sequences per group, and how many groups have several (fair sharing).
         self._group_sizes: dict[str, int] = {}
@@ -225,7 +236,8 @@ class Scheduler:
     # -------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        batch = _ScheduledBatch(self.max_num_batched_tokens, now=time.time())
+        budget = self._step_budget()
+        batch = _ScheduledBatch(budget.token_budget, now=time.time(), prefill_budget=budget.prefill_budget)
         self._schedule_running(batch)
         # Waiting requests get a turn unless this step already had to preempt.
         if not batch.preempted_for_blocks and self.waiting:
@@ -236,6 +248,41 @@ class Scheduler:
         scheduler_output = self._make_scheduler_output(batch)
         self._update_after_schedule(batch.num_scheduled_tokens, batch.spec_tokens)
         return scheduler_output
+
+    def _step_budget(self) -> StepBudget:
+        step_budget = self.step_budget
+        if step_budget is None or not step_budget.cost_model.fitted:
+            return StepBudget(self.max_num_batched_tokens, self.max_num_batched_tokens)
+        return step_budget.budget(self._decode_shape())
+
+    def _decode_shape(self) -> StepShape:
+        """The next step of the running decodes alone: one token each, and
+        their drafts."""
+        num_tokens = num_reqs = 0
+        pairs = 0.0
+        for request in self.running:
+            num_computed = request.num_computed_tokens
+            num_placeholders = request.num_output_placeholders
+            if request.num_tokens + num_placeholders - num_computed > 1:
+                continue  # a prompt chunk: the prompts' share
+            num_new = 1 + (self.num_spec_tokens if num_placeholders else len(request.spec_token_ids))
+            num_tokens += num_new
+            num_reqs += 1
+            pairs += attention_pairs(num_new, num_computed)
+        return StepShape(num_tokens, num_reqs, False, pairs)
+
+    def _step_shape(self, batch: _ScheduledBatch) -> StepShape:
+        """The shape of the step just scheduled, for the cost model."""
+        num_scheduled_tokens, spec_tokens = batch.num_scheduled_tokens, batch.spec_tokens
+        pairs = 0.0
+        mixed = False
+        computed: list[tuple[str, int]] = [(data.req_id, data.num_computed_tokens) for data in batch.new_reqs]
+        computed += [(data.req_id, data.num_computed_tokens) for data in batch.cached_reqs.values()]
+        for request_id, num_computed in computed:
+            num_new = num_scheduled_tokens[request_id]
+            pairs += attention_pairs(num_new, num_computed)
+            mixed = mixed or num_new > 1 + len(spec_tokens.get(request_id, ()))
+        return StepShape(sum(num_scheduled_tokens.values()), len(num_scheduled_tokens), mixed, pairs)
 
     def _schedule_running(self, batch: _ScheduledBatch) -> None:
         """Phase 1: running requests in order (decode first): the next decode
@@ -256,9 +303,11 @@ class Scheduler:
                 continue
             num_drafts = self._num_draft_placeholders(request, num_placeholders) if num_placeholders else len(
                 request.spec_token_ids)
+            num_needed = request.num_tokens + num_placeholders - num_computed_tokens
+            # More than the next token: a prompt chunk, within the prompts' share.
+            prefilling = num_needed > 1
             num_new_tokens = self._cap_new_tokens(
-                request.num_tokens + num_drafts + num_placeholders - num_computed_tokens,
-                batch.token_budget,
+                num_needed + num_drafts, batch.admission_budget if prefilling else batch.token_budget,
                 num_computed_tokens,
             )
             if num_new_tokens == 0:
@@ -275,6 +324,8 @@ class Scheduler:
             # batch.add(), inlined: one call less per running request.
             batch.num_scheduled_tokens[request_id] = num_new_tokens
             batch.token_budget -= num_new_tokens
+            if prefilling:
+                batch.prefill_budget -= num_new_tokens
             cached = batch.cached_reqs[request_id] = CachedRequestData(
                 request_id, [block.block_id for block in new_blocks] if new_blocks else [], num_computed_tokens,
                 num_output_placeholders=num_placeholders,
@@ -359,12 +410,12 @@ class Scheduler:
         not_ready: list[Request] = []
         if self.lora_slots is not None:
             self.lora_slots.begin_step(self.running)
-        while self.waiting and batch.token_budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and batch.admission_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if fair is not None and fair.steps_aside(request):
                 not_ready.append(self.waiting.pop())
                 continue
-            admission = self._try_admit(request, batch.token_budget)
+            admission = self._try_admit(request, batch.admission_budget)
             decision = admission.decision
             if decision is AdmitDecision.DEFER_NO_ROOM:
                 break  # head-of-line: later arrivals wait behind it
@@ -486,6 +537,7 @@ class Scheduler:
             # they say whether its next step samples under its grammar.
             sync_required=self._samples_under_grammar(num_scheduled_tokens),
             lora_loads=self.lora_slots.take_loads() if self.lora_slots is not None else [],
+            step_shape=None if self.step_budget is None or not num_scheduled_tokens else self._step_shape(batch),
         )
         if self.kv_transfer is not None:
             self.kv_transfer.attach_metadata(scheduler_output)
@@ -597,6 +649,8 @@ class Scheduler:
             self.kv_transfer.update_from_output(runner_output.kv_connector_output)
         if runner_output.spec_step is not None:
             self._account_spec_step(runner_output.spec_step)
+        if self.step_budget is not None and scheduler_output.step_shape is not None:
+            self.step_budget.cost_model.observe(scheduler_output.step_shape, runner_output.execute_time_s)
         sampled_token_ids = runner_output.sampled_token_ids
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         all_logprobs = runner_output.logprobs
@@ -771,6 +825,16 @@ class Scheduler:
             lora_stats=(
                 None if self.lora_slots is None else self.lora_slots.make_stats(self.running, self.waiting)
             ),
+            step_cost_stats=None if self.step_budget is None else self._step_cost_stats(self.step_budget),
+        )
+
+    @staticmethod
+    def _step_cost_stats(step_budget: LatencyBoundedBudget) -> StepCostStats:
+        cost_model = step_budget.cost_model
+        return StepCostStats(
+            coefficients=cost_model.named_coefficients(), num_samples=cost_model.num_samples,
+            relative_error=cost_model.relative_error, target_s=step_budget.last_target_s,
+            prefill_budget=step_budget.last_prefill_budget,
         )
 
     @property

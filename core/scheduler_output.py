@@ -21,6 +21,7 @@ import msgspec
 from pagedllm.core.custom_stats import FigureValue
 from pagedllm.core.lora import LoRARef, LoRASlotLoad
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.step_cost import StepShape
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -176,6 +177,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # applied before the forward; every adapter a request of this step uses
     # is in a slot, loaded by this step's loads or an earlier step's.
     lora_loads: list[LoRASlotLoad] = msgspec.field(default_factory=list)
+    # What the step computes, for the step cost model (core/step_cost.py);
+    # None when steps are not latency-bounded.
+    step_shape: StepShape | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -221,3 +225,6 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     custom_stats: dict[str, FigureValue] | None = None
     # With a drafter: this step's verify and draft times and the policy's choice.
     spec_step: SpecStepTimes | None = None
+    # Rank 0's wall seconds for this step (inputs, forward, sampling, drafting):
+    # what the step cost model is fitted on.
+    execute_time_s: float = 0.0

@@ -123,6 +123,22 @@ class LoRAStats(msgspec.Struct, array_like=True, omit_defaults=True):
     generation_tokens: dict[str, int] = {}
 
 
+class StepCostStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The step cost model's fit (core/step_cost.py) and the latency-bounded
+    budget it gave the last step with decodes (core/step_budget.py)."""
+
+    # Seconds per unit of each term (step, mixed, token, request, attention);
+    # empty before the first fit.
+    coefficients: dict[str, float] = {}
+    # Steps observed since start.
+    num_samples: int = 0
+    # Moving mean of |predicted - measured| / measured.
+    relative_error: float = 0.0
+    # The last step with decodes: its latency target and prompt-token share.
+    target_s: float = 0.0
+    prefill_budget: int = 0
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """The scheduler's figures after a step, as the core sends them with the
     step's outputs (and with its idle heartbeat); the stat loggers and
@@ -146,6 +162,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     custom_stats: dict[str, FigureValue] | None = None
     # Multi-LoRA serving's figures; None unless lora.enable_lora.
     lora_stats: LoRAStats | None = None
+    # The step cost model and latency bound; None when steps are not bounded.
+    step_cost_stats: StepCostStats | None = None
 
 
 class RequestTimes(Protocol):

@@ -49,6 +49,10 @@ class LLM:
         if model is not None:  # not given: the config file's (or env's) model, else the default one
             kwargs["model"] = model
         self.config = EngineConfig.from_flat(config_file=config_file, **kwargs)
+        if "max_step_latency_ms" not in self.config.scheduler.model_fields_set:
+            # Offline generation is judged by throughput, not by a stream's
+            # inter-token gaps: steps are latency-bounded only when asked.
+            self.config.scheduler.max_step_latency_ms = 0.0
         # Read before the engine starts: a template path that is not there fails at once.
         self.chat_template = load_chat_template(self.config.server.chat_template, field="chat_template")
         plugins = self.config.plugins

@@ -197,6 +197,7 @@ class ModelRunner:
             self.draft_placeholders.record(scheduler_output, output)
         output.kv_connector_output = self._kv_connector_output(scheduler_output)
         self._last_step_end = time.perf_counter()
+        output.execute_time_s = self._last_step_end - start
         return output
 
     def _prepare_inputs(

@@ -14,6 +14,7 @@ scheduled before step k's outputs are processed, and runs after them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.core.config import SchedulerConfig
@@ -91,6 +92,9 @@ class FakeRunner:
     scheduler: Scheduler
     scripts: dict[str, list[int]] = field(default_factory=dict)
     states: dict[str, RunnerRequestState] = field(default_factory=dict)
+    # The step's measured seconds as a platform would report them
+    # (ModelRunnerOutput.execute_time_s); None: 0.0, which the step cost model ignores.
+    step_seconds: Callable[[SchedulerOutput], float] | None = None
 
     def next_token(self, request_id: str, num_output_tokens: int) -> int:
         script = self.scripts.get(request_id)
@@ -143,7 +147,8 @@ class FakeRunner:
                 token_id = self.next_token(request_id, len(state.token_ids) - request.num_prompt_tokens)
                 sampled[request_id] = [token_id]
                 state.token_ids.append(token_id)
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        seconds = 0.0 if self.step_seconds is None else self.step_seconds(scheduler_output)
+        return ModelRunnerOutput(sampled_token_ids=sampled, execute_time_s=seconds)
 
     def step(self) -> StepResult:
         """schedule -> (runner) -> update_from_output, block invariant checked in between."""
