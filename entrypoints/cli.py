@@ -212,6 +212,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         **_env_executor(args, platform),
         **_env_model_impl(args),
+        "step_cost": _env_step_cost(),
     }
     if args.json:
         _print_json(payload)
@@ -231,6 +232,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         ("executor", payload["executor"]),
         ("world size", payload["world_size"]),
         ("communicator", payload["communicator"]),
+        ("step cost model", payload["step_cost"]["summary"]),
     ]
     if "model_impl" in payload:
         rows.append(("model", f"{payload['architecture']}: {payload['model_impl']} ({payload['model_impl_reason']})"))
@@ -241,6 +243,23 @@ def cmd_env(args: argparse.Namespace) -> int:
         print(f"  {name}: {'; '.join(reasons)}")
     _print_other_backends(platform, selection, backends)
     return 0
+
+
+def _env_step_cost() -> dict[str, Any]:
+    """The step cost model the scheduler bounds steps with (core/step_cost.py):
+    its terms and the default target; its fit is the running server's
+    (/metrics `pagedllm:step_cost_*`)."""
+    from pagedllm.core.step_budget import AUTO_DECODE_FACTOR, AUTO_MIN_STEP_S, MIN_PREFILL_TOKENS
+    from pagedllm.core.step_cost import TERMS
+
+    return {
+        "terms": list(TERMS),
+        "auto_target": {"decode_factor": AUTO_DECODE_FACTOR, "min_step_s": AUTO_MIN_STEP_S},
+        "min_prefill_tokens": MIN_PREFILL_TOKENS,
+        "summary": f"seconds = {' + '.join(TERMS)} terms, fitted on the running steps (/metrics "
+                   f"pagedllm:step_cost_*); target max({AUTO_MIN_STEP_S * 1000:g} ms, "
+                   f"{AUTO_DECODE_FACTOR:g}x decodes) unless --max-step-latency-ms",
+    }
 
 
 def _env_executor(args: argparse.Namespace, platform: Platform) -> dict[str, Any]:

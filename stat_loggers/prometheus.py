@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pagedllm.core.custom_stats import MetricSpec, MetricType
 from pagedllm.stat_loggers.base import METRIC_PREFIX, StatLoggerBase, StatLoggerContext
 from pagedllm.stat_loggers.lora_metrics import LoRAMetrics
+from pagedllm.stat_loggers.step_cost_metrics import StepCostMetrics
 
 if TYPE_CHECKING:
     from pagedllm.core.stats import IterationStats, SchedulerStats
@@ -105,6 +106,8 @@ class PrometheusStatLogger(StatLoggerBase):
         self._last_num_preemptions = 0
         # Multi-LoRA collectors, made with the first LoRA figures.
         self.lora_metrics: LoRAMetrics | None = None
+        # The step cost model's collectors, made with its first figures.
+        self.step_cost_metrics: StepCostMetrics | None = None
 
     # ---- StatLoggerBase -------------------------------------------------
 
@@ -129,6 +132,10 @@ class PrometheusStatLogger(StatLoggerBase):
                 if self.lora_metrics is None:
                     self.lora_metrics = LoRAMetrics(self.registry, self.model_name)
                 self.lora_metrics.record(scheduler_stats.lora_stats)
+            if scheduler_stats.step_cost_stats is not None:
+                if self.step_cost_metrics is None:
+                    self.step_cost_metrics = StepCostMetrics(self.registry, self.model_name)
+                self.step_cost_metrics.record(scheduler_stats.step_cost_stats)
         if iteration_stats is not None:
             self.record_iteration_stats(iteration_stats)
         if num_scheduled_tokens is not None:
