@@ -19,6 +19,8 @@ from peer_common import print_result
 SUMMARY_KEYS = (
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
     "output_throughput", "median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "median_itl_ms", "mean_itl_ms",
+    # --metric-percentiles 50,99 (serving.py): p<N>_<metric>_ms for each of --percentile-metrics.
+    "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms",
 )
 
 

@@ -11,7 +11,7 @@ ones. The table gives tokens/s, the fraction of the same engine's base-model
 throughput (the issue's target: at least 0.7 with 16 adapters), and
 pagedllm/vLLM.
 
-    .venv/bin/python benchmarks/peer/lora.py [--adapters 0,-1,1,4,16] [--engines pagedllm,vllm] [--runs 2]
+    .venv/bin/python benchmarks/peer/lora.py [--adapters 0,-1,1,4,16] [--engines pagedllm,vllm-2c] [--runs 2]
         [--num-prompts 32] [--num-new-tokens 64] [--cores 0-1] [--kv-cache-gib 1]
 """
 
@@ -27,12 +27,15 @@ from pathlib import Path
 from offline import make_prompts
 from peer_common import (
     ENGINES,
+    PEERS,
     add_placement_args,
+    engine_of,
     fmt,
     fmt_ratio,
     log,
     markdown_table,
     median,
+    parse_peers,
     placement_from_args,
     print_result,
     run_json_child,
@@ -84,7 +87,7 @@ def adapter_dirs(model_path: Path) -> list[str]:
 def build_llm(engine: str, model_path: str, num_adapters: int, kv_cache_gib: int):  # type: ignore[no-untyped-def]
     # -1: LoRA on, every request on the base model (what enabling LoRA alone costs).
     lora = dict(enable_lora=True, max_loras=MAX_ADAPTERS, max_lora_rank=RANK) if num_adapters else {}
-    if engine == "vllm":
+    if engine_of(engine) == "vllm":
         from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
         from vllm.lora.request import LoRARequest  # type: ignore[import-not-found]
 
@@ -128,13 +131,14 @@ def main() -> None:
     )
     parser.add_argument("--adapters", default="0,-1,1,4,16",
                         help="distinct adapter counts; 0 = the base model, -1 = the base model with LoRA on")
-    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help="comma-separated, from " + ",".join(PEERS) + " (default %(default)s)")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--num-new-tokens", type=int, default=64)
     parser.add_argument("--child-timeout", type=float, default=1800.0)
     add_placement_args(parser)
-    parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
     parser.add_argument("--num-adapters", type=int, help=argparse.SUPPRESS)
@@ -148,7 +152,11 @@ def main() -> None:
     model_path = checkpoint_dir("100m", "bfloat16")
     dirs = json.dumps(adapter_dirs(model_path))
     counts = [int(count) for count in args.adapters.split(",")]
-    engines = [engine for engine in args.engines.split(",") if engine]
+    try:
+        engines = parse_peers(args.engines)
+    except ValueError as error:
+        parser.error(f"--engines: {error}")
+    vllm_peers = [engine for engine in engines if engine != "pagedllm"] if "pagedllm" in engines else []
     placement = placement_from_args(args)
     tok_s: dict[tuple[str, int], float] = {}
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="peer-prompts-") as prompts_file:
@@ -169,14 +177,12 @@ def main() -> None:
         for engine in engines:
             base = tok_s.get((engine, 0))
             row += [fmt(tok_s[(engine, count)]), fmt(tok_s[(engine, count)] / base, 2) if base else "-"]
-        if len(engines) == 2:
-            row.append(fmt_ratio(tok_s[("pagedllm", count)] / tok_s[("vllm", count)]))
+        row += [fmt_ratio(tok_s[("pagedllm", count)] / tok_s[(peer, count)]) for peer in vllm_peers]
         rows.append(row)
     headers = ["distinct adapters"]
     for engine in engines:
         headers += [f"{engine} out tok/s", f"{engine} / its base"]
-    if len(engines) == 2:
-        headers.append("pagedllm/vLLM")
+    headers += [f"pagedllm/{peer}" for peer in vllm_peers]
     print(f"\n~100M Llama bfloat16, rank-{RANK} adapters on all projections, {args.num_prompts} prompts x "
           f"{args.num_new_tokens} tokens, max_num_seqs 32, cores {args.cores}; median of {args.runs} runs.\n")
     print(markdown_table(headers, rows))

@@ -15,8 +15,8 @@ greedy token ids are identical (meaningful in float32; in bfloat16 the
 engines' different summation orders may flip near-ties).
 
     .venv/bin/python benchmarks/peer/offline.py [--workloads 7m-float32,100m-float32,100m-bfloat16]
-        [--reps 4] [--runs 2] [--num-prompts N] [--num-new-tokens 64] [--cores 0-1] [--kv-cache-gib 1]
-        [--python-vllm /work/peer-venv/bin/python] [--vllm-env KEY=VALUE ...]
+        [--engines pagedllm,vllm-2c] [--reps 4] [--runs 2] [--num-prompts N] [--num-new-tokens 64]
+        [--cores 0-1] [--kv-cache-gib 1] [--python-vllm /work/peer-venv/bin/python] [--vllm-env KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -32,13 +32,16 @@ from pathlib import Path
 
 from peer_common import (
     ENGINES,
+    PEERS,
     add_placement_args,
+    engine_of,
     engine_order,
     fmt,
     fmt_ratio,
     log,
     markdown_table,
     median,
+    parse_peers,
     placement_from_args,
     print_result,
     run_json_child,
@@ -65,7 +68,7 @@ def make_prompts(num_prompts: int, min_len: int, max_len: int, seed: int = 0) ->
 
 
 def build_llm(engine: str, model_path: str, dtype: str, kv_cache_gib: int):  # type: ignore[no-untyped-def]
-    if engine == "vllm":
+    if engine_of(engine) == "vllm":
         from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
 
         # VLLM_CPU_KVCACHE_SPACE (set by the parent) sizes its KV cache.
@@ -111,8 +114,9 @@ class WorkloadResult:
     def tokens_per_s(self, engine: str) -> float:
         return self.num_prompts * self.num_new_tokens / self.seconds(engine)
 
-    def num_identical(self) -> int:
-        return sum(a == b for a, b in zip(*(self.tokens[e] for e in ENGINES), strict=True))
+    def num_identical(self, engine: str) -> int:
+        """Prompts whose greedy token ids `engine` and pagedllm agree on."""
+        return sum(a == b for a, b in zip(self.tokens[engine], self.tokens["pagedllm"], strict=True))
 
 
 def run_workload(name: str, args: argparse.Namespace) -> WorkloadResult:
@@ -122,13 +126,13 @@ def run_workload(name: str, args: argparse.Namespace) -> WorkloadResult:
     placement = placement_from_args(args)
     model_path = str(checkpoint_dir(model, dtype))
     prompts = make_prompts(args.num_prompts or default_num_prompts, min_len, max_len)
-    result = WorkloadResult(name, len(prompts), args.num_new_tokens, {e: [] for e in ENGINES},
-                            {e: [] for e in ENGINES}, {})
+    result = WorkloadResult(name, len(prompts), args.num_new_tokens, {e: [] for e in args.engines},
+                            {e: [] for e in args.engines}, {})
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="peer-prompts-") as prompts_file:
         json.dump(prompts, prompts_file)
         prompts_file.flush()
         for rep in range(args.reps):
-            for engine in engine_order(rep):
+            for engine in engine_order(rep, args.engines):
                 cmd = [placement.python(engine), __file__, "--child", engine, "--model-path", model_path,
                        "--prompts-file", prompts_file.name, "--dtype", dtype, "--runs", str(args.runs),
                        "--num-new-tokens", str(args.num_new_tokens), "--kv-cache-gib", str(args.kv_cache_gib)]
@@ -141,18 +145,21 @@ def run_workload(name: str, args: argparse.Namespace) -> WorkloadResult:
     return result
 
 
-def results_table(results: list[WorkloadResult]) -> str:
+def results_table(results: list[WorkloadResult], engines: list[str]) -> str:
+    """One row per (workload, engine); `pagedllm / this` > 1 when pagedllm is
+    faster, `identical greedy` counts prompts whose tokens match pagedllm's."""
     rows = []
     for result in results:
-        rows.append([
-            f"{result.name}, {result.num_prompts} prompts x {result.num_new_tokens}",
-            fmt(result.seconds("pagedllm"), 3), fmt(result.seconds("vllm"), 3),
-            fmt(result.tokens_per_s("pagedllm")), fmt(result.tokens_per_s("vllm")),
-            fmt_ratio(speedup(result.tokens_per_s("pagedllm"), result.tokens_per_s("vllm"), higher_is_better=True)),
-            f"{result.num_identical()}/{result.num_prompts}",
-        ])
-    return markdown_table(["workload", "pagedllm s", "vLLM s", "pagedllm out tok/s", "vLLM out tok/s",
-                           "pagedllm/vLLM", "identical greedy"], rows)
+        paged = "pagedllm" in result.times
+        for engine in engines:
+            rows.append([
+                f"{result.name}, {result.num_prompts} prompts x {result.num_new_tokens}", engine,
+                fmt(result.seconds(engine), 3), fmt(result.tokens_per_s(engine)),
+                "-" if engine == "pagedllm" or not paged else fmt_ratio(
+                    speedup(result.tokens_per_s("pagedllm"), result.tokens_per_s(engine), higher_is_better=True)),
+                "-" if engine == "pagedllm" or not paged else f"{result.num_identical(engine)}/{result.num_prompts}",
+            ])
+    return markdown_table(["workload", "engine", "s", "out tok/s", "pagedllm / this", "identical greedy"], rows)
 
 
 def main() -> None:
@@ -161,13 +168,15 @@ def main() -> None:
     )
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated, from: " + ", ".join(WORKLOADS))
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help="comma-separated, from " + ",".join(PEERS) + " (default %(default)s)")
     parser.add_argument("--reps", type=int, default=4, help="fresh process pairs per workload (default %(default)s)")
     parser.add_argument("--runs", type=int, default=2, help="timed generate calls per process (default %(default)s)")
     parser.add_argument("--num-prompts", type=int, default=None, help="default: the workload's (64 or 32)")
     parser.add_argument("--num-new-tokens", type=int, default=64)
     parser.add_argument("--child-timeout", type=float, default=1800.0, help="seconds one child may take")
     add_placement_args(parser)
-    parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -179,12 +188,17 @@ def main() -> None:
     unknown = [name for name in names if name not in WORKLOADS]
     if unknown:
         parser.error(f"--workloads: unknown {unknown}; expected some of {list(WORKLOADS)}")
+    try:
+        args.engines = parse_peers(args.engines)
+    except ValueError as error:
+        parser.error(f"--engines: {error}")
     results = [run_workload(name, args) for name in names]
-    print(f"\nOffline, greedy, ignore_eos; cores {args.cores} for both engines, KV cache {args.kv_cache_gib} GiB each; "
-          f"median of {args.reps} process pairs x {args.runs} runs; pagedllm/vLLM > 1 means pagedllm is faster.\n")
-    print(results_table(results))
+    print(f"\nOffline, greedy, ignore_eos; cores {args.cores} for every engine, KV cache {args.kv_cache_gib} GiB each; "
+          f"median of {args.reps} processes per engine x {args.runs} runs; vllm-2c: vLLM bound to cores {args.cores}, "
+          f"vllm: vLLM's default binding (auto); pagedllm / this > 1 means pagedllm is faster.\n")
+    print(results_table(results, args.engines))
     print("\nmodel load + warm-up excluded; load seconds (median): " + "; ".join(
-        f"{r.name}: pagedllm {median(r.load_s['pagedllm']):.1f}, vLLM {median(r.load_s['vllm']):.1f}" for r in results))
+        f"{r.name}: " + ", ".join(f"{e} {median(r.load_s[e]):.1f}" for e in args.engines) for r in results))
 
 
 if __name__ == "__main__":

@@ -25,8 +25,31 @@ from pathlib import Path
 DEFAULT_VLLM_PYTHON = "/work/peer-venv/bin/python"
 PEER_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PEER_DIR.parents[1]
-ENGINES = ("pagedllm", "vllm")
+# The peers by name: pagedllm, and vLLM in two placements on the same cores.
+# "vllm-2c" binds vLLM's worker to every core given, one OpenMP thread per
+# core; "vllm" is vLLM's own default (VLLM_CPU_OMP_THREADS_BIND=auto), which
+# on a 2-core host keeps one core back for its scheduler process, so the
+# forward pass gets one.
+PEERS = ("pagedllm", "vllm-2c", "vllm")
+ENGINES = ("pagedllm", "vllm-2c")  # offline.py, lora.py: pagedllm against vLLM on the same cores
 RESULT_PREFIX = "PEER-RESULT "
+
+
+def engine_of(peer: str) -> str:
+    """The engine behind a peer name: 'vllm' for either vLLM placement."""
+    if peer not in PEERS:
+        raise ValueError(f"{peer!r}: expected one of {', '.join(PEERS)}")
+    return "vllm" if peer.startswith("vllm") else "pagedllm"
+
+
+def parse_peers(spec: str) -> list[str]:
+    """'pagedllm,vllm-2c' -> ['pagedllm', 'vllm-2c'], each name checked."""
+    peers = [name.strip() for name in spec.split(",") if name.strip()]
+    for name in peers:
+        engine_of(name)
+    if not peers or len(set(peers)) != len(peers):
+        raise ValueError(f"{spec!r}: expected distinct names from {', '.join(PEERS)}")
+    return peers
 
 
 @dataclass(frozen=True)
@@ -41,22 +64,23 @@ class Placement:
     vllm_env: tuple[tuple[str, str], ...] = ()  # extra KEY=VALUE for vLLM's processes
     pagedllm_env: tuple[tuple[str, str], ...] = ()  # and for pagedllm's
 
-    def env(self, engine: str) -> dict[str, str]:
+    def env(self, peer: str) -> dict[str, str]:
+        """The environment of `peer`'s processes (a PEERS name; anything
+        else, e.g. the bench client, gets this process's own)."""
         env = dict(os.environ)
-        if engine == "vllm":
-            # VLLM_CPU_OMP_THREADS_BIND: vLLM's worker runs one OpenMP thread
-            # per listed core, bound to it ("auto" would keep one core back for
-            # its scheduler process, so the forward gets one core of two).
+        if peer in ("vllm-2c", "vllm"):
+            # VLLM_CPU_OMP_THREADS_BIND: vllm-2c's worker runs one OpenMP
+            # thread per listed core, bound to it; "auto" is vLLM's default.
             # VLLM_CPU_KVCACHE_SPACE: GiB of KV cache (vLLM's default is 4).
-            env["VLLM_CPU_OMP_THREADS_BIND"] = format_cores(self.cores)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = format_cores(self.cores) if peer == "vllm-2c" else "auto"
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
             env.update(dict(self.vllm_env))
-        elif engine == "pagedllm":
+        elif peer == "pagedllm":
             env.update(dict(self.pagedllm_env))
         return env
 
-    def python(self, engine: str) -> str:
-        return self.vllm_python if engine == "vllm" else sys.executable
+    def python(self, peer: str) -> str:
+        return self.vllm_python if peer in ("vllm-2c", "vllm") else sys.executable
 
     def pin(self) -> None:
         """preexec_fn: the child (and everything it starts) runs on `cores`."""
@@ -111,10 +135,12 @@ def placement_from_args(args: argparse.Namespace) -> Placement:
                      vllm_env=parse_env_pairs(args.vllm_env), pagedllm_env=parse_env_pairs(args.pagedllm_env))
 
 
-def engine_order(rep: int) -> tuple[str, str]:
-    """Rep 0 runs pagedllm first, rep 1 vLLM first, and so on: neither engine
-    always gets the warmer (or the quieter) half of the machine's time."""
-    return ENGINES if rep % 2 == 0 else ENGINES[::-1]
+def engine_order(rep: int, peers: Sequence[str] = ENGINES) -> tuple[str, ...]:
+    """`peers` rotated by `rep`: rep 0 runs the first one first, rep 1 the
+    second, and so on (two peers alternate), so that no peer always gets the
+    warmer (or the quieter) part of the machine's time."""
+    shift = rep % len(peers) if peers else 0
+    return tuple(peers[shift:]) + tuple(peers[:shift])
 
 
 def run_json_child(cmd: list[str], env: dict[str, str], placement: Placement, timeout: float, label: str) -> dict:
@@ -184,6 +210,18 @@ def speedup(pagedllm: float, vllm: float, higher_is_better: bool) -> float:
     if not (pagedllm > 0 and vllm > 0):
         return float("nan")
     return pagedllm / vllm if higher_is_better else vllm / pagedllm
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between the closest ranks (numpy's
+    default), NaN for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
