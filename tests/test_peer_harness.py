@@ -114,19 +114,22 @@ def test_serving_table_puts_pagedllm_ahead_when_its_rate_is_higher_and_shows_the
     results = serving.ServingResults()
     results.startup_s = {"pagedllm": [2.0, 4.0], "vllm-2c": [60.0], "vllm": [30.0]}
     results.levels["pagedllm"][8] = [
-        {"output_throughput": 600.0, "p50_ttft_ms": 100.0, "p50_itl_ms": 5.0, "p99_itl_ms": 10.0, "failed": 0},
-        {"output_throughput": 800.0, "p50_ttft_ms": 300.0, "p50_itl_ms": 7.0, "p99_itl_ms": 50.0, "failed": 1},
+        {"output_throughput": 600.0, "p50_ttft_ms": 100.0, "p50_itl_ms": 5.0, "p99_itl_ms": 10.0,
+         "p50_tpot_ms": 5.5, "failed": 0},
+        {"output_throughput": 800.0, "p50_ttft_ms": 300.0, "p50_itl_ms": 7.0, "p99_itl_ms": 50.0,
+         "p50_tpot_ms": 7.5, "failed": 1},
     ]
     results.levels["vllm-2c"][8] = [{"output_throughput": 350.0, "p50_ttft_ms": 400.0, "p50_itl_ms": 12.0,
-                                     "p99_itl_ms": 36.0, "failed": 0}]
-    results.levels["vllm"][8] = [{"output_throughput": 175.0, "p50_ttft_ms": 800.0, "p50_itl_ms": 24.0,
-                                  "p99_itl_ms": 48.0, "failed": 2}]
+                                     "p99_itl_ms": 36.0, "p50_tpot_ms": 13.0, "failed": 0}]
+    # Chunks sent in bunches: an ITL p50 near zero, the pace only in TPOT.
+    results.levels["vllm"][8] = [{"output_throughput": 175.0, "p50_ttft_ms": 800.0, "p50_itl_ms": 0.0,
+                                  "p99_itl_ms": 48.0, "p50_tpot_ms": 24.0, "failed": 2}]
     lines = serving.results_table(results, [8], ["pagedllm", "vllm-2c", "vllm"]).splitlines()
     assert lines[0].startswith("| concurrency | server | out tok/s | pagedllm / this | TTFT p50 ms | ITL p50 ms |")
     assert lines[2:] == [
-        "| 8 | pagedllm | 700.0 | - | 200.0 | 6.00 | 30.00 | 5.0 | 1 |",
-        "| 8 | vllm-2c | 350.0 | 2.00x | 400.0 | 12.00 | 36.00 | 3.0 | 0 |",
-        "| 8 | vllm | 175.0 | 4.00x | 800.0 | 24.00 | 48.00 | 2.0 | 2 |",
+        "| 8 | pagedllm | 700.0 | - | 200.0 | 6.00 | 30.00 | 5.0 | 6.50 | 1 |",
+        "| 8 | vllm-2c | 350.0 | 2.00x | 400.0 | 12.00 | 36.00 | 3.0 | 13.00 | 0 |",
+        "| 8 | vllm | 175.0 | 4.00x | 800.0 | 0.00 | 48.00 | n/a | 24.00 | 2 |",
     ]
     startup = serving.startup_table(results, ["pagedllm", "vllm-2c", "vllm"]).splitlines()
     assert startup[2:] == ["| pagedllm | 3.00 | - |", "| vllm-2c | 60.00 | 20.00x |", "| vllm | 30.00 | 10.00x |"]
@@ -136,7 +139,7 @@ def test_a_missing_level_shows_as_not_available_instead_of_a_ratio() -> None:
     results = serving.ServingResults()
     results.levels["pagedllm"][1] = [{"output_throughput": 100.0, "p50_ttft_ms": 10.0, "p50_itl_ms": 5.0}]
     lines = serving.results_table(results, [1], ["pagedllm", "vllm-2c"]).splitlines()
-    assert lines[2] == "| 1 | pagedllm | 100.0 | - | 10.0 | 5.00 | n/a | n/a | 0 |"
+    assert lines[2] == "| 1 | pagedllm | 100.0 | - | 10.0 | 5.00 | n/a | n/a | n/a | 0 |"
     assert lines[3].startswith("| 1 | vllm-2c | n/a | n/a |")
 
 

@@ -137,6 +137,8 @@ class ServingResults:
 
 
 def tail_ratio(p99: float, p50: float) -> str:
+    """ITL p99 over p50; a server that sends several chunks at once has a
+    p50 near zero and a large ratio (TPOT p50 then says its pace)."""
     return "n/a" if not (p99 == p99 and p50 > 0) else f"{p99 / p50:.1f}"  # NaN != NaN
 
 
@@ -154,10 +156,11 @@ def results_table(results: ServingResults, concurrencies: list[int], peers: list
                 str(concurrency), peer, fmt(tok_s),
                 "-" if peer == "pagedllm" else fmt_ratio(speedup(paged_tok_s, tok_s, higher_is_better=True)),
                 fmt(results.metric(peer, concurrency, "p50_ttft_ms")), fmt(itl_p50, 2), fmt(itl_p99, 2),
-                tail_ratio(itl_p99, itl_p50), str(results.failed(peer, concurrency)),
+                tail_ratio(itl_p99, itl_p50), fmt(results.metric(peer, concurrency, "p50_tpot_ms"), 2),
+                str(results.failed(peer, concurrency)),
             ])
     return markdown_table(["concurrency", "server", "out tok/s", "pagedllm / this", "TTFT p50 ms", "ITL p50 ms",
-                           "ITL p99 ms", "ITL p99/p50", "failed"], rows)
+                           "ITL p99 ms", "ITL p99/p50", "TPOT p50 ms", "failed"], rows)
 
 
 def startup_table(results: ServingResults, peers: list[str]) -> str:
