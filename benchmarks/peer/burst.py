@@ -48,7 +48,7 @@ from peer_common import (
     log,
     markdown_table,
     median,
-    parse_peers,
+    peers_arg,
     percentile,
     placement_from_args,
     print_result,
@@ -259,7 +259,7 @@ def main() -> None:
     )
     parser.add_argument("--model", choices=MODELS, default="100m")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    parser.add_argument("--engines", type=parse_peers, default=list(PEERS),
+    parser.add_argument("--engines", type=peers_arg, default=list(PEERS),
                         help="comma-separated servers, from pagedllm, vllm-2c and vllm (default all three)")
     parser.add_argument("--rounds", type=int, default=2, help="server starts per engine (default %(default)s)")
     parser.add_argument("--server-timeout", type=float, default=900.0, help="seconds to the first completion")

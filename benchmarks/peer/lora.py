@@ -35,7 +35,7 @@ from peer_common import (
     log,
     markdown_table,
     median,
-    parse_peers,
+    peers_arg,
     placement_from_args,
     print_result,
     run_json_child,
@@ -131,7 +131,7 @@ def main() -> None:
     )
     parser.add_argument("--adapters", default="0,-1,1,4,16",
                         help="distinct adapter counts; 0 = the base model, -1 = the base model with LoRA on")
-    parser.add_argument("--engines", default=",".join(ENGINES),
+    parser.add_argument("--engines", type=peers_arg, default=",".join(ENGINES),
                         help="comma-separated, from " + ",".join(PEERS) + " (default %(default)s)")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -152,10 +152,7 @@ def main() -> None:
     model_path = checkpoint_dir("100m", "bfloat16")
     dirs = json.dumps(adapter_dirs(model_path))
     counts = [int(count) for count in args.adapters.split(",")]
-    try:
-        engines = parse_peers(args.engines)
-    except ValueError as error:
-        parser.error(f"--engines: {error}")
+    engines = args.engines
     vllm_peers = [engine for engine in engines if engine != "pagedllm"] if "pagedllm" in engines else []
     placement = placement_from_args(args)
     tok_s: dict[tuple[str, int], float] = {}

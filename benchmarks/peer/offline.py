@@ -41,7 +41,7 @@ from peer_common import (
     log,
     markdown_table,
     median,
-    parse_peers,
+    peers_arg,
     placement_from_args,
     print_result,
     run_json_child,
@@ -168,7 +168,7 @@ def main() -> None:
     )
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated, from: " + ", ".join(WORKLOADS))
-    parser.add_argument("--engines", default=",".join(ENGINES),
+    parser.add_argument("--engines", type=peers_arg, default=",".join(ENGINES),
                         help="comma-separated, from " + ",".join(PEERS) + " (default %(default)s)")
     parser.add_argument("--reps", type=int, default=4, help="fresh process pairs per workload (default %(default)s)")
     parser.add_argument("--runs", type=int, default=2, help="timed generate calls per process (default %(default)s)")
@@ -188,10 +188,6 @@ def main() -> None:
     unknown = [name for name in names if name not in WORKLOADS]
     if unknown:
         parser.error(f"--workloads: unknown {unknown}; expected some of {list(WORKLOADS)}")
-    try:
-        args.engines = parse_peers(args.engines)
-    except ValueError as error:
-        parser.error(f"--engines: {error}")
     results = [run_workload(name, args) for name in names]
     print(f"\nOffline, greedy, ignore_eos; cores {args.cores} for every engine, KV cache {args.kv_cache_gib} GiB each; "
           f"median of {args.reps} processes per engine x {args.runs} runs; vllm-2c: vLLM bound to cores {args.cores}, "

