@@ -33,7 +33,7 @@ from pagedllm.core.scheduler_output import (
     SchedulerOutput,
 )
 from pagedllm.core.stats import SchedulerStats, SpecDecodingStats, StepCostStats
-from pagedllm.core.step_budget import LatencyBoundedBudget, StepBudget
+from pagedllm.core.step_budget import LatencyBoundedBudget, PrefillShare, StepBudget
 from pagedllm.core.step_cost import StepShape, attention_pairs
 
 if TYPE_CHECKING:
@@ -80,9 +80,9 @@ class _ScheduledBatch:
 
     token_budget: int
     now: float
-    # Of token_budget, what prompt tokens (chunks, admissions) may take
-    # beside the running decodes (core/step_budget.py).
-    prefill_budget: int
+    # What prompt chunks and admissions may add beside the running decodes
+    # (core/step_budget.py); None: every token of token_budget.
+    prefill_share: PrefillShare | None
     # Insertion order is the batch order.
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -93,14 +93,17 @@ class _ScheduledBatch:
     preempted_for_blocks: bool = False
 
     def add(self, request_id: str, num_new_tokens: int) -> None:
-        """An admitted request's prompt tokens (or a preempted one's recompute)."""
         self.num_scheduled_tokens[request_id] = num_new_tokens
         self.token_budget -= num_new_tokens
-        self.prefill_budget -= num_new_tokens
 
-    @property
-    def admission_budget(self) -> int:
-        return min(self.token_budget, self.prefill_budget)
+    def prefill_tokens(self, num_cached_tokens: int) -> int:
+        """The most tokens a prompt chunk after `num_cached_tokens` may have."""
+        share = self.prefill_share
+        return self.token_budget if share is None else min(self.token_budget, share.tokens_for(num_cached_tokens))
+
+    def take_prefill(self, num_tokens: int, num_cached_tokens: int) -> None:
+        if self.prefill_share is not None:
+            self.prefill_share.take(num_tokens, num_cached_tokens)
 
     def remove(self, request_id: str) -> None:
         """A request preempted after it was scheduled gives its tokens back."""
@@ -237,7 +240,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self._step_budget()
-        batch = _ScheduledBatch(budget.token_budget, now=time.time(), prefill_budget=budget.prefill_budget)
+        batch = _ScheduledBatch(budget.token_budget, now=time.time(), prefill_share=budget.prefill_share)
         self._schedule_running(batch)
         # Waiting requests get a turn unless this step already had to preempt.
         if not batch.preempted_for_blocks and self.waiting:
@@ -252,7 +255,7 @@ class Scheduler:
     def _step_budget(self) -> StepBudget:
         step_budget = self.step_budget
         if step_budget is None or not step_budget.cost_model.fitted:
-            return StepBudget(self.max_num_batched_tokens, self.max_num_batched_tokens)
+            return StepBudget(self.max_num_batched_tokens, None)
         return step_budget.budget(self._decode_shape())
 
     def _decode_shape(self) -> StepShape:
@@ -306,10 +309,8 @@ class Scheduler:
             num_needed = request.num_tokens + num_placeholders - num_computed_tokens
             # More than the next token: a prompt chunk, within the prompts' share.
             prefilling = num_needed > 1
-            num_new_tokens = self._cap_new_tokens(
-                num_needed + num_drafts, batch.admission_budget if prefilling else batch.token_budget,
-                num_computed_tokens,
-            )
+            budget = batch.prefill_tokens(num_computed_tokens) if prefilling else batch.token_budget
+            num_new_tokens = self._cap_new_tokens(num_needed + num_drafts, budget, num_computed_tokens)
             if num_new_tokens == 0:
                 continue
             while True:
@@ -325,7 +326,7 @@ class Scheduler:
             batch.num_scheduled_tokens[request_id] = num_new_tokens
             batch.token_budget -= num_new_tokens
             if prefilling:
-                batch.prefill_budget -= num_new_tokens
+                batch.take_prefill(num_new_tokens, num_computed_tokens)
             cached = batch.cached_reqs[request_id] = CachedRequestData(
                 request_id, [block.block_id for block in new_blocks] if new_blocks else [], num_computed_tokens,
                 num_output_placeholders=num_placeholders,
@@ -410,12 +411,12 @@ class Scheduler:
         not_ready: list[Request] = []
         if self.lora_slots is not None:
             self.lora_slots.begin_step(self.running)
-        while self.waiting and batch.admission_budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and batch.prefill_tokens(0) > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if fair is not None and fair.steps_aside(request):
                 not_ready.append(self.waiting.pop())
                 continue
-            admission = self._try_admit(request, batch.admission_budget)
+            admission = self._try_admit(request, batch.prefill_tokens(request.num_computed_tokens))
             decision = admission.decision
             if decision is AdmitDecision.DEFER_NO_ROOM:
                 break  # head-of-line: later arrivals wait behind it
@@ -512,6 +513,7 @@ class Scheduler:
                 )
             )
         batch.add(request_id, admission.num_new_tokens)
+        batch.take_prefill(admission.num_new_tokens, num_computed_tokens)
 
     def _make_scheduler_output(self, batch: _ScheduledBatch) -> SchedulerOutput:
         """Phase 3: what the runner needs for this step."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-from pagedllm.core.step_cost import ATTENTION_PAIRS_UNIT, TERMS, StepCostModel, StepShape
+from pagedllm.core.step_cost import ATTENTION_PAIRS_UNIT, TERMS, StepCostModel, StepShape, attention_pairs
 
 if TYPE_CHECKING:
     from pagedllm.core.config import SchedulerConfig
@@ -33,11 +33,42 @@ MIN_PREFILL_TOKENS = 32
 
 
 class StepBudget(NamedTuple):
-    """One step's budget: tokens in all, and of them the prompt tokens
-    (prefill chunks, admissions) beside the running decodes."""
+    """One step's budget: tokens in all, and the prompts' share of the step
+    time beside the running decodes (None: prompts may take every token)."""
 
     token_budget: int
-    prefill_budget: int
+    prefill_share: PrefillShare | None
+
+
+class PrefillShare:
+    """The step time prompt chunks may still add within the target, handed
+    out as tokens: a chunk after more cached tokens reads more keys, so it
+    gets fewer. The first MIN_PREFILL_TOKENS are granted whatever the time."""
+
+    def __init__(self, seconds: float, coefficients: dict[str, float], max_tokens: int) -> None:
+        self.seconds_left = seconds
+        self.coefficients = coefficients
+        # The token budget left beside the decodes.
+        self.tokens_left = max_tokens
+        self.floor_left = min(MIN_PREFILL_TOKENS, max_tokens)
+        self.num_chunks = 0
+
+    def _chunk_overhead_s(self) -> float:
+        # The first chunk's request and eager step are in the share's base.
+        return self.coefficients["request"] if self.num_chunks else 0.0
+
+    def tokens_for(self, num_cached_tokens: int) -> int:
+        """The most tokens a chunk after `num_cached_tokens` may have."""
+        tokens = prompt_tokens_within(self.seconds_left - self._chunk_overhead_s(), self.coefficients,
+                                      num_cached_tokens)
+        return min(self.tokens_left, max(self.floor_left, tokens))
+
+    def take(self, num_tokens: int, num_cached_tokens: int) -> None:
+        self.seconds_left -= self._chunk_overhead_s() + chunk_seconds(num_tokens, num_cached_tokens,
+                                                                      self.coefficients)
+        self.tokens_left -= num_tokens
+        self.floor_left = max(0, self.floor_left - num_tokens)
+        self.num_chunks += 1
 
 
 class LatencyBoundedBudget:
@@ -47,7 +78,7 @@ class LatencyBoundedBudget:
         # None: the automatic target.
         self.target_s = None if max_step_latency_ms is None else max_step_latency_ms / 1000.0
         self.cost_model = cost_model or StepCostModel()
-        # The last step with decodes: its target and prompt share (for the stats).
+        # The last step with decodes: its target and a fresh prompt's chunk (for the stats).
         self.last_target_s = 0.0
         self.last_prefill_budget = max_num_batched_tokens
 
@@ -63,31 +94,33 @@ class LatencyBoundedBudget:
         """The budget of a step whose running decodes are `decodes` (None:
         no decode runs, so prompts get everything)."""
         full = self.max_num_batched_tokens
-        if decodes is None or decodes.num_reqs == 0:
-            return StepBudget(full, full)
         coefficients = self.cost_model.coefficients
-        if coefficients is None:
-            return StepBudget(full, full)
+        if decodes is None or decodes.num_reqs == 0 or coefficients is None:
+            return StepBudget(full, None)
         decode_s = StepCostModel.predict_fitted(decodes, coefficients)
         target_s = self.target_s if self.target_s is not None else max(AUTO_MIN_STEP_S,
                                                                         AUTO_DECODE_FACTOR * decode_s)
         # The step with one prompt chunk of 0 tokens: decodes + a request + mixed.
         base = StepShape(decodes.num_tokens, decodes.num_reqs + 1, True, decodes.attention_pairs)
-        remaining_s = target_s - StepCostModel.predict_fitted(base, coefficients)
-        prompt_tokens = prompt_tokens_within(remaining_s, dict(zip(TERMS, coefficients, strict=True)))
-        room = max(0, full - decodes.num_tokens)
-        prefill_budget = min(room, max(MIN_PREFILL_TOKENS, prompt_tokens))
-        self.last_target_s, self.last_prefill_budget = target_s, prefill_budget
-        return StepBudget(full, prefill_budget)
+        share = PrefillShare(target_s - StepCostModel.predict_fitted(base, coefficients),
+                             dict(zip(TERMS, coefficients, strict=True)), max(0, full - decodes.num_tokens))
+        self.last_target_s, self.last_prefill_budget = target_s, share.tokens_for(0)
+        return StepBudget(full, share)
 
 
-def prompt_tokens_within(remaining_s: float, coefficients: dict[str, float]) -> int:
-    """The most prompt tokens P (one fresh chunk) whose GEMM and attention
-    cost fits in `remaining_s`: token x P + attention x P (P + 1) / 2 / unit."""
+def chunk_seconds(num_tokens: int, num_cached_tokens: int, coefficients: dict[str, float]) -> float:
+    """A chunk's token and attention cost (not its request's)."""
+    return (coefficients["token"] * num_tokens
+            + coefficients["attention"] * attention_pairs(num_tokens, num_cached_tokens) / ATTENTION_PAIRS_UNIT)
+
+
+def prompt_tokens_within(remaining_s: float, coefficients: dict[str, float], num_cached_tokens: int = 0) -> int:
+    """The most tokens P of a chunk after `num_cached_tokens` whose cost fits in
+    `remaining_s`: token x P + attention x P (cached + (P + 1) / 2) / unit."""
     if remaining_s <= 0.0:
         return 0
     quadratic = coefficients["attention"] / (2.0 * ATTENTION_PAIRS_UNIT)
-    linear = coefficients["token"] + quadratic
+    linear = coefficients["token"] + coefficients["attention"] * (num_cached_tokens + 0.5) / ATTENTION_PAIRS_UNIT
     if quadratic > 0.0:
         tokens = (-linear + math.sqrt(linear * linear + 4.0 * quadratic * remaining_s)) / (2.0 * quadratic)
     elif linear > 0.0:

@@ -177,15 +177,16 @@ def test_a_chunk_ahead_of_the_decodes_never_takes_their_tokens() -> None:
 
 
 def test_priority_order_between_waiting_prompts_is_unchanged() -> None:
-    # 318 prompt tokens per step (first case above): the higher priority
-    # (lower value) prompt takes them first, the other gets the rest.
+    # 31.85 ms of prompt time per step (first case above): the higher
+    # priority (lower value) prompt takes 300 tokens' 30 ms first; the other
+    # gets the rest less its request's 0.55 ms: 1.3 ms = 13 tokens.
     scheduler = fitted_scheduler((0.010, 0.005, 1e-4, 5.5e-4, 0.0), scheduling_policy="priority")
     runner = FakeRunner(scheduler)
     start_decodes(scheduler, runner)
     scheduler.add_request(make_request("low", prompt(5000, 300), priority=5, max_tokens=4))
     scheduler.add_request(make_request("high", prompt(6000, 300), priority=0, max_tokens=4))
     step = runner.step()
-    assert step.scheduled == {"A": 1, "B": 1, "C": 1, "D": 1, "high": 300, "low": 18}
+    assert step.scheduled == {"A": 1, "B": 1, "C": 1, "D": 1, "high": 300, "low": 13}
 
 
 @pytest.mark.parametrize("kwargs", [{"max_step_latency_ms": 0.0}, {"enable_chunked_prefill": False}])
@@ -259,3 +260,29 @@ def test_step_cost_metrics_expose_the_fit() -> None:
     assert value("pagedllm:step_cost_fit_relative_error", {"model_name": "m"}) == 0.04
     assert value("pagedllm:step_latency_target_seconds", {"model_name": "m"}) == 0.05
     assert value("pagedllm:step_prefill_token_budget", {"model_name": "m"}) == 318
+
+
+def test_a_chunk_after_more_cached_tokens_gets_fewer_tokens() -> None:
+    # Attention 1e-7 s per (query, key) pair: E's second chunk reads its first
+    # chunk's keys too. Reference: the largest chunk whose predicted step
+    # (found by scanning) stays within the 40 ms target.
+    coefficients = (0.010, 0.005, 1e-4, 5.5e-4, 1.024e-4)
+    scheduler = fitted_scheduler(coefficients, max_step_latency_ms=40.0)
+    runner = FakeRunner(scheduler)
+    start_decodes(scheduler, runner)
+    scheduler.add_request(make_request("E", prompt(5000, 2000), max_tokens=4))
+
+    def largest_chunk(num_cached: int) -> int:
+        decodes = scheduler._decode_shape()
+
+        def step_s(p: int) -> float:
+            return true_seconds(StepShape(decodes.num_tokens + p, decodes.num_reqs + 1, True,
+                                          decodes.attention_pairs + attention_pairs(p, num_cached)), coefficients)
+
+        return max(p for p in range(1, 2000) if step_s(p) <= 0.040)
+
+    first = largest_chunk(0)
+    assert runner.step().scheduled["E"] == first
+    second = largest_chunk(first)
+    assert runner.step().scheduled["E"] == second
+    assert second < first
