@@ -160,7 +160,7 @@ class SchedulerConfig(_Section):
     # Latency-bounded steps (core/step_budget.py): while decodes run, prompt
     # chunks get only the tokens that keep the step within this many
     # milliseconds, as the step cost model fitted on the running steps
-    # predicts. None: the automatic target (2x the decodes' own step, at
+    # predicts. None: the automatic target (3x the decodes' own step, at
     # least 50 ms); 0: off (every step may take max_num_batched_tokens).
     # Needs enable_chunked_prefill. Offline `LLM` turns it off unless given.
     max_step_latency_ms: float | None = Field(None, ge=0.0)

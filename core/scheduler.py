@@ -256,23 +256,27 @@ class Scheduler:
         step_budget = self.step_budget
         if step_budget is None or not step_budget.cost_model.fitted:
             return StepBudget(self.max_num_batched_tokens, None)
-        return step_budget.budget(self._decode_shape())
+        decodes, backlog_tokens = self._decode_load()
+        backlog_tokens += sum(request.num_tokens - request.num_computed_tokens for request in self.waiting)
+        return step_budget.budget(decodes, backlog_tokens)
 
-    def _decode_shape(self) -> StepShape:
-        """The next step of the running decodes alone: one token each, and
-        their drafts."""
-        num_tokens = num_reqs = 0
+    def _decode_load(self) -> tuple[StepShape, int]:
+        """The next step of the running decodes alone (one token each, and
+        their drafts), and the prompt tokens the running chunks have left."""
+        num_tokens = num_reqs = backlog_tokens = 0
         pairs = 0.0
         for request in self.running:
             num_computed = request.num_computed_tokens
             num_placeholders = request.num_output_placeholders
-            if request.num_tokens + num_placeholders - num_computed > 1:
-                continue  # a prompt chunk: the prompts' share
+            num_needed = request.num_tokens + num_placeholders - num_computed
+            if num_needed > 1:
+                backlog_tokens += num_needed  # a prompt chunk: the prompts' share
+                continue
             num_new = 1 + (self.num_spec_tokens if num_placeholders else len(request.spec_token_ids))
             num_tokens += num_new
             num_reqs += 1
             pairs += attention_pairs(num_new, num_computed)
-        return StepShape(num_tokens, num_reqs, False, pairs)
+        return StepShape(num_tokens, num_reqs, False, pairs), backlog_tokens
 
     def _step_shape(self, batch: _ScheduledBatch) -> StepShape:
         """The shape of the step just scheduled, for the cost model."""

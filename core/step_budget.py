@@ -6,6 +6,8 @@ freezes every stream for the chunk's whole time. While decodes run, the
 scheduler therefore gives prompts only the tokens that fit beside them within
 a target step time, as the step cost model (core/step_cost.py) predicts it.
 A batch with no running decode gets the whole token budget: nobody waits.
+Nor do prompts starve: each step takes at least a sixteenth of the prompt
+tokens waiting (BACKLOG_HORIZON_STEPS), whatever the target.
 
 The target is ``scheduler.max_step_latency_ms``, or by default the larger of
 AUTO_MIN_STEP_S and AUTO_DECODE_FACTOR times the running decodes' own
@@ -27,9 +29,14 @@ if TYPE_CHECKING:
 # The default target: at least this long, and at least this multiple of the
 # decode-only step (chosen from benchmarks/peer/serving.py, docs/performance.md).
 AUTO_MIN_STEP_S = 0.050
-AUTO_DECODE_FACTOR = 2.0
+AUTO_DECODE_FACTOR = 3.0
 # Prompts always progress, however slow the decodes alone are.
 MIN_PREFILL_TOKENS = 32
+# And never slower than draining the prompt tokens waiting now (the queue's
+# and the running chunks' rest) in this many steps: else a target relative to
+# the running decodes is a spiral (fewer decodes, a shorter target, fewer
+# prompt tokens, fewer decodes) and the queue grows while steps stay short.
+BACKLOG_HORIZON_STEPS = 16
 
 
 class StepBudget(NamedTuple):
@@ -43,14 +50,15 @@ class StepBudget(NamedTuple):
 class PrefillShare:
     """The step time prompt chunks may still add within the target, handed
     out as tokens: a chunk after more cached tokens reads more keys, so it
-    gets fewer. The first MIN_PREFILL_TOKENS are granted whatever the time."""
+    gets fewer. The first `min_tokens` are granted whatever the time."""
 
-    def __init__(self, seconds: float, coefficients: dict[str, float], max_tokens: int) -> None:
+    def __init__(self, seconds: float, coefficients: dict[str, float], max_tokens: int, min_tokens: int) -> None:
         self.seconds_left = seconds
         self.coefficients = coefficients
         # The token budget left beside the decodes.
         self.tokens_left = max_tokens
-        self.floor_left = min(MIN_PREFILL_TOKENS, max_tokens)
+        # Granted whatever the time.
+        self.floor_left = min(min_tokens, max_tokens)
         self.num_chunks = 0
 
     def _chunk_overhead_s(self) -> float:
@@ -90,9 +98,10 @@ class LatencyBoundedBudget:
             return None
         return cls(config.max_num_batched_tokens, config.max_step_latency_ms)
 
-    def budget(self, decodes: StepShape | None) -> StepBudget:
+    def budget(self, decodes: StepShape | None, backlog_tokens: int = 0) -> StepBudget:
         """The budget of a step whose running decodes are `decodes` (None:
-        no decode runs, so prompts get everything)."""
+        no decode runs, so prompts get everything) while `backlog_tokens`
+        prompt tokens wait to be computed."""
         full = self.max_num_batched_tokens
         coefficients = self.cost_model.coefficients
         if decodes is None or decodes.num_reqs == 0 or coefficients is None:
@@ -102,8 +111,9 @@ class LatencyBoundedBudget:
                                                                         AUTO_DECODE_FACTOR * decode_s)
         # The step with one prompt chunk of 0 tokens: decodes + a request + mixed.
         base = StepShape(decodes.num_tokens, decodes.num_reqs + 1, True, decodes.attention_pairs)
+        min_tokens = max(MIN_PREFILL_TOKENS, -(-backlog_tokens // BACKLOG_HORIZON_STEPS))
         share = PrefillShare(target_s - StepCostModel.predict_fitted(base, coefficients),
-                             dict(zip(TERMS, coefficients, strict=True)), max(0, full - decodes.num_tokens))
+                             dict(zip(TERMS, coefficients, strict=True)), max(0, full - decodes.num_tokens), min_tokens)
         self.last_target_s, self.last_prefill_budget = target_s, share.tokens_for(0)
         return StepBudget(full, share)
 

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.core.stats import StepCostStats
-from pagedllm.core.step_budget import MIN_PREFILL_TOKENS, prompt_tokens_within
+from pagedllm.core.step_budget import prompt_tokens_within
 from pagedllm.core.step_cost import TERMS, StepCostModel, StepShape, attention_pairs
 from pagedllm.stat_loggers.step_cost_metrics import StepCostMetrics
 
@@ -127,16 +127,17 @@ def start_decodes(scheduler, runner: FakeRunner, names: str = "ABCD") -> None:
 @pytest.mark.parametrize(
     ("step_s", "max_step_latency_ms", "expected_chunk"),
     [
-        # auto, 50 ms floor: decodes alone 0.01 + 4e-4 + 4 x 5.5e-4 = 12.6 ms (x2 < 50 ms);
+        # auto, 50 ms floor: decodes alone 0.01 + 4e-4 + 4 x 5.5e-4 = 12.6 ms (x3 < 50 ms);
         # with the chunk's request and eager step 18.15 ms: 31.85 ms = 318.5 tokens left.
         (0.010, None, 318),
-        # auto, 2x the decodes: 0.03 + 0.0004 + 0.0022 = 32.6 ms -> 65.2 ms target;
-        # 65.2 - 38.15 = 27.05 ms = 270.5 tokens.
-        (0.030, None, 270),
+        # auto, 3x the decodes: 0.03 + 0.0004 + 0.0022 = 32.6 ms -> 97.8 ms target;
+        # 97.8 - 38.15 = 59.65 ms = 596.5 tokens.
+        (0.030, None, 596),
         # explicit 23.2 ms: 23.2 - 18.15 = 5.05 ms = 50.5 tokens.
         (0.010, 23.2, 50),
-        # a target below the decodes' own step: prompts still progress.
-        (0.010, 5.0, MIN_PREFILL_TOKENS),
+        # a target below the decodes' own step: prompts still progress, at
+        # least 32 tokens and the 600 waiting ones over 16 steps (37.5).
+        (0.010, 5.0, 38),
     ],
 )
 def test_a_prompt_gets_the_tokens_that_fit_beside_the_decodes(
@@ -145,12 +146,24 @@ def test_a_prompt_gets_the_tokens_that_fit_beside_the_decodes(
     scheduler = fitted_scheduler((step_s, 0.005, 1e-4, 5.5e-4, 0.0), max_step_latency_ms=max_step_latency_ms)
     runner = FakeRunner(scheduler)
     start_decodes(scheduler, runner)
-    scheduler.add_request(make_request("E", prompt(5000, 2000), max_tokens=4))
+    scheduler.add_request(make_request("E", prompt(5000, 600), max_tokens=4))
     step = runner.step()
     assert step.scheduled == {"A": 1, "B": 1, "C": 1, "D": 1, "E": expected_chunk}
-    # The running chunk is bounded the same way next step.
-    step = runner.step()
-    assert step.scheduled == {"A": 1, "B": 1, "C": 1, "D": 1, "E": expected_chunk}
+    if 38 < expected_chunk <= 300:  # the running chunk is bounded the same way next step
+        assert runner.step().scheduled == {"A": 1, "B": 1, "C": 1, "D": 1, "E": expected_chunk}
+
+
+def test_waiting_prompt_tokens_drain_within_sixteen_steps() -> None:
+    # 5.05 ms = 50 tokens by the target (above), but 1,000 + 2,000 prompt
+    # tokens wait: at least 3,000 / 16 = 187.5 -> 188 go in this step. E
+    # takes them; next step E's 812 left and F's 2,000 wait: 2,812 / 16 -> 176.
+    scheduler = fitted_scheduler((0.010, 0.005, 1e-4, 5.5e-4, 0.0), max_step_latency_ms=23.2)
+    runner = FakeRunner(scheduler)
+    start_decodes(scheduler, runner)
+    scheduler.add_request(make_request("E", prompt(5000, 1000), max_tokens=4))
+    scheduler.add_request(make_request("F", prompt(9000, 2000), max_tokens=4))
+    assert runner.step().scheduled == {"A": 1, "B": 1, "C": 1, "D": 1, "E": 188}
+    assert runner.step().scheduled == {"A": 1, "B": 1, "C": 1, "D": 1, "E": 176}
 
 
 def test_without_running_decodes_a_prompt_gets_the_whole_budget() -> None:
@@ -161,19 +174,22 @@ def test_without_running_decodes_a_prompt_gets_the_whole_budget() -> None:
 
 
 def test_a_chunk_ahead_of_the_decodes_never_takes_their_tokens() -> None:
-    # E's first chunk (threshold 200) is scheduled with A-D's prompts, so E
-    # runs ahead of them in the running order; bounded at 50 tokens (see above).
+    # E's first chunk (threshold 100) is scheduled with A-D's prompts, so E
+    # runs ahead of them in the running order. Then, without the threshold
+    # and with time to spare (1 s target), E gets the 132-token budget less
+    # the decodes' 4, not all of it.
     scheduler = fitted_scheduler(
-        (0.010, 0.005, 1e-4, 5.5e-4, 0.0), max_step_latency_ms=23.2, max_num_batched_tokens=256,
-        long_prefill_token_threshold=200,
+        (0.010, 0.005, 1e-4, 5.5e-4, 0.0), max_step_latency_ms=1000.0, max_num_batched_tokens=132,
+        long_prefill_token_threshold=100,
     )
     scheduler.step_budget.cost_model.coefficients = None  # unfitted for the first step
     runner = FakeRunner(scheduler)
     scheduler.add_request(make_request("E", prompt(5000, 3000), max_tokens=4))
     start_decodes(scheduler, runner)
     assert [request.request_id for request in scheduler.running] == ["E", "A", "B", "C", "D"]
+    scheduler.long_prefill_token_threshold = 0
     scheduler.step_budget.cost_model.coefficients = (0.010, 0.005, 1e-4, 5.5e-4, 0.0)
-    assert runner.step().scheduled == {"E": 50, "A": 1, "B": 1, "C": 1, "D": 1}
+    assert runner.step().scheduled == {"E": 128, "A": 1, "B": 1, "C": 1, "D": 1}
 
 
 def test_priority_order_between_waiting_prompts_is_unchanged() -> None:
@@ -237,11 +253,11 @@ def test_the_scheduler_fits_the_platforms_step_times_and_bounds_by_them() -> Non
     # A long prompt now gets the largest chunk whose predicted step fits the target.
     while scheduler.running and scheduler.running[0].num_computed_tokens < scheduler.running[0].num_tokens - 1:
         runner.step()  # until every running request decodes
-    decodes = scheduler._decode_shape()
+    decodes = scheduler._decode_load()[0]
     assert decodes.num_reqs == len(scheduler.running) > 0
     scheduler.add_request(make_request("long", prompt(50_000, 3000), max_tokens=4))
     chunk = runner.step().scheduled["long"]
-    target = max(0.05, 2 * true_seconds(decodes))
+    target = max(0.05, 3 * true_seconds(decodes))
 
     def step_with_chunk(p: int) -> float:
         return true_seconds(StepShape(decodes.num_tokens + p, decodes.num_reqs + 1, True,
@@ -273,7 +289,7 @@ def test_a_chunk_after_more_cached_tokens_gets_fewer_tokens() -> None:
     scheduler.add_request(make_request("E", prompt(5000, 2000), max_tokens=4))
 
     def largest_chunk(num_cached: int) -> int:
-        decodes = scheduler._decode_shape()
+        decodes = scheduler._decode_load()[0]
 
         def step_s(p: int) -> float:
             return true_seconds(StepShape(decodes.num_tokens + p, decodes.num_reqs + 1, True,
