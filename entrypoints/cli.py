@@ -249,13 +249,19 @@ def _env_step_cost() -> dict[str, Any]:
     """The step cost model the scheduler bounds steps with (core/step_cost.py):
     its terms and the default target; its fit is the running server's
     (/metrics `pagedllm:step_cost_*`)."""
-    from pagedllm.core.step_budget import AUTO_DECODE_FACTOR, AUTO_MIN_STEP_S, MIN_PREFILL_TOKENS
+    from pagedllm.core.step_budget import (
+        AUTO_DECODE_FACTOR,
+        AUTO_MIN_STEP_S,
+        BACKLOG_HORIZON_STEPS,
+        MIN_PREFILL_TOKENS,
+    )
     from pagedllm.core.step_cost import TERMS
 
     return {
         "terms": list(TERMS),
         "auto_target": {"decode_factor": AUTO_DECODE_FACTOR, "min_step_s": AUTO_MIN_STEP_S},
         "min_prefill_tokens": MIN_PREFILL_TOKENS,
+        "backlog_horizon_steps": BACKLOG_HORIZON_STEPS,
         "summary": f"seconds = {' + '.join(TERMS)} terms, fitted on the running steps (/metrics "
                    f"pagedllm:step_cost_*); target max({AUTO_MIN_STEP_S * 1000:g} ms, "
                    f"{AUTO_DECODE_FACTOR:g}x decodes) unless --max-step-latency-ms",

@@ -135,6 +135,15 @@ def test_env_shows_the_executor_world_size_and_communicator(
     )
 
 
+def test_env_shows_the_step_cost_model(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    simulate_device(monkeypatch, None)
+    payload = run_json(capsys, ["env", "--json"])
+    assert payload["step_cost"]["terms"] == ["step", "mixed", "token", "request", "attention"]
+    assert payload["step_cost"]["auto_target"] == {"decode_factor": 3.0, "min_step_s": 0.05}
+    assert payload["step_cost"]["min_prefill_tokens"] == 32
+    assert payload["step_cost"]["backlog_horizon_steps"] == 32
+
+
 def test_env_json_on_simulated_turing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     simulate_device(monkeypatch, (7, 5), installed=("triton", "flash_attn"))
     payload = run_json(capsys, ["env", "--json"])
