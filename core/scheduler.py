@@ -4,7 +4,10 @@ Each step hands out at most `max_num_batched_tokens` tokens. Running requests
 are served first (one decode token each, or the next chunk of their prompt),
 then waiting requests in policy order. Prefill and decode are not separate
 phases: a request simply needs `num_tokens - num_computed_tokens` more tokens.
-When the KV cache runs out, the scheduler preempts by recompute. While
+While decodes run, prompt chunks and admissions share only the step time
+that keeps the step within its latency target (core/step_budget.py,
+Sarathi-Serve's stall-free batching); the order between requests is the
+same. When the KV cache runs out, the scheduler preempts by recompute. While
 requests wait, fair sharing (core/fair_share.py) keeps one API request's many
 sequences from holding every seat (`max_num_seqs`).
 """
