@@ -30,36 +30,57 @@ import torch
 from throughput import MODELS, make_prompts
 
 _totals: dict[str, float] = defaultdict(float)
-_depth = [0]
+# FLOPs of the GEMMs (2 * M * N * K per call), charged to the phase that
+# was timing when the GEMM ran: the linear layers' own, or the LM head's.
+_flops: dict[str, float] = defaultdict(float)
+_current: list[str] = []  # the phase being timed, if any
 _clock: list[Callable[[], float]] = [time.perf_counter]
 
 
 @contextmanager
 def _phase(name: str) -> Iterator[None]:
     """Charge the wall time to `name`, unless an outer phase is already timing."""
-    if _depth[0]:
+    if _current:
         yield
         return
-    _depth[0] += 1
+    _current.append(name)
     start = _clock[0]()
     try:
         yield
     finally:
         _totals[name] += _clock[0]() - start
-        _depth[0] -= 1
+        _current.pop()
 
 
-def _wrap(owner: Any, attr: str, name: str) -> None:
+def _wrap(owner: Any, attr: str, name: str | Callable[[Any], str]) -> None:
+    """Time `owner.attr` as the phase `name`, or `name(self)` (a per-module name)."""
     original: Callable[..., Any] = getattr(owner, attr)
 
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        with _phase(name), torch.profiler.record_function(name):
-            return original(*args, **kwargs)
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        phase = name if isinstance(name, str) else name(self)
+        with _phase(phase), torch.profiler.record_function(phase):
+            return original(self, *args, **kwargs)
 
     setattr(owner, attr, timed)
 
 
-def instrument() -> None:
+def _count_gemm_flops(owner: Any) -> None:
+    original: Callable[..., Any] = owner.apply_linear
+
+    def counted(self: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if _current:
+            _flops[_current[-1]] += 2 * (x.numel() // x.shape[-1]) * self.in_features * self.out_features
+        return original(self, x, bias)
+
+    owner.apply_linear = counted
+
+
+def gemm_by_shape(layer: Any) -> str:
+    """A linear layer's phase named by its weight's shape: 'GEMM 768->1280'."""
+    return f"GEMM {layer.in_features}->{layer.out_features}"
+
+
+def instrument(gemm_phase: str | Callable[[Any], str] = "GEMM (linear layers)") -> None:
     from pagedllm.attention_backends import torch_native
     from pagedllm.model_registry import input_batch
     from pagedllm.model_registry.layers import activation, attention, linear, logits_head, norm, rotary
@@ -69,7 +90,8 @@ def instrument() -> None:
     _wrap(input_batch.InputBatch, "to_device", "host: metadata + attention plan")
     _wrap(torch_native.TorchNativeAttentionImpl, "forward", "attention (paged, torch_native)")
     _wrap(attention.Attention, "forward", "attention (paged, torch_native)")
-    _wrap(linear.LinearBase, "__call__", "GEMM (linear layers)")
+    _wrap(linear.LinearBase, "__call__", gemm_phase)
+    _count_gemm_flops(linear.LinearBase)
     _wrap(norm.RMSNorm, "__call__", "RMSNorm")
     _wrap(rotary.ApplyRotaryEmb, "__call__", "rotary")
     _wrap(activation.SiluAndMul, "__call__", "SiLU * mul")
@@ -104,6 +126,7 @@ def profile(args: argparse.Namespace) -> None:
         num_tokens = scheduler_output.total_num_scheduled_tokens
         kind = "decode" if num_tokens == num_reqs else "prefill"
         _totals.clear()
+        _flops.clear()
         start = _clock[0]()
         output = original(self, scheduler_output)
         _totals["step"] = _clock[0]() - start
