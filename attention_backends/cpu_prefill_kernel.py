@@ -6,7 +6,7 @@ per request per layer plus a copy into the output rows. The kernel does
 every fresh prefill of the layer in one call, writing straight into the
 output rows: flash-style blocks of 16 query rows x one KV head as parallel
 work items (torch's OpenMP team), an online softmax in float32 over
-256-key chunks. Scores and P.V run on AMX tiles for bfloat16 where the CPU
+512-key chunks. Scores and P.V run on AMX tiles for bfloat16 where the CPU
 and kernel allow it (P multiplied as two bf16 parts, so it keeps ~17 bits:
 SDPA rounds it to 8), on AVX512-BF16 dot products or float32 FMAs
 otherwise.

@@ -5,7 +5,7 @@ Every case runs several requests of different lengths in one call, as the
 backend does: their q, k and v are slices of one wider fused qkv row (so the
 row strides are not the heads' size), with rows of NaN between requests and
 after the last one, so reading another request's rows, or past a request,
-shows. Lengths straddle the kernel's 16-row blocks and 256-key softmax
+shows. Lengths straddle the kernel's 16-row blocks and 512-key softmax
 chunks; head sizes 32 and 80 are not multiples of AMX's 32-dim tiles.
 """
 
@@ -26,7 +26,7 @@ from pagedllm.attention_backends.torch_native import TorchNativeBackend
 pytestmark = [NO_COMPILER, pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags(),
                                               reason="the kernel needs AVX-512")]
 
-LENGTHS = [1, 5, 16, 17, 64, 160, 257]
+LENGTHS = [1, 5, 16, 17, 64, 160, 513]
 HEAD_SIZES = [64, 128, 80, 32]
 GROUPS = [1, 3, 8]  # query heads per KV head
 GAP = 3  # NaN rows between requests
@@ -112,8 +112,8 @@ def test_bfloat16_without_amx_matches_the_reference(head_size: int, group: int) 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prompt_over_several_softmax_chunks(dtype: torch.dtype) -> None:
-    """600 rows: three 256-key chunks, the running max and sum rescaled twice."""
-    out, ref, rows = run_kernel([600, 31], 12, 4, 64, dtype)
+    """1,100 rows: three 512-key chunks, the running max and sum rescaled twice."""
+    out, ref, rows = run_kernel([1100, 31], 12, 4, 64, dtype)
     assert_matches(out, ref, rows)
 
 
