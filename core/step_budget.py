@@ -6,7 +6,7 @@ freezes every stream for the chunk's whole time. While decodes run, the
 scheduler therefore gives prompts only the tokens that fit beside them within
 a target step time, as the step cost model (core/step_cost.py) predicts it.
 A batch with no running decode gets the whole token budget: nobody waits.
-Nor do prompts starve: each step takes at least a 32nd of the prompt
+Nor do prompts starve: each step takes at least a sixteenth of the prompt
 tokens waiting (BACKLOG_HORIZON_STEPS), whatever the target.
 
 The target is ``scheduler.max_step_latency_ms``, or by default the larger of
@@ -36,7 +36,7 @@ MIN_PREFILL_TOKENS = 32
 # and the running chunks' rest) in this many steps: else a target relative to
 # the running decodes is a spiral (fewer decodes, a shorter target, fewer
 # prompt tokens, fewer decodes) and the queue grows while steps stay short.
-BACKLOG_HORIZON_STEPS = 32
+BACKLOG_HORIZON_STEPS = 16
 
 
 class StepBudget(NamedTuple):

@@ -141,7 +141,7 @@ def test_env_shows_the_step_cost_model(monkeypatch: pytest.MonkeyPatch, capsys: 
     assert payload["step_cost"]["terms"] == ["step", "mixed", "token", "request", "attention"]
     assert payload["step_cost"]["auto_target"] == {"decode_factor": 3.0, "min_step_s": 0.05}
     assert payload["step_cost"]["min_prefill_tokens"] == 32
-    assert payload["step_cost"]["backlog_horizon_steps"] == 32
+    assert payload["step_cost"]["backlog_horizon_steps"] == 16
 
 
 def test_env_json_on_simulated_turing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

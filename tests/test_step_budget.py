@@ -136,8 +136,8 @@ def start_decodes(scheduler, runner: FakeRunner, names: str = "ABCD") -> None:
         # explicit 23.2 ms: 23.2 - 18.15 = 5.05 ms = 50.5 tokens.
         (0.010, 23.2, 50),
         # a target below the decodes' own step: prompts still progress, at
-        # least 32 tokens (the 600 waiting over 32 steps are 18.75).
-        (0.010, 5.0, 32),
+        # least 32 tokens and the 600 waiting ones over 16 steps (37.5).
+        (0.010, 5.0, 38),
     ],
 )
 def test_a_prompt_gets_the_tokens_that_fit_beside_the_decodes(
@@ -149,21 +149,21 @@ def test_a_prompt_gets_the_tokens_that_fit_beside_the_decodes(
     scheduler.add_request(make_request("E", prompt(5000, 600), max_tokens=4))
     step = runner.step()
     assert step.scheduled == {"A": 1, "B": 1, "C": 1, "D": 1, "E": expected_chunk}
-    if 32 < expected_chunk <= 300:  # the running chunk is bounded the same way next step
+    if 38 < expected_chunk <= 300:  # the running chunk is bounded the same way next step
         assert runner.step().scheduled == {"A": 1, "B": 1, "C": 1, "D": 1, "E": expected_chunk}
 
 
-def test_waiting_prompt_tokens_drain_within_thirty_two_steps() -> None:
+def test_waiting_prompt_tokens_drain_within_sixteen_steps() -> None:
     # 5.05 ms = 50 tokens by the target (above), but 1,000 + 2,000 prompt
-    # tokens wait: at least 3,000 / 32 = 93.75 -> 94 go in this step. E
-    # takes them; next step E's 906 left and F's 2,000 wait: 2,906 / 32 -> 91.
+    # tokens wait: at least 3,000 / 16 = 187.5 -> 188 go in this step. E
+    # takes them; next step E's 812 left and F's 2,000 wait: 2,812 / 16 -> 176.
     scheduler = fitted_scheduler((0.010, 0.005, 1e-4, 5.5e-4, 0.0), max_step_latency_ms=23.2)
     runner = FakeRunner(scheduler)
     start_decodes(scheduler, runner)
     scheduler.add_request(make_request("E", prompt(5000, 1000), max_tokens=4))
     scheduler.add_request(make_request("F", prompt(9000, 2000), max_tokens=4))
-    assert runner.step().scheduled == {"A": 1, "B": 1, "C": 1, "D": 1, "E": 94}
-    assert runner.step().scheduled == {"A": 1, "B": 1, "C": 1, "D": 1, "E": 91}
+    assert runner.step().scheduled == {"A": 1, "B": 1, "C": 1, "D": 1, "E": 188}
+    assert runner.step().scheduled == {"A": 1, "B": 1, "C": 1, "D": 1, "E": 176}
 
 
 def test_without_running_decodes_a_prompt_gets_the_whole_budget() -> None:
