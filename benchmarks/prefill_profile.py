@@ -138,16 +138,8 @@ def print_table(args: argparse.Namespace, shape: ModelShape, steps: dict[int, li
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
-    )
-    parser.add_argument("--model", choices=list(MODELS), default="100m")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = step_profile.profile_parser(__doc__, reps=3)
     parser.add_argument("--lengths", type=lambda text: [int(n) for n in text.split(",")], default=[256, 1024, 2048])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="cpu: the main thread's CPU time (use with --threads 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.clock == "cpu":

@@ -170,16 +170,22 @@ def print_table(args: argparse.Namespace, steps: dict[str, list[dict[str, float]
     print(f"tokens per step (median): prefill {tokens['prefill']:.0f}, decode {tokens['decode']:.0f}")
 
 
-def main() -> None:
+def profile_parser(description: str | None, reps: int) -> argparse.ArgumentParser:
+    """The flags this script and prefill_profile.py share."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument("--model", choices=list(MODELS), default="100m")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=reps)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: the main thread's CPU time (use with --threads 1)")
+    return parser
+
+
+def main() -> None:
+    parser = profile_parser(__doc__, reps=2)
     parser.add_argument("--num-new-tokens", type=int, default=64)
     parser.add_argument("--aten", action="store_true", help="also print torch.profiler's top operators")
     profile(parser.parse_args())

@@ -32,6 +32,14 @@ if TYPE_CHECKING:
 ChatMessages = list[dict[str, Any]]
 
 
+def unbounded_steps_unless_asked(config: EngineConfig) -> EngineConfig:
+    """Offline generation is judged by throughput, not by a stream's
+    inter-token gaps: its steps are latency-bounded only when asked."""
+    if "max_step_latency_ms" not in config.scheduler.model_fields_set:
+        config.scheduler.max_step_latency_ms = 0.0
+    return config
+
+
 class LLM:
     """Generate offline over an engine core: in this process by default, in
     its own process with `multiprocess=True` (the server's client, ZMQ).
@@ -48,11 +56,7 @@ class LLM:
     ) -> None:
         if model is not None:  # not given: the config file's (or env's) model, else the default one
             kwargs["model"] = model
-        self.config = EngineConfig.from_flat(config_file=config_file, **kwargs)
-        if "max_step_latency_ms" not in self.config.scheduler.model_fields_set:
-            # Offline generation is judged by throughput, not by a stream's
-            # inter-token gaps: steps are latency-bounded only when asked.
-            self.config.scheduler.max_step_latency_ms = 0.0
+        self.config = unbounded_steps_unless_asked(EngineConfig.from_flat(config_file=config_file, **kwargs))
         # Read before the engine starts: a template path that is not there fails at once.
         self.chat_template = load_chat_template(self.config.server.chat_template, field="chat_template")
         plugins = self.config.plugins
